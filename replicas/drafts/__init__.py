@@ -1,0 +1,1 @@
+"""Drafting methods, one per file, behind ``base.Draft``."""

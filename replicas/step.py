@@ -1,0 +1,134 @@
+"""One speculation step: the vocabulary and the typed records that cross part boundaries.
+
+Vocabulary (DESIGN.md §3), used in every name, metric and JSON field of specserve:
+
+- **target** ``M_p`` is the model whose output we must reproduce; a **draft** ``M_q`` guesses it.
+- **proposal**: the draft tokens of one step, a chain of ``γ`` tokens or a token tree.
+- **step**: one propose + verify round. **window** ``γ``: draft tokens proposed in a chain
+  step; ``γ = 0`` is a plain decoding step.
+- **accepted tokens** ``n`` (0..γ): draft tokens the target agreed with.
+- **bonus token**: the one token the target adds after the accepted prefix (its own choice at
+  the first rejected position, or after the last draft token), so a step emits ``n + 1`` tokens.
+- **mean accepted length** ``τ`` = emitted tokens per step = mean(n + 1), vLLM's convention.
+- **acceptance rate** ``α``: per-token probability that a draft token is accepted, estimated as
+  ``Σ n / (Σ n + Σ 1[n < γ])`` (paper 003, Eq. 2): a step that accepted everything tells us
+  nothing about where the chain would have broken.
+- **tree**: depth ``d``, width (top-k) ``k``, node budget ``N``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a draft should expand a token tree: at most ``depth`` levels, ``top_k`` children per
+    node, ``budget`` nodes in all (the root, the last emitted token, is not counted)."""
+
+    depth: int
+    top_k: int
+    budget: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.budget < 1:
+            raise ValueError(
+                f"tree shape needs depth, top_k and budget >= 1, got "
+                f"depth={self.depth}, top_k={self.top_k}, budget={self.budget}"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        """``"DEPTH,TOPK,BUDGET"`` as typed on the command line, e.g. ``"4,2,12"``."""
+        parts = text.split(",")
+        if len(parts) != 3 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            raise ValueError(f"tree must be DEPTH,TOPK,BUDGET (three integers), got {text!r}")
+        return cls(*(int(p) for p in parts))
+
+
+@dataclass
+class Proposal:
+    """The draft tokens of one step, as a tree; a chain is the tree whose every node has one child.
+
+    ``tokens[i]`` hangs below ``parents[i]`` (``-1`` = the root, i.e. the last emitted token).
+    Parents always come before their children. ``draft_probs`` is set only for a chain whose
+    tokens were *sampled* from the draft distribution ``q`` (shape ``[γ, V]``); when it is None
+    every token is a deterministic choice of the draft (greedy, top-k, prompt lookup), which the
+    rejection sampler treats as ``q`` = one-hot.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    draft_probs: torch.Tensor | None = None
+
+    @classmethod
+    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> "Proposal":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs)
+
+    @classmethod
+    def empty(cls) -> "Proposal":
+        return cls([], [])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node; the root's children have depth 1."""
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return depth
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did. ``accepted_path`` indexes ``Proposal.tokens`` (root to leaf)."""
+
+    proposed: int            # γ for a chain, node count for a tree
+    accepted: int            # n
+    accepted_path: list[int]
+    emitted_tokens: list[int]  # the n accepted draft tokens followed by the bonus token
+    max_depth: int           # the longest path the proposal offered (γ for a chain)
+
+
+@dataclass
+class SpecStats:
+    """Running totals of one generation; ``summary()`` is the ``spec`` object of the JSON output."""
+
+    draft: str
+    steps: int = 0
+    emitted: int = 0
+    accepted: int = 0
+    # Σ 1[n < max_depth]: steps where the chain broke, the denominator term of paper 003 Eq. 2.
+    rejections: int = 0
+    windows: list[int] = field(default_factory=list)
+
+    def record(self, result: StepResult) -> None:
+        self.steps += 1
+        self.emitted += len(result.emitted_tokens)
+        self.accepted += result.accepted
+        self.rejections += int(result.max_depth > 0 and result.accepted < result.max_depth)
+        self.windows.append(result.max_depth)
+
+    @property
+    def mean_accepted_len(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        denominator = self.accepted + self.rejections
+        return self.accepted / denominator if denominator else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "draft": self.draft,
+            "steps": self.steps,
+            "mean_accepted_len": round(self.mean_accepted_len, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+        }

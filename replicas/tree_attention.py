@@ -1,0 +1,53 @@
+"""Attention mask and position ids for feeding a token tree to a causal LM in one forward pass.
+
+Nodes are laid out after ``past_len`` cached tokens, in index order, parents before children.
+A node may attend to every cached token, to its ancestors and to itself; it sits at position
+``past_len + depth - 1`` so that each node sees exactly the positions its path would have had if
+decoded sequentially. transformers takes a 4D float mask, 0 where attention is allowed and the
+dtype's minimum elsewhere (checked against sequential decoding in tests/test_kv_session.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of each node; a node whose parent is -1 (hangs off the cache) has depth 1."""
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"node {i} has parent {p}: parents must come before children")
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_attention_mask(
+    parents: list[int],
+    past_len: int,
+    first_fed: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Mask for feeding nodes ``first_fed..`` of the tree when nodes ``..first_fed-1`` are cached.
+
+    Returns [1, 1, len(parents) - first_fed, past_len + len(parents)].
+    """
+    n = len(parents)
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        allowed[i, i] = True
+        if p >= 0:
+            allowed[i] |= allowed[p]   # ancestors of i = p and p's ancestors
+    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool), allowed], dim=1)[first_fed:]
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].to(device)
+
+
+def tree_position_ids(
+    parents: list[int], past_len: int, first_fed: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[1, len(parents) - first_fed]: ``past_len + depth - 1`` for each fed node."""
+    depths = node_depths(parents)[first_fed:]
+    return torch.tensor([[past_len + d - 1 for d in depths]], dtype=torch.long, device=device)

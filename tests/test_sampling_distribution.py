@@ -1,0 +1,87 @@
+"""End to end on a tiny model: with speculation, the first two generated tokens are distributed
+exactly as under the target alone.
+
+The exact joint ``P(t1, t2)`` is computed from the target's warped distributions; speculative
+samples are compared with it by a chi-square goodness-of-fit test (cells with an expected count
+below 5 pooled), fixed seeds, so the test is deterministic. A wrong acceptance rule (e.g.
+accepting greedy draft tokens with ``min(1, p/q)`` of the draft's softmax) fails it by a wide
+margin.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
+from specserve.replicas.sampling import SamplingParams, logits_to_probs
+from specserve.replicas.step import TreeShape
+from specserve.replicas.target import Target
+from specserve.router.session import speculative_generate
+from test_greedy_equality import perturbed
+from tiny_models import VOCAB, tiny_model
+
+RUNS = 3000
+
+
+def lookup_friendly_prompt(model) -> list[int]:
+    """``seed + (the target's greedy continuation) + seed``: prompt lookup then proposes the
+    target's own likely tokens, so its acceptance path is exercised under sampling too."""
+    seed = [4, 9]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([seed]), max_new_tokens=4, do_sample=False)[0].tolist()
+    return out + seed
+
+
+def exact_joint(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """[V, V]: P(t1) P(t2 | t1) under the target's warped distributions."""
+    with torch.inference_mode():
+        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params)
+        batch = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        second = logits_to_probs(model(batch).logits[:, -1], params)
+    return first[:, None] * second
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_model("llama", seed=0)
+    return model, lookup_friendly_prompt(model)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree"],
+)
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
+def test_first_two_tokens_follow_the_target(target, case, params):
+    target, prompt = target
+    draft = {
+        "plain": None,
+        "draft-lm-chain": DraftLM("near", perturbed(target, seed=1)),
+        "draft-lm-tree": DraftLM("near", perturbed(target, seed=1)),
+        "prompt-lookup-chain": PromptLookupDraft(),
+        "prompt-lookup-tree": PromptLookupDraft(),
+    }[case]
+    tree = TreeShape(2, 3, 6) if case.endswith("tree") else None
+    counts = torch.zeros(VOCAB, VOCAB)
+    accepted = 0
+    for seed in range(RUNS):
+        run_params = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        # max_tokens=3 leaves room for a 2-token window, so the second token can be a draft token.
+        gen = speculative_generate(Target(target), draft, prompt, 3, run_params, window=2, tree=tree)
+        counts[gen.token_ids[0], gen.token_ids[1]] += 1
+        accepted += gen.stats.accepted
+    expected = exact_joint(target, prompt, params).flatten().double() * RUNS
+    observed = counts.flatten().double()
+    assert observed[expected == 0].sum() == 0, "sampled a pair the target gives probability 0"
+    big = expected >= 5
+    f_obs, f_exp = [observed[big]], [expected[big]]
+    if expected[~big].sum() > 0:          # pool the rare pairs into one cell
+        f_obs.append(observed[~big].sum()[None])
+        f_exp.append(expected[~big].sum()[None])
+    f_obs, f_exp = torch.cat(f_obs), torch.cat(f_exp)
+    f_exp *= f_obs.sum() / f_exp.sum()
+    pvalue = chisquare(f_obs.numpy(), f_exp.numpy()).pvalue
+    assert pvalue > 1e-3, f"{case}: chi-square p={pvalue:.2e}"
+    if draft is not None:   # the test means something only if draft tokens were accepted
+        assert accepted > RUNS // 20, f"{case}: only {accepted} accepted draft tokens"

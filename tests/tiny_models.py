@@ -1,0 +1,36 @@
+"""Tiny random causal LMs built from configs, for tests that need no trained weights.
+
+Greedy equality holds for any weights, so random ones test the machinery; a small vocabulary
+keeps distribution tests cheap. ``scale`` sharpens the output layer so that random models have
+confident, non-trivial next-token distributions instead of near-uniform ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+
+VOCAB = 96
+ARCHITECTURES = ("llama", "gpt2", "qwen2")
+
+
+def tiny_config(arch: str, layers: int = 2, hidden: int = 64):
+    if arch == "llama":
+        return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, tie_word_embeddings=False)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512)
+    if arch == "qwen2":
+        return Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=512, tie_word_embeddings=False)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+
+
+def tiny_model(arch: str, seed: int, layers: int = 2, hidden: int = 64, scale: float = 8.0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, layers, hidden), dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(scale)
+    return model.eval()
