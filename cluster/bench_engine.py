@@ -124,10 +124,10 @@ def hf_generate(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int], 
 
 
 def spec_generate(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], SpecStats]:
-    # NOTE(engine owners): the target's KV session outlives a request and keeps its longest common
-    # prefix with the next one, so the previous configuration's run on this same prompt would
-    # spare this one the prefill. Start cold, like HF generate does.
-    engine.target.session.reset()
+    # Sessions keep their longest common prefix with the next request, so the previous
+    # configuration's run on this same prompt would spare this one the prefill. Start cold,
+    # like HF generate does.
+    engine.reset_caches()
     request = GenerateRequest(prompt="", max_tokens=max_tokens, draft=config.draft, window=config.window)
     gen = engine.generate_ids(prompt_ids, request)
     return gen.token_ids, gen.stats
@@ -193,6 +193,28 @@ def aggregate(samples: list[Sample], configs: list[BenchConfig], categories: Seq
                 "matches_target_only": sum(s.token_ids == reference.get(s.prompt) for s in mine),
             })
     return rows
+
+
+def divergences(engine: SpecEngine, samples: list[Sample], prompts: list[tuple[str, list[int]]]) -> list[dict]:
+    """Where a configuration's greedy output first leaves target-only's, and how close the
+    target's top-2 logits were there (a near-tie explains a bfloat16 divergence: verifying k
+    tokens at once rounds differently from decoding one at a time)."""
+    reference = {s.prompt: s.token_ids for s in samples if s.config == BASELINE}
+    model = engine.loaded.model
+    found = []
+    for s in samples:
+        expected = reference.get(s.prompt)
+        if expected is None or s.token_ids == expected:
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(s.token_ids, expected)) if a != b),
+                     min(len(s.token_ids), len(expected)))
+        context = prompts[s.prompt][1] + expected[:first]
+        with torch.inference_mode():
+            logits = model(torch.tensor([context], device=model.device)).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        found.append({"config": s.config, "category": s.category, "prompt": s.prompt,
+                      "position": first, "top2_logit_gap": round(float(top2[0] - top2[1]), 6)})
+    return found
 
 
 def _tokens_per_s(samples: list[Sample]) -> float:
@@ -297,6 +319,7 @@ def run_engine_bench(
     prompts = [(cat, engine.encode(text, chat=True)) for cat, text in texts]
     samples = measure(engine, chosen, prompts, max_tokens)
     rows = aggregate(samples, chosen, CATEGORIES)
+    diverged = divergences(engine, samples, prompts)
 
     meta = {
         "target": engine.loaded.name,
@@ -311,8 +334,12 @@ def run_engine_bench(
         "load_avg_1m_after": machine_info()["load_avg_1m"],
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows, "divergences": diverged}, indent=2) + "\n")
     plot(rows, chosen, CATEGORIES, meta, plot_path)
     print(format_table(rows))
+    if diverged:
+        gaps = sorted(d["top2_logit_gap"] for d in diverged)
+        print(f"\n{len(diverged)} generations left target-only's greedy output; target top-2 logit gap "
+              f"at the first divergent token: median {gaps[len(gaps) // 2]:.4f}, max {gaps[-1]:.4f}")
     print(f"\nwrote {json_path} and {plot_path}")
     return rows

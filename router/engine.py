@@ -53,6 +53,15 @@ class SpecEngine:
             drafts[lm.name] = DraftLM(lm.name, lm.model)
         return cls(loaded, drafts)
 
+    def reset_caches(self) -> None:
+        """Forget every KV cache. Sessions otherwise keep their longest common prefix with the
+        next request (a free prefix cache); benchmarks start each generation cold."""
+        self.target.session.reset()
+        for draft in self.drafts.values():
+            session = getattr(draft, "session", None)
+            if session is not None:
+                session.reset()
+
     @property
     def draft_names(self) -> list[str]:
         return [NO_DRAFT, *self.drafts]

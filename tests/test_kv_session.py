@@ -67,3 +67,18 @@ def test_crop_to_zero_resets():
     session.extend(PROMPT, logits_rows=1)
     session.crop(0)
     assert session.tokens == [] and session.cache.get_seq_length() == 0
+
+
+def test_preallocated_cache_grows_past_its_capacity():
+    from specserve.replicas.kv_cache import preallocated_cache
+
+    model = tiny_model("llama", seed=0)
+    session = KVSession(model)
+    session.cache = preallocated_cache(model.config, capacity=4)
+    tokens = PROMPT + [1, 2, 3, 4, 5, 6]
+    for tok in tokens[:-1]:       # one token at a time: several doublings
+        session.extend([tok], logits_rows=1)
+    session.crop(5)               # and a rollback past a growth point
+    logits = session.extend(tokens[5:], logits_rows=1)[-1]
+    assert session.cache.layers[0].capacity >= len(tokens)
+    torch.testing.assert_close(logits, sequential_logits(model, tokens), atol=1e-4, rtol=1e-4)
