@@ -103,5 +103,8 @@ def _verify_sampled_chain(
         if u * q[i, x].item() < p[i, x].item():
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)
-        return list(range(i)), sample(residual / residual.sum(), generator)
+        total = residual.sum()
+        # A rejection implies p(x) < q(x), so p − q has positive mass somewhere; the guard only
+        # catches float round-off when p and q are equal to within it.
+        return list(range(i)), sample(residual / total if total > 0 else p[i], generator)
     return list(range(len(proposal))), sample(p[len(proposal)], generator)
