@@ -12,7 +12,8 @@ Configurations:
 - ``hf-prompt-lookup``: the same with ``prompt_lookup_num_tokens`` (HF's prompt lookup).
 - ``target-only``: specserve with draft ``none``, one token per step: the autoregressive (AR)
   baseline every ``speedup_vs_ar`` divides by.
-- ``prompt-lookup-{2,4,6}``: specserve's prompt-lookup draft with window γ = 2, 4, 6.
+- ``prompt-lookup-{2,4,6}``: specserve's prompt-lookup draft with window γ = 2, 4, 6, and
+  ``prompt-lookup-10``, HF's window, for a like-for-like comparison with ``hf-prompt-lookup``.
 
 Per row (config × category, plus an ``all`` row per config): ``tokens_per_s`` = Σ tokens / Σ
 seconds over the category's prompts; ``mean_accepted_len`` τ = emitted tokens / steps (null for
@@ -62,6 +63,8 @@ CONFIGS = (
     BenchConfig("prompt-lookup-2", "specserve", "prompt-lookup", 2),
     BenchConfig("prompt-lookup-4", "specserve", "prompt-lookup", 4),
     BenchConfig("prompt-lookup-6", "specserve", "prompt-lookup", 6),
+    # The same window as hf-prompt-lookup: separates the engine from the choice of γ.
+    BenchConfig("prompt-lookup-10", "specserve", "prompt-lookup", HF_PROMPT_LOOKUP_TOKENS),
 )
 
 
