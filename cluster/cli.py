@@ -169,9 +169,5 @@ def bench_engine(
         fail(str(err))
 
 
-def main() -> None:  # pragma: no cover - console entry point
-    app()
-
-
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())

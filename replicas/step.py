@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.replicas.tree_attention import node_depths
+
 
 @dataclass(frozen=True)
 class TreeShape:
@@ -80,10 +82,7 @@ class Proposal:
 
     def depths(self) -> list[int]:
         """Depth of each node; the root's children have depth 1."""
-        depth: list[int] = []
-        for p in self.parents:
-            depth.append(1 if p < 0 else depth[p] + 1)
-        return depth
+        return node_depths(self.parents)
 
 
 @dataclass(frozen=True)
