@@ -14,7 +14,6 @@ import torch
 from transformers import PreTrainedModel
 
 from specserve.replicas.kv_cache import PreallocatedLayer, preallocated_cache
-
 from specserve.replicas.tree_attention import tree_attention_mask, tree_position_ids
 
 
