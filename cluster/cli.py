@@ -96,10 +96,13 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: one per core)."),
+    server: Optional[str] = typer.Option(None, help="Send the request to a running deployment instead: http://HOST:PORT or grpc://HOST:PORT."),
+    model: Optional[str] = typer.Option(None, help="With --server: the served model id (default: the server's)."),
 ) -> None:
-    """Generate with speculative decoding, in-process, on the reference models."""
+    """Generate with speculative decoding: in-process on the reference models, or on a --server."""
     from specserve.replicas.sampling import SamplingParams
     from specserve.replicas.step import TreeShape
+    from specserve.cluster.client import RemoteRequest
     from specserve.router.engine import GenerateRequest, SpecEngine
 
     # Check every argument before the model load, so a typo costs no waiting.
@@ -117,6 +120,10 @@ def generate(
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     except ValueError as err:
         fail(str(err))
+    if server is not None:
+        _generate_on_server(server, prompts, RemoteRequest(
+            "", max_tokens, draft, window, shape, params, chat=not raw, model=model), as_json)
+        return
     known = {"none", "prompt-lookup", *(Path(m).name for m in draft_model)}
     if draft not in known:
         fail(f"unknown draft {draft!r}; available: {', '.join(sorted(known))}")
@@ -130,15 +137,103 @@ def generate(
             if as_json:
                 typer.echo(json.dumps(out))
             else:
-                typer.echo(out["text"])
-                spec = out["spec"]
-                typer.secho(
-                    f"[draft={spec['draft']} steps={spec['steps']} "
-                    f"mean_accepted_len={spec['mean_accepted_len']} acceptance_rate={spec['acceptance_rate']}]",
-                    err=True, dim=True,
-                )
+                _print_generation(out)
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
+
+
+def _print_generation(out: dict) -> None:
+    typer.echo(out["text"])
+    spec = out["spec"]
+    typer.secho(
+        f"[draft={spec['draft']} steps={spec['steps']} "
+        f"mean_accepted_len={spec['mean_accepted_len']} acceptance_rate={spec['acceptance_rate']}]",
+        err=True, dim=True,
+    )
+
+
+def _generate_on_server(server: str, prompts: list[str], template, as_json: bool) -> None:
+    from dataclasses import replace
+
+    from specserve.cluster.client import ServerError, generate_remote
+
+    for text in prompts:
+        try:
+            out = generate_remote(server, replace(template, prompt=text))
+        except (ServerError, ValueError, OSError) as err:
+            fail(str(err))
+        if as_json:
+            typer.echo(json.dumps(out))
+        else:
+            _print_generation(out)
+
+
+@app.command()
+def up(
+    config: Optional[Path] = typer.Option(None, "--config", help="A Serve config file (default: the reference models, as deploy/serve.yaml).", exists=True, dir_okay=False),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Use this Redis instead of starting one (redis://HOST:PORT/DB)."),
+    http_port: int = typer.Option(8000, help="HTTP (OpenAI API) port."),
+    grpc_port: int = typer.Option(9000, help="gRPC port."),
+    timeout: float = typer.Option(900.0, help="Seconds to wait for every deployment to be healthy."),
+) -> None:
+    """Start (or join) a local Ray cluster and a Redis server, deploy specserve, wait until healthy."""
+    from specserve.cluster import local
+    from specserve.cluster.serve_config import load_serve_config
+
+    try:
+        serve_config = load_serve_config(config) if config else None
+    except Exception as err:  # noqa: BLE001 - yaml and pydantic errors alike: say which file and why
+        fail(f"{config} is not a valid Serve config: {err}")
+    seen: dict[str, str] = {}
+
+    def progress(status: dict) -> None:
+        line = ", ".join(f"{name} {d['status'].lower()} ({d['replicas']})" for name, d in status["deployments"].items())
+        line = f"{status['status'].lower()}: {line or 'starting'}"
+        if seen.get("line") != line:
+            seen["line"] = line
+            typer.secho(f"  {line}", err=True, dim=True)
+
+    typer.secho("starting Ray, Redis and the application (the first start loads the models)...", err=True)
+    try:
+        state = local.up(serve_config, redis_url=redis_url, http_port=http_port, grpc_port=grpc_port,
+                         timeout_s=timeout, on_progress=progress)
+    except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError) as err:
+        fail(f"{err}\n(`specserve down` stops whatever was started)")
+    typer.echo(f"specserve is up\n  HTTP       {state.http_url}/v1   (OpenAI API)\n  gRPC       {state.grpc_address}"
+               f"\n  dashboard  {state.dashboard_url}\n  metrics    {state.metrics_url or '(cluster started elsewhere)'}"
+               f"\n  redis      {state.redis_url}")
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Deployments with their status and replica counts, and every address."""
+    from specserve.cluster import local
+
+    try:
+        report = local.status()
+    except (RuntimeError, ConnectionError) as err:
+        fail(str(err))
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    application = report["application"]
+    typer.echo(f"application: {application['status']} {application['message']}".rstrip())
+    for name, d in application["deployments"].items():
+        typer.echo(f"  {name:24s} {d['status']:10s} replicas={d['replicas']}")
+    for key in ("http", "grpc", "dashboard", "metrics"):
+        typer.echo(f"{key:10s} {report[key]}")
+    redis = report["redis"]
+    typer.echo(f"{'redis':10s} {redis['url']} ({'up' if redis['up'] else 'DOWN'}"
+               f"{', pid ' + str(redis['pid']) if redis['pid'] else ', not started by specserve'})")
+
+
+@app.command()
+def down() -> None:
+    """Stop what `specserve up` started (Ray only if it started it, Redis only if it started it)."""
+    from specserve.cluster import local
+
+    stopped = local.down()
+    typer.echo("stopped: " + ", ".join(stopped) if stopped else "nothing to stop: specserve was not up here")
 
 
 @bench_app.command("engine")

@@ -132,6 +132,20 @@ def resolve_model_path(name_or_path: str) -> Path:
     )
 
 
+def _from_pretrained_args(name_or_path: str) -> tuple[Path, dict]:
+    """The folder and keyword arguments ``from_pretrained`` needs for a folder or a GGUF file."""
+    path = resolve_model_path(name_or_path)
+    if path.suffix == ".gguf":
+        return path.parent, {"gguf_file": path.name}
+    return path, {"local_files_only": True}
+
+
+def load_tokenizer_and_config(name_or_path: str = REFERENCE_TARGET):
+    """What an ingress needs of a model without its weights: the tokenizer and the config."""
+    path, kwargs = _from_pretrained_args(name_or_path)
+    return AutoTokenizer.from_pretrained(path, **kwargs), AutoConfig.from_pretrained(path, **kwargs)
+
+
 def load_causal_lm(
     name_or_path: str = REFERENCE_TARGET,
     dtype: str = "auto",
@@ -140,12 +154,7 @@ def load_causal_lm(
     """Any Hugging Face causal LM, from a local folder, a GGUF file, or a cached name."""
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    path = resolve_model_path(name_or_path)
-    if path.suffix == ".gguf":
-        kwargs = {"gguf_file": path.name}
-        path = path.parent
-    else:
-        kwargs = {"local_files_only": True}
+    path, kwargs = _from_pretrained_args(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
     model.to(device).eval()

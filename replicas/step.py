@@ -130,4 +130,5 @@ class SpecStats:
             "steps": self.steps,
             "mean_accepted_len": round(self.mean_accepted_len, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
+            "windows": list(self.windows),
         }

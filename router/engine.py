@@ -14,6 +14,7 @@ from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_c
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
+from specserve.router.prompt_ids import encode_chat, encode_text
 from specserve.router.session import Generation, speculative_generate
 
 NO_DRAFT = "none"
@@ -69,14 +70,9 @@ class SpecEngine:
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt or not prompt.strip():
             raise ValueError("the prompt is empty: give some text to continue")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = self.tokenizer(prompt)["input_ids"]
-        return list(ids)
+        if chat:
+            return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
+        return encode_text(self.tokenizer, prompt)
 
     def draft(self, name: str) -> Draft | None:
         if name == NO_DRAFT:

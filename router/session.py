@@ -5,6 +5,10 @@
         result   = target.verify(context, proposal)  # n accepted + 1 bonus token
         emit result.emitted_tokens                   # stop at EOS / max_tokens
 
+``SpecSession`` holds the bookkeeping of that loop (context, room left, stop conditions,
+statistics) and does no I/O, so the same object drives the in-process loop below and the served
+loop on a target replica, where ``propose`` is a call to a draft deployment.
+
 The window or tree shape is fixed per request for now; the adaptive policies of
 ``specserve.policies`` plug in where ``window`` and ``tree`` are read.
 """
@@ -13,10 +17,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from specserve.replicas.drafts.base import Draft
 from specserve.replicas.sampling import SamplingParams
-from specserve.replicas.step import Proposal, SpecStats, TreeShape
+from specserve.replicas.step import Proposal, SpecStats, StepResult, TreeShape
 from specserve.replicas.target import Target
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    """What the next step asks of the draft: a chain of ``window`` tokens, or a tree."""
+
+    window: int
+    tree: TreeShape | None
+
+
+def propose(draft: Draft, context: list[int], ask: ProposeRequest, params: SamplingParams,
+            generator: torch.Generator | None) -> Proposal:
+    if ask.tree is not None:
+        return draft.propose_tree(context, ask.tree)
+    return draft.propose(context, ask.window, params, generator)
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """One generation as the ingress hands it to a target replica (already tokenized and checked)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    draft: str = "none"
+    window: int = 0
+    tree: TreeShape | None = None
+    session_id: str = ""
 
 
 @dataclass
@@ -24,6 +58,72 @@ class Generation:
     token_ids: list[int]
     finish_reason: str   # "stop" (an EOS token) or "length" (max_tokens), as in the OpenAI API
     stats: SpecStats
+
+
+class SpecSession:
+    """One request's state between steps. Check the arguments once, here, for every caller."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        draft: str = "none",
+        window: int = 0,
+        tree: TreeShape | None = None,
+        eos_token_ids: frozenset[int] | set[int] = frozenset(),
+    ):
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self.context = list(prompt_ids)
+        self.max_tokens = max_tokens
+        self.window = window
+        self.tree = tree
+        self.eos_token_ids = eos_token_ids
+        self.out: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = SpecStats(draft=draft)
+        self.speculating = draft != "none" and (window > 0 or tree is not None)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def next_ask(self) -> ProposeRequest | None:
+        """The proposal the next step needs, or None for a plain decoding step."""
+        # Never draft past max_tokens: the bonus token always comes on top.
+        room = self.max_tokens - len(self.out) - 1
+        if not self.speculating or room == 0:
+            return None
+        if self.tree is not None:
+            return ProposeRequest(0, TreeShape(min(self.tree.depth, room), self.tree.top_k, self.tree.budget))
+        return ProposeRequest(min(self.window, room), None)
+
+    def stop_speculating(self) -> None:
+        """Plain decoding from here on (a draft replica failed: it costs speed, not the request)."""
+        self.speculating = False
+
+    def advance(self, result: StepResult) -> list[int]:
+        """Record a verified step; returns the tokens it adds to the output (cut at EOS / max_tokens)."""
+        self.stats.record(result)
+        new: list[int] = []
+        for token in result.emitted_tokens:
+            new.append(token)
+            self.out.append(token)
+            self.context.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+            elif len(self.out) == self.max_tokens:
+                self.finish_reason = "length"
+            if self.done:
+                break
+        return new
+
+    def generation(self) -> Generation:
+        return Generation(self.out, self.finish_reason or "length", self.stats)
 
 
 def speculative_generate(
@@ -37,31 +137,11 @@ def speculative_generate(
     eos_token_ids: frozenset[int] | set[int] = frozenset(),
 ) -> Generation:
     """``draft=None`` or ``window=0`` without a tree is plain decoding through the same path."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if window < 0:
-        raise ValueError(f"window must be >= 0, got {window}")
+    session = SpecSession(prompt_ids, max_tokens, draft.name if draft is not None else "none",
+                          window, tree, eos_token_ids)
     generator = None if params.greedy else params.generator()
-    stats = SpecStats(draft=draft.name if draft is not None else "none")
-    context = list(prompt_ids)
-    out: list[int] = []
-    while True:
-        # Never draft past max_tokens: the bonus token always comes on top.
-        room = max_tokens - len(out) - 1
-        if draft is None or room == 0:
-            proposal = Proposal.empty()
-        elif tree is not None:
-            proposal = draft.propose_tree(context, TreeShape(min(tree.depth, room), tree.top_k, tree.budget))
-        else:
-            proposal = draft.propose(context, min(window, room), params, generator)
-        result = target.verify(context, proposal, params, generator)
-        stats.record(result)
-        for token in result.emitted_tokens:
-            out.append(token)
-            context.append(token)
-            if token in eos_token_ids:
-                return Generation(out, "stop", stats)
-            if len(out) == max_tokens:
-                return Generation(out, "length", stats)
+    while not session.done:
+        ask = session.next_ask()
+        proposal = Proposal.empty() if ask is None else propose(draft, session.context, ask, params, generator)
+        session.advance(target.verify(session.context, proposal, params, generator))
+    return session.generation()

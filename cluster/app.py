@@ -1,0 +1,39 @@
+"""The Serve application builder: ingress -> target -> one deployment per draft.
+
+    serve run specserve.cluster.app:build_app            # defaults: the reference models
+    serve run deploy/serve.yaml                          # the same builder, args and deployments from YAML
+
+Deployments get their defaults here; Serve's config file overrides them by name (``ingress``,
+``target``, ``draft-<name>``), which is where replicas, CPUs/GPUs and autoscaling are set.
+"""
+
+from __future__ import annotations
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from specserve.cluster.config import INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.replicas.draft_deployment import DraftDeployment
+from specserve.replicas.target_deployment import TargetDeployment
+from specserve.router.ingress import Ingress
+
+# A session's steps should reach the draft replica that holds its KV cache: hash on session id.
+# Any replica is still correct (the cache is rebuilt from the tokens), so a reshuffle on scaling
+# costs one rebuild per session, not a wrong answer.
+SESSION_AFFINITY = RequestRouterConfig(
+    request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+)
+
+
+def build_app(args: AppConfig) -> Application:
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
+    drafts = {
+        spec.name: DraftDeployment.options(
+            name=draft_deployment(spec.name), request_router_config=SESSION_AFFINITY
+        ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle)
+        for spec in config.drafts
+    }
+    target = TargetDeployment.options(name=TARGET_DEPLOYMENT).bind(
+        config.target, drafts, config.dtype, config.torch_threads, config.kv_sessions_idle
+    )
+    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config)

@@ -1,0 +1,98 @@
+"""The application's configuration: what the Serve application builder takes as its one argument.
+
+It says *what* runs (target, drafts, defaults); *where* and *how many* (``ray_actor_options``,
+``autoscaling_config``, ``max_ongoing_requests``) stay in Ray Serve's own config file under
+``deployments:``, by deployment name, so that operators tune them with the tools they know.
+Deployment names are fixed: ``ingress``, ``target`` and ``draft-<name>`` for each draft.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from specserve.replicas.model_store import REFERENCE_TARGET
+
+INGRESS_DEPLOYMENT = "ingress"
+TARGET_DEPLOYMENT = "target"
+PROMPT_LOOKUP = "prompt-lookup"
+NO_DRAFT = "none"
+AUTO_DRAFT = "auto"
+
+# Request limits: beyond these a step costs more than any draft can save, and an unbounded
+# window or tree is a cheap way to make a replica allocate without end.
+MAX_WINDOW = 16
+MAX_TREE_DEPTH = 16
+MAX_TREE_BUDGET = 64
+
+
+def draft_deployment(name: str) -> str:
+    return f"draft-{name}"
+
+
+class DraftSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        description="What clients pass as spec.draft; the deployment is named draft-<name>.",
+        pattern=r"^[a-z0-9][a-z0-9._-]*$",
+    )
+    model: str | None = Field(
+        None,
+        description="A causal LM that shares the target's tokenizer: a local folder, a .gguf file or a "
+        "model-cache name. Empty for prompt lookup, which needs no model.",
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch threads in each draft replica; default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
+    )
+
+    @model_validator(mode="after")
+    def _reserved_names(self) -> "DraftSpec":
+        if self.name in (NO_DRAFT, AUTO_DRAFT):
+            raise ValueError(f"a draft cannot be named {self.name!r}: that name means {'no speculation' if self.name == NO_DRAFT else 'the router decides'}")
+        if self.name == PROMPT_LOOKUP and self.model is not None:
+            raise ValueError(f"{PROMPT_LOOKUP!r} is the model-free draft; give the draft LM {self.model!r} another name")
+        if self.name != PROMPT_LOOKUP and self.model is None:
+            raise ValueError(f"draft {self.name!r} needs a model (path or cached name); only {PROMPT_LOOKUP!r} runs without one")
+        return self
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(REFERENCE_TARGET, description="The target model: a local folder, a .gguf file or a model-cache name.")
+    served_model_name: str | None = Field(
+        None, description="The model id clients send as `model`; default: the target's folder name."
+    )
+    dtype: str = Field("auto", description="auto (bfloat16 where the hardware runs it natively, else float32), float32, bfloat16.")
+    drafts: list[DraftSpec] = Field(
+        default_factory=lambda: [DraftSpec(name=PROMPT_LOOKUP)],
+        description="One deployment per draft.",
+    )
+    default_draft: str = Field(PROMPT_LOOKUP, description="The draft for requests that name none (or 'auto', until the router learns): a draft name or 'none'.")
+    default_window: int = Field(4, ge=0, le=MAX_WINDOW, description="Window γ for requests that name none.")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch threads in each target replica; default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
+    )
+    kv_sessions_idle: int = Field(
+        4, ge=0, description="Idle KV caches a replica keeps after their requests end, as a prefix cache for follow-up turns."
+    )
+    redis_url: str | None = Field(None, description="The Redis the policy service shares statistics through.")
+
+    @model_validator(mode="after")
+    def _drafts_known(self) -> "AppConfig":
+        names = [d.name for d in self.drafts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"draft names must be unique, got {names}")
+        if self.default_draft not in (NO_DRAFT, *names):
+            raise ValueError(f"default_draft {self.default_draft!r} is not a configured draft; choose from {', '.join([NO_DRAFT, *names])}")
+        return self
+
+    @property
+    def draft_names(self) -> list[str]:
+        return [d.name for d in self.drafts]
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or Path(self.target).name.removesuffix(".gguf")

@@ -1,0 +1,201 @@
+"""``specserve up / status / down``: a local Ray cluster, a Redis server and the application.
+
+``up`` joins the Ray cluster this machine is part of, or starts one (``ray start --head`` with
+token authentication on, as Ray 2.60 wants), starts a Redis server unless given one, deploys the
+Serve config through the dashboard's REST API (what ``serve deploy`` does) and waits until every
+deployment is healthy. What it started is written to a state file, so that ``down`` stops
+exactly that and nothing a user started themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Ray 2.60's CLI and REST clients send the cluster's token only in token mode.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+from specserve.cluster.redis_server import RedisServer, free_port, ping  # noqa: E402
+from specserve.cluster.serve_config import APP_NAME, local_serve_config, with_overrides  # noqa: E402
+
+DASHBOARD_PORT = 8265
+
+
+def state_dir() -> Path:
+    """``$SPECSERVE_HOME``, else ``~/.cache/specserve/run``: the state file and the Redis log."""
+    return Path(os.environ.get("SPECSERVE_HOME", Path.home() / ".cache" / "specserve" / "run")).expanduser()
+
+
+@dataclass
+class LocalState:
+    ray_started: bool = False
+    http_url: str = ""
+    grpc_address: str = ""
+    dashboard_url: str = ""
+    metrics_url: str = ""
+    redis_url: str = ""
+    redis_pid: int | None = None   # set only when specserve started the Redis server
+    app_name: str = APP_NAME
+
+    @classmethod
+    def path(cls) -> Path:
+        return state_dir() / "state.json"
+
+    @classmethod
+    def load(cls) -> "LocalState | None":
+        try:
+            return cls(**json.loads(cls.path().read_text()))
+        except FileNotFoundError:
+            return None
+
+    def save(self) -> None:
+        self.path().parent.mkdir(parents=True, exist_ok=True)
+        self.path().write_text(json.dumps(asdict(self), indent=2))
+
+
+def _ray_cli() -> str:
+    return shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+
+
+def _ray_running() -> bool:
+    result = subprocess.run([_ray_cli(), "status"], capture_output=True, text=True, timeout=60)
+    return result.returncode == 0
+
+
+def _start_ray(metrics_port: int) -> None:
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").exists()):
+        subprocess.run([_ray_cli(), "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
+    result = subprocess.run(
+        [_ray_cli(), "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
+         "--metrics-export-port", str(metrics_port), "--disable-usage-stats"],
+        capture_output=True, text=True, timeout=300,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
+
+
+def deploy(config: dict, dashboard_url: str) -> None:
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    ServeSubmissionClient(dashboard_url).deploy_applications(config)
+
+
+def app_status(app_name: str = APP_NAME) -> dict:
+    """``{"status", "message", "deployments": {name: {"status", "replicas", "message"}}}`` from Serve."""
+    from ray import serve
+
+    status = serve.status()
+    app = status.applications.get(app_name)
+    if app is None:
+        return {"status": "NOT_STARTED", "message": f"no application {app_name!r}", "deployments": {}}
+    return {
+        "status": str(app.status.value if hasattr(app.status, "value") else app.status),
+        "message": app.message,
+        "deployments": {
+            name: {"status": str(d.status.value if hasattr(d.status, "value") else d.status),
+                   "replicas": d.replica_states.get("RUNNING", 0), "replica_states": dict(d.replica_states),
+                   "message": d.message}
+            for name, d in app.deployments.items()
+        },
+    }
+
+
+def connect() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+
+
+def wait_healthy(app_name: str, timeout_s: float, on_progress: Callable[[dict], None] = lambda s: None) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = app_status(app_name)
+        on_progress(status)
+        if status["status"] == "RUNNING" and all(d["status"] == "HEALTHY" for d in status["deployments"].values()):
+            return status
+        if status["status"] == "DEPLOY_FAILED":
+            raise RuntimeError(f"the application failed to deploy: {status['message']}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the application was not healthy after {timeout_s:.0f} s: {json.dumps(status)}")
+        time.sleep(1.0)
+
+
+def up(config: dict | None = None, redis_url: str | None = None, http_port: int = 8000, grpc_port: int = 9000,
+       timeout_s: float = 600.0, on_progress: Callable[[dict], None] = lambda s: None) -> LocalState:
+    config = config or local_serve_config()
+    state = LocalState.load() or LocalState()
+    if redis_url is not None:
+        if not ping(redis_url, timeout_s=3.0):
+            raise ConnectionError(f"no Redis answers at {redis_url}: start it, or leave out --redis-url and specserve starts one")
+        state.redis_url, state.redis_pid = redis_url, None
+    elif not (state.redis_url and ping(state.redis_url)):
+        server = RedisServer.start(state_dir())
+        state.redis_url, state.redis_pid = server.url, server.pid
+    if not _ray_running():
+        metrics_port = free_port()
+        _start_ray(metrics_port)
+        state.ray_started = True
+        state.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    state.dashboard_url = state.dashboard_url or f"http://127.0.0.1:{DASHBOARD_PORT}"
+    state.save()   # from here on `down` can clean up whatever happens next
+
+    config = with_overrides(config, http_port=http_port, grpc_port=grpc_port, redis_url=state.redis_url)
+    app_name = config["applications"][0]["name"]
+    http = config.get("http_options", {})
+    host = http.get("host", "127.0.0.1")
+    host = "127.0.0.1" if host == "0.0.0.0" else host
+    state.http_url = f"http://{host}:{http.get('port', http_port)}"
+    state.grpc_address = f"{host}:{config.get('grpc_options', {}).get('port', grpc_port)}"
+    state.app_name = app_name
+    state.save()
+    deploy(config, state.dashboard_url)
+    connect()
+    wait_healthy(app_name, timeout_s, on_progress)
+    return state
+
+
+def status() -> dict:
+    state = LocalState.load()
+    if state is None:
+        raise RuntimeError("specserve is not up here (no state file at "
+                           f"{LocalState.path()}): run `specserve up`")
+    connect()
+    return {
+        "application": app_status(state.app_name),
+        "http": state.http_url + "/v1",
+        "grpc": state.grpc_address,
+        "dashboard": state.dashboard_url,
+        "metrics": state.metrics_url or None,
+        "redis": {"url": state.redis_url, "pid": state.redis_pid, "up": ping(state.redis_url)},
+    }
+
+
+def down() -> list[str]:
+    """Stop what ``up`` started; returns what was stopped."""
+    state = LocalState.load()
+    if state is None:
+        return []
+    stopped = []
+    if state.ray_started:
+        subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True, timeout=120)
+        stopped.append("ray (started by specserve)")
+    elif _ray_running():
+        from ray import serve
+
+        connect()
+        serve.delete(state.app_name)
+        stopped.append(f"serve application {state.app_name}")
+    if state.redis_pid:
+        RedisServer(state.redis_url, state.redis_pid).stop()
+        stopped.append(f"redis-server pid {state.redis_pid}")
+    LocalState.path().unlink(missing_ok=True)
+    return stopped

@@ -1,0 +1,67 @@
+"""The Serve config (Ray's ``ServeDeploySchema``) of the local default application.
+
+``deploy/serve.yaml`` is this config written out (a test keeps the two equal), so that
+``specserve up`` with no ``--config``, ``serve run deploy/serve.yaml`` and ``serve deploy`` all
+deploy the same thing, and an installed specserve needs no file from the repository.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from specserve.cluster.config import INGRESS_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, draft_deployment
+
+APP_NAME = "specserve"
+BUILDER = "specserve.cluster.app:build_app"
+GRPC_SERVICER = "specserve.router.specserve_pb2_grpc.add_SpecServeServicer_to_server"
+
+
+def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
+    """The reference target with prompt lookup, sized for one small machine (2 cores here).
+
+    The target asks for one logical CPU but runs torch on two threads: its forwards never overlap
+    the draft's or the ingress's work (a step waits for its proposal), so it may use every core.
+    """
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": http_port},
+        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        "applications": [{
+            "name": APP_NAME,
+            "route_prefix": "/",
+            "import_path": BUILDER,
+            "args": {"dtype": "auto", "torch_threads": 2, "default_draft": PROMPT_LOOKUP, "default_window": 4},
+            "deployments": [
+                {"name": INGRESS_DEPLOYMENT, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
+                {"name": TARGET_DEPLOYMENT, "max_ongoing_requests": 16, "ray_actor_options": {"num_cpus": 1},
+                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 8}},
+                {"name": draft_deployment(PROMPT_LOOKUP), "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
+            ],
+        }],
+    }
+
+
+def load_serve_config(path: Path) -> dict:
+    """A Serve config file, checked with Ray's own schema (so a typo fails here, not mid-deploy)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load(Path(path).read_text())
+    ServeDeploySchema.model_validate(config)
+    return config
+
+
+def with_overrides(config: dict, *, http_port: int | None = None, grpc_port: int | None = None,
+                   redis_url: str | None = None) -> dict:
+    """A copy of ``config`` with the ports and the Redis URL that ``specserve up`` chose."""
+    config = yaml.safe_load(yaml.safe_dump(config))   # deep copy of plain data
+    if http_port is not None:
+        config.setdefault("http_options", {})["port"] = http_port
+    if grpc_port is not None:
+        config.setdefault("grpc_options", {})["port"] = grpc_port
+    if redis_url is not None:
+        for app in config.get("applications", []):
+            if app.get("import_path") == BUILDER:
+                app.setdefault("args", {})["redis_url"] = redis_url
+    return config

@@ -1,0 +1,75 @@
+"""A draft as a Ray Serve deployment: ``propose`` for one step of one session.
+
+Target replicas call it once per step with the session's whole context; the replica keeps that
+session's KV cache between steps (``SessionPool``), so a step feeds only the tokens the cache
+lacks. Any replica can serve any call, since the cache is rebuilt from the tokens; the target
+routes a session's calls to one replica by session id only to save that rebuild.
+
+Model work runs on one worker thread: forwards of concurrent sessions queue instead of fighting
+over the cores (two torch forwards on two cores made each 5-80x slower here), and the event
+loop stays free for health checks and other calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from ray import serve
+
+from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
+from specserve.replicas.model_store import load_causal_lm
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.session_pool import SessionPool
+from specserve.replicas.step import Proposal
+from specserve.router.session import ProposeRequest, propose
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64, health_check_period_s=10)
+class DraftDeployment:
+    def __init__(self, name: str, model: str | None, dtype: str = "auto",
+                 torch_threads: int | None = None, kv_sessions_idle: int = 4):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.name = name
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix=f"draft-{name}")
+        self._generators: dict[str, torch.Generator] = {}
+        if model is None:
+            self._lookup: PromptLookupDraft | None = PromptLookupDraft()
+            self.pool = None
+        else:
+            loaded = load_causal_lm(model, dtype=dtype)
+            self._lookup = None
+            self.pool = SessionPool(lambda: DraftLM(name, loaded.model), keep_idle=kv_sessions_idle)
+        logger.info("draft %s ready (%s)", name, model or "prompt lookup, no model")
+
+    async def propose(self, session_id: str, context: list[int], ask: ProposeRequest,
+                      params: SamplingParams) -> Proposal:
+        if self._lookup is not None:   # an n-gram search: cheaper than a thread hand-off
+            return propose(self._lookup, context, ask, params, None)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._worker, self._propose_lm, session_id, context, ask, params
+        )
+
+    def _propose_lm(self, session_id: str, context: list[int], ask: ProposeRequest,
+                    params: SamplingParams) -> Proposal:
+        draft = self.pool.acquire(session_id, context)
+        generator = None
+        if not params.greedy:
+            # The draft's own randomness never changes the output distribution (the target's
+            # rejection test corrects for q); a per-session seed only makes runs repeatable.
+            generator = self._generators.get(session_id)
+            if generator is None:
+                generator = self._generators[session_id] = params.generator()
+        return propose(draft, context, ask, params, generator)
+
+    async def release(self, session_id: str) -> None:
+        """The session ended: its KV cache becomes an idle prefix cache."""
+        self._generators.pop(session_id, None)
+        if self.pool is not None:
+            await asyncio.get_running_loop().run_in_executor(self._worker, self.pool.release, session_id)

@@ -1,0 +1,88 @@
+"""The target as a Ray Serve deployment; the speculation loop of a request runs here.
+
+Why here: each step needs the draft's proposal and the target's verify. Driven from the ingress,
+a step would cost two handle calls (~2.5 ms each on these machines, against a 25-40 ms step);
+driven from the target replica it costs one, the call to the draft, while the tokens stream
+back to the ingress asynchronously, off the step's critical path.
+
+A draft replica that fails mid-request costs speed, never the request: the session goes on with
+plain decoding (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from specserve.replicas.model_store import load_causal_lm
+from specserve.replicas.session_pool import SessionPool
+from specserve.replicas.step import Proposal
+from specserve.replicas.target import Target
+from specserve.router.session import SpecRequest, SpecSession
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16, health_check_period_s=10)
+class TargetDeployment:
+    def __init__(self, model: str, drafts: dict[str, DeploymentHandle], dtype: str = "auto",
+                 torch_threads: int | None = None, kv_sessions_idle: int = 4):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.loaded = load_causal_lm(model, dtype=dtype)
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.drafts = drafts
+        self.pool = SessionPool(lambda: Target(self.loaded.model), keep_idle=kv_sessions_idle)
+        # One forward at a time: concurrent requests interleave step by step instead of
+        # oversubscribing the cores, and the event loop stays free.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="target")
+        logger.info("target %s ready on %s (%s, %d threads), drafts: %s", model, self.loaded.model.device,
+                    self.loaded.model.dtype, torch.get_num_threads(), ", ".join(drafts) or "none")
+
+    async def _on_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+
+    async def generate(self, request: SpecRequest) -> AsyncIterator[dict]:
+        """Yields ``{"token_ids": [...]}`` per step; the last item also carries ``finish_reason``
+        and ``spec`` (the statistics summary)."""
+        session = SpecSession(request.prompt_ids, request.max_tokens, request.draft, request.window,
+                              request.tree, self.eos_token_ids)
+        draft = self.drafts.get(request.draft) if session.speculating else None
+        if session.speculating and draft is None:
+            raise ValueError(f"unknown draft {request.draft!r}; this target knows: {', '.join(self.drafts) or 'none'}")
+        if draft is not None:
+            # Same session, same draft replica: its KV cache is warm (any replica would be correct).
+            draft = draft.options(session_id=request.session_id)
+        params = request.params
+        generator = None if params.greedy else params.generator()
+        target = await self._on_worker(self.pool.acquire, request.session_id, request.prompt_ids)
+        try:
+            while not session.done:
+                ask = session.next_ask()
+                proposal = Proposal.empty()
+                if ask is not None:
+                    try:
+                        proposal = await draft.propose.remote(request.session_id, session.context, ask, params)
+                    except Exception as err:  # noqa: BLE001 - any draft failure degrades to plain decoding
+                        logger.warning("draft %s failed (%s: %s); session %s goes on without speculation",
+                                       request.draft, type(err).__name__, err, request.session_id)
+                        session.stop_speculating()
+                result = await self._on_worker(target.verify, session.context, proposal, params, generator)
+                item = {"token_ids": session.advance(result)}
+                if session.done:
+                    item.update(finish_reason=session.finish_reason, spec=session.stats.summary())
+                yield item
+        finally:
+            await self._on_worker(self.pool.release, request.session_id)
+            if draft is not None:
+                draft.release.remote(request.session_id)   # fire and forget: only frees a cache
+
+    def stats(self) -> dict:
+        return {"sessions_busy": self.pool.busy, "sessions_cached": len(self.pool),
+                "threads": torch.get_num_threads(), "dtype": str(self.loaded.model.dtype)}

@@ -1,0 +1,352 @@
+"""The ingress deployment: OpenAI-compatible HTTP and gRPC in, a target replica's token stream out.
+
+Everything a client sends is checked here (schema, model name, draft name, context length)
+before any replica sees it, so a bad request costs one answer and nothing else: HTTP 400 with
+OpenAI's error body, or gRPC ``INVALID_ARGUMENT``. Both protocols share one path:
+
+    body --(pydantic)--> _prepare --> SpecRequest --> target.generate (stream) --> TextStream --> events
+
+HTTP formats the events as OpenAI JSON or Server-Sent Events; gRPC as protobuf messages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from specserve.cluster.config import AUTO_DRAFT, NO_DRAFT, AppConfig
+from specserve.replicas.model_store import load_tokenizer_and_config
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import TreeShape
+from specserve.router import specserve_pb2 as pb
+from specserve.router.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+from specserve.router.prompt_ids import encode_chat, encode_text
+from specserve.router.session import SpecRequest
+from specserve.router.text_stream import TextStream
+
+logger = logging.getLogger("ray.serve")
+
+api = FastAPI(title="specserve", description="Speculative-decoding LLM serving, OpenAI-compatible.")
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready for a target replica."""
+
+    id: str
+    spec_request: SpecRequest
+    stop: list[str]
+
+
+@dataclass
+class Event:
+    """A piece of a generation: new text, and on the last piece why it ended and what speculation did."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    spec: dict | None = None
+    usage: dict = field(default_factory=dict)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}): send a JSON object", None
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return "the body must be a JSON object (Content-Type: application/json) with the request's fields", None
+    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+@api.exception_handler(OpenAIError)
+async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
+    # FastAPI's default is 422 with its own body; OpenAI clients expect 400 with theirs.
+    message, param = _validation_message(err.errors())
+    return JSONResponse(OpenAIError(message, param=param).body(), status_code=400)
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+    # A bug, not the client's fault; still an OpenAI body, and the replica lives on.
+    logger.exception("unexpected error")
+    body = OpenAIError(f"internal error: {type(err).__name__}: {err}", status=500, type="server_error",
+                       code="internal_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+_GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+               503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256, health_check_period_s=10)
+@serve.ingress(api)
+class Ingress:
+    def __init__(self, target: DeploymentHandle, config: AppConfig):
+        self.target = target
+        self.config = config
+        self.tokenizer, model_config = load_tokenizer_and_config(config.target)
+        self.max_context = getattr(model_config, "max_position_embeddings", None)
+        self.vocab_size = getattr(model_config, "vocab_size", None)
+        self.model_id = config.model_id
+        self.created = int(time.time())
+
+    # ---- the shared path -------------------------------------------------------------------
+
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+        if req.model != self.model_id:
+            raise OpenAIError(f"The model `{req.model}` does not exist; this server serves `{self.model_id}`.",
+                              status=404, param="model", code="model_not_found")
+        prompt_ids = self._prompt_ids(req)
+        if isinstance(req, ChatCompletionRequest):
+            max_tokens, param = req.token_limit, "max_tokens"
+        else:
+            max_tokens, param = req.max_tokens, "max_tokens"
+        if self.max_context:
+            room = self.max_context - len(prompt_ids)
+            if room < 1 or (max_tokens is not None and max_tokens > room):
+                raise OpenAIError(
+                    f"This model's maximum context length is {self.max_context} tokens. However, you requested "
+                    f"{len(prompt_ids) + (max_tokens or 1)} tokens ({len(prompt_ids)} in the prompt, "
+                    f"{max_tokens or 1} for the completion). Shorten the prompt or lower max_tokens.",
+                    param=param if room >= 1 else ("messages" if isinstance(req, ChatCompletionRequest) else "prompt"),
+                    code="context_length_exceeded",
+                )
+            max_tokens = max_tokens or room
+        spec = req.spec
+        draft = spec.draft if spec and spec.draft else AUTO_DRAFT
+        if draft == AUTO_DRAFT:
+            draft = self.config.default_draft   # the learned router replaces this choice
+        elif draft not in (NO_DRAFT, *self.config.draft_names):
+            raise OpenAIError(f"unknown draft {draft!r}; available: {', '.join([AUTO_DRAFT, NO_DRAFT, *self.config.draft_names])}",
+                              param="spec.draft", code="draft_not_found")
+        window = spec.window if spec and spec.window is not None else self.config.default_window
+        tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed)
+        request_id = uuid.uuid4().hex
+        return Prepared(
+            id=request_id,
+            spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, session_id=request_id),
+            stop=req.stop,
+        )
+
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            if not any(m.text().strip() for m in req.messages):
+                raise OpenAIError("messages: every message is empty; give some text", param="messages")
+            return encode_chat(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+        if isinstance(req.prompt, str):
+            if not req.prompt.strip():
+                raise OpenAIError("prompt: the prompt is empty; give some text", param="prompt")
+            return encode_text(self.tokenizer, req.prompt)
+        if not req.prompt:
+            raise OpenAIError("prompt: the list of token ids is empty", param="prompt")
+        bad = [t for t in req.prompt if not 0 <= t < (self.vocab_size or 2**31)]
+        if bad:
+            raise OpenAIError(f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
+        return list(req.prompt)
+
+    async def _events(self, prepared: Prepared) -> AsyncIterator[Event]:
+        text = TextStream(self.tokenizer, prepared.stop)
+        prompt_tokens = len(prepared.spec_request.prompt_ids)
+        stream = self.target.options(stream=True).generate.remote(prepared.spec_request)
+        try:
+            async for item in stream:
+                delta = text.push(item["token_ids"])
+                finish, spec = item.get("finish_reason"), item.get("spec")
+                if text.stopped:
+                    finish = "stop"
+                    if spec is None:   # ended early by a stop string: the target is still going
+                        stream.cancel()
+                        spec = {}
+                elif finish is not None:
+                    delta += text.flush()
+                if delta or finish is not None:
+                    usage = {}
+                    if finish is not None:
+                        done = len(text.token_ids)
+                        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                 "total_tokens": prompt_tokens + done}
+                    yield Event(delta, item["token_ids"], finish, spec, usage)
+                if finish is not None:
+                    return
+        except (BackPressureError, DeploymentUnavailableError, RayActorError) as err:
+            raise OpenAIError(f"no target replica could take the request ({type(err).__name__}); retry shortly",
+                              status=503, type="server_error", code="unavailable") from err
+
+    async def _generate(self, prepared: Prepared) -> tuple[str, list[int], Event]:
+        pieces, ids, last = [], [], None
+        async for event in self._events(prepared):
+            pieces.append(event.text)
+            ids.extend(event.token_ids)
+            last = event
+        return "".join(pieces), ids, last
+
+    # ---- HTTP ------------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
+            "max_model_len": self.max_context, "drafts": self.config.draft_names,
+        }]}
+
+    @api.post("/v1/completions")
+    async def completions(self, req: CompletionRequest):
+        prepared = self._prepare(req)
+        if req.stream:
+            return self._sse(prepared, req, chat=False)
+        text, ids, last = await self._generate(prepared)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = ids
+        return {
+            "id": f"cmpl-{prepared.id}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model_id, "choices": [choice], "usage": last.usage, "spec": last.spec,
+        }
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, req: ChatCompletionRequest):
+        prepared = self._prepare(req)
+        if req.stream:
+            return self._sse(prepared, req, chat=True)
+        text, ids, last = await self._generate(prepared)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": last.finish_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = ids
+        return {
+            "id": f"chatcmpl-{prepared.id}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_id, "choices": [choice], "usage": last.usage, "spec": last.spec,
+        }
+
+    def _sse(self, prepared: Prepared, req, chat: bool) -> StreamingResponse:
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{prepared.id}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_id}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def choice(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        def sse(payload: dict) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    yield sse({**base, "choices": [choice(None, None, role=True)]})
+                async for event in self._events(prepared):
+                    chunk = {**base, "choices": [choice(event.text, event.finish_reason)]}
+                    if event.finish_reason is not None:
+                        chunk["spec"] = event.spec
+                    yield sse(chunk)
+                    if event.finish_reason is not None and include_usage:
+                        yield sse({**base, "choices": [], "usage": event.usage})
+            except OpenAIError as err:
+                yield sse(err.body())
+            except Exception as err:  # noqa: BLE001 - the stream already said 200; say what broke in-band
+                logger.exception("stream %s failed", prepared.id)
+                yield sse(OpenAIError(f"generation failed: {type(err).__name__}: {err}", status=500,
+                                      type="server_error", code="internal_error").body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    # ---- gRPC (method names are the RPC names of specserve.proto) ------------------------------
+
+    def _from_pb(self, request: pb.CompletionRequest) -> CompletionRequest | ChatCompletionRequest:
+        # gRPC has no model listing: an empty model means the one this server serves.
+        body: dict = {"model": request.model or self.model_id, "stop": list(request.stop) or None}
+        for name in ("temperature", "top_p", "top_k", "seed"):
+            if request.HasField(name):
+                body[name] = getattr(request, name)
+        if request.HasField("spec"):
+            spec: dict = {}
+            if request.spec.draft:
+                spec["draft"] = request.spec.draft
+            if request.spec.HasField("window"):
+                spec["window"] = request.spec.window
+            if request.spec.HasField("tree"):
+                tree = request.spec.tree
+                spec["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "budget": tree.budget}
+            body["spec"] = spec
+        if request.HasField("max_tokens"):
+            body["max_tokens"] = request.max_tokens
+        try:
+            if request.messages:
+                if request.prompt:
+                    raise OpenAIError("give either prompt or messages, not both", param="prompt")
+                body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+                return ChatCompletionRequest.model_validate(body)
+            body["prompt"] = request.prompt
+            return CompletionRequest.model_validate(body)
+        except ValidationError as err:
+            message, param = _validation_message(err.errors())
+            raise OpenAIError(message, param=param) from err
+
+    @staticmethod
+    def _spec_pb(spec: dict | None) -> pb.SpecSummary:
+        spec = spec or {}
+        return pb.SpecSummary(draft=spec.get("draft", ""), steps=spec.get("steps", 0),
+                              mean_accepted_len=spec.get("mean_accepted_len", 0.0),
+                              acceptance_rate=spec.get("acceptance_rate", 0.0), windows=spec.get("windows", []))
+
+    @staticmethod
+    def _grpc_abort(grpc_context, err: OpenAIError) -> None:
+        grpc_context.set_code(_GRPC_CODES.get(err.status, grpc.StatusCode.INTERNAL))
+        grpc_context.set_details(err.message)
+
+    async def Complete(self, request: pb.CompletionRequest, grpc_context) -> pb.CompletionResponse:
+        try:
+            prepared = self._prepare(self._from_pb(request))
+            text, ids, last = await self._generate(prepared)
+        except OpenAIError as err:
+            self._grpc_abort(grpc_context, err)
+            return pb.CompletionResponse()
+        return pb.CompletionResponse(
+            id=prepared.id, model=self.model_id, text=text, token_ids=ids, finish_reason=last.finish_reason,
+            usage=pb.Usage(**last.usage), spec=self._spec_pb(last.spec),
+        )
+
+    async def CompleteStream(self, request: pb.CompletionRequest, grpc_context) -> AsyncIterator[pb.CompletionChunk]:
+        try:
+            prepared = self._prepare(self._from_pb(request))
+            async for event in self._events(prepared):
+                chunk = pb.CompletionChunk(id=prepared.id, text=event.text, token_ids=event.token_ids)
+                if event.finish_reason is not None:
+                    chunk.finish_reason = event.finish_reason
+                    chunk.usage.CopyFrom(pb.Usage(**event.usage))
+                    chunk.spec.CopyFrom(self._spec_pb(event.spec))
+                yield chunk
+        except OpenAIError as err:
+            # Ray Serve's proxy sends the status set on the context when the generator raises.
+            self._grpc_abort(grpc_context, err)
+            raise
