@@ -264,5 +264,34 @@ def bench_engine(
         fail(str(err))
 
 
+@bench_app.command("serve")
+def bench_serve(
+    json_path: Path = typer.Option(Path("bench-serve.json"), "--json", help="Where to write the results."),
+    plot_path: Path = typer.Option(Path("bench-serve.png"), "--plot", help="Where to write the plot."),
+    server: Optional[str] = typer.Option(None, help="A running deployment (http://HOST:PORT); default: bring the local stack up and down."),
+    prompts: int = typer.Option(12, help="ShareGPT prompts per run."),
+    max_tokens: int = typer.Option(64, help="New tokens per request."),
+    concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency limits."),
+    rates: str = typer.Option("0.5,inf", help="Comma-separated Poisson arrival rates in requests/s (inf: all at once)."),
+    draft: str = typer.Option("prompt-lookup", help="The fixed draft of serve-spec and in-process-spec."),
+    window: int = typer.Option(4, help="The fixed window γ of serve-spec and in-process-spec."),
+    dtype: str = typer.Option("auto", help="dtype of the in-process engine and of the local stack it brings up."),
+    threads: Optional[int] = typer.Option(None, help="torch threads of the in-process engine."),
+) -> None:
+    """Load generator (Poisson arrivals, concurrency limits) against target-only and speculative serving, beside the in-process engine."""
+    from specserve.cluster.bench_serve import run_serve_bench
+
+    set_threads(threads)
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        arrival = [float(r) for r in rates.split(",") if r.strip()]
+    except ValueError:
+        fail(f"--concurrency takes integers and --rates numbers or inf, got {concurrency!r} and {rates!r}")
+    try:
+        run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, draft, window, dtype)
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
+        fail(str(err))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())

@@ -185,6 +185,10 @@ def down() -> list[str]:
     if state is None:
         return []
     stopped = []
+    import ray
+
+    if ray.is_initialized():   # leave the cluster before stopping it, or its raylet dies under us
+        ray.shutdown()
     if state.ray_started:
         subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True, timeout=120)
         stopped.append("ray (started by specserve)")
@@ -193,6 +197,7 @@ def down() -> list[str]:
 
         connect()
         serve.delete(state.app_name)
+        ray.shutdown()
         stopped.append(f"serve application {state.app_name}")
     if state.redis_pid:
         RedisServer(state.redis_url, state.redis_pid).stop()

@@ -23,7 +23,21 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
 
     The target asks for one logical CPU but runs torch on two threads: its forwards never overlap
     the draft's or the ingress's work (a step waits for its proposal), so it may use every core.
+    It stays at one replica here because a second one would only split the same two cores; the
+    ingress and the draft, which are cheap, scale out under load.
     """
+
+    def deployment(name: str, num_cpus: float, max_ongoing: int, max_replicas: int, target_ongoing: int) -> dict:
+        return {
+            "name": name,
+            "max_ongoing_requests": max_ongoing,
+            "ray_actor_options": {"num_cpus": num_cpus},
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": max_replicas,
+                                   "target_ongoing_requests": target_ongoing},
+            "health_check_period_s": 10,
+            "health_check_timeout_s": 30,
+        }
+
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": http_port},
@@ -34,10 +48,9 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
             "import_path": BUILDER,
             "args": {"dtype": "auto", "torch_threads": 2, "default_draft": PROMPT_LOOKUP, "default_window": 4},
             "deployments": [
-                {"name": INGRESS_DEPLOYMENT, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
-                {"name": TARGET_DEPLOYMENT, "max_ongoing_requests": 16, "ray_actor_options": {"num_cpus": 1},
-                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 8}},
-                {"name": draft_deployment(PROMPT_LOOKUP), "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.1}},
+                deployment(INGRESS_DEPLOYMENT, 0.1, 256, 2, 32),
+                deployment(TARGET_DEPLOYMENT, 1, 16, 1, 8),
+                deployment(draft_deployment(PROMPT_LOOKUP), 0.1, 64, 2, 32),
             ],
         }],
     }

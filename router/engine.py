@@ -5,6 +5,7 @@ This is what ``specserve generate`` runs, and what a target replica runs for eac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.replicas.drafts.base import Draft
@@ -81,7 +82,8 @@ class SpecEngine:
             raise ValueError(f"unknown draft {name!r}; available: {', '.join(self.draft_names)}")
         return self.drafts[name]
 
-    def generate_ids(self, prompt_ids: list[int], request: GenerateRequest) -> Generation:
+    def generate_ids(self, prompt_ids: list[int], request: GenerateRequest,
+                     on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
         draft = self.draft(request.draft)
         if self.max_context and len(prompt_ids) + request.max_tokens > self.max_context:
             raise ValueError(
@@ -97,6 +99,7 @@ class SpecEngine:
             window=request.window,
             tree=request.tree,
             eos_token_ids=self.loaded.eos_token_ids,
+            on_tokens=on_tokens,
         )
 
     def generate(self, request: GenerateRequest) -> dict:

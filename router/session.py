@@ -15,6 +15,7 @@ The window or tree shape is fixed per request for now; the adaptive policies of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -135,13 +136,17 @@ def speculative_generate(
     window: int = 0,
     tree: TreeShape | None = None,
     eos_token_ids: frozenset[int] | set[int] = frozenset(),
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> Generation:
-    """``draft=None`` or ``window=0`` without a tree is plain decoding through the same path."""
+    """``draft=None`` or ``window=0`` without a tree is plain decoding through the same path.
+    ``on_tokens`` sees each step's new tokens as they are verified (streaming, benchmarks)."""
     session = SpecSession(prompt_ids, max_tokens, draft.name if draft is not None else "none",
                           window, tree, eos_token_ids)
     generator = None if params.greedy else params.generator()
     while not session.done:
         ask = session.next_ask()
         proposal = Proposal.empty() if ask is None else propose(draft, session.context, ask, params, generator)
-        session.advance(target.verify(session.context, proposal, params, generator))
+        new = session.advance(target.verify(session.context, proposal, params, generator))
+        if on_tokens is not None:
+            on_tokens(new)
     return session.generation()

@@ -1,0 +1,35 @@
+"""AppConfig refuses configurations that could not serve, with the reason."""
+
+import pytest
+from pydantic import ValidationError
+
+from specserve.cluster.config import AppConfig, DraftSpec
+
+
+def test_defaults_are_the_reference_target_with_prompt_lookup():
+    config = AppConfig()
+    assert config.model_id == "smollm2-135m-instruct"
+    assert config.draft_names == ["prompt-lookup"] and config.default_draft == "prompt-lookup"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"default_draft": "ghost"}, "default_draft 'ghost' is not a configured draft"),
+    ({"drafts": [{"name": "prompt-lookup"}, {"name": "prompt-lookup"}]}, "draft names must be unique"),
+    ({"default_window": 17}, "less than or equal to 16"),
+    ({"surprise": 1}, "Extra inputs are not permitted"),
+])
+def test_bad_app_configs(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        AppConfig.model_validate(fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"name": "none"}, "cannot be named 'none'"),
+    ({"name": "auto"}, "cannot be named 'auto'"),
+    ({"name": "small"}, "needs a model"),
+    ({"name": "prompt-lookup", "model": "x"}, "is the model-free draft"),
+    ({"name": "Bad Name", "model": "x"}, "should match pattern"),
+])
+def test_bad_draft_specs(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        DraftSpec.model_validate(fields)

@@ -1,0 +1,309 @@
+"""End to end on a real local Ray cluster: `specserve up` with the reference target, prompt lookup
+and a real-weights draft LM (the target's first two layers) as separate deployments, a real
+redis-server, then HTTP through the unmodified `openai` client and gRPC through the generated stubs.
+
+Greedy output through the served path must equal the in-process target-only greedy output token
+for token (float32), whatever the draft, window or tree.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import pytest
+
+from specserve.cluster import local
+from specserve.cluster.redis_server import free_port
+from specserve.cluster.serve_config import local_serve_config
+from specserve.replicas.sampling import SamplingParams
+from specserve.router import specserve_pb2 as pb
+from specserve.router import specserve_pb2_grpc
+from specserve.router.engine import SpecEngine
+from specserve.router.session import speculative_generate
+from specserve.replicas.target import Target
+
+pytestmark = [pytest.mark.reference, pytest.mark.slow]
+
+MODEL = "smollm2-135m-instruct"
+DRAFT_LM = "first-2-layers"
+PROMPTS = [
+    "Summarise in one sentence: The quick brown fox jumps over the lazy dog. The dog did not react.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Repeat after me: the rain in Spain stays mainly in the plain.",
+]
+NEW_TOKENS = 24
+
+
+def _test_config(http_port: int, grpc_port: int, draft_path: str) -> dict:
+    config = local_serve_config(http_port, grpc_port)
+    app = config["applications"][0]
+    app["args"].update(dtype="float32", drafts=[{"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path}])
+    deployments = {d["name"]: d for d in app["deployments"]}
+    # The ingress scales out fast under a burst, so the autoscaling test sees it within seconds.
+    deployments["ingress"]["autoscaling_config"].update(
+        target_ongoing_requests=1, upscale_delay_s=0.5, metrics_interval_s=0.5, look_back_period_s=2,
+        downscale_delay_s=600)
+    app["deployments"].append({**deployments["draft-prompt-lookup"], "name": f"draft-{DRAFT_LM}",
+                               "ray_actor_options": {"num_cpus": 0.2}})
+    return config
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return SpecEngine.load(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def served(engine, tmp_path_factory):
+    """The whole stack, once for the module; `down` stops exactly what `up` started."""
+    home = tmp_path_factory.mktemp("specserve-home")
+    os.environ["SPECSERVE_HOME"] = str(home)
+    full = engine.loaded.model
+    config = full.config.__class__.from_dict({**full.config.to_dict(), "num_hidden_layers": 2})
+    small = type(full)(config).eval()
+    small.load_state_dict(full.state_dict(), strict=False)
+    draft_path = home / DRAFT_LM
+    small.save_pretrained(draft_path)
+    engine.tokenizer.save_pretrained(draft_path)
+    http_port, grpc_port = free_port(), free_port()
+    state = local.up(_test_config(http_port, grpc_port, str(draft_path)), http_port=http_port,
+                     grpc_port=grpc_port, timeout_s=900)
+    yield state
+    local.down()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        yield specserve_pb2_grpc.SpecServeStub(channel)
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """In-process target-only greedy output for each prompt, chat-rendered."""
+    target = Target(engine.loaded.model)
+    return [speculative_generate(target, None, engine.encode(p), NEW_TOKENS, SamplingParams(),
+                                 eos_token_ids=engine.loaded.eos_token_ids).token_ids for p in PROMPTS]
+
+
+def chat(client, prompt: str, spec: dict | None = None, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"spec": spec or {}, "return_token_ids": True}, **kwargs)
+
+
+def test_models_lists_the_target(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize("spec", [
+    {"draft": "none"},
+    {"draft": "prompt-lookup", "window": 4},
+    {"draft": DRAFT_LM, "window": 3},
+    {"draft": DRAFT_LM, "tree": {"depth": 3, "top_k": 2, "budget": 6}},
+    {"draft": "prompt-lookup", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
+], ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_served_greedy_equals_in_process_target_only(client, expected, spec):
+    accepted = 0
+    for prompt, want in zip(PROMPTS, expected):
+        out = chat(client, prompt, spec)
+        choice = out.choices[0]
+        assert choice.model_extra["token_ids"] == want, f"{spec} on {prompt!r}"
+        assert out.usage.completion_tokens == len(want)
+        assert out.model_extra["spec"]["draft"] == spec["draft"]
+        accepted += out.model_extra["spec"]["mean_accepted_len"] > 1.0
+    if spec["draft"] != "none":
+        assert accepted, f"{spec}: no step ever accepted a draft token, so the test proved nothing"
+
+
+def test_streaming_chat_equals_non_streaming(client):
+    whole = chat(client, PROMPTS[0], {"draft": "prompt-lookup"})
+    pieces, finish, usage, spec = [], None, None, None
+    for chunk in chat(client, PROMPTS[0], {"draft": "prompt-lookup"}, stream=True,
+                      stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+            spec = (chunk.model_extra or {}).get("spec") or spec
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert spec["steps"] == whole.model_extra["spec"]["steps"]
+
+
+def test_sse_stream_ends_with_done(served):
+    body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_completions_endpoint(client, engine):
+    prompt = "def add(a, b):\n    return"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    want = speculative_generate(Target(engine.loaded.model), None, engine.encode(prompt, chat=False), 12,
+                                SamplingParams(), eos_token_ids=engine.loaded.eos_token_ids).token_ids
+    assert out.choices[0].model_extra["token_ids"] == want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert streamed == out.choices[0].text
+
+
+def test_stop_string_ends_the_text(client):
+    full = chat(client, PROMPTS[2]).choices[0].message.content
+    cut = full.split()[2]
+    out = chat(client, PROMPTS[2], stop=[cut])
+    assert out.choices[0].message.content == full[: full.index(cut)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_repeatable(client):
+    def sample(seed):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=16, temperature=0.8,
+            top_p=0.95, seed=seed, extra_body={"spec": {"draft": DRAFT_LM, "window": 3}}).choices[0].message.content
+
+    assert sample(7) == sample(7)
+
+
+def grpc_request(prompt: str, **fields) -> pb.CompletionRequest:
+    return pb.CompletionRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content=prompt)],
+                                max_tokens=NEW_TOKENS, temperature=0, **fields)
+
+
+def test_grpc_unary_and_streaming_equal_the_target(stub, expected):
+    spec = pb.SpecOptions(draft="prompt-lookup", window=4)
+    out = stub.Complete(grpc_request(PROMPTS[0], spec=spec), timeout=300)
+    assert list(out.token_ids) == expected[0]
+    assert out.usage.completion_tokens == len(expected[0]) and out.spec.draft == "prompt-lookup"
+    chunks = list(stub.CompleteStream(grpc_request(PROMPTS[0], spec=spec), timeout=300))
+    assert [t for c in chunks for t in c.token_ids] == expected[0]
+    assert "".join(c.text for c in chunks) == out.text
+    assert chunks[-1].finish_reason == out.finish_reason and chunks[-1].spec.steps == out.spec.steps
+
+
+BAD_HTTP = [
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "spec": {"draft": "nope"}}, "spec.draft"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "spec": {"window": -2}}, "spec.window"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, "prompt"),
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+]
+
+
+def test_bad_http_input_is_a_400_with_openais_body_and_the_replicas_live_on(served, client):
+    before = local.app_status()["deployments"]
+    for path, body, param in BAD_HTTP:
+        response = httpx.post(served.http_url + path, json=body, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["param"] == param, (body, error)
+    response = httpx.post(served.http_url + "/v1/completions", content=b"{not json", timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    response = httpx.post(served.http_url + "/v1/completions", json={"model": "gpt-9", "prompt": "hi"}, timeout=60)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    # The openai client raises its own typed error for them.
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError, match="unknown draft"):
+        chat(client, "hi", {"draft": "nope"})
+    assert chat(client, PROMPTS[0]).choices[0].message.content, "the next good request must still be served"
+    after = local.app_status()["deployments"]
+    assert {n: d["replica_states"] for n, d in after.items()} == {n: d["replica_states"] for n, d in before.items()}
+
+
+@pytest.mark.parametrize("request_, code", [
+    (pb.CompletionRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.CompletionRequest(model=MODEL, prompt="hi", max_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.CompletionRequest(model=MODEL, prompt="hi", spec=pb.SpecOptions(draft="nope")), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.CompletionRequest(model=MODEL, prompt="hi", max_tokens=10**9), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.CompletionRequest(model="gpt-9", prompt="hi"), grpc.StatusCode.NOT_FOUND),
+])
+def test_bad_grpc_input(stub, request_, code):
+    for call in (stub.Complete, lambda r, timeout: list(stub.CompleteStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request_, timeout=60)
+        assert err.value.code() == code, err.value.details()
+        assert err.value.details()
+
+
+def test_cli_status_and_generate_on_the_server(served, expected):
+    env = {**os.environ, "SPECSERVE_HOME": os.environ["SPECSERVE_HOME"]}
+    result = subprocess.run([sys.executable, "-m", "specserve.cluster.cli", "status", "--json"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    deployments = report["application"]["deployments"]
+    assert {"ingress", "target", "draft-prompt-lookup", f"draft-{DRAFT_LM}"} <= set(deployments)
+    assert all(d["status"] == "HEALTHY" and d["replicas"] >= 1 for d in deployments.values())
+    assert report["redis"]["up"] and report["redis"]["pid"]
+    assert report["http"].endswith("/v1") and report["grpc"] and report["dashboard"]
+    for server in (served.http_url, f"grpc://{served.grpc_address}"):
+        result = subprocess.run(
+            [sys.executable, "-m", "specserve.cluster.cli", "generate", PROMPTS[0], "--json", "--server", server,
+             "--max-tokens", str(NEW_TOKENS), "--draft", "prompt-lookup", "--window", "4"],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["token_ids"] == expected[0], server
+
+
+def test_a_draft_replica_that_dies_mid_request_costs_speed_not_the_request(served, client, expected):
+    import ray
+
+    def kill_draft_replicas():
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if f"#draft-{DRAFT_LM}#" in actor["name"]:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+
+    stream = chat(client, PROMPTS[1], {"draft": DRAFT_LM, "window": 2}, stream=True)
+    first = next(iter(stream))
+    kill_draft_replicas()
+    text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat(client, PROMPTS[1], {"draft": "none"}).choices[0].message.content
+    local.wait_healthy(served.app_name, timeout_s=300)
+
+
+def test_a_burst_scales_the_ingress_out(served, client):
+    def one(i):
+        return chat(client, PROMPTS[i % len(PROMPTS)], {"draft": "prompt-lookup"}).usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        burst = [pool.submit(one, i) for i in range(8)]
+        deadline = time.monotonic() + 120
+        replicas = 1
+        while replicas < 2 and time.monotonic() < deadline:
+            replicas = local.app_status()["deployments"]["ingress"]["replica_states"].get("RUNNING", 0)
+            time.sleep(0.5)
+        assert all(f.result() > 0 for f in burst), "every request of the burst must be served"
+    assert replicas == 2, "8 concurrent requests at target_ongoing_requests=1 should scale the ingress to 2"

@@ -1,0 +1,74 @@
+"""SessionPool: a request keeps its cache between steps, new requests reuse the idle cache with
+the longest shared prefix, and abandoned sessions come back after the stale timeout."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from specserve.replicas.session_pool import SessionPool
+
+
+@dataclass
+class FakeSession:
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Holder:
+    """Stands in for a Target or DraftLM: the pool only reads ``.session.tokens``."""
+
+    session: FakeSession = field(default_factory=FakeSession)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_session_keeps_its_holder_until_released():
+    pool = SessionPool(Holder, keep_idle=2)
+    a = pool.acquire("a", [1, 2])
+    assert pool.acquire("a", [1, 2, 3]) is a
+    assert pool.acquire("b", [1, 2]) is not a      # a is busy: b gets its own
+    assert pool.busy == 2
+    pool.release("a")
+    assert pool.busy == 1 and len(pool) == 2
+
+
+def test_new_session_takes_the_idle_cache_with_the_longest_common_prefix():
+    pool = SessionPool(Holder, keep_idle=4)
+    short, long_ = pool.acquire("s", []), pool.acquire("l", [])
+    short.session.tokens = [1, 2, 9]
+    long_.session.tokens = [1, 2, 3, 4]
+    pool.release("s")
+    pool.release("l")
+    # [1, 2, 3, 4, 5] shares 4 tokens with long_, 2 with short.
+    assert pool.acquire("next", [1, 2, 3, 4, 5]) is long_
+    assert pool.acquire("other", [7]) is short      # no prefix shared: the remaining idle one
+
+
+def test_idle_caches_beyond_keep_idle_are_dropped_oldest_first():
+    pool = SessionPool(Holder, keep_idle=1)
+    first, second = pool.acquire("1", []), pool.acquire("2", [])
+    pool.release("1")
+    pool.release("2")
+    assert len(pool) == 1
+    assert pool.acquire("3", []) is second
+
+
+def test_abandoned_sessions_are_reclaimed_after_the_stale_timeout():
+    clock = Clock()
+    pool = SessionPool(Holder, keep_idle=4, stale_after_s=10, clock=clock)
+    lost = pool.acquire("lost", [5])      # its caller died without release()
+    clock.now = 11
+    # Any acquire first sweeps stale sessions, so the next request reuses the abandoned cache.
+    assert pool.acquire("new", [6]) is lost
+    assert pool.busy == 1
+
+
+def test_keep_idle_must_not_be_negative():
+    with pytest.raises(ValueError, match="keep_idle must be >= 0"):
+        SessionPool(Holder, keep_idle=-1)
