@@ -1,4 +1,4 @@
-"""The Serve application builder: ingress -> target -> one deployment per draft.
+"""The Serve application builder: ingress -> target -> one deployment per draft (or colocated drafts).
 
     serve run specserve.cluster.app:build_app            # defaults: the reference models
     serve run deploy/serve.yaml                          # the same builder, args and deployments from YAML
@@ -13,7 +13,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
-from specserve.replicas.draft_deployment import DraftDeployment
+from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
 from specserve.router.ingress import Ingress
 
@@ -27,8 +27,9 @@ SESSION_AFFINITY = RequestRouterConfig(
 
 def build_app(args: AppConfig) -> Application:
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
+    # A colocated draft is built inside each target replica from its spec; the others are deployments.
     drafts = {
-        spec.name: DraftDeployment.options(
+        spec.name: spec.model_dump() if spec.colocated else DraftDeployment.options(
             name=draft_deployment(spec.name), request_router_config=SESSION_AFFINITY
         ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle)
         for spec in config.drafts

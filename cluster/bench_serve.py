@@ -3,7 +3,10 @@
 Configurations, all on the same ShareGPT chat prompts, greedy, chat-rendered:
 
 - ``serve-target-only``: the deployed application with ``spec.draft = "none"``, plain decoding;
-- ``serve-spec``: the same deployment with a fixed draft and window (default prompt lookup, γ = 4);
+- ``serve-spec``: the same deployment with a fixed draft and window (default prompt lookup, γ = 4),
+  the draft in its own deployment (one handle call per step);
+- ``serve-spec-colocated``: the same draft inside the target replica (no call), when the server
+  has a draft named ``<draft>-colocated`` (the local stack the benchmark brings up does);
 - ``in-process-spec``: the in-process engine with that draft and window, one stream (it is the
   floor of what the served path can cost, so it runs at concurrency 1 only).
 
@@ -32,6 +35,7 @@ from pathlib import Path
 import httpx
 
 from specserve.cluster.bench_engine import machine_info
+from specserve.cluster.config import PROMPT_LOOKUP
 from specserve.cluster.prompts import load_prompts
 
 BENCH_CATEGORY = "chat"   # ShareGPT first turns: the serving-benchmark standard
@@ -60,14 +64,23 @@ class RequestRecord:
     output_tokens: int = 0
     steps: int = 0
     mean_accepted_len: float = 0.0
+    draft_s: float = 0.0    # inside the step loop: waiting for proposals ...
+    verify_s: float = 0.0   # ... and verifying them (the rest of a request's time is transport)
 
 
-def configs_for(draft: str, window: int) -> list[ServeBenchConfig]:
-    return [
+def colocated_name(draft: str) -> str:
+    return f"{draft}-colocated"
+
+
+def configs_for(draft: str, window: int, served_drafts: list[str]) -> list[ServeBenchConfig]:
+    configs = [
         ServeBenchConfig("serve-target-only", "serve", "none", 0),
         ServeBenchConfig("serve-spec", "serve", draft, window),
         ServeBenchConfig("in-process-spec", "in-process", draft, window),
     ]
+    if colocated_name(draft) in served_drafts:   # the same draft inside the target replica: no hop
+        configs.insert(2, ServeBenchConfig("serve-spec-colocated", "serve", colocated_name(draft), window))
+    return configs
 
 
 # --- one request ---------------------------------------------------------------------------
@@ -99,9 +112,12 @@ async def http_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                     else:
                         record.chunk_gaps_s.append(now - last)
                     last = now
-                if chunk.get("spec"):
-                    record.steps = chunk["spec"]["steps"]
-                    record.mean_accepted_len = chunk["spec"]["mean_accepted_len"]
+                spec = chunk.get("spec")
+                if spec:
+                    record.steps = spec["steps"]
+                    record.mean_accepted_len = spec["mean_accepted_len"]
+                    record.draft_s = spec["draft_ms_per_step"] * spec["steps"] / 1e3
+                    record.verify_s = spec["verify_ms_per_step"] * spec["steps"] / 1e3
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"]["completion_tokens"]
         record.latency_s = time.perf_counter() - start
@@ -132,6 +148,7 @@ def in_process_request(engine, prompt_ids: list[int], config: ServeBenchConfig, 
     record.output_tokens = len(gen.token_ids)
     record.steps = gen.stats.steps
     record.mean_accepted_len = gen.stats.mean_accepted_len
+    record.draft_s, record.verify_s = gen.stats.draft_s, gen.stats.verify_s
     record.ok = True
 
 
@@ -186,23 +203,24 @@ def summarise(records: list[RequestRecord], duration_s: float) -> dict:
         "tpot_ms": stats_ms(tpot),
         "itl_ms": stats_ms([g for r in ok for g in r.chunk_gaps_s]),
         "ms_per_step": round(1e3 * sum(r.latency_s for r in ok) / steps, 2) if steps else None,
+        "draft_ms_per_step": round(1e3 * sum(r.draft_s for r in ok) / steps, 2) if steps else None,
+        "verify_ms_per_step": round(1e3 * sum(r.verify_s for r in ok) / steps, 2) if steps else None,
         "mean_accepted_len": round(tokens / steps, 3) if steps else None,
     }
 
 
-def step_overhead(records: list[RequestRecord]) -> dict:
-    """serve-spec vs in-process-spec at concurrency 1, paired by prompt."""
+def step_overhead(records: list[RequestRecord], served: str) -> dict:
+    """A served configuration vs in-process-spec at concurrency 1, paired by prompt."""
     by = {(r.config, r.prompt_index): r for r in records if r.ok and r.concurrency == 1}
-    pairs = [(by[("serve-spec", i)], by[("in-process-spec", i)]) for (c, i) in by
-             if c == "serve-spec" and ("in-process-spec", i) in by]
+    pairs = [(by[(served, i)], by[("in-process-spec", i)]) for (c, i) in by
+             if c == served and ("in-process-spec", i) in by]
     if not pairs:
         return {}
-    served = sum(s.latency_s for s, _ in pairs) / sum(s.steps for s, _ in pairs)
-    inproc = sum(p.latency_s for _, p in pairs) / sum(p.steps for _, p in pairs)
-    same_steps = sum(s.steps == p.steps for s, p in pairs)
-    return {"served_ms_per_step": round(1e3 * served, 2), "in_process_ms_per_step": round(1e3 * inproc, 2),
-            "step_overhead_vs_in_process": round(served / inproc - 1, 4), "prompts": len(pairs),
-            "prompts_with_equal_steps": same_steps}
+    served_s = sum(s.latency_s for s, _ in pairs) / sum(s.steps for s, _ in pairs)
+    inproc_s = sum(p.latency_s for _, p in pairs) / sum(p.steps for _, p in pairs)
+    return {"served_ms_per_step": round(1e3 * served_s, 2), "in_process_ms_per_step": round(1e3 * inproc_s, 2),
+            "step_overhead_vs_in_process": round(served_s / inproc_s - 1, 4), "prompts": len(pairs),
+            "prompts_with_equal_steps": sum(s.steps == p.steps for s, p in pairs)}
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -217,7 +235,6 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
     if not rates or min(rates) <= 0:
         raise ValueError(f"--rates needs numbers > 0 (or inf), got {rates}")
     prompts = load_prompts(BENCH_CATEGORY, prompts_n)
-    configs = configs_for(draft, window)
 
     from specserve.cluster import local
     from specserve.cluster.serve_config import local_serve_config
@@ -226,11 +243,16 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
     started = server is None
     if started:
         serve_config = local_serve_config()
-        serve_config["applications"][0]["args"]["dtype"] = dtype
+        args = serve_config["applications"][0]["args"]
+        args["dtype"] = dtype
+        if draft == PROMPT_LOOKUP:
+            args["drafts"] = [{"name": PROMPT_LOOKUP}, {"name": colocated_name(PROMPT_LOOKUP), "colocated": True}]
         print("bringing the local stack up (specserve up)...", flush=True)
         server = local.up(serve_config).http_url
     try:
-        model = httpx.get(f"{server}/v1/models", timeout=60).json()["data"][0]["id"]
+        listed = httpx.get(f"{server}/v1/models", timeout=60).json()["data"][0]
+        model = listed["id"]
+        configs = configs_for(draft, window, listed.get("drafts", []))
         engine = SpecEngine.load(dtype=dtype)
         prompt_ids = [engine.encode(p) for p in prompts]
         machine = machine_info()
@@ -238,8 +260,11 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         runs: list[dict] = []
 
         # Warm-up: the first calls through Serve's handles and the first forwards are slow.
-        asyncio.run(load_run(server, model, prompts[:1], configs[1], 1, math.inf, 8))
-        in_process_request(engine, prompt_ids[0], configs[2], 8, RequestRecord("warmup", 1, math.inf, 0))
+        for config in configs:
+            if config.backend == "serve":
+                asyncio.run(load_run(server, model, prompts[:1], config, 1, math.inf, 8))
+            else:
+                in_process_request(engine, prompt_ids[0], config, 8, RequestRecord("warmup", 1, math.inf, 0))
 
         # Concurrency 1: every request runs alone (so the arrival rate changes nothing), and the
         # configurations take turns prompt by prompt.
@@ -284,19 +309,19 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "category": BENCH_CATEGORY,
                  "max_tokens": max_tokens, "draft": draft, "window": window, "concurrencies": concurrencies,
                  "rates": [_rate(r) for r in rates], "machine": machine, "load_avg_1m_after": machine_info()["load_avg_1m"]},
-        "overhead": step_overhead(records),
+        "overhead": {c.name: step_overhead(records, c.name) for c in configs
+                     if c.backend == "serve" and c.draft != "none"},
         "runs": runs,
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
-    overhead = result["overhead"]
-    note = f"\nserved per-step overhead at concurrency 1: {100 * overhead['step_overhead_vs_in_process']:+.1f}%" if overhead else ""
-    plot(runs, {**result["meta"], "overhead_text": note}, plot_path)
+    lines = [f"{name}: {100 * o['step_overhead_vs_in_process']:+.1f}% per step vs in-process "
+             f"({o['served_ms_per_step']} vs {o['in_process_ms_per_step']} ms/step, {o['prompts']} prompts)"
+             for name, o in result["overhead"].items() if o]
+    plot(runs, {**result["meta"], "overhead_text": "\n" + "; ".join(lines)}, plot_path)
     print(format_table(runs))
-    if result["overhead"]:
-        o = result["overhead"]
-        print(f"\nper-step overhead of the served path at concurrency 1: {100 * o['step_overhead_vs_in_process']:+.1f}% "
-              f"({o['served_ms_per_step']} vs {o['in_process_ms_per_step']} ms/step, {o['prompts']} prompts)")
+    if lines:
+        print("\nconcurrency 1, served path against the in-process engine:\n  " + "\n  ".join(lines))
     print(f"\nwrote {json_path} and {plot_path}")
     return result
 
@@ -307,8 +332,8 @@ def _rate(rate: float) -> float | str:
 
 
 def format_table(runs: list[dict]) -> str:
-    header = (f"{'config':18s} {'conc':>4s} {'rate':>5s} {'ok':>4s} {'fail':>4s} {'out tok/s':>9s} "
-              f"{'TTFT p50':>9s} {'TPOT p50':>9s} {'ITL p50':>8s} {'ms/step':>8s} {'τ':>5s}")
+    header = (f"{'config':21s} {'conc':>4s} {'rate':>5s} {'ok':>4s} {'fail':>4s} {'out tok/s':>9s} "
+              f"{'TTFT p50':>9s} {'TPOT p50':>9s} {'ITL p50':>8s} {'ms/step':>8s} {'draft':>6s} {'verify':>6s} {'τ':>5s}")
     lines = [header, "-" * len(header)]
     for r in runs:
         def ms(key):
@@ -316,9 +341,9 @@ def format_table(runs: list[dict]) -> str:
             return f"{value:.1f}" if value is not None else "-"
         tau = f"{r['mean_accepted_len']:.2f}" if r["mean_accepted_len"] else "-"
         step = f"{r['ms_per_step']:.1f}" if r["ms_per_step"] else "-"
-        lines.append(f"{r['config']:18s} {r['concurrency']:4d} {str(r['rate']):>5s} {r['completed']:4d} {r['failed']:4d} "
+        lines.append(f"{r['config']:21s} {r['concurrency']:4d} {str(r['rate']):>5s} {r['completed']:4d} {r['failed']:4d} "
                      f"{r['output_tokens_per_s']:9.2f} {ms('ttft_ms'):>9s} {ms('tpot_ms'):>9s} {ms('itl_ms'):>8s} "
-                     f"{step:>8s} {tau:>5s}")
+                     f"{step:>8s} {r['draft_ms_per_step'] or 0:6.1f} {r['verify_ms_per_step'] or 0:6.1f} {tau:>5s}")
     return "\n".join(lines)
 
 
@@ -340,8 +365,11 @@ def plot(runs: list[dict], meta: dict, path: Path) -> None:
         marker = "s" if label.startswith("in-process") else "o"
         ax_tps.plot(xs, [r["output_tokens_per_s"] for r in rows], marker=marker, label=label)
         ax_tpot.plot(xs, [r["tpot_ms"]["median"] or 0 for r in rows], marker=marker, label=label)
+    levels = sorted({r["concurrency"] for r in runs})
     for ax, ylabel in ((ax_tps, "output tokens / s"), (ax_tpot, "median TPOT (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.minorticks_off()
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

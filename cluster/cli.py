@@ -13,6 +13,9 @@ import typer
 # Nothing in specserve may reach a model hub; set before transformers is imported anywhere.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Ray 2.60 reads its authentication mode once, when ray is first imported; specserve's clusters
+# keep Ray's token authentication on.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 app = typer.Typer(
     help="specserve: speculative-decoding LLM serving on Ray Serve.",

@@ -19,7 +19,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-# Ray 2.60's CLI and REST clients send the cluster's token only in token mode.
+# Ray 2.60 reads its authentication mode once, when ray is first imported: set it before that
+# (the CLI and the tests import this module first). Calls that must work whatever the import
+# order (the ray CLI, the dashboard's REST API) get the mode or the token passed explicitly.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from specserve.cluster.redis_server import RedisServer, free_port, ping  # noqa: E402
@@ -64,20 +66,28 @@ def _ray_cli() -> str:
     return shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
 
 
+def _ray(*args: str, timeout_s: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    return subprocess.run([_ray_cli(), *args], capture_output=True, text=True, timeout=timeout_s, env=env, check=check)
+
+
+def auth_token() -> str | None:
+    """The cluster token, where Ray itself looks: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH", Path.home() / ".ray" / "auth_token")).expanduser()
+    return path.read_text().strip() if path.exists() else None
+
+
 def _ray_running() -> bool:
-    result = subprocess.run([_ray_cli(), "status"], capture_output=True, text=True, timeout=60)
-    return result.returncode == 0
+    return _ray("status", timeout_s=60).returncode == 0
 
 
 def _start_ray(metrics_port: int) -> None:
-    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
-            or (Path.home() / ".ray" / "auth_token").exists()):
-        subprocess.run([_ray_cli(), "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
-    result = subprocess.run(
-        [_ray_cli(), "start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
-         "--metrics-export-port", str(metrics_port), "--disable-usage-stats"],
-        capture_output=True, text=True, timeout=300,
-    )
+    if auth_token() is None:
+        _ray("get-auth-token", "--generate", timeout_s=60, check=True)
+    result = _ray("start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
+                  "--metrics-export-port", str(metrics_port), "--disable-usage-stats", timeout_s=300)
     if result.returncode != 0:
         raise RuntimeError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
 
@@ -85,7 +95,9 @@ def _start_ray(metrics_port: int) -> None:
 def deploy(config: dict, dashboard_url: str) -> None:
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
-    ServeSubmissionClient(dashboard_url).deploy_applications(config)
+    token = auth_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    ServeSubmissionClient(dashboard_url, headers=headers).deploy_applications(config)
 
 
 def app_status(app_name: str = APP_NAME) -> dict:
@@ -110,9 +122,15 @@ def app_status(app_name: str = APP_NAME) -> dict:
 
 def connect() -> None:
     import ray
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
 
-    if not ray.is_initialized():
-        ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    if ray.is_initialized():
+        return
+    if not is_token_auth_enabled() and auth_token() is not None:
+        raise RuntimeError("ray was imported before RAY_AUTH_MODE=token was set, so this process cannot join the "
+                           "token-authenticated cluster: import specserve.cluster.local before ray, or export "
+                           "RAY_AUTH_MODE=token")
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
 
 
 def wait_healthy(app_name: str, timeout_s: float, on_progress: Callable[[dict], None] = lambda s: None) -> dict:
@@ -190,7 +208,7 @@ def down() -> list[str]:
     if ray.is_initialized():   # leave the cluster before stopping it, or its raylet dies under us
         ray.shutdown()
     if state.ray_started:
-        subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True, timeout=120)
+        _ray("stop", "--force")
         stopped.append("ray (started by specserve)")
     elif _ray_running():
         from ray import serve

@@ -107,6 +107,9 @@ class SpecStats:
     # Σ 1[n < max_depth]: steps where the chain broke, the denominator term of paper 003 Eq. 2.
     rejections: int = 0
     windows: list[int] = field(default_factory=list)
+    # Wall time spent waiting for proposals and in verification: where a step's time goes.
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     def record(self, result: StepResult) -> None:
         self.steps += 1
@@ -131,4 +134,6 @@ class SpecStats:
             "mean_accepted_len": round(self.mean_accepted_len, 4),
             "acceptance_rate": round(self.acceptance_rate, 4),
             "windows": list(self.windows),
+            "draft_ms_per_step": round(1e3 * self.draft_s / self.steps, 3) if self.steps else 0.0,
+            "verify_ms_per_step": round(1e3 * self.verify_s / self.steps, 3) if self.steps else 0.0,
         }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +21,7 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.session_pool import SessionPool
 from specserve.replicas.step import Proposal
@@ -29,19 +31,43 @@ from specserve.router.session import SpecRequest, SpecSession
 logger = logging.getLogger("ray.serve")
 
 
+class _LocalCall:
+    def __init__(self, method):
+        self._method = method
+
+    def remote(self, *args) -> asyncio.Future:
+        return asyncio.ensure_future(self._method(*args))
+
+
+class ColocatedDraft:
+    """A DraftServer inside this replica, called like a deployment handle (``.propose.remote``)."""
+
+    def __init__(self, server: DraftServer):
+        self.propose = _LocalCall(server.propose)
+        self.release = _LocalCall(server.release)
+
+    def options(self, **_) -> "ColocatedDraft":
+        return self
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16, health_check_period_s=10)
 class TargetDeployment:
-    def __init__(self, model: str, drafts: dict[str, DeploymentHandle], dtype: str = "auto",
+    def __init__(self, model: str, drafts: dict[str, DeploymentHandle | dict], dtype: str = "auto",
                  torch_threads: int | None = None, kv_sessions_idle: int = 4):
+        """``drafts``: a handle per draft deployment, or the ``DraftSpec`` fields of a colocated draft."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.loaded = load_causal_lm(model, dtype=dtype)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
-        self.drafts = drafts
         self.pool = SessionPool(lambda: Target(self.loaded.model), keep_idle=kv_sessions_idle)
         # One forward at a time: concurrent requests interleave step by step instead of
-        # oversubscribing the cores, and the event loop stays free.
+        # oversubscribing the cores, and the event loop stays free. Colocated drafts share it.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="target")
+        self.drafts = {
+            name: ColocatedDraft(DraftServer(name, d["model"], dtype, kv_sessions_idle=kv_sessions_idle,
+                                             worker=self._worker)) if isinstance(d, dict) else d
+            for name, d in drafts.items()
+        }
         logger.info("target %s ready on %s (%s, %d threads), drafts: %s", model, self.loaded.model.device,
                     self.loaded.model.dtype, torch.get_num_threads(), ", ".join(drafts) or "none")
 
@@ -63,9 +89,11 @@ class TargetDeployment:
         generator = None if params.greedy else params.generator()
         target = await self._on_worker(self.pool.acquire, request.session_id, request.prompt_ids)
         try:
+            stats = session.stats
             while not session.done:
                 ask = session.next_ask()
                 proposal = Proposal.empty()
+                t0 = time.perf_counter()
                 if ask is not None:
                     try:
                         proposal = await draft.propose.remote(request.session_id, session.context, ask, params)
@@ -73,7 +101,10 @@ class TargetDeployment:
                         logger.warning("draft %s failed (%s: %s); session %s goes on without speculation",
                                        request.draft, type(err).__name__, err, request.session_id)
                         session.stop_speculating()
+                t1 = time.perf_counter()
                 result = await self._on_worker(target.verify, session.context, proposal, params, generator)
+                stats.draft_s += t1 - t0
+                stats.verify_s += time.perf_counter() - t1
                 item = {"token_ids": session.advance(result)}
                 if session.done:
                     item.update(finish_reason=session.finish_reason, spec=session.stats.summary())

@@ -15,6 +15,7 @@ The window or tree shape is fixed per request for now; the adaptive policies of
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,10 +144,16 @@ def speculative_generate(
     session = SpecSession(prompt_ids, max_tokens, draft.name if draft is not None else "none",
                           window, tree, eos_token_ids)
     generator = None if params.greedy else params.generator()
+    stats = session.stats
     while not session.done:
         ask = session.next_ask()
+        t0 = time.perf_counter()
         proposal = Proposal.empty() if ask is None else propose(draft, session.context, ask, params, generator)
-        new = session.advance(target.verify(session.context, proposal, params, generator))
+        t1 = time.perf_counter()
+        result = target.verify(session.context, proposal, params, generator)
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+        new = session.advance(result)
         if on_tokens is not None:
             on_tokens(new)
     return session.generation()

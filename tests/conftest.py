@@ -5,6 +5,8 @@ from pathlib import Path
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Ray 2.60 reads its authentication mode once, at import; the local cluster runs with tokens.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 # tests/ holds shared helpers (tiny_models.py) imported by plain name.
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -26,7 +26,6 @@ def test_bad_app_configs(fields, message):
 @pytest.mark.parametrize("fields, message", [
     ({"name": "none"}, "cannot be named 'none'"),
     ({"name": "auto"}, "cannot be named 'auto'"),
-    ({"name": "small"}, "needs a model"),
     ({"name": "prompt-lookup", "model": "x"}, "is the model-free draft"),
     ({"name": "Bad Name", "model": "x"}, "should match pattern"),
 ])

@@ -44,7 +44,9 @@ NEW_TOKENS = 24
 def _test_config(http_port: int, grpc_port: int, draft_path: str) -> dict:
     config = local_serve_config(http_port, grpc_port)
     app = config["applications"][0]
-    app["args"].update(dtype="float32", drafts=[{"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path}])
+    app["args"].update(dtype="float32", drafts=[
+        {"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path},
+        {"name": "lookup-in-target", "colocated": True}])   # prompt lookup inside the target replica
     deployments = {d["name"]: d for d in app["deployments"]}
     # The ingress scales out fast under a burst, so the autoscaling test sees it within seconds.
     deployments["ingress"]["autoscaling_config"].update(
@@ -116,6 +118,7 @@ def test_models_lists_the_target(client):
     {"draft": DRAFT_LM, "window": 3},
     {"draft": DRAFT_LM, "tree": {"depth": 3, "top_k": 2, "budget": 6}},
     {"draft": "prompt-lookup", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
+    {"draft": "lookup-in-target", "window": 4},
 ], ids=lambda s: "-".join(str(v) for v in s.values()))
 def test_served_greedy_equals_in_process_target_only(client, expected, spec):
     accepted = 0
