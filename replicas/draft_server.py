@@ -14,16 +14,12 @@ session's KV cache between steps (``SessionPool``), so a step feeds only the tok
 lacks. Any replica can serve any call, since the cache is rebuilt from the tokens; the target
 routes a session's calls to one replica by session id only to save that rebuild.
 
-Model work runs on one worker thread: forwards of concurrent sessions queue instead of fighting
-over the cores (two torch forwards on two cores made each 5-80x slower here), and the event
-loop stays free for health checks and other calls.
+Model work runs on one ``ModelWorker`` thread, which the health check watches.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from ray import serve
@@ -31,6 +27,7 @@ from ray import serve
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import load_causal_lm
+from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.session_pool import SessionPool
 from specserve.replicas.step import Proposal
@@ -41,12 +38,12 @@ logger = logging.getLogger("ray.serve")
 
 class DraftServer:
     def __init__(self, name: str, model: str | None, dtype: str = "auto", torch_threads: int | None = None,
-                 kv_sessions_idle: int = 4, worker: ThreadPoolExecutor | None = None):
+                 kv_sessions_idle: int = 4, worker: ModelWorker | None = None):
         """``worker``: the thread model work runs on; a colocated draft shares the target's."""
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.name = name
-        self._worker = worker or ThreadPoolExecutor(1, thread_name_prefix=f"draft-{name}")
+        self._worker = worker or ModelWorker(f"draft-{name}")
         self._generators: dict[str, torch.Generator] = {}
         if model is None:
             self._lookup: PromptLookupDraft | None = PromptLookupDraft()
@@ -61,9 +58,7 @@ class DraftServer:
                       params: SamplingParams) -> Proposal:
         if self._lookup is not None:   # an n-gram search: cheaper than a thread hand-off
             return propose(self._lookup, context, ask, params, None)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._worker, self._propose_lm, session_id, context, ask, params
-        )
+        return await self._worker.run(self._propose_lm, session_id, context, ask, params)
 
     def _propose_lm(self, session_id: str, context: list[int], ask: ProposeRequest,
                     params: SamplingParams) -> Proposal:
@@ -81,7 +76,10 @@ class DraftServer:
         """The session ended: its KV cache becomes an idle prefix cache."""
         self._generators.pop(session_id, None)
         if self.pool is not None:
-            await asyncio.get_running_loop().run_in_executor(self._worker, self.pool.release, session_id)
+            await self._worker.run(self.pool.release, session_id)
+
+    def check_health(self) -> None:
+        self._worker.check()
 
 
 DraftDeployment = serve.deployment(

@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from ray import serve
@@ -23,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
+from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.session_pool import SessionPool
 from specserve.replicas.step import Proposal
 from specserve.replicas.target import Target
@@ -62,7 +62,7 @@ class TargetDeployment:
         self.pool = SessionPool(lambda: Target(self.loaded.model), keep_idle=kv_sessions_idle)
         # One forward at a time: concurrent requests interleave step by step instead of
         # oversubscribing the cores, and the event loop stays free. Colocated drafts share it.
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="target")
+        self._worker = ModelWorker("target")
         self.drafts = {
             name: ColocatedDraft(DraftServer(name, d["model"], dtype, kv_sessions_idle=kv_sessions_idle,
                                              worker=self._worker)) if isinstance(d, dict) else d
@@ -70,9 +70,6 @@ class TargetDeployment:
         }
         logger.info("target %s ready on %s (%s, %d threads), drafts: %s", model, self.loaded.model.device,
                     self.loaded.model.dtype, torch.get_num_threads(), ", ".join(drafts) or "none")
-
-    async def _on_worker(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
 
     async def generate(self, request: SpecRequest) -> AsyncIterator[dict]:
         """Yields ``{"token_ids": [...]}`` per step; the last item also carries ``finish_reason``
@@ -87,7 +84,7 @@ class TargetDeployment:
             draft = draft.options(session_id=request.session_id)
         params = request.params
         generator = None if params.greedy else params.generator()
-        target = await self._on_worker(self.pool.acquire, request.session_id, request.prompt_ids)
+        target = await self._worker.run(self.pool.acquire, request.session_id, request.prompt_ids)
         try:
             stats = session.stats
             while not session.done:
@@ -102,7 +99,7 @@ class TargetDeployment:
                                        request.draft, type(err).__name__, err, request.session_id)
                         session.stop_speculating()
                 t1 = time.perf_counter()
-                result = await self._on_worker(target.verify, session.context, proposal, params, generator)
+                result = await self._worker.run(target.verify, session.context, proposal, params, generator)
                 stats.draft_s += t1 - t0
                 stats.verify_s += time.perf_counter() - t1
                 item = {"token_ids": session.advance(result)}
@@ -110,9 +107,12 @@ class TargetDeployment:
                     item.update(finish_reason=session.finish_reason, spec=session.stats.summary())
                 yield item
         finally:
-            await self._on_worker(self.pool.release, request.session_id)
+            await self._worker.run(self.pool.release, request.session_id)
             if draft is not None:
                 draft.release.remote(request.session_id)   # fire and forget: only frees a cache
+
+    def check_health(self) -> None:
+        self._worker.check()
 
     def stats(self) -> dict:
         return {"sessions_busy": self.pool.busy, "sessions_cached": len(self.pool),
