@@ -192,8 +192,8 @@ def test_seeded_sampling_is_repeatable(client):
 
 
 def grpc_request(prompt: str, **fields) -> pb.CompletionRequest:
-    return pb.CompletionRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content=prompt)],
-                                max_tokens=NEW_TOKENS, temperature=0, **fields)
+    fields = {"max_tokens": NEW_TOKENS, "temperature": 0, **fields}
+    return pb.CompletionRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content=prompt)], **fields)
 
 
 def test_grpc_unary_and_streaming_equal_the_target(stub, expected):
@@ -259,6 +259,18 @@ def test_bad_grpc_input(stub, request_, code):
             call(request_, timeout=60)
         assert err.value.code() == code, err.value.details()
         assert err.value.details()
+
+
+def test_a_passed_deadline_or_a_client_that_hangs_up_costs_nothing_else(served, stub, client, expected):
+    long_request = grpc_request(PROMPTS[1], max_tokens=200)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Complete(long_request, timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=300) as response:
+        next(response.iter_lines())          # the stream has started; now hang up
+    out = stub.Complete(grpc_request(PROMPTS[0], spec=pb.SpecOptions(draft="prompt-lookup")), timeout=300)
+    assert list(out.token_ids) == expected[0]
 
 
 def test_cli_status_and_generate_on_the_server(served, expected):
