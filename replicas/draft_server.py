@@ -35,6 +35,9 @@ from specserve.router.session import ProposeRequest, propose
 
 logger = logging.getLogger("ray.serve")
 
+# Seeded generators of sampled sessions in flight; far more than a replica serves at once.
+MAX_GENERATORS = 4096
+
 
 class DraftServer:
     def __init__(self, name: str, model: str | None, dtype: str = "auto", torch_threads: int | None = None,
@@ -69,6 +72,9 @@ class DraftServer:
             # rejection test corrects for q); a per-session seed only makes runs repeatable.
             generator = self._generators.get(session_id)
             if generator is None:
+                # Bounded: a target that died never calls release(); its entry ages out here.
+                while len(self._generators) >= MAX_GENERATORS:
+                    self._generators.pop(next(iter(self._generators)))
                 generator = self._generators[session_id] = params.generator()
         return propose(draft, context, ask, params, generator)
 

@@ -118,10 +118,8 @@ class Ingress:
             raise OpenAIError(f"The model `{req.model}` does not exist; this server serves `{self.model_id}`.",
                               status=404, param="model", code="model_not_found")
         prompt_ids = self._prompt_ids(req)
-        if isinstance(req, ChatCompletionRequest):
-            max_tokens, param = req.token_limit, "max_tokens"
-        else:
-            max_tokens, param = req.max_tokens, "max_tokens"
+        is_chat = isinstance(req, ChatCompletionRequest)
+        max_tokens = req.token_limit if is_chat else req.max_tokens
         if self.max_context:
             room = self.max_context - len(prompt_ids)
             if room < 1 or (max_tokens is not None and max_tokens > room):
@@ -129,7 +127,7 @@ class Ingress:
                     f"This model's maximum context length is {self.max_context} tokens. However, you requested "
                     f"{len(prompt_ids) + (max_tokens or 1)} tokens ({len(prompt_ids)} in the prompt, "
                     f"{max_tokens or 1} for the completion). Shorten the prompt or lower max_tokens.",
-                    param=param if room >= 1 else ("messages" if isinstance(req, ChatCompletionRequest) else "prompt"),
+                    param="max_tokens" if room >= 1 else ("messages" if is_chat else "prompt"),
                     code="context_length_exceeded",
                 )
             max_tokens = max_tokens or room

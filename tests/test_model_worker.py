@@ -4,16 +4,9 @@ import asyncio
 import threading
 
 import pytest
+from manual_clock import ManualClock
 
 from specserve.replicas.model_worker import ModelWorker
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_work_runs_on_one_thread_off_the_event_loop():
@@ -27,7 +20,7 @@ def test_work_runs_on_one_thread_off_the_event_loop():
 
 
 def test_health_fails_only_while_one_call_runs_too_long():
-    clock = Clock()
+    clock = ManualClock()
     worker = ModelWorker("w", stuck_after_s=10, clock=clock)
     started, release = threading.Event(), threading.Event()
 

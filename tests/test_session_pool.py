@@ -4,6 +4,7 @@ the longest shared prefix, and abandoned sessions come back after the stale time
 from dataclasses import dataclass, field
 
 import pytest
+from manual_clock import ManualClock
 
 from specserve.replicas.session_pool import SessionPool
 
@@ -18,14 +19,6 @@ class Holder:
     """Stands in for a Target or DraftLM: the pool only reads ``.session.tokens``."""
 
     session: FakeSession = field(default_factory=FakeSession)
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_session_keeps_its_holder_until_released():
@@ -60,7 +53,7 @@ def test_idle_caches_beyond_keep_idle_are_dropped_oldest_first():
 
 
 def test_abandoned_sessions_are_reclaimed_after_the_stale_timeout():
-    clock = Clock()
+    clock = ManualClock()
     pool = SessionPool(Holder, keep_idle=4, stale_after_s=10, clock=clock)
     lost = pool.acquire("lost", [5])      # its caller died without release()
     clock.now = 11
