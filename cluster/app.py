@@ -1,6 +1,6 @@
 """The Serve application builder: ingress -> target -> one deployment per draft (or colocated drafts).
 
-    serve run specserve.cluster.app:build_app            # defaults: the reference models
+    serve run specserve.cluster.app:app                  # defaults: the reference models
     serve run deploy/serve.yaml                          # the same builder, args and deployments from YAML
 
 Deployments get their defaults here; Serve's config file overrides them by name (``ingress``,
@@ -38,3 +38,8 @@ def build_app(args: AppConfig) -> Application:
         config.target, drafts, config.dtype, config.torch_threads, config.kv_sessions_idle
     )
     return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config)
+
+
+# The reference models with every default, for `serve run specserve.cluster.app:app` and
+# `serve build specserve.cluster.app:app` (binding loads nothing: models load in the replicas).
+app = build_app(AppConfig())

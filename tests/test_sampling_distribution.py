@@ -13,6 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.sampling import SamplingParams, logits_to_probs
 from specserve.replicas.step import TreeShape
@@ -42,6 +43,16 @@ def exact_joint(model, prompt: list[int], params: SamplingParams) -> torch.Tenso
     return first[:, None] * second
 
 
+def pruned_copy(model, head: list[int]) -> PrunedHeadLlamaForCausalLM:
+    """The target itself with its output layer cut down to ``head``."""
+    config = PrunedHeadConfig.from_dict({**model.config.to_dict(), "head_token_ids": head})
+    pruned = PrunedHeadLlamaForCausalLM(config).eval()
+    state = model.state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"][head]
+    pruned.load_state_dict(state)
+    return pruned
+
+
 @pytest.fixture(scope="module")
 def target():
     model = tiny_model("llama", seed=0)
@@ -50,7 +61,7 @@ def target():
 
 @pytest.mark.parametrize(
     "case",
-    ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree"],
+    ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "pruned-head-chain"],
 )
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
 def test_first_two_tokens_follow_the_target(target, case, params):
@@ -61,6 +72,8 @@ def test_first_two_tokens_follow_the_target(target, case, params):
         "draft-lm-tree": DraftLM("near", perturbed(target, seed=1)),
         "prompt-lookup-chain": PromptLookupDraft(),
         "prompt-lookup-tree": PromptLookupDraft(),
+        # q = 0 on every odd token: the residual max(0, p - q) must give them their mass.
+        "pruned-head-chain": DraftLM("pruned", pruned_copy(target, head=list(range(0, VOCAB, 2)))),
     }[case]
     tree = TreeShape(2, 3, 6) if case.endswith("tree") else None
     counts = torch.zeros(VOCAB, VOCAB)

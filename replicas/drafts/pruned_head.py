@@ -1,0 +1,71 @@
+"""A Llama draft whose output layer covers only the most frequent tokens.
+
+The reference target's vocabulary has 49,152 tokens, and a small draft's full output layer
+(49,152 x 576) costs more than its decoder layers: a head over the K most frequent tokens
+(K = 8,192 covers nearly all of what the target writes) makes each draft step several times
+cheaper. The head's logits are scattered back to full-vocabulary ids with -inf elsewhere, so to
+everything outside this file it is an ordinary causal LM: greedy drafting never proposes a token
+outside the head, and under sampling its ``q`` is zero there, which the rejection sampler's
+residual ``max(0, p - q)`` already covers (lossless either way).
+
+Registered with transformers' Auto classes, so ``load_causal_lm`` loads a saved one like any
+other model: ``config.json`` says ``model_type: specserve_pruned_head_llama`` and carries the
+head's token ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+
+class PrunedHeadConfig(LlamaConfig):
+    model_type = "specserve_pruned_head_llama"
+
+    def __init__(self, head_token_ids: list[int] | None = None, **kwargs):
+        kwargs["tie_word_embeddings"] = False   # the head is smaller than the embeddings
+        super().__init__(**kwargs)
+        self.head_token_ids = [int(t) for t in (head_token_ids or range(self.vocab_size))]
+
+
+class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
+    config_class = PrunedHeadConfig
+    _tied_weights_keys = {}
+
+    def __init__(self, config: PrunedHeadConfig):
+        super().__init__(config)
+        ids = config.head_token_ids
+        if len(set(ids)) != len(ids) or not all(0 <= t < config.vocab_size for t in ids):
+            raise ValueError(f"head_token_ids must be distinct ids in [0, {config.vocab_size}), got {len(ids)} ids")
+        self.lm_head = nn.Linear(config.hidden_size, len(ids), bias=False)
+        self.post_init()
+        # Built from config.json on first use, per device: not a buffer, because from_pretrained
+        # creates modules on the meta device and leaves non-persistent buffers uninitialised.
+        self._head_ids: dict[torch.device, torch.Tensor] = {}
+
+    def head_token_ids(self, device: torch.device) -> torch.Tensor:
+        if device not in self._head_ids:
+            self._head_ids[device] = torch.tensor(self.config.head_token_ids, dtype=torch.long, device=device)
+        return self._head_ids[device]
+
+    def head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's tokens only: [..., K]. What training optimises."""
+        return self.lm_head(hidden_states)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        small = self.head_logits(hidden)                                            # [B, T, K]
+        logits = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        logits.index_copy_(-1, self.head_token_ids(small.device), small)            # [B, T, V]
+        return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+
+
+AutoConfig.register(PrunedHeadConfig.model_type, PrunedHeadConfig, exist_ok=True)
+AutoModelForCausalLM.register(PrunedHeadConfig, PrunedHeadLlamaForCausalLM, exist_ok=True)
