@@ -26,6 +26,8 @@ models_app = typer.Typer(help="Model cache: fetch the reference models, list wha
 bench_app = typer.Typer(help="Benchmarks: configurations side by side in one run, JSON + plot.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
+zoo_app = typer.Typer(help="The draft zoo: drafts distilled from the reference target.", no_args_is_help=True)
+app.add_typer(zoo_app, name="zoo")
 
 
 def fail(message: str) -> None:
@@ -264,6 +266,36 @@ def bench_engine(
             configs=configs.split(",") if configs else None,
         )
     except (ValueError, FileNotFoundError, ImportError) as err:
+        fail(str(err))
+
+
+@zoo_app.command("list")
+def zoo_list() -> None:
+    """The recipes the zoo can train."""
+    from specserve.cluster.zoo import RECIPES, work_dir
+
+    for r in RECIPES.values():
+        typer.echo(f"{r.name:22s} {r.description}\n{'':22s} {r.layers} layers, {r.head_tokens}-token head, "
+                   f"{r.steps} steps x {r.batch} x {r.seq_len} tokens; work dir {work_dir(r.name)}")
+
+
+@zoo_app.command("train")
+def zoo_train(
+    name: str = typer.Argument(..., help="A recipe from `specserve zoo list`."),
+    steps: Optional[int] = typer.Option(None, help="Train to this step (default: the recipe's)."),
+    work: Optional[Path] = typer.Option(None, help="Checkpoint and log folder (default: in the model cache's parent)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Distil a draft from the reference target; resumes from its checkpoint when run again."""
+    from specserve.cluster.zoo import recipe, train
+
+    set_threads(threads)
+    try:
+        recipe(name)
+        if steps is not None and steps < 1:
+            fail(f"--steps must be >= 1, got {steps}")
+        typer.echo(f"checkpoints and log in {train(name, steps=steps, work=work)}")
+    except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 
 

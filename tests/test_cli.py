@@ -28,6 +28,9 @@ def specserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         (["generate", "hello", "--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["generate", "hello", "--temperature", "-0.5"], "temperature must be >= 0"),
         (["generate", "hello", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["generate", "hello", "--server", "ftp://x"], "--server must start with http://, https:// or grpc://"),
+        (["zoo", "train", "nope"], "unknown draft recipe 'nope'"),
+        (["bench", "serve", "--concurrency", "0"], "--concurrency needs integers >= 1"),
     ],
 )
 def test_bad_arguments_exit_non_zero_with_a_clear_error(args, message):
@@ -38,7 +41,9 @@ def test_bad_arguments_exit_non_zero_with_a_clear_error(args, message):
 
 def test_help_on_every_command():
     for args in (["--help"], ["generate", "--help"], ["models", "--help"], ["models", "fetch", "--help"],
-                 ["models", "list", "--help"], ["bench", "--help"], ["bench", "engine", "--help"]):
+                 ["models", "list", "--help"], ["bench", "--help"], ["bench", "engine", "--help"],
+                 ["bench", "serve", "--help"], ["up", "--help"], ["status", "--help"], ["down", "--help"],
+                 ["zoo", "--help"], ["zoo", "list", "--help"], ["zoo", "train", "--help"]):
         result = specserve(*args, timeout=60)
         assert result.returncode == 0 and "Usage" in result.stdout, (args, result.stderr)
 

@@ -1,0 +1,149 @@
+"""The draft zoo: named recipes for drafts distilled from the reference target.
+
+    specserve zoo list
+    specserve zoo train smollm2-draft-2l [--steps N] [--work DIR]     # resumable: run it again to go on
+
+Training text is held out from every benchmark: ShareGPT conversations after the first
+``SHAREGPT_HELD_OUT`` (the benchmark prompts come from the start of the file) and HumanEval
+problems from ``HUMANEVAL_HELD_OUT`` on (problems 0..99 are the code / edit benchmark prompts).
+Conversations are rendered with the target's chat template and packed into fixed-length rows.
+
+An exported draft does not store its token embeddings: they are the target's, frozen during
+training, and at half precision they alone would take 56 MB of the 60 MB budget for all drafts.
+Its config names the target (``embeddings_from``) and the model store copies them in at load.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import torch
+
+from specserve.cluster.prompts import CODE_TEMPLATE, human_eval_problems, sharegpt_conversations
+from specserve.replicas.distill import DistillConfig, build_student, distill, most_frequent_tokens
+from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir
+from specserve.router.prompt_ids import encode_chat
+
+SHAREGPT_HELD_OUT = 5000
+HUMANEVAL_HELD_OUT = 100
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    layers: int
+    head_tokens: int          # K: the output layer's vocabulary
+    seq_len: int = 256
+    batch: int = 8
+    steps: int = 1500         # 1500 x 8 x 256 = 3.1M tokens
+    lr: float = 1e-3
+
+
+RECIPES = {
+    r.name: r for r in (
+        Recipe("smollm2-draft-2l", "standalone draft LM: the target's first 2 layers, retrained, "
+               "8k-token head, frozen target embeddings", layers=2, head_tokens=8192),
+    )
+}
+
+
+def recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"unknown draft recipe {name!r}; the zoo has: {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def training_conversations() -> Iterator[list[dict]]:
+    """Held-out chat conversations as ``[{"role", "content"}]``, HumanEval interleaved with ShareGPT."""
+    code = [
+        [{"role": "user", "content": CODE_TEMPLATE.format(code=p["prompt"])},
+         {"role": "assistant", "content": p["canonical_solution"]}]
+        for p in human_eval_problems()[HUMANEVAL_HELD_OUT:]
+    ]
+    for i, turns in enumerate(islice(sharegpt_conversations(), SHAREGPT_HELD_OUT, None)):
+        messages = [{"role": _ROLES[t["from"]], "content": t["value"]} for t in turns
+                    if t.get("from") in _ROLES and t.get("value")]
+        if len(messages) >= 2 and messages[0]["role"] == "user":
+            yield messages
+        if code and i % 50 == 0:        # code is a few percent of the mix, spread through it
+            yield code[(i // 50) % len(code)]
+
+
+def token_rows(tokenizer, seq_len: int) -> Iterator[list[int]]:
+    """Rendered conversations packed back to back into rows of ``seq_len`` tokens."""
+    buffer: list[int] = []
+    for messages in training_conversations():
+        try:
+            buffer.extend(encode_chat(tokenizer, messages))
+        except Exception:  # noqa: BLE001 - a template that rejects a conversation's role order: skip it
+            continue
+        while len(buffer) >= seq_len:
+            yield buffer[:seq_len]
+            del buffer[:seq_len]
+
+
+def batch_stream(tokenizer, seq_len: int, batch: int):
+    """``batches(start)`` for ``distill``: the same rows on every call, from batch ``start`` on."""
+
+    def batches(start: int):
+        rows = token_rows(tokenizer, seq_len)
+        for _ in islice(rows, start * batch):   # skip what a resumed run has already seen
+            pass
+        while True:
+            chunk = list(islice(rows, batch))
+            if len(chunk) < batch:
+                return
+            ids = torch.tensor(chunk)
+            yield ids, torch.ones_like(ids)
+
+    return batches
+
+
+def work_dir(name: str) -> Path:
+    return model_cache_dir().parent / "zoo" / name
+
+
+def train(name: str, steps: int | None = None, work: Path | None = None, head_sample_rows: int = 4000) -> Path:
+    """Distil ``name`` (resuming its checkpoint if there is one); returns the work directory."""
+    from tqdm import tqdm
+
+    spec = recipe(name)
+    work = work or work_dir(name)
+    work.mkdir(parents=True, exist_ok=True)
+    teacher = load_causal_lm(REFERENCE_TARGET, dtype="auto")
+    tokenizer = teacher.tokenizer
+    head_file = work / "head_token_ids.json"
+    if head_file.exists():
+        head = json.loads(head_file.read_text())
+    else:
+        always = sorted(teacher.eos_token_ids | set(tokenizer.all_special_ids))
+        head = most_frequent_tokens(islice(token_rows(tokenizer, spec.seq_len), head_sample_rows),
+                                    spec.head_tokens, always=always)
+        head_file.write_text(json.dumps(head))
+    # The student trains in float32 (optimizer state too), under bf16 autocast where the teacher
+    # itself runs in bf16, i.e. where the hardware has native bf16.
+    student = build_student(teacher.model, spec.layers, head)
+    config = DistillConfig(steps=steps or spec.steps, lr=spec.lr, autocast_bf16=teacher.model.dtype == torch.bfloat16)
+    log = (work / "train.log").open("a")
+    bar = tqdm(total=config.steps, desc=f"zoo train {name}", unit="step")
+    started = time.monotonic()
+
+    def on_step(step: int, loss: float) -> None:
+        if bar.n == 0:
+            bar.update(step - 1)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        log.write(json.dumps({"step": step, "loss": round(loss, 5), "elapsed_s": round(time.monotonic() - started, 1)}) + "\n")
+        log.flush()
+
+    distill(teacher.model, student, batch_stream(tokenizer, spec.seq_len, spec.batch), config,
+            work / "checkpoint.pt", on_step=on_step)
+    bar.close()
+    return work

@@ -1,0 +1,160 @@
+"""Distilling a small draft from the target: the student, the loss, and a resumable loop.
+
+The student is a ``PrunedHeadLlamaForCausalLM`` as wide as the target, so it can take the
+target's token embeddings as they are (frozen: they already encode what the target knows about
+tokens, and they are most of a small model's parameters), its first layers as a starting point,
+and the rows of the target's output layer for the head's tokens.
+
+Loss (forward KL, per position): ``Σ_v p_T(v) (log p_T(v) − log q_S(v))`` over the head's tokens,
+with the teacher's distribution renormalised over the head. Matching the target's whole
+distribution, not only its argmax, is what makes the student's *sampled* proposals accepted too.
+
+Checkpoints hold the trainable weights, the optimizer, the step and the random state, written
+atomically; a run that stops (a session ends, a machine is reclaimed) resumes from the last one
+and continues exactly as if it had never stopped (tests/test_distill.py checks this).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
+
+
+def most_frequent_tokens(sequences: Iterable[list[int]], k: int, always: Iterable[int] = ()) -> list[int]:
+    """The ``k`` most frequent token ids (``always`` included first: EOS and chat markers must be
+    proposable), in ascending id order."""
+    counts = Counter(t for seq in sequences for t in seq)
+    chosen = list(dict.fromkeys(always))
+    for token, _ in counts.most_common():
+        if len(chosen) >= k:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    return sorted(chosen[:k])
+
+
+def build_student(target, layers: int, head_token_ids: list[int]) -> PrunedHeadLlamaForCausalLM:
+    """A ``layers``-layer pruned-head student initialised from the target (a Llama-family model)."""
+    tc = target.config
+    config = PrunedHeadConfig.from_dict({
+        **{k: v for k, v in tc.to_dict().items() if k not in ("architectures", "model_type", "auto_map")},
+        "num_hidden_layers": layers, "head_token_ids": head_token_ids, "tie_word_embeddings": False,
+    })
+    student = PrunedHeadLlamaForCausalLM(config)
+    state = {k: v for k, v in target.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    head = torch.tensor(head_token_ids)
+    out_weight = target.get_output_embeddings().weight
+    state["lm_head.weight"] = out_weight.detach()[head].clone()
+    missing, unexpected = student.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"student and target disagree: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    student.model.embed_tokens.weight.requires_grad_(False)
+    return student.float()
+
+
+def distill_loss(student_head_logits: torch.Tensor, teacher_logits: torch.Tensor, head: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Mean forward KL over unmasked positions. logits: [B, T, K] and [B, T, V]; mask: [B, T]."""
+    teacher = F.log_softmax(teacher_logits.float().index_select(-1, head), dim=-1)   # renormalised over the head
+    student = F.log_softmax(student_head_logits.float(), dim=-1)
+    kl = (teacher.exp() * (teacher - student)).sum(-1)                               # [B, T]
+    return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    steps: int
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    checkpoint_every: int = 100
+    seed: int = 0
+    autocast_bf16: bool = False   # student forward under bfloat16 autocast (fast on AVX512-BF16 / CUDA)
+
+
+def _lr_factor(step: int, config: DistillConfig) -> float:
+    """Linear warm-up, then cosine decay to 10%."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _trainable(student) -> list[torch.nn.Parameter]:
+    return [p for p in student.parameters() if p.requires_grad]
+
+
+def save_checkpoint(path: Path, student, optimizer, step: int, config: DistillConfig) -> None:
+    tmp = path.with_suffix(".partial")
+    names = {id(p): n for n, p in student.named_parameters()}
+    torch.save({
+        "step": step,
+        "config": asdict(config),
+        "trainable": {names[id(p)]: p.detach().clone() for p in _trainable(student)},
+        "optimizer": optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+    }, tmp)
+    os.replace(tmp, path)   # atomic: a stop mid-write leaves the previous checkpoint intact
+
+
+def load_checkpoint(path: Path, student, optimizer) -> int:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    with torch.no_grad():
+        params = dict(student.named_parameters())
+        for name, value in state["trainable"].items():
+            params[name].copy_(value)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def distill(
+    teacher,
+    student: PrunedHeadLlamaForCausalLM,
+    batches: Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]],
+    config: DistillConfig,
+    checkpoint: Path,
+    on_step: Callable[[int, float], None] = lambda step, loss: None,
+) -> int:
+    """Train ``student`` for ``config.steps`` steps; returns the step it reached.
+
+    ``batches(start)`` yields ``(input_ids [B, T], mask [B, T])`` from batch number ``start`` on,
+    so that a resumed run sees exactly the batches it had not seen yet.
+    """
+    torch.manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(_trainable(student), lr=config.lr, weight_decay=config.weight_decay)
+    step = load_checkpoint(checkpoint, student, optimizer) if checkpoint.exists() else 0
+    head = student.head_token_ids(next(student.parameters()).device)
+    teacher.eval()
+    student.train()
+    for input_ids, mask in batches(step):
+        if step >= config.steps:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * _lr_factor(step, config)
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=input_ids).logits
+        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
+            hidden = student.model(input_ids=input_ids).last_hidden_state
+            student_logits = student.head_logits(hidden)
+        loss = distill_loss(student_logits, teacher_logits, head, mask.float())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(_trainable(student), 1.0)
+        optimizer.step()
+        step += 1
+        on_step(step, float(loss.detach()))
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            save_checkpoint(checkpoint, student, optimizer, step, config)
+    student.eval()
+    return step
