@@ -160,5 +160,8 @@ def load_causal_lm(
     path, kwargs = _from_pretrained_args(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+    embeddings_from = getattr(model.config, "embeddings_from", None)
+    if embeddings_from:   # a zoo draft shares the target's embeddings instead of storing them
+        pruned_head.attach_embeddings(model, resolve_model_path(embeddings_from))
     model.to(device).eval()
     return LoadedModel(name=Path(name_or_path).name, model=model, tokenizer=tokenizer)

@@ -56,3 +56,24 @@ def test_greedy_equality_with_a_pruned_head_draft():
         for window, tree in ((3, None), (0, TreeShape(3, 2, 6))):
             got = speculative_generate(Target(target_model), draft, prompt, 24, greedy, window=window, tree=tree)
             assert_greedy_equal(target_model, prompt, got.token_ids, want, f"pruned head, window={window} tree={tree}")
+
+
+def test_saved_without_embeddings_and_attached_from_the_target(tmp_path):
+    import specserve.replicas.model_store  # noqa: F401 - registers the architecture
+    from transformers import AutoModelForCausalLM
+
+    from specserve.replicas.drafts.pruned_head import attach_embeddings, save_without_embeddings
+
+    target = tiny_model("llama", seed=0)
+    target.save_pretrained(tmp_path / "target")
+    draft = pruned_draft()
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    save_without_embeddings(draft, tmp_path / "draft", embeddings_from=str(tmp_path / "target"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", local_files_only=True, dtype=torch.float32)
+    assert loaded.config.embeddings_from == str(tmp_path / "target")
+    attach_embeddings(loaded, tmp_path / "target")
+    assert torch.equal(loaded.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    # Everything but the embeddings went through float16: close, not equal.
+    assert torch.allclose(loaded(input_ids=ids).logits, draft(input_ids=ids).logits, atol=2e-2)

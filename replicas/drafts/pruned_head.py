@@ -11,11 +11,19 @@ residual ``max(0, p - q)`` already covers (lossless either way).
 Registered with transformers' Auto classes, so ``load_causal_lm`` loads a saved one like any
 other model: ``config.json`` says ``model_type: specserve_pruned_head_llama`` and carries the
 head's token ids.
+
+A draft trained with the target's frozen embeddings is saved without them
+(``save_without_embeddings``): they are the target's to the last bit, and at half precision they
+would be most of the file (56 MB for the reference target). ``config.embeddings_from`` names the
+target, and ``attach_embeddings`` copies them in at load.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -65,6 +73,33 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
         logits = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
         logits.index_copy_(-1, self.head_token_ids(small.device), small)            # [B, T, V]
         return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
+
+
+EMBEDDINGS_KEY = "model.embed_tokens.weight"
+
+
+def save_without_embeddings(model: PrunedHeadLlamaForCausalLM, out_dir: Path, embeddings_from: str,
+                            dtype: torch.dtype = torch.float16) -> None:
+    """Save in half precision, minus the embeddings, which load from ``embeddings_from``."""
+    model.config.embeddings_from = embeddings_from
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k != EMBEDDINGS_KEY}
+    model.save_pretrained(out_dir, state_dict=state)
+
+
+def attach_embeddings(model, source_dir: Path) -> None:
+    """Copy the embeddings of the model saved in ``source_dir`` (safetensors) into ``model``."""
+    for file in sorted(Path(source_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            if EMBEDDINGS_KEY in weights.keys():
+                embeddings = weights.get_tensor(EMBEDDINGS_KEY)
+                target = model.get_input_embeddings().weight
+                if embeddings.shape != target.shape:
+                    raise ValueError(f"{source_dir} has embeddings of shape {tuple(embeddings.shape)}, the draft "
+                                     f"needs {tuple(target.shape)}: embeddings_from names the wrong model")
+                with torch.no_grad():
+                    target.copy_(embeddings)
+                return
+    raise FileNotFoundError(f"no {EMBEDDINGS_KEY} in the safetensors files of {source_dir}")
 
 
 AutoConfig.register(PrunedHeadConfig.model_type, PrunedHeadConfig, exist_ok=True)
