@@ -299,6 +299,22 @@ def zoo_train(
         fail(str(err))
 
 
+@zoo_app.command("export")
+def zoo_export(
+    name: str = typer.Argument(..., help="A recipe from `specserve zoo list`."),
+    work: Optional[Path] = typer.Option(None, help="The training folder (default: as `zoo train`)."),
+    out: Optional[Path] = typer.Option(None, help="Where to write the draft (default: the package's zoo folder)."),
+) -> None:
+    """Write the latest checkpoint as a draft loadable by name (half precision, embeddings from the target)."""
+    from specserve.cluster.zoo import export, recipe
+
+    try:
+        recipe(name)
+        typer.echo(f"draft written to {export(name, work=work, out=out)}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
 @bench_app.command("serve")
 def bench_serve(
     json_path: Path = typer.Option(Path("bench-serve.json"), "--json", help="Where to write the results."),

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from specserve.cluster.prompts import CODE_TEMPLATE, human_eval_problems, sharegpt_conversations
-from specserve.replicas.distill import DistillConfig, build_student, distill, most_frequent_tokens
-from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir
+from specserve.replicas.distill import DistillConfig, build_student, distill, load_checkpoint, most_frequent_tokens
+from specserve.replicas.drafts.pruned_head import save_without_embeddings
+from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir, zoo_dir
 from specserve.router.prompt_ids import encode_chat
 
 SHAREGPT_HELD_OUT = 5000
@@ -147,3 +148,28 @@ def train(name: str, steps: int | None = None, work: Path | None = None, head_sa
             work / "checkpoint.pt", on_step=on_step)
     bar.close()
     return work
+
+
+def export(name: str, work: Path | None = None, out: Path | None = None) -> Path:
+    """The latest checkpoint as a loadable draft in the zoo folder (half precision, no embeddings)."""
+    spec = recipe(name)
+    work = work or work_dir(name)
+    checkpoint = work / "checkpoint.pt"
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo train {name}` first")
+    teacher = load_causal_lm(REFERENCE_TARGET, dtype="float32")
+    student = build_student(teacher.model, spec.layers, json.loads((work / "head_token_ids.json").read_text()))
+    step = load_checkpoint(checkpoint, student, torch.optim.AdamW([p for p in student.parameters() if p.requires_grad]))
+    out = out or zoo_dir() / name
+    save_without_embeddings(student, out, embeddings_from=REFERENCE_TARGET)
+    teacher.tokenizer.save_pretrained(out)
+    log = [json.loads(line) for line in (work / "train.log").read_text().splitlines() if line.strip()]
+    seconds = sum(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(log, log[1:]) if b["elapsed_s"] > a["elapsed_s"])
+    (out / "training.json").write_text(json.dumps({
+        "recipe": name, "description": spec.description, "steps": step,
+        "tokens_seen": step * spec.batch * spec.seq_len, "train_seconds": round(seconds),
+        "final_loss": log[-1]["loss"] if log else None, "teacher": REFERENCE_TARGET,
+        "data": f"ShareGPT V3 conversations from #{SHAREGPT_HELD_OUT} on, HumanEval problems from #{HUMANEVAL_HELD_OUT} "
+                f"on (held out: every benchmark prompt), chat-templated, packed into {spec.seq_len}-token rows",
+    }, indent=2) + "\n")
+    return out

@@ -110,6 +110,11 @@ def fetch_reference(cache_dir: Path | None = None) -> Path:
     return target
 
 
+def zoo_dir() -> Path:
+    """Drafts distilled by ``specserve zoo``, shipped inside the package."""
+    return Path(pruned_head.__file__).parent / "zoo"
+
+
 def available_models(cache_dir: Path | None = None) -> list[Path]:
     root = cache_dir or model_cache_dir()
     if not root.exists():
@@ -123,9 +128,9 @@ def resolve_model_path(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
-    cached = model_cache_dir() / name_or_path
-    if cached.exists():
-        return cached
+    for folder in (model_cache_dir(), zoo_dir()):
+        if (folder / name_or_path).exists():
+            return folder / name_or_path
     if name_or_path == REFERENCE_TARGET:
         return fetch_reference()
     known = ", ".join(p.name for p in available_models()) or "none yet"

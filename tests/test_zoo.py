@@ -35,3 +35,23 @@ def test_training_text_holds_out_the_benchmark_prompts():
 def test_unknown_recipe_names_the_known_ones():
     with pytest.raises(ValueError, match="the zoo has: smollm2-draft-2l"):
         recipe("nope")
+
+
+@pytest.mark.slow
+def test_train_export_and_load_a_draft(tmp_path):
+    """The whole path on the real target, two steps long: train, export, load by path, draft."""
+    from specserve.cluster.zoo import export, train
+    from specserve.replicas.drafts.draft_lm import DraftLM
+    from specserve.replicas.model_store import load_causal_lm
+    from specserve.replicas.sampling import SamplingParams
+
+    work = train("smollm2-draft-2l", steps=2, work=tmp_path / "work", head_sample_rows=200)
+    assert (work / "checkpoint.pt").exists() and len((work / "train.log").read_text().splitlines()) == 2
+    out = export("smollm2-draft-2l", work=work, out=tmp_path / "draft")
+    size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
+    assert size_mb < 30, f"an exported draft should stay well under half the 60 MB budget, got {size_mb:.1f} MB"
+    draft = load_causal_lm(str(out), dtype="float32")
+    target = load_causal_lm(dtype="float32")
+    assert torch.equal(draft.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
+    proposal = DraftLM("d", draft.model).propose(target.tokenizer("Hello")["input_ids"], 3, SamplingParams(), None)
+    assert len(proposal.tokens) == 3 and all(t in set(draft.model.config.head_token_ids) for t in proposal.tokens)
