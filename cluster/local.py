@@ -63,7 +63,9 @@ class LocalState:
 
 
 def _ray_cli() -> str:
-    return shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+    """The ``ray`` of this environment first: another one on PATH may be another Ray version."""
+    beside = Path(sys.executable).with_name("ray")
+    return str(beside) if beside.exists() else (shutil.which("ray") or "ray")
 
 
 def _ray(*args: str, timeout_s: float = 120, check: bool = False) -> subprocess.CompletedProcess:
