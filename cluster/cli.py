@@ -315,6 +315,32 @@ def zoo_export(
         fail(str(err))
 
 
+@zoo_app.command("eval")
+def zoo_eval(
+    drafts: list[str] = typer.Argument(..., help="Drafts to evaluate: zoo names or folders."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the rows here."),
+    prompts: int = typer.Option(4, help="Benchmark prompts per category (held out from training)."),
+    max_tokens: int = typer.Option(64, help="New tokens per prompt."),
+    window: int = typer.Option(3, help="Window γ."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+) -> None:
+    """Acceptance rate, latency ratio c and speedup over target-only, per draft and category."""
+    from specserve.cluster.zoo import evaluate
+
+    if window < 1 or prompts < 1 or max_tokens < 1:
+        fail("--window, --prompts and --max-tokens must be >= 1")
+    try:
+        rows = evaluate(drafts, prompts, max_tokens, window, dtype)
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    typer.echo(f"{'draft':24s} {'category':10s} {'α':>6s} {'τ':>6s} {'c':>7s} {'vs AR':>7s}")
+    for r in rows:
+        typer.echo(f"{r['draft']:24s} {r['category']:10s} {r['acceptance_rate']:6.3f} {r['mean_accepted_len']:6.2f} "
+                   f"{r['latency_ratio']:7.4f} {r['speedup_vs_ar']:6.2f}x")
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=2) + "\n")
+
+
 @bench_app.command("serve")
 def bench_serve(
     json_path: Path = typer.Option(Path("bench-serve.json"), "--json", help="Where to write the results."),

@@ -173,3 +173,62 @@ def export(name: str, work: Path | None = None, out: Path | None = None) -> Path
                 f"on (held out: every benchmark prompt), chat-templated, packed into {spec.seq_len}-token rows",
     }, indent=2) + "\n")
     return out
+
+
+def forward_ms(model, context: list[int], reps: int = 20) -> float:
+    """Median time of one cached decode forward after ``context``: the unit of the latency ratio c."""
+    from specserve.replicas.kv_session import KVSession
+
+    session = KVSession(model)
+    session.extend(context, logits_rows=1)
+    times = []
+    for i in range(reps + 3):
+        start = time.perf_counter()
+        session.extend([context[i % len(context)]], logits_rows=1)
+        times.append(time.perf_counter() - start)
+        session.crop(len(context))
+    return 1e3 * sorted(times[3:])[reps // 2]
+
+
+def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int = 64, window: int = 3,
+             dtype: str = "auto") -> list[dict]:
+    """Per draft and category, on benchmark prompts (held out from training), greedy, one stream:
+    ``{draft, category, acceptance_rate, mean_accepted_len, latency_ratio, speedup_vs_ar}``."""
+    from tqdm import tqdm
+
+    from specserve.cluster.prompts import CATEGORIES, load_prompts
+    from specserve.router.engine import GenerateRequest, SpecEngine
+
+    engine = SpecEngine.load(dtype=dtype, draft_models=drafts)
+    names = [n for n in engine.drafts if n != "prompt-lookup"]
+    probe = engine.encode(load_prompts("chat", 1)[0])
+    target_ms = forward_ms(engine.loaded.model, probe)
+    ratio = {n: forward_ms(engine.drafts[n].session.model, probe) / target_ms for n in names}
+    rows = []
+    for category in CATEGORIES:
+        prompts = [engine.encode(p) for p in load_prompts(category, prompts_per_category)]
+        seconds = {n: 0.0 for n in ["none", *names]}
+        tokens = dict.fromkeys(seconds, 0)
+        stats = {n: [0, 0, 0, 0] for n in names}   # accepted, rejections, emitted, steps
+        for ids in tqdm(prompts, desc=f"zoo eval {category}", unit="prompt"):
+            for name in seconds:   # the same prompt under every draft, back to back
+                engine.reset_caches()
+                start = time.perf_counter()
+                gen = engine.generate_ids(ids, GenerateRequest("", max_tokens, name, window))
+                seconds[name] += time.perf_counter() - start
+                tokens[name] += len(gen.token_ids)
+                if name != "none":
+                    s = gen.stats
+                    for i, v in enumerate((s.accepted, s.rejections, s.emitted, s.steps)):
+                        stats[name][i] += v
+        base = tokens["none"] / seconds["none"]
+        for name in names:
+            accepted, rejections, emitted, steps = stats[name]
+            rows.append({
+                "draft": name, "category": category, "window": window,
+                "acceptance_rate": round(accepted / max(1, accepted + rejections), 4),
+                "mean_accepted_len": round(emitted / max(1, steps), 3),
+                "latency_ratio": round(ratio[name], 4),
+                "speedup_vs_ar": round(tokens[name] / seconds[name] / base, 3),
+            })
+    return rows

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as transformers_logging
 
 # specserve's own draft architectures register with the Auto classes on import.
 from specserve.replicas.drafts import pruned_head  # noqa: F401
@@ -164,9 +165,19 @@ def load_causal_lm(
     torch_dtype = resolve_dtype(dtype, device)
     path, kwargs = _from_pretrained_args(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
-    embeddings_from = getattr(model.config, "embeddings_from", None)
-    if embeddings_from:   # a zoo draft shares the target's embeddings instead of storing them
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    embeddings_from = getattr(config, "embeddings_from", None)
+    if embeddings_from:
+        # A zoo draft shares the target's embeddings instead of storing them: transformers'
+        # "newly initialized" warning about them is moot, they are copied in right after.
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype, **kwargs)
+        finally:
+            transformers_logging.set_verbosity(verbosity)
         pruned_head.attach_embeddings(model, resolve_model_path(embeddings_from))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
     model.to(device).eval()
     return LoadedModel(name=Path(name_or_path).name, model=model, tokenizer=tokenizer)

@@ -55,3 +55,11 @@ def test_train_export_and_load_a_draft(tmp_path):
     assert torch.equal(draft.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
     proposal = DraftLM("d", draft.model).propose(target.tokenizer("Hello")["input_ids"], 3, SamplingParams(), None)
     assert len(proposal.tokens) == 3 and all(t in set(draft.model.config.head_token_ids) for t in proposal.tokens)
+    from specserve.cluster.zoo import evaluate
+
+    rows = evaluate([str(out)], prompts_per_category=1, max_tokens=8, window=2, dtype="float32")
+    assert [r["category"] for r in rows] == ["code", "chat", "summarise", "edit"]
+    for r in rows:
+        assert r["draft"] == "draft" and 0 <= r["acceptance_rate"] <= 1 and r["mean_accepted_len"] >= 1
+        assert 0 < r["latency_ratio"] < 1, "a 2-layer draft must cost less than the 30-layer target"
+        assert r["speedup_vs_ar"] > 0
