@@ -281,7 +281,10 @@ def test_cli_status_and_generate_on_the_server(served, expected):
     report = json.loads(result.stdout)
     deployments = report["application"]["deployments"]
     assert {"ingress", "target", "draft-prompt-lookup", f"draft-{DRAFT_LM}"} <= set(deployments)
-    assert all(d["status"] == "HEALTHY" and d["replicas"] >= 1 for d in deployments.values())
+    # Serving: healthy, or scaling (the ingress here scales at one ongoing request, and the request
+    # the previous test abandoned may still be finishing).
+    serving = ("HEALTHY", "UPSCALING", "DOWNSCALING")
+    assert all(d["status"] in serving and d["replicas"] >= 1 for d in deployments.values()), deployments
     assert report["redis"]["up"] and report["redis"]["pid"]
     assert report["http"].endswith("/v1") and report["grpc"] and report["dashboard"]
     for server in (served.http_url, f"grpc://{served.grpc_address}"):
