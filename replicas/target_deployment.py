@@ -113,7 +113,3 @@ class TargetDeployment:
 
     def check_health(self) -> None:
         self._worker.check()
-
-    def stats(self) -> dict:
-        return {"sessions_busy": self.pool.busy, "sessions_cached": len(self.pool),
-                "threads": torch.get_num_threads(), "dtype": str(self.loaded.model.dtype)}
