@@ -29,7 +29,7 @@ import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx

@@ -7,7 +7,6 @@ import torch
 
 from equality import assert_greedy_equal
 from specserve.replicas.drafts.draft_lm import DraftLM
-from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target

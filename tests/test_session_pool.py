@@ -45,7 +45,8 @@ def test_new_session_takes_the_idle_cache_with_the_longest_common_prefix():
 
 def test_idle_caches_beyond_keep_idle_are_dropped_oldest_first():
     pool = SessionPool(Holder, keep_idle=1)
-    first, second = pool.acquire("1", []), pool.acquire("2", [])
+    pool.acquire("1", [])
+    second = pool.acquire("2", [])
     pool.release("1")
     pool.release("2")
     assert len(pool) == 1
