@@ -275,8 +275,35 @@ def zoo_list() -> None:
     from specserve.cluster.zoo import RECIPES, work_dir
 
     for r in RECIPES.values():
-        typer.echo(f"{r.name:22s} {r.description}\n{'':22s} {r.layers} layers, {r.head_tokens}-token head, "
-                   f"{r.steps} steps x {r.batch} x {r.seq_len} tokens; work dir {work_dir(r.name)}")
+        shape = f"{r.layers} layers" if r.kind == "standalone" else f"1 layer, {r.unroll} unrolled steps"
+        typer.echo(f"{r.name:22s} {r.description}\n{'':22s} {r.kind}: {shape}, {r.head_tokens}-token head, "
+                   f"{r.steps} steps x {r.batch} rows of <= {r.seq_len} tokens; work dir {work_dir(r.name)}")
+
+
+@zoo_app.command("corpus")
+def zoo_corpus(
+    out: Optional[Path] = typer.Option(None, help="Corpus folder (default: next to the model cache)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Generate the distillation corpus: the target's greedy answers to held-out prompts, with
+    its hidden states. Resumes where a stopped run left off."""
+    from tqdm import tqdm
+
+    from specserve.cluster.zoo_corpus import build
+
+    set_threads(threads)
+    bar = tqdm(desc="zoo corpus", unit="batch")
+
+    def on_batch(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        typer.echo(f"corpus in {build(out, on_batch=on_batch)}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    finally:
+        bar.close()
 
 
 @zoo_app.command("train")

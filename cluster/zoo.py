@@ -1,12 +1,19 @@
 """The draft zoo: named recipes for drafts distilled from the reference target.
 
+    specserve zoo corpus                      # once: the target's answers + hidden states (resumable)
     specserve zoo list
-    specserve zoo train smollm2-draft-2l [--steps N] [--work DIR]     # resumable: run it again to go on
+    specserve zoo train NAME [--steps N]      # resumable: run it again to go on
+    specserve zoo export NAME                 # into the package's zoo folder, loadable by name
+    specserve zoo eval NAME...                # acceptance, latency ratio c, speedup, per category
 
-Training text is held out from every benchmark: ShareGPT conversations after the first
-``SHAREGPT_HELD_OUT`` (the benchmark prompts come from the start of the file) and HumanEval
-problems from ``HUMANEVAL_HELD_OUT`` on (problems 0..99 are the code / edit benchmark prompts).
-Conversations are rendered with the target's chat template and packed into fixed-length rows.
+Every recipe trains on the same corpus (``cluster/zoo_corpus.py``): the target's own greedy
+answers to prompts that no benchmark uses, with its hidden states, so no training step runs the
+target. Two kinds of draft:
+
+- ``standalone``: a small Llama (the target's first layers, retrained) with a pruned head; it
+  drafts from tokens alone, so it can run anywhere, for any request.
+- ``hsr``: a hidden-state-reuse head (Sparrow Eq. 1): one layer reading the target's
+  second-to-last hidden states, trained with unrolled steps (``replicas/hsr_train.py``).
 
 An exported draft does not store its token embeddings: they are the target's, frozen during
 training, and at half precision they alone would take 56 MB of the 60 MB budget for all drafts.
@@ -17,40 +24,43 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
 
 import torch
 
-from specserve.cluster.prompts import CODE_TEMPLATE, human_eval_problems, sharegpt_conversations
-from specserve.replicas.distill import DistillConfig, build_student, distill, load_checkpoint, most_frequent_tokens
+from specserve.cluster import zoo_corpus
+from specserve.cluster.prompts import HUMANEVAL_HELD_OUT, SHAREGPT_HELD_OUT
+from specserve.replicas.distill import (
+    DistillConfig, build_student, load_checkpoint, most_frequent_tokens, standalone_loss,
+)
+from specserve.replicas.distill import train as train_loop
+from specserve.replicas.drafts.hsr_head import build_hsr_head
 from specserve.replicas.drafts.pruned_head import save_without_embeddings
-from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir, zoo_dir
-from specserve.router.prompt_ids import encode_chat
-
-SHAREGPT_HELD_OUT = 5000
-HUMANEVAL_HELD_OUT = 100
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+from specserve.replicas.hsr_train import hsr_loss
+from specserve.replicas.model_store import REFERENCE_TARGET, bf16_is_fast, load_causal_lm, model_cache_dir, zoo_dir
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
+    kind: str                 # "standalone" or "hsr"
     description: str
-    layers: int
     head_tokens: int          # K: the output layer's vocabulary
+    layers: int = 1           # standalone: decoder layers (the target's first ones, retrained)
+    unroll: int = 1           # hsr: unrolled drafting steps per training step
     seq_len: int = 256
     batch: int = 8
-    steps: int = 1500         # 1500 x 8 x 256 = 3.1M tokens
+    steps: int = 1000
     lr: float = 1e-3
 
 
 RECIPES = {
     r.name: r for r in (
-        Recipe("smollm2-draft-2l", "standalone draft LM: the target's first 2 layers, retrained, "
-               "8k-token head, frozen target embeddings", layers=2, head_tokens=8192),
+        Recipe("smollm2-draft-2l", "standalone", "standalone draft LM: the target's first 2 layers, retrained, "
+               "8k-token head, frozen target embeddings", head_tokens=8192, layers=2),
+        Recipe("smollm2-hsr", "hsr", "hidden-state-reuse head: FC(e_t + h_t-1) into one decoder layer "
+               "(from the target's last), 8k-token head, 2 unrolled steps", head_tokens=8192, unroll=2, lr=5e-4),
     )
 }
 
@@ -61,77 +71,51 @@ def recipe(name: str) -> Recipe:
     return RECIPES[name]
 
 
-def training_conversations() -> Iterator[list[dict]]:
-    """Held-out chat conversations as ``[{"role", "content"}]``, HumanEval interleaved with ShareGPT."""
-    code = [
-        [{"role": "user", "content": CODE_TEMPLATE.format(code=p["prompt"])},
-         {"role": "assistant", "content": p["canonical_solution"]}]
-        for p in human_eval_problems()[HUMANEVAL_HELD_OUT:]
-    ]
-    for i, turns in enumerate(islice(sharegpt_conversations(), SHAREGPT_HELD_OUT, None)):
-        messages = [{"role": _ROLES[t["from"]], "content": t["value"]} for t in turns
-                    if t.get("from") in _ROLES and t.get("value")]
-        if len(messages) >= 2 and messages[0]["role"] == "user":
-            yield messages
-        if code and i % 50 == 0:        # code is a few percent of the mix, spread through it
-            yield code[(i // 50) % len(code)]
-
-
-def token_rows(tokenizer, seq_len: int) -> Iterator[list[int]]:
-    """Rendered conversations packed back to back into rows of ``seq_len`` tokens."""
-    buffer: list[int] = []
-    for messages in training_conversations():
-        try:
-            buffer.extend(encode_chat(tokenizer, messages))
-        except Exception:  # noqa: BLE001 - a template that rejects a conversation's role order: skip it
-            continue
-        while len(buffer) >= seq_len:
-            yield buffer[:seq_len]
-            del buffer[:seq_len]
-
-
-def batch_stream(tokenizer, seq_len: int, batch: int):
-    """``batches(start)`` for ``distill``: the same rows on every call, from batch ``start`` on."""
-
-    def batches(start: int):
-        rows = token_rows(tokenizer, seq_len)
-        for _ in islice(rows, start * batch):   # skip what a resumed run has already seen
-            pass
-        while True:
-            chunk = list(islice(rows, batch))
-            if len(chunk) < batch:
-                return
-            ids = torch.tensor(chunk)
-            yield ids, torch.ones_like(ids)
-
-    return batches
-
-
 def work_dir(name: str) -> Path:
     return model_cache_dir().parent / "zoo" / name
 
 
-def train(name: str, steps: int | None = None, work: Path | None = None, head_sample_rows: int = 4000) -> Path:
-    """Distil ``name`` (resuming its checkpoint if there is one); returns the work directory."""
+def _build(spec: Recipe, target, head: list[int]):
+    if spec.kind == "hsr":
+        return build_hsr_head(target, head)
+    return build_student(target, spec.layers, head)
+
+
+def _loss(spec: Recipe, model, head_weight: torch.Tensor, autocast_bf16: bool):
+    if spec.kind == "hsr":
+        return hsr_loss(model, head_weight, spec.unroll, autocast_bf16)
+    return standalone_loss(model, head_weight, autocast_bf16)
+
+
+def train(name: str, steps: int | None = None, work: Path | None = None, corpus: Path | None = None,
+          batch: int | None = None) -> Path:
+    """Distil ``name`` (resuming its checkpoint if there is one); returns the work directory.
+    ``steps`` and ``batch`` override the recipe's (a resumed run must keep the batch)."""
     from tqdm import tqdm
 
     spec = recipe(name)
     work = work or work_dir(name)
     work.mkdir(parents=True, exist_ok=True)
-    teacher = load_causal_lm(REFERENCE_TARGET, dtype="auto")
-    tokenizer = teacher.tokenizer
+    corpus = corpus or zoo_corpus.corpus_dir()
+    if not (corpus / "meta.json").exists():
+        raise FileNotFoundError(f"no finished corpus in {corpus}: run `specserve zoo corpus` first (it resumes)")
+    sequences = zoo_corpus.load(corpus)
+    loaded = load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu")
+    target = loaded.model
     head_file = work / "head_token_ids.json"
     if head_file.exists():
         head = json.loads(head_file.read_text())
-    else:
-        always = sorted(teacher.eos_token_ids | set(tokenizer.all_special_ids))
-        head = most_frequent_tokens(islice(token_rows(tokenizer, spec.seq_len), head_sample_rows),
-                                    spec.head_tokens, always=always)
+    else:   # the target's most frequent tokens in its own answers and the prompts; EOS always
+        head = most_frequent_tokens((s.tokens.tolist() for s in sequences), spec.head_tokens,
+                                    always=sorted(loaded.eos_token_ids))
         head_file.write_text(json.dumps(head))
-    # The student trains in float32 (optimizer state too), under bf16 autocast where the teacher
-    # itself runs in bf16, i.e. where the hardware has native bf16.
-    student = build_student(teacher.model, spec.layers, head)
-    config = DistillConfig(steps=steps or spec.steps, lr=spec.lr, autocast_bf16=teacher.model.dtype == torch.bfloat16)
+    head_weight = target.get_output_embeddings().weight.detach()[torch.tensor(head)].clone()
+    model = _build(spec, target, head)
+    del target, loaded
+    # The student trains in float32 (optimizer state too), under bf16 autocast where the CPU
+    # has native bf16. (Training runs on the CPU: the corpus lives in its memory.)
+    autocast = bf16_is_fast(torch.device("cpu"))
+    config = DistillConfig(steps=steps or spec.steps, lr=spec.lr, autocast_bf16=autocast)
     log = (work / "train.log").open("a")
     bar = tqdm(total=config.steps, desc=f"zoo train {name}", unit="step")
     started = time.monotonic()
@@ -144,33 +128,36 @@ def train(name: str, steps: int | None = None, work: Path | None = None, head_sa
         log.write(json.dumps({"step": step, "loss": round(loss, 5), "elapsed_s": round(time.monotonic() - started, 1)}) + "\n")
         log.flush()
 
-    distill(teacher.model, student, batch_stream(tokenizer, spec.seq_len, spec.batch), config,
-            work / "checkpoint.pt", on_step=on_step)
+    train_loop(model, _loss(spec, model, head_weight, autocast),
+               zoo_corpus.batch_stream(sequences, spec.seq_len, batch or spec.batch), config, work / "checkpoint.pt", on_step=on_step)
     bar.close()
     return work
 
 
-def export(name: str, work: Path | None = None, out: Path | None = None) -> Path:
+def export(name: str, work: Path | None = None, out: Path | None = None, corpus: Path | None = None) -> Path:
     """The latest checkpoint as a loadable draft in the zoo folder (half precision, no embeddings)."""
     spec = recipe(name)
     work = work or work_dir(name)
     checkpoint = work / "checkpoint.pt"
     if not checkpoint.exists():
         raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo train {name}` first")
-    teacher = load_causal_lm(REFERENCE_TARGET, dtype="float32")
-    student = build_student(teacher.model, spec.layers, json.loads((work / "head_token_ids.json").read_text()))
-    step = load_checkpoint(checkpoint, student, torch.optim.AdamW([p for p in student.parameters() if p.requires_grad]))
+    target = load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu")
+    model = _build(spec, target.model, json.loads((work / "head_token_ids.json").read_text()))
+    step = load_checkpoint(checkpoint, model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
     out = out or zoo_dir() / name
-    save_without_embeddings(student, out, embeddings_from=REFERENCE_TARGET)
-    teacher.tokenizer.save_pretrained(out)
+    save_without_embeddings(model, out, embeddings_from=REFERENCE_TARGET)
+    target.tokenizer.save_pretrained(out)
     log = [json.loads(line) for line in (work / "train.log").read_text().splitlines() if line.strip()]
     seconds = sum(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(log, log[1:]) if b["elapsed_s"] > a["elapsed_s"])
+    meta_file = (corpus or zoo_corpus.corpus_dir()) / "meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
     (out / "training.json").write_text(json.dumps({
-        "recipe": name, "description": spec.description, "steps": step,
-        "tokens_seen": step * spec.batch * spec.seq_len, "train_seconds": round(seconds),
+        "recipe": name, "kind": spec.kind, "description": spec.description, "steps": step,
+        "rows_seen": step * spec.batch, "train_seconds": round(seconds),
         "final_loss": log[-1]["loss"] if log else None, "teacher": REFERENCE_TARGET,
-        "data": f"ShareGPT V3 conversations from #{SHAREGPT_HELD_OUT} on, HumanEval problems from #{HUMANEVAL_HELD_OUT} "
-                f"on (held out: every benchmark prompt), chat-templated, packed into {spec.seq_len}-token rows",
+        "data": f"the target's own greedy answers (<= {zoo_corpus.MAX_NEW_TOKENS} new tokens) to held-out prompts: "
+                f"{meta.get('mix', zoo_corpus.MIX)} (ShareGPT V3 from conversation #{SHAREGPT_HELD_OUT}, HumanEval "
+                f"from problem #{HUMANEVAL_HELD_OUT}); rows are the last {spec.seq_len} tokens of prompt + answer",
     }, indent=2) + "\n")
     return out
 
@@ -190,6 +177,29 @@ def forward_ms(model, context: list[int], reps: int = 20) -> float:
     return 1e3 * sorted(times[3:])[reps // 2]
 
 
+def draft_ms(engine, name: str, context: list[int], reps: int = 20) -> float:
+    """Median time of proposing one token after ``context``, cache warm: the draft's side of c.
+    (One forward of a standalone draft; one step of an HSR head, given the target's states.)"""
+    from specserve.replicas.sampling import SamplingParams
+    from specserve.replicas.step import Proposal
+    from specserve.router.session import ProposeRequest, needs_features, propose
+
+    greedy = SamplingParams()
+    draft = engine.drafts[name]
+    engine.reset_caches()
+    bonus = engine.target.verify(context, Proposal.empty(), greedy, None).emitted_tokens
+    context = context + bonus
+    ask = ProposeRequest(1, None)
+    if needs_features(draft):
+        ask = ProposeRequest(1, None, engine.target.features(context), 0)
+    times = []
+    for _ in range(reps + 3):
+        start = time.perf_counter()
+        propose(draft, context, ask, greedy, None)
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times[3:])[reps // 2]
+
+
 def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int = 64, window: int = 3,
              dtype: str = "auto") -> list[dict]:
     """Per draft and category, on benchmark prompts (held out from training), greedy, one stream:
@@ -203,7 +213,7 @@ def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int =
     names = [n for n in engine.drafts if n != "prompt-lookup"]
     probe = engine.encode(load_prompts("chat", 1)[0])
     target_ms = forward_ms(engine.loaded.model, probe)
-    ratio = {n: forward_ms(engine.drafts[n].session.model, probe) / target_ms for n in names}
+    ratio = {n: draft_ms(engine, n, probe) / target_ms for n in names}
     rows = []
     for category in CATEGORIES:
         prompts = [engine.encode(p) for p in load_prompts(category, prompts_per_category)]

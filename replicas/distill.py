@@ -8,6 +8,8 @@ and the rows of the target's output layer for the head's tokens.
 Loss (forward KL, per position): ``Σ_v p_T(v) (log p_T(v) − log q_S(v))`` over the head's tokens,
 with the teacher's distribution renormalised over the head. Matching the target's whole
 distribution, not only its argmax, is what makes the student's *sampled* proposals accepted too.
+The teacher's distribution comes from the corpus (``cluster/zoo_corpus.py``): its final hidden
+states times the output rows of the head's tokens, so training never runs the target.
 
 Checkpoints hold the trainable weights, the optimizer, the step and the random state, written
 atomically; a run that stops (a session ends, a machine is reclaimed) resumes from the last one
@@ -62,13 +64,32 @@ def build_student(target, layers: int, head_token_ids: list[int]) -> PrunedHeadL
     return student.float()
 
 
-def distill_loss(student_head_logits: torch.Tensor, teacher_logits: torch.Tensor, head: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
-    """Mean forward KL over unmasked positions. logits: [B, T, K] and [B, T, V]; mask: [B, T]."""
-    teacher = F.log_softmax(teacher_logits.float().index_select(-1, head), dim=-1)   # renormalised over the head
+def teacher_log_probs(final: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+    """The teacher's log-distribution renormalised over the head, from its final-norm hidden
+    states (the corpus stores those, not logits): final [N, H], head_weight [K, H] -> [N, K]."""
+    return F.log_softmax(final.float() @ head_weight.float().T, dim=-1)
+
+
+def distill_loss(student_head_logits: torch.Tensor, teacher_logp: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted mean forward KL per position. logits, teacher_logp: [N, K]; weights: [N]."""
     student = F.log_softmax(student_head_logits.float(), dim=-1)
-    kl = (teacher.exp() * (teacher - student)).sum(-1)                               # [B, T]
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
+    kl = (teacher_logp.exp() * (teacher_logp - student)).sum(-1)
+    return (kl * weights).sum() / weights.sum().clamp(min=1e-6)
+
+
+def standalone_loss(student: PrunedHeadLlamaForCausalLM, head_weight: torch.Tensor, autocast_bf16: bool = False):
+    """``loss(batch)`` for a standalone draft on a corpus batch ``{tokens, final, weights}``:
+    the KL at every weighted position, its head evaluated only there."""
+
+    def loss(batch: dict) -> torch.Tensor:
+        tokens, weights = batch["tokens"], batch["weights"]
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+            hidden = student.model(input_ids=tokens).last_hidden_state
+            where = weights > 0
+            logits = student.head_logits(hidden[where])
+        return distill_loss(logits, teacher_log_probs(batch["final"][where], head_weight), weights[where])
+
+    return loss
 
 
 @dataclass(frozen=True)
@@ -118,43 +139,36 @@ def load_checkpoint(path: Path, student, optimizer) -> int:
     return int(state["step"])
 
 
-def distill(
-    teacher,
-    student: PrunedHeadLlamaForCausalLM,
-    batches: Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]],
+def train(
+    model: torch.nn.Module,
+    loss: Callable[[dict], torch.Tensor],
+    batches: Callable[[int], Iterator[dict]],
     config: DistillConfig,
     checkpoint: Path,
     on_step: Callable[[int, float], None] = lambda step, loss: None,
 ) -> int:
-    """Train ``student`` for ``config.steps`` steps; returns the step it reached.
+    """Train ``model``'s trainable parameters for ``config.steps`` steps; returns the step reached.
 
-    ``batches(start)`` yields ``(input_ids [B, T], mask [B, T])`` from batch number ``start`` on,
-    so that a resumed run sees exactly the batches it had not seen yet.
+    ``batches(start)`` yields batches from batch number ``start`` on, so that a resumed run sees
+    exactly the batches it had not seen yet.
     """
     torch.manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(_trainable(student), lr=config.lr, weight_decay=config.weight_decay)
-    step = load_checkpoint(checkpoint, student, optimizer) if checkpoint.exists() else 0
-    head = student.head_token_ids(next(student.parameters()).device)
-    teacher.eval()
-    student.train()
-    for input_ids, mask in batches(step):
+    optimizer = torch.optim.AdamW(_trainable(model), lr=config.lr, weight_decay=config.weight_decay)
+    step = load_checkpoint(checkpoint, model, optimizer) if checkpoint.exists() else 0
+    model.train()
+    for batch in batches(step):
         if step >= config.steps:
             break
         for group in optimizer.param_groups:
             group["lr"] = config.lr * _lr_factor(step, config)
-        with torch.no_grad():
-            teacher_logits = teacher(input_ids=input_ids).logits
-        with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=config.autocast_bf16):
-            hidden = student.model(input_ids=input_ids).last_hidden_state
-            student_logits = student.head_logits(hidden)
-        loss = distill_loss(student_logits, teacher_logits, head, mask.float())
+        value = loss(batch)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(_trainable(student), 1.0)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(_trainable(model), 1.0)
         optimizer.step()
         step += 1
-        on_step(step, float(loss.detach()))
+        on_step(step, float(value.detach()))
         if step % config.checkpoint_every == 0 or step == config.steps:
-            save_checkpoint(checkpoint, student, optimizer, step, config)
-    student.eval()
+            save_checkpoint(checkpoint, model, optimizer, step, config)
+    model.eval()
     return step

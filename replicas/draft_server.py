@@ -24,7 +24,9 @@ import logging
 import torch
 from ray import serve
 
-from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.base import draft_from_model
+from specserve.replicas.drafts.hsr_draft import MissingFeatures, NeedFeatures
+from specserve.replicas.drafts.hsr_head import HSRHead
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
@@ -48,23 +50,31 @@ class DraftServer:
         self.name = name
         self._worker = worker or ModelWorker(f"draft-{name}")
         self._generators: dict[str, torch.Generator] = {}
+        self._needs_features = False
         if model is None:
             self._lookup: PromptLookupDraft | None = PromptLookupDraft()
             self.pool = None
         else:
             loaded = load_causal_lm(model, dtype=dtype)
+            self._needs_features = isinstance(loaded.model, HSRHead)
             self._lookup = None
-            self.pool = SessionPool(lambda: DraftLM(name, loaded.model), keep_idle=kv_sessions_idle)
+            self.pool = SessionPool(lambda: draft_from_model(name, loaded.model), keep_idle=kv_sessions_idle)
         logger.info("draft %s ready (%s)", name, model or "prompt lookup, no model")
 
+    async def needs_features(self) -> bool:
+        """Whether proposals need the target's hidden states (a hidden-state-reuse head)."""
+        return self._needs_features
+
     async def propose(self, session_id: str, context: list[int], ask: ProposeRequest,
-                      params: SamplingParams) -> Proposal:
+                      params: SamplingParams) -> Proposal | NeedFeatures:
+        """A proposal; or, for an HSR head that holds fewer of the session's target states than
+        the call assumes (another replica had the session), ``NeedFeatures``: send them again."""
         if self._lookup is not None:   # an n-gram search: cheaper than a thread hand-off
             return propose(self._lookup, context, ask, params, None)
         return await self._worker.run(self._propose_lm, session_id, context, ask, params)
 
     def _propose_lm(self, session_id: str, context: list[int], ask: ProposeRequest,
-                    params: SamplingParams) -> Proposal:
+                    params: SamplingParams) -> Proposal | NeedFeatures:
         draft = self.pool.acquire(session_id, context)
         generator = None
         if not params.greedy:
@@ -76,7 +86,10 @@ class DraftServer:
                 while len(self._generators) >= MAX_GENERATORS:
                     self._generators.pop(next(iter(self._generators)))
                 generator = self._generators[session_id] = params.generator()
-        return propose(draft, context, ask, params, generator)
+        try:
+            return propose(draft, context, ask, params, generator)
+        except MissingFeatures as missing:
+            return NeedFeatures(missing.have)
 
     async def release(self, session_id: str) -> None:
         """The session ended: its KV cache becomes an idle prefix cache."""

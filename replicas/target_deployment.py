@@ -15,12 +15,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from specserve.replicas.draft_server import DraftServer
+from specserve.replicas.drafts.hsr_draft import NeedFeatures
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.session_pool import SessionPool
@@ -45,6 +47,7 @@ class ColocatedDraft:
     def __init__(self, server: DraftServer):
         self.propose = _LocalCall(server.propose)
         self.release = _LocalCall(server.release)
+        self.needs_features = _LocalCall(server.needs_features)
 
     def options(self, **_) -> "ColocatedDraft":
         return self
@@ -68,6 +71,7 @@ class TargetDeployment:
                                              worker=self._worker)) if isinstance(d, dict) else d
             for name, d in drafts.items()
         }
+        self._needs_features: dict[str, bool] = {}   # per draft, asked on first use
         logger.info("target %s ready on %s (%s, %d threads), drafts: %s", model, self.loaded.model.device,
                     self.loaded.model.dtype, torch.get_num_threads(), ", ".join(drafts) or "none")
 
@@ -87,13 +91,19 @@ class TargetDeployment:
         target = await self._worker.run(self.pool.acquire, request.session_id, request.prompt_ids)
         try:
             stats = session.stats
+            needs_features = draft is not None and await self._draft_needs_features(request.draft, draft)
+            sent = 0   # the target states the draft has been sent for this session
             while not session.done:
                 ask = session.next_ask()
                 proposal = Proposal.empty()
                 t0 = time.perf_counter()
                 if ask is not None:
                     try:
-                        proposal = await draft.propose.remote(request.session_id, session.context, ask, params)
+                        if needs_features:
+                            proposal, sent = await self._propose_with_features(
+                                draft, request.session_id, session.context, ask, params, target, sent)
+                        else:
+                            proposal = await draft.propose.remote(request.session_id, session.context, ask, params)
                     except Exception as err:  # noqa: BLE001 - any draft failure degrades to plain decoding
                         logger.warning("draft %s failed (%s: %s); session %s goes on without speculation",
                                        request.draft, type(err).__name__, err, request.session_id)
@@ -110,6 +120,26 @@ class TargetDeployment:
             await self._worker.run(self.pool.release, request.session_id)
             if draft is not None:
                 draft.release.remote(request.session_id)   # fire and forget: only frees a cache
+
+    async def _draft_needs_features(self, name: str, draft) -> bool:
+        if name not in self._needs_features:
+            self._needs_features[name] = bool(await draft.needs_features.remote())
+        return self._needs_features[name]
+
+    @staticmethod
+    async def _propose_with_features(draft, session_id: str, context: list[int], ask, params, target: Target,
+                                     sent: int) -> tuple[Proposal, int]:
+        """An HSR draft's proposal: the call carries the target states the draft has not been sent
+        (a step's accepted positions, a few rows); a draft replica that lacks earlier ones says
+        from where, and gets them once more. Returns the proposal and the new ``sent``."""
+        for _ in range(2):
+            rows = target.features(context, sent)
+            ask = replace(ask, features=None if rows is None else rows.clone(), features_start=sent)
+            reply = await draft.propose.remote(session_id, context, ask, params)
+            if not isinstance(reply, NeedFeatures):
+                return reply, sent + (0 if rows is None else len(rows))
+            sent = reply.have
+        raise RuntimeError(f"the draft keeps asking for target states from {sent}")
 
     def check_health(self) -> None:
         self._worker.check()

@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.replicas.drafts.base import Draft
-from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.base import Draft, draft_from_model
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
 from specserve.replicas.sampling import SamplingParams
@@ -52,7 +51,7 @@ class SpecEngine:
         drafts: dict[str, Draft] = {PromptLookupDraft.name: PromptLookupDraft()}
         for name in draft_models:
             lm = load_causal_lm(name, dtype=dtype, device=device)
-            drafts[lm.name] = DraftLM(lm.name, lm.model)
+            drafts[lm.name] = draft_from_model(lm.name, lm.model)
         return cls(loaded, drafts)
 
     def reset_caches(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,17 +29,27 @@ from specserve.replicas.target import Target
 
 @dataclass(frozen=True)
 class ProposeRequest:
-    """What the next step asks of the draft: a chain of ``window`` tokens, or a tree."""
+    """What the next step asks of the draft: a chain of ``window`` tokens, or a tree.
+
+    A hidden-state-reuse draft (``needs_features``) also gets the target's hidden states of
+    context positions ``features_start..``: the ones it has not been sent yet."""
 
     window: int
     tree: TreeShape | None
+    features: torch.Tensor | None = None
+    features_start: int = 0
+
+
+def needs_features(draft) -> bool:
+    return bool(getattr(draft, "needs_features", False))
 
 
 def propose(draft: Draft, context: list[int], ask: ProposeRequest, params: SamplingParams,
             generator: torch.Generator | None) -> Proposal:
+    extra = {"features": ask.features, "features_start": ask.features_start} if needs_features(draft) else {}
     if ask.tree is not None:
-        return draft.propose_tree(context, ask.tree)
-    return draft.propose(context, ask.window, params, generator)
+        return draft.propose_tree(context, ask.tree, **extra)
+    return draft.propose(context, ask.window, params, generator, **extra)
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,8 @@ def speculative_generate(
     stats = session.stats
     while not session.done:
         ask = session.next_ask()
+        if ask is not None and needs_features(draft):   # in-process: a view of them all, no copy
+            ask = replace(ask, features=target.features(session.context))
         t0 = time.perf_counter()
         proposal = Proposal.empty() if ask is None else propose(draft, session.context, ask, params, generator)
         t1 = time.perf_counter()

@@ -4,20 +4,27 @@ lowers the loss, and a run stopped mid-way resumes to exactly the weights of an 
 import pytest
 import torch
 
-from specserve.replicas.distill import DistillConfig, build_student, distill, distill_loss, most_frequent_tokens
+from specserve.replicas.distill import (
+    DistillConfig, build_student, distill_loss, most_frequent_tokens, standalone_loss, teacher_log_probs, train,
+)
+from tiny_hsr import teacher_batch
 from tiny_models import VOCAB, tiny_model
 
+TEACHER = tiny_model("llama", seed=0, layers=2)
+DATA = [teacher_batch(TEACHER, seed, batch=4, length=16) for seed in range(12)]
 
-def batches(start: int, batch: int = 4, length: int = 16):
+
+def batches(start: int):
     """Batch i is a pure function of i, so a resumed run sees exactly the batches it had not seen."""
     i = start
     while True:
-        gen = torch.Generator().manual_seed(i)
-        # A skewed token distribution, as real text has: low ids are frequent.
-        ids = torch.minimum(torch.randint(0, VOCAB, (batch, length), generator=gen),
-                            torch.randint(0, VOCAB, (batch, length), generator=gen))
-        yield ids, torch.ones(batch, length)
+        yield DATA[i % len(DATA)]
         i += 1
+
+
+def loss_for(student):
+    head = student.head_token_ids(torch.device("cpu"))
+    return standalone_loss(student, TEACHER.get_output_embeddings().weight.detach()[head])
 
 
 def test_most_frequent_tokens_keeps_the_required_ones():
@@ -35,21 +42,31 @@ def test_a_full_depth_full_head_student_is_the_target():
 
 
 def test_kl_is_zero_for_the_teacher_itself_and_positive_otherwise():
-    logits = torch.randn(2, 5, VOCAB)
-    head = torch.arange(0, VOCAB, 2)
-    mask = torch.ones(2, 5)
-    assert distill_loss(logits[..., head], logits, head, mask).abs() < 1e-6
-    assert distill_loss(torch.zeros(2, 5, len(head)), logits, head, mask) > 0.1
+    final = torch.randn(10, 8)
+    head_weight = torch.randn(VOCAB // 2, 8)
+    weights = torch.ones(10)
+    teacher = teacher_log_probs(final, head_weight)
+    assert distill_loss(final @ head_weight.T, teacher, weights).abs() < 1e-5
+    assert distill_loss(torch.zeros(10, VOCAB // 2), teacher, weights) > 0.1
+
+
+def test_the_corpus_teacher_is_the_target_renormalised_over_the_head():
+    batch = DATA[0]
+    head = torch.arange(0, VOCAB, 3)
+    with torch.inference_mode():
+        logits = TEACHER(batch["tokens"]).logits
+    expected = torch.log_softmax(logits[..., head], -1)
+    got = teacher_log_probs(batch["final"], TEACHER.get_output_embeddings().weight[head])
+    assert torch.allclose(got, expected, atol=1e-4)
 
 
 def test_training_lowers_the_loss(tmp_path):
     torch.manual_seed(0)
-    teacher = tiny_model("llama", seed=0, layers=2)
-    head = most_frequent_tokens((ids.flatten().tolist() for ids, _ in _take(batches(0), 20)), k=48)
-    student = build_student(teacher, layers=1, head_token_ids=head)
+    head = most_frequent_tokens((b["tokens"].flatten().tolist() for b in DATA), k=48)
+    student = build_student(TEACHER, layers=1, head_token_ids=head)
     losses = []
-    distill(teacher, student, batches, DistillConfig(steps=40, lr=3e-3, warmup_steps=5, checkpoint_every=100),
-            tmp_path / "ckpt.pt", on_step=lambda step, loss: losses.append(loss))
+    train(student, loss_for(student), batches, DistillConfig(steps=40, lr=3e-3, warmup_steps=5, checkpoint_every=100),
+          tmp_path / "ckpt.pt", on_step=lambda step, loss: losses.append(loss))
     assert len(losses) == 40
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
 
@@ -59,25 +76,20 @@ class Stop(Exception):
 
 
 def test_a_stopped_run_resumes_exactly(tmp_path):
-    teacher = tiny_model("llama", seed=0, layers=2)
     head = list(range(0, VOCAB, 2))
     config = DistillConfig(steps=8, lr=3e-3, warmup_steps=2, checkpoint_every=3)
 
-    unbroken = build_student(teacher, 1, head)
-    distill(teacher, unbroken, batches, config, tmp_path / "a.pt")
+    unbroken = build_student(TEACHER, 1, head)
+    train(unbroken, loss_for(unbroken), batches, config, tmp_path / "a.pt")
 
     def stop_after_step_4(step, loss):
         if step == 4:
             raise Stop   # the checkpoint of step 3 is on disk; step 4's work is lost, as in a real stop
 
-    broken = build_student(teacher, 1, head)
+    broken = build_student(TEACHER, 1, head)
     with pytest.raises(Stop):
-        distill(teacher, broken, batches, config, tmp_path / "b.pt", on_step=stop_after_step_4)
-    resumed = build_student(teacher, 1, head)   # a fresh process: nothing but the checkpoint
-    assert distill(teacher, resumed, batches, config, tmp_path / "b.pt") == 8
+        train(broken, loss_for(broken), batches, config, tmp_path / "b.pt", on_step=stop_after_step_4)
+    resumed = build_student(TEACHER, 1, head)   # a fresh process: nothing but the checkpoint
+    assert train(resumed, loss_for(resumed), batches, config, tmp_path / "b.pt") == 8
     for (name, a), b in zip(unbroken.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), f"{name} differs after resuming"
-
-
-def _take(iterator, n):
-    return [next(iterator) for _ in range(n)]

@@ -1,65 +1,104 @@
-"""The zoo's training data: held out from every benchmark prompt, and the same batches from any
-starting point (what makes a resumed run see exactly the batches it had not seen)."""
+"""The draft zoo on the real target: the corpus holds the target's own greedy answers and the
+hidden states that reproduce its choices, held out from every benchmark prompt; batches are the
+same from any starting point (what makes a resumed run exact); both recipes train, export, load
+by path and evaluate."""
 
 from itertools import islice
 
 import pytest
 import torch
 
-from specserve.cluster.prompts import load_prompts
-from specserve.cluster.zoo import batch_stream, recipe, training_conversations
-from specserve.replicas.model_store import load_tokenizer_and_config
+from specserve.cluster import zoo_corpus
+from specserve.cluster.prompts import load_prompts, training_prompts
+from specserve.cluster.zoo import recipe
 
 pytestmark = pytest.mark.reference
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer_and_config()[0]
+MINI = {"chat": 3, "code": 2, "edit": 1}
 
 
-def test_batches_from_any_start_are_the_continuation(tokenizer):
-    batches = batch_stream(tokenizer, seq_len=64, batch=2)
-    first_five = list(islice(batches(0), 5))
-    assert all(ids.shape == (2, 64) and torch.equal(mask, torch.ones_like(ids)) for ids, mask in first_five)
-    assert torch.equal(next(batches(3))[0], first_five[3][0])
-
-
-def test_training_text_holds_out_the_benchmark_prompts():
-    held_out = set(load_prompts("chat", 50)) | set(load_prompts("code", 20))
-    seen = [m["content"] for messages in islice(training_conversations(), 2000) for m in messages]
-    assert not held_out & set(seen)
-    assert any("def " in text for text in seen), "HumanEval code is part of the mix"
+@pytest.mark.parametrize("category", ["chat", "summarise", "code", "edit"])
+def test_training_prompts_hold_out_the_benchmark_prompts(category):
+    training = set(islice(training_prompts(category), 300))
+    assert training and not training & set(load_prompts(category, 100))
 
 
 def test_unknown_recipe_names_the_known_ones():
-    with pytest.raises(ValueError, match="the zoo has: smollm2-draft-2l"):
+    with pytest.raises(ValueError, match="the zoo has: smollm2-draft-2l, smollm2-hsr"):
         recipe("nope")
 
 
-@pytest.mark.slow
-def test_train_export_and_load_a_draft(tmp_path):
-    """The whole path on the real target, two steps long: train, export, load by path, draft."""
-    from specserve.cluster.zoo import export, train
-    from specserve.replicas.drafts.draft_lm import DraftLM
-    from specserve.replicas.model_store import load_causal_lm
-    from specserve.replicas.sampling import SamplingParams
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    out = tmp_path_factory.mktemp("corpus")
+    zoo_corpus.build(out, mix=MINI, batch=2, max_new_tokens=12, dtype="float32")
+    return out
 
-    work = train("smollm2-draft-2l", steps=2, work=tmp_path / "work", head_sample_rows=200)
+
+@pytest.mark.slow
+def test_the_corpus_is_the_targets_greedy_answers_and_its_states(corpus):
+    from specserve.replicas.model_store import load_causal_lm
+
+    target = load_causal_lm(dtype="float32").model
+    sequences = zoo_corpus.load(corpus)
+    assert sorted(s.category for s in sequences) == sorted(c for c, n in MINI.items() for _ in range(n))
+    out_weight = target.get_output_embeddings().weight
+    for seq in sequences:
+        answer = range(seq.prompt_len - 1, len(seq.tokens) - 1)
+        assert len(answer) >= 1 and seq.features.shape == seq.final.shape == (len(seq.tokens), 576)
+        # The stored final states reproduce the target's greedy choice at every answer position.
+        predicted = (seq.final[list(answer)].float() @ out_weight.T).argmax(-1)
+        assert predicted.tolist() == seq.tokens[seq.prompt_len:].tolist()
+        with torch.inference_mode():
+            hidden = target(seq.tokens[None], output_hidden_states=True).hidden_states
+        assert torch.allclose(seq.features.float(), hidden[-2][0], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.slow
+def test_a_stopped_build_resumes_with_the_missing_shard_only(corpus):
+    shards = sorted(corpus.glob("shard-*.pt"))
+    before = {s: s.stat().st_mtime_ns for s in shards}
+    kept = torch.load(shards[1], weights_only=True)
+    shards[1].unlink()
+    zoo_corpus.build(corpus, mix=MINI, batch=2, max_new_tokens=12, dtype="float32")
+    assert all(s.stat().st_mtime_ns == before[s] for s in shards if s != shards[1])
+    again = torch.load(shards[1], weights_only=True)
+    assert [r["tokens"].tolist() for r in again] == [r["tokens"].tolist() for r in kept]
+
+
+@pytest.mark.slow
+def test_batches_from_any_start_are_the_continuation_and_score_only_answers(corpus):
+    sequences = zoo_corpus.load(corpus)
+    batches = zoo_corpus.batch_stream(sequences, seq_len=64, batch=2)
+    first = list(islice(batches(0), 6))   # past one epoch of 3 batches: a new shuffle
+    again = next(batches(4))
+    assert torch.equal(again["tokens"], first[4]["tokens"]) and torch.equal(again["weights"], first[4]["weights"])
+    for b in first:
+        assert b["tokens"].shape[1] <= 64 and b["features"].shape == (*b["tokens"].shape, 576)
+        # Scored positions are answer positions: each predicts a token of the answer.
+        assert b["weights"].sum() > 0 and set(b["weights"].unique().tolist()) <= {0.0, 1.0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-draft-2l", "smollm2-hsr"])
+def test_train_export_load_and_evaluate(corpus, name, tmp_path):
+    """The whole path, two steps long: train, export, load by path, draft, evaluate."""
+    from specserve.cluster.zoo import evaluate, export, train
+    from specserve.replicas.drafts.base import draft_from_model
+    from specserve.replicas.model_store import load_causal_lm
+
+    work = train(name, steps=2, work=tmp_path / "work", corpus=corpus, batch=2)
     assert (work / "checkpoint.pt").exists() and len((work / "train.log").read_text().splitlines()) == 2
-    out = export("smollm2-draft-2l", work=work, out=tmp_path / "draft")
+    out = export(name, work=work, out=tmp_path / "draft", corpus=corpus)
     size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     assert size_mb < 30, f"an exported draft should stay well under half the 60 MB budget, got {size_mb:.1f} MB"
     draft = load_causal_lm(str(out), dtype="float32")
     target = load_causal_lm(dtype="float32")
     assert torch.equal(draft.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
-    proposal = DraftLM("d", draft.model).propose(target.tokenizer("Hello")["input_ids"], 3, SamplingParams(), None)
-    assert len(proposal.tokens) == 3 and all(t in set(draft.model.config.head_token_ids) for t in proposal.tokens)
-    from specserve.cluster.zoo import evaluate
-
+    assert type(draft_from_model("d", draft.model)).__name__ == ("HSRDraft" if name == "smollm2-hsr" else "DraftLM")
     rows = evaluate([str(out)], prompts_per_category=1, max_tokens=8, window=2, dtype="float32")
     assert [r["category"] for r in rows] == ["code", "chat", "summarise", "edit"]
     for r in rows:
         assert r["draft"] == "draft" and 0 <= r["acceptance_rate"] <= 1 and r["mean_accepted_len"] >= 1
-        assert 0 < r["latency_ratio"] < 1, "a 2-layer draft must cost less than the 30-layer target"
+        assert 0 < r["latency_ratio"] < 1, "a draft must cost less than the 30-layer target"
         assert r["speedup_vs_ar"] > 0

@@ -33,3 +33,13 @@ class Draft(Protocol):
     def propose_tree(self, context: list[int], shape: TreeShape) -> Proposal:
         """A token tree of at most ``shape.depth`` levels and ``shape.budget`` nodes."""
         ...
+
+
+def draft_from_model(name: str, model) -> Draft:
+    """The draft that drives ``model``: a hidden-state-reuse head reads the target's states, any
+    other causal LM drafts from tokens alone."""
+    from specserve.replicas.drafts.draft_lm import DraftLM
+    from specserve.replicas.drafts.hsr_draft import HSRDraft
+    from specserve.replicas.drafts.hsr_head import HSRHead
+
+    return HSRDraft(name, model) if isinstance(model, HSRHead) else DraftLM(name, model)

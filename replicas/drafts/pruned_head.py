@@ -78,11 +78,12 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
 EMBEDDINGS_KEY = "model.embed_tokens.weight"
 
 
-def save_without_embeddings(model: PrunedHeadLlamaForCausalLM, out_dir: Path, embeddings_from: str,
-                            dtype: torch.dtype = torch.float16) -> None:
-    """Save in half precision, minus the embeddings, which load from ``embeddings_from``."""
+def save_without_embeddings(model, out_dir: Path, embeddings_from: str, dtype: torch.dtype = torch.float16) -> None:
+    """Save in half precision, minus the input embeddings, which load from ``embeddings_from``."""
     model.config.embeddings_from = embeddings_from
-    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k != EMBEDDINGS_KEY}
+    embeddings = model.get_input_embeddings().weight
+    skip = {name for name, p in model.named_parameters() if p is embeddings}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k not in skip}
     model.save_pretrained(out_dir, state_dict=state)
 
 

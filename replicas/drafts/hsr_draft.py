@@ -1,0 +1,198 @@
+"""Drafting with a hidden-state-reuse head: its own small KV cache plus the target's states.
+
+Per session the draft holds the context tokens, the target's hidden states ``h`` for a prefix of
+them (``features``, one row per position), and its layer's keys and values for the positions it
+has fed with *true* target states: position ``p`` is fed ``FC(e_p ⊕ h_{p-1})``, so it can be fed
+once ``h_{p-1}`` has arrived. Drafting beyond the root feeds the head's own outputs instead; those
+keys are thrown away after the proposal, and the next call re-feeds the accepted positions with
+the target's states, which verification has produced by then (as EAGLE does).
+
+The target's states arrive with each call (``features`` from ``features_start``). Any replica can
+serve a call: a draft that holds fewer rows than the call assumes raises ``MissingFeatures`` with
+the count it has, and the caller re-sends from there. On a request's first step the target has not
+run yet, so there are no states and the proposal is empty: the first token comes from the
+target's prefill, as in EAGLE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample
+from specserve.replicas.step import Proposal, TreeShape
+from specserve.replicas.tree_attention import node_depths
+
+
+class MissingFeatures(Exception):
+    """The call's hidden states start after what this draft holds: send them from ``have``."""
+
+    def __init__(self, have: int):
+        super().__init__(f"this draft holds target states for {have} positions; send them from there")
+        self.have = have
+
+
+@dataclass(frozen=True)
+class NeedFeatures:
+    """A draft server's reply instead of a proposal: re-send the target's states from ``have``."""
+
+    have: int
+
+
+class HSRSession:
+    """One sequence's state: tokens, the target's states for a prefix, the head's exact KV."""
+
+    def __init__(self, head):
+        self.head = head
+        self.tokens: list[int] = []
+        self.features: torch.Tensor | None = None   # [N, H]: target states of positions 0..N-1
+        self.keys: torch.Tensor | None = None        # [1, heads, M, d]: positions 1..M, fed exactly
+        self.values: torch.Tensor | None = None
+
+    @property
+    def fed(self) -> int:
+        """M: positions 1..M are in the head's cache."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def known(self) -> int:
+        return 0 if self.features is None else self.features.shape[0]
+
+    def reset(self) -> None:
+        self.tokens, self.features, self.keys, self.values = [], None, None, None
+
+    def _crop(self, tokens: int, features: int) -> None:
+        self.tokens = self.tokens[:tokens]
+        if self.features is not None:
+            self.features = self.features[:features]
+        fed = min(self.fed, tokens - 1, features)   # position p needs token p and state p-1
+        if self.keys is not None:
+            self.keys, self.values = (self.keys[:, :, :fed], self.values[:, :, :fed]) if fed > 0 else (None, None)
+
+    def sync(self, context: list[int], features: torch.Tensor | None, features_start: int) -> None:
+        """Take ``context`` and the target states ``features`` of positions ``features_start..``."""
+        common = common_prefix_len(self.tokens, context)
+        self._crop(common, min(self.known, common))
+        self.tokens = list(context)
+        if features is None or len(features) == 0:
+            return
+        if features_start > self.known:
+            raise MissingFeatures(self.known)
+        # A copy: in-process, ``features`` is a view of the target's buffer, which moves on.
+        rows = features[self.known - features_start:].to(self.head.dtype, copy=True)
+        rows = rows[: max(0, len(context) - 1 - self.known)]   # no state exists yet for the root
+        self.features = rows if self.features is None else torch.cat([self.features, rows])
+
+    @torch.inference_mode()
+    def root_hidden(self) -> torch.Tensor | None:
+        """Feed every position the cache lacks up to the root; the root's output [1, 1, H], or
+        None while the target's states do not reach the root (the first step)."""
+        root = len(self.tokens) - 1
+        if root < 1 or self.known < root:
+            return None
+        first = self.fed + 1
+        if first > root:   # all fed, but the root's output was not kept: re-feed the root
+            self.keys, self.values = self.keys[:, :, :-1], self.values[:, :, :-1]
+            first = root
+        device = self.head.device
+        positions = torch.arange(first, root + 1, device=device)
+        tokens = torch.tensor([self.tokens[first:root + 1]], device=device)
+        z = self.head.inputs(tokens, self.features[first - 1:root][None])
+        out, k, v = self.head.step(z, positions, self.keys, self.values)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return out[:, -1:]
+
+
+class HSRDraft:
+    needs_features = True
+
+    def __init__(self, name: str, head):
+        self.name = name
+        self.head = head
+        self.session = HSRSession(head)
+
+    def propose(self, context: list[int], window: int, params: SamplingParams, generator: torch.Generator | None,
+                features: torch.Tensor | None = None, features_start: int = 0) -> Proposal:
+        self.session.sync(context, features, features_start)
+        if window <= 0:
+            return Proposal.empty()
+        with torch.inference_mode():
+            hidden = self.session.root_hidden()
+            if hidden is None:
+                return Proposal.empty()
+            keys, values = self.session.keys, self.session.values
+            position = len(context) - 1
+            tokens: list[int] = []
+            probs: list[torch.Tensor] = []
+            for i in range(window):
+                logits = self.head.full_logits(hidden)[0, -1]
+                if params.greedy:
+                    tok = int(logits.argmax())
+                else:
+                    q = logits_to_probs(logits, params)
+                    tok = sample(q, generator)
+                    probs.append(q)
+                tokens.append(tok)
+                if i + 1 < window:   # Eq. 4: the head's own output stands in for the target's state
+                    position += 1
+                    z = self.head.inputs(torch.tensor([[tok]], device=self.head.device), hidden)
+                    hidden, k, v = self.head.step(z, torch.tensor([position], device=self.head.device), keys, values)
+                    keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        return Proposal.chain(tokens, torch.stack(probs) if probs else None)
+
+    def propose_tree(self, context: list[int], shape: TreeShape, features: torch.Tensor | None = None,
+                     features_start: int = 0) -> Proposal:
+        """EAGLE-2-style expansion as in ``DraftLM.propose_tree``: per level, the top-k children
+        of every frontier node, the k best by cumulative log q kept. A node is fed its parent's
+        output and sees the exact cache plus its own ancestors."""
+        self.session.sync(context, features, features_start)
+        with torch.inference_mode():
+            root = self.session.root_hidden()
+            if root is None:
+                return Proposal.empty()
+            device = self.head.device
+            exact = self.session.fed
+            keys, values = self.session.keys, self.session.values
+            outputs: list[torch.Tensor] = []      # [H] per node
+            tokens: list[int] = []
+            parents: list[int] = []
+            score: list[float] = []
+            frontier: list[int] = [-1]
+            frontier_hidden = root[0]             # [F, H]
+            for level in range(shape.depth):
+                room = shape.budget - len(tokens)
+                if room <= 0:
+                    break
+                top = torch.log_softmax(self.head.full_logits(frontier_hidden).float(), -1).topk(shape.top_k, dim=-1)
+                base = torch.tensor([0.0 if f < 0 else score[f] for f in frontier])
+                cand = (base[:, None] + top.values).flatten()
+                order = cand.argsort(descending=True)[: min(room, shape.top_k)].tolist()
+                first_new = len(tokens)
+                for flat in order:
+                    row, col = divmod(flat, shape.top_k)
+                    tokens.append(int(top.indices[row, col]))
+                    parents.append(frontier[row])
+                    score.append(float(cand[flat]))
+                frontier = list(range(first_new, len(tokens)))
+                if level + 1 < shape.depth and len(tokens) < shape.budget:
+                    new = tokens[first_new:]
+                    prev = torch.stack([root[0, 0] if parents[i] < 0 else outputs[parents[i]] for i in frontier])
+                    depths = node_depths(parents)
+                    positions = torch.tensor([len(context) - 1 + depths[i] for i in frontier], device=device)
+                    # Keys so far: the exact cache, then every fed tree node in node order.
+                    allowed = torch.zeros(len(new), exact + len(tokens), dtype=torch.bool, device=device)
+                    allowed[:, :exact] = True
+                    for row, node in enumerate(frontier):
+                        ancestor = node
+                        while ancestor >= 0:
+                            allowed[row, exact + ancestor] = True
+                            ancestor = parents[ancestor]
+                    z = self.head.inputs(torch.tensor([new], device=device), prev[None])
+                    out, k, v = self.head.step(z, positions, keys, values, allowed)
+                    keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+                    outputs.extend(out[0])
+                    frontier_hidden = out[0]
+        return Proposal(tokens, parents)

@@ -1,0 +1,236 @@
+"""A hidden-state-reuse (HSR) draft head: Sparrow Eq. 1, in the manner of EAGLE.
+
+Instead of reading the context itself, the head reuses what the target already computed. Its
+input at position t joins the embedding of token t with the target's hidden state at t-1:
+
+    z_t = FC(e_t ⊕ h_{t-1})                          (Sparrow Eq. 1)
+    o_t = DecoderLayer(z_≤t)                           one Llama layer, causal, its own KV cache
+    q(x_{t+1}) = softmax(head(norm(o_t)))             a pruned head over K frequent tokens
+
+``h`` is the output of the target's second-to-last decoder layer (Sparrow's ``h^h``). Drafting
+several tokens, the target's state for a drafted position does not exist yet: the head feeds its
+own output instead, ``z_{t+1} = FC(e_{t+1} ⊕ o_t)`` (Sparrow Eq. 4 without the visual anchor,
+which text has no use for). Training unrolls those recursive steps so the head learns to read its
+own states (multi-token prediction, ``replicas/hsr_train.py``).
+
+Deviations from the paper, and why:
+- no VATA window (Eq. 2): there are no visual tokens to leave out, every position is text;
+- the decoder layer starts as a copy of the target's last layer (its input ``h^h`` is what that
+  layer reads), the FC at random; Sparrow does not say how it initialises.
+
+Registered with transformers' Auto classes like the pruned-head draft, so ``load_causal_lm``
+loads it from its folder, embeddings from the target (``embeddings_from``). It is not a causal LM
+on tokens alone: ``replicas/drafts/hsr_draft.py`` drives it with the target's hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+
+class HSRConfig(PretrainedConfig):
+    model_type = "specserve_hsr_head"
+
+    def __init__(self, vocab_size: int = 49152, hidden_size: int = 576, intermediate_size: int = 1536,
+                 num_attention_heads: int = 9, num_key_value_heads: int = 3, head_dim: int | None = None,
+                 rms_norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_position_embeddings: int = 8192,
+                 head_token_ids: list[int] | None = None, feature_layer: int = -2, **kwargs):
+        kwargs["tie_word_embeddings"] = False
+        super().__init__(**kwargs)
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.head_token_ids = [int(t) for t in (head_token_ids or range(vocab_size))]
+        # Which of the target's hidden states the head reads, as an index into transformers'
+        # ``hidden_states`` tuple: -2 is the output of the second-to-last decoder layer.
+        self.feature_layer = feature_layer
+
+    @classmethod
+    def for_target(cls, target_config, head_token_ids: list[int]) -> "HSRConfig":
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        return cls(
+            vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_attention_heads=target_config.num_attention_heads,
+            num_key_value_heads=target_config.num_key_value_heads,
+            head_dim=getattr(target_config, "head_dim", None), rms_norm_eps=target_config.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)),
+            max_position_embeddings=target_config.max_position_embeddings, head_token_ids=head_token_ids,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables for ``positions`` [T]: cos, sin [T, head_dim] (Llama's half-split layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Llama attention split in two, so that training can attend over keys of several unrolled
+    steps (``replicas/hsr_train.py``) and inference over its own small cache."""
+
+    def __init__(self, config: HSRConfig):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, H] -> q [B, heads, T, d]; k, v [B, heads, T, d] (kv heads repeated for GQA)."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = self.heads // self.kv_heads
+        return q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        """attended [B, heads, T, d] -> [B, T, H]"""
+        b, _, t, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    """One Llama decoder layer (names as in transformers', so the target's last layer loads in)."""
+
+    def __init__(self, config: HSRConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = nn.ModuleDict({
+            "gate_proj": nn.Linear(config.hidden_size, config.intermediate_size, bias=False),
+            "up_proj": nn.Linear(config.hidden_size, config.intermediate_size, bias=False),
+            "down_proj": nn.Linear(config.intermediate_size, config.hidden_size, bias=False),
+        })
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
+
+
+class HSRHead(PreTrainedModel):
+    config_class = HSRConfig
+    base_model_prefix = "hsr"
+    _no_split_modules = ["DecoderLayer"]
+
+    def __init__(self, config: HSRConfig):
+        super().__init__(config)
+        h = config.hidden_size
+        ids = config.head_token_ids
+        if len(set(ids)) != len(ids) or not all(0 <= t < config.vocab_size for t in ids):
+            raise ValueError(f"head_token_ids must be distinct ids in [0, {config.vocab_size}), got {len(ids)} ids")
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(config)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.lm_head = nn.Linear(h, len(ids), bias=False)
+        self.post_init()
+        self._head_ids: dict[torch.device, torch.Tensor] = {}
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def head_token_ids(self, device: torch.device) -> torch.Tensor:
+        if device not in self._head_ids:
+            self._head_ids[device] = torch.tensor(self.config.head_token_ids, dtype=torch.long, device=device)
+        return self._head_ids[device]
+
+    def inputs(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """Eq. 1: ``FC(e_t ⊕ h_{t-1})``. token_ids [B, T], prev_hidden [B, T, H] -> [B, T, H]"""
+        embeds = self.embed_tokens(token_ids).to(prev_hidden.dtype)
+        return self.fc(torch.cat([embeds, prev_hidden], dim=-1))
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def head_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's K tokens: [..., K]."""
+        return self.lm_head(self.norm(out_hidden))
+
+    def full_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """Head logits scattered to full-vocabulary ids, -inf elsewhere: [..., V]."""
+        small = self.head_logits(out_hidden)
+        logits = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.head_token_ids(small.device), small)
+
+    def step(self, z: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None,
+             allowed: torch.Tensor | None = None):
+        """Run the layer on inputs ``z`` [1, T, H] at ``positions`` [T] after cached keys/values.
+        ``allowed`` [T, S] says which keys (cached, then new) each new position sees; default
+        causal. returns (out [1, T, H], k, v) where k, v [1, heads, T, d] are the new positions'
+        keys and values, for the caller to cache."""
+        cos, sin = self.rope(positions, z.dtype)
+        x = self.layer.input_layernorm(z)
+        q, k, v = self.layer.self_attn.qkv(x, cos, sin)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        t, s = q.shape[2], keys.shape[2]
+        if allowed is None:   # query i sits at cache index s - t + i and sees every key up to its own
+            allowed = torch.ones(t, s, dtype=torch.bool, device=z.device).tril(diagonal=s - t)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        hidden = z + self.layer.self_attn.out(attended)
+        return self.layer.feed_forward(hidden), k, v
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("an HSR head drafts from the target's hidden states: use HSRDraft, not a forward on tokens")
+
+
+def build_hsr_head(target, head_token_ids: list[int]) -> HSRHead:
+    """A head for ``target`` (a Llama-family model): its embeddings (frozen), its last layer as the
+    starting point of the head's layer, and its output rows for the head's tokens."""
+    head = HSRHead(HSRConfig.for_target(target.config, head_token_ids))
+    last = target.model.layers[-1].state_dict()
+    missing, unexpected = head.layer.load_state_dict(last, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"the target's last layer does not fit the head's: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[torch.tensor(head_token_ids)])
+        head.norm.weight.copy_(target.model.norm.weight)
+    head.embed_tokens.weight.requires_grad_(False)
+    return head.float()
+
+
+AutoConfig.register(HSRConfig.model_type, HSRConfig, exist_ok=True)
+AutoModelForCausalLM.register(HSRConfig, HSRHead, exist_ok=True)
