@@ -14,6 +14,8 @@ Configurations:
   baseline every ``speedup_vs_ar`` divides by.
 - ``prompt-lookup-{2,4,6}``: specserve's prompt-lookup draft with window γ = 2, 4, 6, and
   ``prompt-lookup-10``, HF's window, for a like-for-like comparison with ``hf-prompt-lookup``.
+- ``<zoo draft>-{2,4}`` and ``<zoo draft>-tree``: each draft exported into the package's zoo
+  (``specserve zoo export``) with window γ = 2, 4 and with a token tree (depth 4, top-2, 8 nodes).
 
 Per row (config × category, plus an ``all`` row per config): ``tokens_per_s`` = Σ tokens / Σ
 seconds over the category's prompts; ``mean_accepted_len`` τ = emitted tokens / steps (null for
@@ -35,7 +37,8 @@ from pathlib import Path
 import torch
 
 from specserve.cluster.prompts import CATEGORIES, load_prompts
-from specserve.replicas.step import SpecStats
+from specserve.replicas.model_store import zoo_dir
+from specserve.replicas.step import SpecStats, TreeShape
 from specserve.router.engine import NO_DRAFT, GenerateRequest, SpecEngine
 
 BASELINE = "target-only"
@@ -54,6 +57,7 @@ class BenchConfig:
     draft: str = NO_DRAFT              # specserve only
     window: int = 0                    # specserve only: γ
     prompt_lookup_tokens: int | None = None   # hf only
+    tree: TreeShape | None = None      # specserve only
 
 
 CONFIGS = (
@@ -68,18 +72,34 @@ CONFIGS = (
 )
 
 
+ZOO_TREE = TreeShape(depth=4, top_k=2, budget=8)
+
+
+def zoo_configs() -> list[BenchConfig]:
+    """Rows for every draft exported into the zoo folder."""
+    from specserve.cluster.zoo import RECIPES
+
+    configs = []
+    for name in RECIPES:
+        if (zoo_dir() / name / "config.json").exists():
+            configs += [BenchConfig(f"{name}-{w}", "specserve", name, w) for w in (2, 4)]
+            configs.append(BenchConfig(f"{name}-tree", "specserve", name, tree=ZOO_TREE))
+    return configs
+
+
 def select_configs(names: Sequence[str] | None) -> list[BenchConfig]:
     """The named configurations in canonical order, always with the baseline (speedups need it)."""
+    known = [*CONFIGS, *zoo_configs()]
     if names is None:
-        return list(CONFIGS)
+        return known
     wanted = {n.strip() for n in names if n.strip()}
-    unknown = wanted - {c.name for c in CONFIGS}
+    unknown = wanted - {c.name for c in known}
     if unknown:
         raise ValueError(
             f"unknown configuration(s) {', '.join(sorted(unknown))}; "
-            f"choose from {', '.join(c.name for c in CONFIGS)}"
+            f"choose from {', '.join(c.name for c in known)}"
         )
-    return [c for c in CONFIGS if c.name in wanted or c.name == BASELINE]
+    return [c for c in known if c.name in wanted or c.name == BASELINE]
 
 
 # --- one generation ------------------------------------------------------------------------
@@ -131,7 +151,8 @@ def spec_generate(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int]
     # configuration's run on this same prompt would spare this one the prefill. Start cold,
     # like HF generate does.
     engine.reset_caches()
-    request = GenerateRequest(prompt="", max_tokens=max_tokens, draft=config.draft, window=config.window)
+    request = GenerateRequest(prompt="", max_tokens=max_tokens, draft=config.draft, window=config.window,
+                              tree=config.tree)
     gen = engine.generate_ids(prompt_ids, request)
     return gen.token_ids, gen.stats
 
@@ -276,7 +297,7 @@ def plot(rows: list[dict], configs: list[BenchConfig], categories: Sequence[str]
     for j, config in enumerate(configs):
         xs = [g + (j - (len(configs) - 1) / 2) * width for g in range(len(groups))]
         values = [by_key[(config.name, cat)]["tokens_per_s"] for cat in groups]
-        bars = ax.bar(xs, values, width, label=config.name)
+        bars = ax.bar(xs, values, width, label=config.name, color=plt.cm.tab20(j % 20))
         for bar, cat in zip(bars, groups):
             speedup = by_key[(config.name, cat)]["speedup_vs_ar"]
             if speedup is not None:
@@ -318,7 +339,8 @@ def run_engine_bench(
     texts = [(cat, text) for cat in CATEGORIES for text in load_prompts(cat, prompts_per_category)]
 
     machine_before = machine_info()
-    engine = SpecEngine.load(dtype=dtype)
+    drafts = sorted({c.draft for c in chosen if c.backend == "specserve" and (zoo_dir() / c.draft).exists()})
+    engine = SpecEngine.load(dtype=dtype, draft_models=drafts)
     prompts = [(cat, engine.encode(text, chat=True)) for cat, text in texts]
     samples = measure(engine, chosen, prompts, max_tokens)
     rows = aggregate(samples, chosen, CATEGORIES)

@@ -87,7 +87,7 @@ def _read_prompts_file(path: Path) -> list[str]:
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="The user message (rendered with the chat template)."),
     prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="JSON lines with a \"prompt\" field; one output per line.", exists=True, dir_okay=False),
-    draft: str = typer.Option("prompt-lookup", help="Draft name, or 'none' for plain decoding."),
+    draft: str = typer.Option("prompt-lookup", help="Draft name: prompt-lookup, a zoo draft (`specserve zoo list`), a --draft-model folder name, or 'none' for plain decoding."),
     draft_model: list[str] = typer.Option([], "--draft-model", help="A draft LM (path or cached name) to load beside the built-in drafts; repeatable."),
     window: int = typer.Option(4, help="Window γ: draft tokens per step (0 = plain decoding)."),
     tree: Optional[str] = typer.Option(None, help="Draft a token tree DEPTH,TOPK,BUDGET instead of a chain."),
@@ -129,7 +129,12 @@ def generate(
         _generate_on_server(server, prompts, RemoteRequest(
             "", max_tokens, draft, window, shape, params, chat=not raw, model=model), as_json)
         return
-    known = {"none", "prompt-lookup", *(Path(m).name for m in draft_model)}
+    from specserve.replicas.model_store import zoo_drafts
+
+    zoo = zoo_drafts()
+    if draft in zoo and draft not in (Path(m).name for m in draft_model):
+        draft_model = [*draft_model, draft]   # the package's zoo drafts load by name
+    known = {"none", "prompt-lookup", *zoo, *(Path(m).name for m in draft_model)}
     if draft not in known:
         fail(f"unknown draft {draft!r}; available: {', '.join(sorted(known))}")
 
@@ -350,9 +355,13 @@ def zoo_eval(
     max_tokens: int = typer.Option(64, help="New tokens per prompt."),
     window: int = typer.Option(3, help="Window γ."),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    card: bool = typer.Option(False, help="Write each zoo draft's model card (README.md beside its weights)."),
 ) -> None:
     """Acceptance rate, latency ratio c and speedup over target-only, per draft and category."""
-    from specserve.cluster.zoo import evaluate
+    import platform
+
+    from specserve.cluster.zoo import evaluate, write_card
+    from specserve.replicas.model_store import zoo_dir
 
     if window < 1 or prompts < 1 or max_tokens < 1:
         fail("--window, --prompts and --max-tokens must be >= 1")
@@ -366,6 +375,13 @@ def zoo_eval(
                    f"{r['latency_ratio']:7.4f} {r['speedup_vs_ar']:6.2f}x")
     if json_path:
         json_path.write_text(json.dumps(rows, indent=2) + "\n")
+    if card:
+        meta = {"prompts": prompts, "max_tokens": max_tokens, "window": window, "dtype": dtype,
+                "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})"}
+        for name in drafts:
+            folder = Path(name) if Path(name).exists() else zoo_dir() / name
+            if (folder / "training.json").exists():
+                typer.echo(f"model card: {write_card(folder, rows, meta)}")
 
 
 @bench_app.command("serve")

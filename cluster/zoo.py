@@ -53,6 +53,10 @@ class Recipe:
     batch: int = 8
     steps: int = 1000
     lr: float = 1e-3
+    # The head starts as the target's own output rows; frozen (as EAGLE freezes the LM head), the
+    # draft learns to produce states the target's output layer reads, with far fewer parameters
+    # to fit from a small corpus.
+    train_head: bool = False
 
 
 RECIPES = {
@@ -76,9 +80,9 @@ def work_dir(name: str) -> Path:
 
 
 def _build(spec: Recipe, target, head: list[int]):
-    if spec.kind == "hsr":
-        return build_hsr_head(target, head)
-    return build_student(target, spec.layers, head)
+    model = build_hsr_head(target, head) if spec.kind == "hsr" else build_student(target, spec.layers, head)
+    model.lm_head.weight.requires_grad_(spec.train_head)
+    return model
 
 
 def _loss(spec: Recipe, model, head_weight: torch.Tensor, autocast_bf16: bool):
@@ -242,3 +246,42 @@ def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int =
                 "speedup_vs_ar": round(tokens[name] / seconds[name] / base, 3),
             })
     return rows
+
+
+def write_card(folder: Path, rows: list[dict], meta: dict) -> Path:
+    """``README.md`` beside a zoo draft's weights: what it is, what it was trained on and for how
+    long, and what it measured on held-out prompts (``rows`` from ``evaluate``)."""
+    training = json.loads((folder / "training.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    weights_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
+    if training["kind"] == "hsr":
+        arch = (f"hidden-state-reuse head (Sparrow Eq. 1): `FC(e_t ⊕ h_(t-1))` ({2 * config['hidden_size']} → "
+                f"{config['hidden_size']}) into one Llama decoder layer (initialised from the target's last), "
+                f"final norm, {len(config['head_token_ids'])}-token head; `h` = the target's second-to-last "
+                f"layer output; trained with {RECIPES[training['recipe']].unroll} unrolled steps")
+    else:
+        arch = (f"Llama, {config['num_hidden_layers']} decoder layers (initialised from the target's first), "
+                f"hidden {config['hidden_size']}, {len(config['head_token_ids'])}-token head")
+    lines = [
+        f"# {folder.name}", "",
+        f"A draft for `{training['teacher']}`, distilled by `specserve zoo train {training['recipe']}` and "
+        f"exported by `specserve zoo export {training['recipe']}`.", "",
+        f"- **Architecture**: {arch}. Token embeddings are the target's (frozen, not stored here: "
+        f"`embeddings_from: {config.get('embeddings_from')}`).",
+        f"- **Weights**: {weights_mb:.1f} MB, float16 safetensors.",
+        f"- **Data**: {training['data']}.",
+        f"- **Training**: {training['steps']} steps, {training['rows_seen']} rows seen, forward KL to the "
+        f"target over the head's tokens on answer positions; {training['train_seconds'] / 60:.0f} min on "
+        f"{meta.get('machine', 'this machine')}; final loss {training['final_loss']}.",
+        "", "## Measured on held-out prompts", "",
+        f"`specserve zoo eval {folder.name}`: {meta.get('prompts')} benchmark prompts per category (never seen in "
+        f"training), greedy, {meta.get('max_tokens')} new tokens, window γ = {meta.get('window')}, "
+        f"{meta.get('dtype', '')}. α = acceptance rate, τ = mean accepted length (tokens per step), "
+        f"c = latency ratio (one draft step / one target decode step), speedup over target-only in the same run.",
+        "", "| category | α | τ | c | speedup |", "| --- | --- | --- | --- | --- |",
+    ]
+    lines += [f"| {r['category']} | {r['acceptance_rate']:.3f} | {r['mean_accepted_len']:.2f} | "
+              f"{r['latency_ratio']:.3f} | {r['speedup_vs_ar']:.2f}x |" for r in rows if r["draft"] == folder.name]
+    card = folder / "README.md"
+    card.write_text("\n".join(lines) + "\n")
+    return card

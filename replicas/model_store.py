@@ -116,6 +116,12 @@ def zoo_dir() -> Path:
     return Path(pruned_head.__file__).parent / "zoo"
 
 
+def zoo_drafts() -> list[str]:
+    """Names of the drafts shipped in the zoo folder."""
+    folder = zoo_dir()
+    return sorted(p.name for p in folder.iterdir() if (p / "config.json").exists()) if folder.exists() else []
+
+
 def available_models(cache_dir: Path | None = None) -> list[Path]:
     root = cache_dir or model_cache_dir()
     if not root.exists():

@@ -1,6 +1,7 @@
-"""End to end on a real local Ray cluster: `specserve up` with the reference target, prompt lookup
-and a real-weights draft LM (the target's first two layers) as separate deployments, a real
-redis-server, then HTTP through the unmodified `openai` client and gRPC through the generated stubs.
+"""End to end on a real local Ray cluster: `specserve up` with the reference target, prompt lookup,
+a real-weights draft LM (the target's first two layers) and the zoo's hidden-state-reuse head as
+separate deployments (and inside the target replica), a real redis-server, then HTTP through the
+unmodified `openai` client and gRPC through the generated stubs.
 
 Greedy output through the served path must equal the in-process target-only greedy output token
 for token (float32), whatever the draft, window or tree.
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
 MODEL = "smollm2-135m-instruct"
 DRAFT_LM = "first-2-layers"
+HSR = "smollm2-hsr"   # from the package's zoo: reads the target's hidden states
 PROMPTS = [
     "Summarise in one sentence: The quick brown fox jumps over the lazy dog. The dog did not react.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -46,14 +48,16 @@ def _test_config(http_port: int, grpc_port: int, draft_path: str) -> dict:
     app = config["applications"][0]
     app["args"].update(dtype="float32", drafts=[
         {"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path},
-        {"name": "lookup-in-target", "colocated": True}])   # prompt lookup inside the target replica
+        {"name": "lookup-in-target", "colocated": True},   # prompt lookup inside the target replica
+        {"name": HSR, "model": HSR}, {"name": "hsr-in-target", "model": HSR, "colocated": True}])
     deployments = {d["name"]: d for d in app["deployments"]}
     # The ingress scales out fast under a burst, so the autoscaling test sees it within seconds.
     deployments["ingress"]["autoscaling_config"].update(
         target_ongoing_requests=1, upscale_delay_s=0.5, metrics_interval_s=0.5, look_back_period_s=2,
         downscale_delay_s=600)
-    app["deployments"].append({**deployments["draft-prompt-lookup"], "name": f"draft-{DRAFT_LM}",
-                               "ray_actor_options": {"num_cpus": 0.2}})
+    for name in (DRAFT_LM, HSR):
+        app["deployments"].append({**deployments["draft-prompt-lookup"], "name": f"draft-{name}",
+                                   "ray_actor_options": {"num_cpus": 0.2}})
     return config
 
 
@@ -119,6 +123,9 @@ def test_models_lists_the_target(client):
     {"draft": DRAFT_LM, "tree": {"depth": 3, "top_k": 2, "budget": 6}},
     {"draft": "prompt-lookup", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
     {"draft": "lookup-in-target", "window": 4},
+    # The target's hidden states cross the hop to the HSR deployment, or stay in the replica.
+    {"draft": HSR, "window": 3},
+    {"draft": "hsr-in-target", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
 ], ids=lambda s: "-".join(str(v) for v in s.values()))
 def test_served_greedy_equals_in_process_target_only(client, expected, spec):
     accepted = 0
