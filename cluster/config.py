@@ -40,8 +40,9 @@ class DraftSpec(BaseModel):
     )
     model: str | None = Field(
         None,
-        description="A causal LM that shares the target's tokenizer: a local folder, a .gguf file or a "
-        "model-cache name. Empty: prompt lookup, which needs no model.",
+        description="A causal LM or hidden-state-reuse head that shares the target's tokenizer: a local "
+        "folder, a .gguf file, a model-cache name or a zoo draft (smollm2-draft-2l, smollm2-hsr). Empty: "
+        "prompt lookup, which needs no model.",
     )
     colocated: bool = Field(
         False,

@@ -18,8 +18,13 @@ BUILDER = "specserve.cluster.app:build_app"
 GRPC_SERVICER = "specserve.router.specserve_pb2_grpc.add_SpecServeServicer_to_server"
 
 
+# The package's trained drafts (specserve zoo), each its own deployment, selectable by name.
+ZOO_DRAFTS = ("smollm2-draft-2l", "smollm2-hsr")
+
+
 def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
-    """The reference target with prompt lookup, sized for one small machine (2 cores here).
+    """The reference target with prompt lookup and the zoo's drafts, sized for one small machine
+    (2 cores here).
 
     The target asks for one logical CPU but runs torch on two threads: its forwards never overlap
     the draft's or the ingress's work (a step waits for its proposal), so it may use every core.
@@ -46,11 +51,14 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
             "name": APP_NAME,
             "route_prefix": "/",
             "import_path": BUILDER,
-            "args": {"dtype": "auto", "torch_threads": 2, "default_draft": PROMPT_LOOKUP, "default_window": 4},
+            "args": {"dtype": "auto", "torch_threads": 2, "default_draft": PROMPT_LOOKUP, "default_window": 4,
+                     "drafts": [{"name": PROMPT_LOOKUP}, *({"name": name, "model": name} for name in ZOO_DRAFTS)]},
             "deployments": [
                 deployment(INGRESS_DEPLOYMENT, 0.1, 256, 2, 32),
                 deployment(TARGET_DEPLOYMENT, 1, 16, 1, 8),
                 deployment(draft_deployment(PROMPT_LOOKUP), 0.1, 64, 2, 32),
+                # A draft model's forward waits for no one but its step: a fraction of a core each.
+                *(deployment(draft_deployment(name), 0.2, 64, 1, 32) for name in ZOO_DRAFTS),
             ],
         }],
     }

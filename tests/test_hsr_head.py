@@ -76,7 +76,9 @@ def test_a_trained_head_reads_the_targets_states(target, head):
             accepted += gen.stats.accepted
             proposed += gen.stats.accepted + gen.stats.rejections
         rates[name] = accepted / proposed
-    assert rates["trained"] > 0.4 and rates["trained"] > 3 * rates["untrained"], rates
+    # Untrained, FC = [0 | I] and the target's last layer already echo the target's previous
+    # prediction, which a tiny random model's repetitive output often matches.
+    assert rates["trained"] > 0.45 and rates["trained"] > rates["untrained"] + 0.1, rates
 
 
 @pytest.mark.parametrize("window", [1, 2, 4, 7])

@@ -30,7 +30,7 @@ def teacher_batch(target, seed: int, batch: int = 8, length: int = 48) -> dict:
     return {"tokens": tokens.clone(), "features": features.clone(), "final": final.clone(), "weights": weights}
 
 
-def trained_hsr_head(target, steps: int = 150, unroll: int = 2) -> HSRHead:
+def trained_hsr_head(target, steps: int = 300, unroll: int = 2) -> HSRHead:
     head = build_hsr_head(target, list(range(VOCAB)))
     head_weight = target.get_output_embeddings().weight.detach()
     data = [teacher_batch(target, seed) for seed in range(16)]

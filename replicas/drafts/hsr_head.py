@@ -16,7 +16,8 @@ own states (multi-token prediction, ``replicas/hsr_train.py``).
 Deviations from the paper, and why:
 - no VATA window (Eq. 2): there are no visual tokens to leave out, every position is text;
 - the decoder layer starts as a copy of the target's last layer (its input ``h^h`` is what that
-  layer reads), the FC at random; Sparrow does not say how it initialises.
+  layer reads) and the FC as ``[0 | I]`` (it passes ``h`` through); Sparrow does not say how it
+  initialises, and from random the head learns markedly slower on our small budget.
 
 Registered with transformers' Auto classes like the pruned-head draft, so ``load_causal_lm``
 loads it from its folder, embeddings from the target (``embeddings_from``). It is not a causal LM
@@ -225,6 +226,11 @@ def build_hsr_head(target, head_token_ids: list[int]) -> HSRHead:
     if missing or unexpected:
         raise ValueError(f"the target's last layer does not fit the head's: missing {missing[:4]}, unexpected {unexpected[:4]}")
     with torch.no_grad():
+        # FC starts as [0 | I]: z = h_(t-1), a state the copied layer knows how to read, instead
+        # of random directions (measured: loss 3.8 against 4.8 after 80 steps).
+        h = head.config.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, h:] = torch.eye(h)
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[torch.tensor(head_token_ids)])
         head.norm.weight.copy_(target.model.norm.weight)
