@@ -356,6 +356,7 @@ def zoo_eval(
     window: int = typer.Option(3, help="Window γ."),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
     card: bool = typer.Option(False, help="Write each zoo draft's model card (README.md beside its weights)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """Acceptance rate, latency ratio c and speedup over target-only, per draft and category."""
     import platform
@@ -365,6 +366,7 @@ def zoo_eval(
 
     if window < 1 or prompts < 1 or max_tokens < 1:
         fail("--window, --prompts and --max-tokens must be >= 1")
+    set_threads(threads)
     try:
         rows = evaluate(drafts, prompts, max_tokens, window, dtype)
     except (ValueError, FileNotFoundError) as err:

@@ -96,7 +96,7 @@ def test_train_export_load_and_evaluate(corpus, name, tmp_path):
     target = load_causal_lm(dtype="float32")
     assert torch.equal(draft.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
     assert type(draft_from_model("d", draft.model)).__name__ == ("HSRDraft" if name == "smollm2-hsr" else "DraftLM")
-    rows = evaluate([str(out)], prompts_per_category=1, max_tokens=8, window=2, dtype="float32")
+    rows = evaluate([str(out)], prompts_per_category=1, max_tokens=4, window=2, dtype="float32")
     assert [r["category"] for r in rows] == ["code", "chat", "summarise", "edit"]
     for r in rows:
         assert r["draft"] == "draft" and 0 <= r["acceptance_rate"] <= 1 and r["mean_accepted_len"] >= 1
