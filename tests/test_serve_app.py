@@ -55,9 +55,10 @@ def _test_config(http_port: int, grpc_port: int, draft_path: str) -> dict:
     deployments["ingress"]["autoscaling_config"].update(
         target_ongoing_requests=1, upscale_delay_s=0.5, metrics_interval_s=0.5, look_back_period_s=2,
         downscale_delay_s=600)
-    for name in (DRAFT_LM, HSR):
-        app["deployments"].append({**deployments["draft-prompt-lookup"], "name": f"draft-{name}",
-                                   "ray_actor_options": {"num_cpus": 0.2}})
+    # Entries for exactly the deployments this app builds (Serve refuses one it does not).
+    app["deployments"] = [deployments[n] for n in ("ingress", "target", "draft-prompt-lookup")] + [
+        {**deployments["draft-prompt-lookup"], "name": f"draft-{name}", "ray_actor_options": {"num_cpus": 0.2}}
+        for name in (DRAFT_LM, HSR)]
     return config
 
 
