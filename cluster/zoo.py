@@ -28,17 +28,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from specserve.cluster import zoo_corpus
 from specserve.cluster.prompts import HUMANEVAL_HELD_OUT, SHAREGPT_HELD_OUT
 from specserve.replicas.distill import (
-    DistillConfig, build_student, load_checkpoint, most_frequent_tokens, standalone_loss,
+    DistillConfig,
+    build_student,
+    load_checkpoint,
+    most_frequent_tokens,
+    standalone_loss,
 )
 from specserve.replicas.distill import train as train_loop
 from specserve.replicas.drafts.hsr_head import build_hsr_head
 from specserve.replicas.drafts.pruned_head import save_without_embeddings
 from specserve.replicas.hsr_train import hsr_loss
-from specserve.replicas.model_store import REFERENCE_TARGET, bf16_is_fast, load_causal_lm, model_cache_dir, zoo_dir
+from specserve.replicas.model_store import (
+    REFERENCE_TARGET,
+    bf16_is_fast,
+    load_causal_lm,
+    model_cache_dir,
+    zoo_dir,
+)
 
 
 @dataclass(frozen=True)
@@ -209,10 +218,9 @@ def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int =
              dtype: str = "auto") -> list[dict]:
     """Per draft and category, on benchmark prompts (held out from training), greedy, one stream:
     ``{draft, category, acceptance_rate, mean_accepted_len, latency_ratio, speedup_vs_ar}``."""
-    from tqdm import tqdm
-
     from specserve.cluster.prompts import CATEGORIES, load_prompts
     from specserve.router.engine import GenerateRequest, SpecEngine
+    from tqdm import tqdm
 
     engine = SpecEngine.load(dtype=dtype, draft_models=drafts)
     names = [n for n in engine.drafts if n != "prompt-lookup"]

@@ -8,11 +8,12 @@ move between replicas.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample
 from specserve.replicas.step import Proposal, TreeShape
 
 
@@ -33,6 +34,26 @@ class Draft(Protocol):
     def propose_tree(self, context: list[int], shape: TreeShape) -> Proposal:
         """A token tree of at most ``shape.depth`` levels and ``shape.budget`` nodes."""
         ...
+
+
+def draft_chain(logits: torch.Tensor, window: int, params: SamplingParams, generator: torch.Generator | None,
+                next_logits: Callable[[int], torch.Tensor]) -> Proposal:
+    """The chain loop every model draft shares: choose a token from ``logits`` [V] (argmax, or a
+    sample from q), then ``next_logits(token)`` for the next, ``window`` times. Greedy proposals
+    are deterministic (q = one-hot), so they carry no draft_probs."""
+    tokens: list[int] = []
+    probs: list[torch.Tensor] = []
+    for i in range(window):
+        if params.greedy:
+            tok = int(logits.argmax())
+        else:
+            q = logits_to_probs(logits, params)
+            tok = sample(q, generator)
+            probs.append(q)
+        tokens.append(tok)
+        if i + 1 < window:
+            logits = next_logits(tok)
+    return Proposal.chain(tokens, torch.stack(probs) if probs else None)
 
 
 def draft_from_model(name: str, model) -> Draft:

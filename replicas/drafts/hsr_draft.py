@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.replicas.drafts.base import draft_chain
+from specserve.replicas.drafts.tree_growth import TreeGrowth
 from specserve.replicas.kv_session import common_prefix_len
-from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample
+from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal, TreeShape
 from specserve.replicas.tree_attention import node_depths
 
@@ -125,29 +127,23 @@ class HSRDraft:
                 return Proposal.empty()
             keys, values = self.session.keys, self.session.values
             position = len(context) - 1
-            tokens: list[int] = []
-            probs: list[torch.Tensor] = []
-            for i in range(window):
-                logits = self.head.full_logits(hidden)[0, -1]
-                if params.greedy:
-                    tok = int(logits.argmax())
-                else:
-                    q = logits_to_probs(logits, params)
-                    tok = sample(q, generator)
-                    probs.append(q)
-                tokens.append(tok)
-                if i + 1 < window:   # Eq. 4: the head's own output stands in for the target's state
-                    position += 1
-                    z = self.head.inputs(torch.tensor([[tok]], device=self.head.device), hidden)
-                    hidden, k, v = self.head.step(z, torch.tensor([position], device=self.head.device), keys, values)
-                    keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-        return Proposal.chain(tokens, torch.stack(probs) if probs else None)
+            device = self.head.device
+
+            def next_logits(tok: int) -> torch.Tensor:
+                # Eq. 4: past the root, the head's own output stands in for the target's state.
+                nonlocal hidden, keys, values, position
+                position += 1
+                z = self.head.inputs(torch.tensor([[tok]], device=device), hidden)
+                hidden, k, v = self.head.step(z, torch.tensor([position], device=device), keys, values)
+                keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+                return self.head.full_logits(hidden)[0, -1]
+
+            return draft_chain(self.head.full_logits(hidden)[0, -1], window, params, generator, next_logits)
 
     def propose_tree(self, context: list[int], shape: TreeShape, features: torch.Tensor | None = None,
                      features_start: int = 0) -> Proposal:
-        """EAGLE-2-style expansion as in ``DraftLM.propose_tree``: per level, the top-k children
-        of every frontier node, the k best by cumulative log q kept. A node is fed its parent's
-        output and sees the exact cache plus its own ancestors."""
+        """An EAGLE-2-style tree (``TreeGrowth``). A node is fed its parent's output and sees the
+        exact cache plus its own ancestors."""
         self.session.sync(context, features, features_start)
         with torch.inference_mode():
             root = self.session.root_hidden()
@@ -156,43 +152,29 @@ class HSRDraft:
             device = self.head.device
             exact = self.session.fed
             keys, values = self.session.keys, self.session.values
-            outputs: list[torch.Tensor] = []      # [H] per node
-            tokens: list[int] = []
-            parents: list[int] = []
-            score: list[float] = []
-            frontier: list[int] = [-1]
+            growth = TreeGrowth(shape)
+            outputs: list[torch.Tensor] = []      # [H] per fed node, in node order
             frontier_hidden = root[0]             # [F, H]
             for level in range(shape.depth):
-                room = shape.budget - len(tokens)
-                if room <= 0:
+                if growth.room <= 0:
                     break
-                top = torch.log_softmax(self.head.full_logits(frontier_hidden).float(), -1).topk(shape.top_k, dim=-1)
-                base = torch.tensor([0.0 if f < 0 else score[f] for f in frontier])
-                cand = (base[:, None] + top.values).flatten()
-                order = cand.argsort(descending=True)[: min(room, shape.top_k)].tolist()
-                first_new = len(tokens)
-                for flat in order:
-                    row, col = divmod(flat, shape.top_k)
-                    tokens.append(int(top.indices[row, col]))
-                    parents.append(frontier[row])
-                    score.append(float(cand[flat]))
-                frontier = list(range(first_new, len(tokens)))
-                if level + 1 < shape.depth and len(tokens) < shape.budget:
-                    new = tokens[first_new:]
-                    prev = torch.stack([root[0, 0] if parents[i] < 0 else outputs[parents[i]] for i in frontier])
-                    depths = node_depths(parents)
-                    positions = torch.tensor([len(context) - 1 + depths[i] for i in frontier], device=device)
-                    # Keys so far: the exact cache, then every fed tree node in node order.
-                    allowed = torch.zeros(len(new), exact + len(tokens), dtype=torch.bool, device=device)
-                    allowed[:, :exact] = True
-                    for row, node in enumerate(frontier):
-                        ancestor = node
-                        while ancestor >= 0:
-                            allowed[row, exact + ancestor] = True
-                            ancestor = parents[ancestor]
-                    z = self.head.inputs(torch.tensor([new], device=device), prev[None])
-                    out, k, v = self.head.step(z, positions, keys, values, allowed)
-                    keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-                    outputs.extend(out[0])
-                    frontier_hidden = out[0]
-        return Proposal(tokens, parents)
+                first_new = growth.grow(self.head.full_logits(frontier_hidden))
+                if not growth.more_levels(level):
+                    continue
+                tokens, parents, frontier = growth.tokens, growth.parents, growth.frontier
+                prev = torch.stack([root[0, 0] if parents[i] < 0 else outputs[parents[i]] for i in frontier])
+                depths = node_depths(parents)
+                positions = torch.tensor([len(context) - 1 + depths[i] for i in frontier], device=device)
+                # Keys so far: the exact cache, then every fed tree node in node order.
+                allowed = torch.zeros(len(frontier), exact + len(tokens), dtype=torch.bool, device=device)
+                allowed[:, :exact] = True
+                for row, node in enumerate(frontier):
+                    while node >= 0:
+                        allowed[row, exact + node] = True
+                        node = parents[node]
+                z = self.head.inputs(torch.tensor([tokens[first_new:]], device=device), prev[None])
+                out, k, v = self.head.step(z, positions, keys, values, allowed)
+                keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+                outputs.extend(out[0])
+                frontier_hidden = out[0]
+        return growth.proposal()
