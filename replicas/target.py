@@ -25,10 +25,10 @@ class FeatureTap:
 
 def feature_tap(model, layer: int = -2) -> FeatureTap | None:
     """The model's tap on decoder layer ``layer`` (-2: the second-to-last, Sparrow's ``h^h``);
-    None for a model without a list of decoder layers."""
+    None for a model without a list of at least two decoder layers."""
     tap = getattr(model, "_specserve_feature_tap", None)
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if tap is None and layers is not None:
+    if tap is None and layers is not None and len(layers) >= 2:
         tap = FeatureTap(layers[layer])
         model._specserve_feature_tap = tap
     return tap

@@ -91,7 +91,14 @@ class TargetDeployment:
         target = await self._worker.run(self.pool.acquire, request.session_id, request.prompt_ids)
         try:
             stats = session.stats
-            needs_features = draft is not None and await self._draft_needs_features(request.draft, draft)
+            needs_features = False
+            if draft is not None:
+                try:
+                    needs_features = await self._draft_needs_features(request.draft, draft)
+                except Exception as err:  # noqa: BLE001 - a draft that cannot answer: plain decoding
+                    logger.warning("draft %s failed (%s: %s); session %s goes on without speculation",
+                                   request.draft, type(err).__name__, err, request.session_id)
+                    session.stop_speculating()
             sent = 0   # the target states the draft has been sent for this session
             while not session.done:
                 ask = session.next_ask()

@@ -83,7 +83,7 @@ class HSRSession:
         if features_start > self.known:
             raise MissingFeatures(self.known)
         # A copy: in-process, ``features`` is a view of the target's buffer, which moves on.
-        rows = features[self.known - features_start:].to(self.head.dtype, copy=True)
+        rows = features[self.known - features_start:].to(self.head.device, self.head.dtype, copy=True)
         rows = rows[: max(0, len(context) - 1 - self.known)]   # no state exists yet for the root
         self.features = rows if self.features is None else torch.cat([self.features, rows])
 
