@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from specserve.replicas.drafts.pruned_head import PrunedHeadMixin
+
 
 class HSRConfig(PretrainedConfig):
     model_type = "specserve_hsr_head"
@@ -144,7 +146,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h))
 
 
-class HSRHead(PreTrainedModel):
+class HSRHead(PrunedHeadMixin, PreTrainedModel):
     config_class = HSRConfig
     base_model_prefix = "hsr"
     _no_split_modules = ["DecoderLayer"]
@@ -161,7 +163,6 @@ class HSRHead(PreTrainedModel):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.lm_head = nn.Linear(h, len(ids), bias=False)
         self.post_init()
-        self._head_ids: dict[torch.device, torch.Tensor] = {}
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -171,11 +172,6 @@ class HSRHead(PreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
-
-    def head_token_ids(self, device: torch.device) -> torch.Tensor:
-        if device not in self._head_ids:
-            self._head_ids[device] = torch.tensor(self.config.head_token_ids, dtype=torch.long, device=device)
-        return self._head_ids[device]
 
     def inputs(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """Eq. 1: ``FC(e_t ⊕ h_{t-1})``. token_ids [B, T], prev_hidden [B, T, H] -> [B, T, H]"""
@@ -191,9 +187,7 @@ class HSRHead(PreTrainedModel):
 
     def full_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
         """Head logits scattered to full-vocabulary ids, -inf elsewhere: [..., V]."""
-        small = self.head_logits(out_hidden)
-        logits = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
-        return logits.index_copy_(-1, self.head_token_ids(small.device), small)
+        return self.to_full_vocab(self.head_logits(out_hidden))
 
     def step(self, z: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None,
              allowed: torch.Tensor | None = None):

@@ -38,7 +38,24 @@ class PrunedHeadConfig(LlamaConfig):
         self.head_token_ids = [int(t) for t in (head_token_ids or range(self.vocab_size))]
 
 
-class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
+class PrunedHeadMixin:
+    """Head-token bookkeeping shared by every draft whose output layer covers ``config.head_token_ids``."""
+
+    def head_token_ids(self, device: torch.device) -> torch.Tensor:
+        # Built from config.json on first use, per device: not a buffer, because from_pretrained
+        # creates modules on the meta device and leaves non-persistent buffers uninitialised.
+        cache = self.__dict__.setdefault("_head_ids", {})
+        if device not in cache:
+            cache[device] = torch.tensor(self.config.head_token_ids, dtype=torch.long, device=device)
+        return cache[device]
+
+    def to_full_vocab(self, small: torch.Tensor) -> torch.Tensor:
+        """Head logits [..., K] scattered to full-vocabulary ids [..., V], -inf elsewhere."""
+        logits = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
+        return logits.index_copy_(-1, self.head_token_ids(small.device), small)
+
+
+class PrunedHeadLlamaForCausalLM(PrunedHeadMixin, LlamaForCausalLM):
     config_class = PrunedHeadConfig
     _tied_weights_keys = {}
 
@@ -49,14 +66,6 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
             raise ValueError(f"head_token_ids must be distinct ids in [0, {config.vocab_size}), got {len(ids)} ids")
         self.lm_head = nn.Linear(config.hidden_size, len(ids), bias=False)
         self.post_init()
-        # Built from config.json on first use, per device: not a buffer, because from_pretrained
-        # creates modules on the meta device and leaves non-persistent buffers uninitialised.
-        self._head_ids: dict[torch.device, torch.Tensor] = {}
-
-    def head_token_ids(self, device: torch.device) -> torch.Tensor:
-        if device not in self._head_ids:
-            self._head_ids[device] = torch.tensor(self.config.head_token_ids, dtype=torch.long, device=device)
-        return self._head_ids[device]
 
     def head_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits over the head's tokens only: [..., K]. What training optimises."""
@@ -69,9 +78,7 @@ class PrunedHeadLlamaForCausalLM(LlamaForCausalLM):
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        small = self.head_logits(hidden)                                            # [B, T, K]
-        logits = small.new_full((*small.shape[:-1], self.config.vocab_size), float("-inf"))
-        logits.index_copy_(-1, self.head_token_ids(small.device), small)            # [B, T, V]
+        logits = self.to_full_vocab(self.head_logits(hidden))                      # [B, T, V]
         return CausalLMOutputWithPast(logits=logits, past_key_values=out.past_key_values)
 
 
