@@ -288,27 +288,33 @@ def zoo_list() -> None:
 @zoo_app.command("corpus")
 def zoo_corpus(
     out: Optional[Path] = typer.Option(None, help="Corpus folder (default: next to the model cache)."),
+    transcripts: int = typer.Option(9000, help="ShareGPT conversations for the target to read (0: answers only)."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
-    """Generate the distillation corpus: the target's greedy answers to held-out prompts, with
-    its hidden states. Resumes where a stopped run left off."""
+    """Build the distillation corpus: the target's greedy answers to held-out prompts, then its
+    reading of held-out conversations, with its hidden states. Resumes where a stopped run left off."""
     from tqdm import tqdm
 
-    from specserve.cluster.zoo_corpus import build
+    from specserve.cluster.zoo_corpus import build, build_transcripts, transcripts_dir
 
     set_threads(threads)
-    bar = tqdm(desc="zoo corpus", unit="batch")
-
-    def on_batch(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
     try:
-        typer.echo(f"corpus in {build(out, on_batch=on_batch)}")
+        for desc, part in (("zoo corpus: answers", lambda on_batch: build(out, on_batch=on_batch)),
+                           ("zoo corpus: transcripts", lambda on_batch: build_transcripts(
+                               transcripts_dir(out), n=transcripts, on_batch=on_batch) if transcripts else None)):
+            bar = tqdm(desc=desc, unit="batch")
+
+            def on_batch(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            try:
+                part(on_batch)
+            finally:
+                bar.close()
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
-    finally:
-        bar.close()
+    typer.echo(f"corpus in {out or transcripts_dir().parent}")
 
 
 @zoo_app.command("train")

@@ -32,8 +32,9 @@ from specserve.cluster import zoo_corpus
 from specserve.cluster.prompts import HUMANEVAL_HELD_OUT, SHAREGPT_HELD_OUT
 from specserve.replicas.distill import (
     DistillConfig,
+    best_path,
     build_student,
-    load_checkpoint,
+    load_weights,
     most_frequent_tokens,
     standalone_loss,
 )
@@ -71,10 +72,10 @@ class Recipe:
 RECIPES = {
     r.name: r for r in (
         Recipe("smollm2-draft-2l", "standalone", "standalone draft LM: the target's first 2 layers, retrained, "
-               "8k-token head, frozen target embeddings", head_tokens=8192, layers=2),
+               "8k-token head, frozen target embeddings", head_tokens=8192, layers=2, steps=3000),
         Recipe("smollm2-hsr", "hsr", "hidden-state-reuse head: FC(e_t + h_t-1) into one decoder layer "
                "(from the target's last), 8k-token head, 2 unrolled steps", head_tokens=8192, unroll=2, lr=2e-3,
-               steps=1500),
+               steps=2500),
     )
 }
 
@@ -113,7 +114,7 @@ def train(name: str, steps: int | None = None, work: Path | None = None, corpus:
     corpus = corpus or zoo_corpus.corpus_dir()
     if not (corpus / "meta.json").exists():
         raise FileNotFoundError(f"no finished corpus in {corpus}: run `specserve zoo corpus` first (it resumes)")
-    sequences = zoo_corpus.load(corpus)
+    sequences, validation = zoo_corpus.split(zoo_corpus.load(corpus))
     loaded = load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu")
     target = loaded.model
     head_file = work / "head_token_ids.json"
@@ -142,14 +143,25 @@ def train(name: str, steps: int | None = None, work: Path | None = None, corpus:
         log.write(json.dumps({"step": step, "loss": round(loss, 5), "elapsed_s": round(time.monotonic() - started, 1)}) + "\n")
         log.flush()
 
-    train_loop(model, _loss(spec, model, head_weight, autocast),
-               zoo_corpus.batch_stream(sequences, spec.seq_len, batch or spec.batch), config, work / "checkpoint.pt", on_step=on_step)
+    loss = _loss(spec, model, head_weight, autocast)
+    held_out = [zoo_corpus.collate([zoo_corpus.training_row(s, spec.seq_len) for s in validation[i:i + spec.batch]])
+                for i in range(0, len(validation), spec.batch)]
+
+    def on_validate(step: int, value: float, best: bool) -> None:
+        bar.write(f"step {step}: validation KL {value:.4f}{' (best so far)' if best else ''}")
+        log.write(json.dumps({"step": step, "validation": round(value, 5), "best": best,
+                              "elapsed_s": round(time.monotonic() - started, 1)}) + "\n")
+
+    train_loop(model, loss, zoo_corpus.batch_stream(sequences, spec.seq_len, batch or spec.batch), config,
+               work / "checkpoint.pt", on_step=on_step, on_validate=on_validate,
+               validate=(lambda: sum(float(loss(b)) for b in held_out) / len(held_out)) if held_out else None)
     bar.close()
     return work
 
 
 def export(name: str, work: Path | None = None, out: Path | None = None, corpus: Path | None = None) -> Path:
-    """The latest checkpoint as a loadable draft in the zoo folder (half precision, no embeddings)."""
+    """The checkpoint that scored best on validation (else the latest) as a loadable draft in the
+    zoo folder (half precision, no embeddings)."""
     spec = recipe(name)
     work = work or work_dir(name)
     checkpoint = work / "checkpoint.pt"
@@ -157,21 +169,30 @@ def export(name: str, work: Path | None = None, out: Path | None = None, corpus:
         raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo train {name}` first")
     target = load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu")
     model = _build(spec, target.model, json.loads((work / "head_token_ids.json").read_text()))
-    step = load_checkpoint(checkpoint, model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    chosen = load_weights(best_path(checkpoint) if best_path(checkpoint).exists() else checkpoint, model)
     out = out or zoo_dir() / name
     save_without_embeddings(model, out, embeddings_from=REFERENCE_TARGET)
     target.tokenizer.save_pretrained(out)
     log = [json.loads(line) for line in (work / "train.log").read_text().splitlines() if line.strip()]
     seconds = sum(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(log, log[1:]) if b["elapsed_s"] > a["elapsed_s"])
+    steps = [r for r in log if "loss" in r]
+    trained = torch.load(checkpoint, map_location="cpu", weights_only=False)["step"]
     meta_file = (corpus or zoo_corpus.corpus_dir()) / "meta.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    read_file = zoo_corpus.transcripts_dir(corpus) / "meta.json"
+    read = json.loads(read_file.read_text()) if read_file.exists() else {}
     (out / "training.json").write_text(json.dumps({
-        "recipe": name, "kind": spec.kind, "description": spec.description, "steps": step,
-        "rows_seen": step * spec.batch, "train_seconds": round(seconds),
-        "final_loss": log[-1]["loss"] if log else None, "teacher": REFERENCE_TARGET,
+        "recipe": name, "kind": spec.kind, "description": spec.description, "steps": trained,
+        "rows_seen": trained * spec.batch, "train_seconds": round(seconds), "exported_step": chosen["step"],
+        "validation_kl": chosen.get("validation"),
+        "final_loss": steps[-1]["loss"] if steps else None, "teacher": REFERENCE_TARGET,
         "data": f"the target's own greedy answers (<= {zoo_corpus.MAX_NEW_TOKENS} new tokens) to held-out prompts: "
                 f"{meta.get('mix', zoo_corpus.MIX)} (ShareGPT V3 from conversation #{SHAREGPT_HELD_OUT}, HumanEval "
-                f"from problem #{HUMANEVAL_HELD_OUT}); rows are the last {spec.seq_len} tokens of prompt + answer",
+                f"from problem #{HUMANEVAL_HELD_OUT}), rows the last {spec.seq_len} tokens of prompt + answer, answer "
+                f"positions scored, every {zoo_corpus.VALIDATION_EVERY}th answer held out for validation"
+                + (f"; and {read['conversations']} ShareGPT conversations from #{read['first_conversation']} as "
+                   f"written, read by the target (first {read['tokens_each']} tokens, every position scored)"
+                   if read else ""),
     }, indent=2) + "\n")
     return out
 
@@ -281,7 +302,9 @@ def write_card(folder: Path, rows: list[dict], meta: dict) -> Path:
         f"- **Data**: {training['data']}.",
         f"- **Training**: {training['steps']} steps, {training['rows_seen']} rows seen, forward KL to the "
         f"target over the head's tokens on answer positions; {training['train_seconds'] / 60:.0f} min on "
-        f"{meta.get('machine', 'this machine')}; final loss {training['final_loss']}.",
+        f"{meta.get('machine', 'this machine')}; final training loss {training['final_loss']}"
+        + (f"; exported: step {training['exported_step']}, the best validation KL ({training['validation_kl']:.3f}) "
+           f"on held-out answers" if training.get("validation_kl") is not None else "") + ".",
         "", "## Measured on held-out prompts", "",
         f"`specserve zoo eval {folder.name}`: {meta.get('prompts')} benchmark prompts per category (never seen in "
         f"training), greedy, {meta.get('max_tokens')} new tokens, window γ = {meta.get('window')}, "

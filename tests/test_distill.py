@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specserve.replicas.distill import (
-    DistillConfig, build_student, distill_loss, most_frequent_tokens, standalone_loss, teacher_log_probs, train,
+    DistillConfig, best_path, build_student, distill_loss, load_weights, most_frequent_tokens, standalone_loss,
+    teacher_log_probs, train,
 )
 from tiny_hsr import teacher_batch
 from tiny_models import VOCAB, tiny_model
@@ -69,6 +70,24 @@ def test_training_lowers_the_loss(tmp_path):
           tmp_path / "ckpt.pt", on_step=lambda step, loss: losses.append(loss))
     assert len(losses) == 40
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
+
+
+def test_the_weights_that_validate_best_are_kept(tmp_path):
+    head = list(range(0, VOCAB, 2))
+    held_out = teacher_batch(TEACHER, 99, batch=4, length=16)
+    student = build_student(TEACHER, 1, head)
+    seen = []
+    # A high learning rate makes validation go up as well as down.
+    config = DistillConfig(steps=12, lr=3e-2, warmup_steps=1, checkpoint_every=100, validate_every=3)
+    train(student, loss_for(student), batches, config, tmp_path / "ckpt.pt",
+          validate=lambda: loss_for(student)(held_out), on_validate=lambda *row: seen.append(row))
+    assert [step for step, _, _ in seen] == [3, 6, 9, 12]
+    assert [best for _, _, best in seen] == [v == min(u for _, u, _ in seen[:i + 1]) for i, (_, v, _) in enumerate(seen)]
+    step, value, _ = min(seen, key=lambda row: row[1])
+    fresh = build_student(TEACHER, 1, head)
+    assert load_weights(best_path(tmp_path / "ckpt.pt"), fresh)["step"] == step
+    with torch.no_grad():
+        assert abs(float(loss_for(fresh)(held_out)) - value) < 1e-5
 
 
 class Stop(Exception):

@@ -15,6 +15,7 @@ from specserve.cluster.zoo import recipe
 pytestmark = pytest.mark.reference
 
 MINI = {"chat": 3, "code": 2, "edit": 1}
+TRANSCRIPTS = 2
 
 
 @pytest.mark.parametrize("category", ["chat", "summarise", "code", "edit"])
@@ -32,6 +33,7 @@ def test_unknown_recipe_names_the_known_ones():
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
     zoo_corpus.build(out, mix=MINI, batch=2, max_new_tokens=12, dtype="float32")
+    zoo_corpus.build_transcripts(zoo_corpus.transcripts_dir(out), n=TRANSCRIPTS, tokens=24, batch=2, dtype="float32")
     return out
 
 
@@ -40,7 +42,7 @@ def test_the_corpus_is_the_targets_greedy_answers_and_its_states(corpus):
     from specserve.replicas.model_store import load_causal_lm
 
     target = load_causal_lm(dtype="float32").model
-    sequences = zoo_corpus.load(corpus)
+    sequences = [s for s in zoo_corpus.load(corpus) if s.category != "transcript"]
     assert sorted(s.category for s in sequences) == sorted(c for c, n in MINI.items() for _ in range(n))
     out_weight = target.get_output_embeddings().weight
     for seq in sequences:
@@ -52,6 +54,28 @@ def test_the_corpus_is_the_targets_greedy_answers_and_its_states(corpus):
         with torch.inference_mode():
             hidden = target(seq.tokens[None], output_hidden_states=True).hidden_states
         assert torch.allclose(seq.features.float(), hidden[-2][0], atol=0.05, rtol=0.02)
+
+
+@pytest.mark.slow
+def test_transcripts_are_conversations_read_by_the_target_and_only_answers_validate(corpus):
+    from specserve.replicas.model_store import load_causal_lm
+
+    loaded = load_causal_lm(dtype="float32")
+    sequences = zoo_corpus.load(corpus)
+    read = [s for s in sequences if s.category == "transcript"]
+    assert len(read) == TRANSCRIPTS and len(sequences) == sum(MINI.values()) + TRANSCRIPTS
+    for seq in read:
+        text = loaded.tokenizer.decode(seq.tokens)
+        assert len(seq.tokens) == 24 and "<|im_start|>user" in text, text
+        with torch.inference_mode():
+            hidden = loaded.model(seq.tokens[None], output_hidden_states=True).hidden_states
+        assert torch.allclose(seq.final.float(), hidden[-1][0], atol=0.05, rtol=0.02)
+        # Every position but the last is scored: the target's distribution wherever it reads.
+        assert zoo_corpus.training_row(seq, 64)["weights"].tolist() == [1.0] * 23 + [0.0]
+    training, validation = zoo_corpus.split(sequences, every=3)
+    assert len(validation) == 2 and all(s.category != "transcript" for s in validation)
+    assert not {id(s) for s in validation} & {id(s) for s in training}
+    assert len(training) + len(validation) == len(sequences)
 
 
 @pytest.mark.slow
