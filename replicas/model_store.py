@@ -174,15 +174,16 @@ def load_causal_lm(
     config = AutoConfig.from_pretrained(path, **kwargs)
     embeddings_from = getattr(config, "embeddings_from", None)
     if embeddings_from:
-        # A zoo draft shares the target's embeddings instead of storing them: transformers'
-        # "newly initialized" warning about them is moot, they are copied in right after.
+        # A zoo draft shares the target's embeddings (and its frozen head rows) instead of storing
+        # them: transformers' "newly initialized" warning about them is moot, they are copied in
+        # right after.
         verbosity = transformers_logging.get_verbosity()
         transformers_logging.set_verbosity_error()
         try:
             model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype, **kwargs)
         finally:
             transformers_logging.set_verbosity(verbosity)
-        pruned_head.attach_embeddings(model, resolve_model_path(embeddings_from))
+        pruned_head.attach_from_target(model, resolve_model_path(embeddings_from))
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
     model.to(device).eval()

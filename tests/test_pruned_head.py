@@ -62,7 +62,7 @@ def test_saved_without_embeddings_and_attached_from_the_target(tmp_path):
     import specserve.replicas.model_store  # noqa: F401 - registers the architecture
     from transformers import AutoModelForCausalLM
 
-    from specserve.replicas.drafts.pruned_head import attach_embeddings, save_without_embeddings
+    from specserve.replicas.drafts.pruned_head import attach_from_target, save_without_embeddings
 
     target = tiny_model("llama", seed=0)
     target.save_pretrained(tmp_path / "target")
@@ -72,8 +72,31 @@ def test_saved_without_embeddings_and_attached_from_the_target(tmp_path):
     save_without_embeddings(draft, tmp_path / "draft", embeddings_from=str(tmp_path / "target"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", local_files_only=True, dtype=torch.float32)
     assert loaded.config.embeddings_from == str(tmp_path / "target")
-    attach_embeddings(loaded, tmp_path / "target")
+    attach_from_target(loaded, tmp_path / "target")
     assert torch.equal(loaded.model.embed_tokens.weight, target.model.embed_tokens.weight)
     ids = torch.tensor([[5, 6, 7, 8]])
     # Everything but the embeddings went through float16: close, not equal.
     assert torch.allclose(loaded(input_ids=ids).logits, draft(input_ids=ids).logits, atol=2e-2)
+
+
+def test_a_frozen_head_is_not_stored_but_taken_from_the_target(tmp_path):
+    import specserve.replicas.model_store  # noqa: F401 - registers the architecture
+    from transformers import AutoModelForCausalLM
+
+    from safetensors import safe_open
+
+    from specserve.replicas.drafts.pruned_head import attach_from_target, save_without_embeddings
+
+    target = tiny_model("llama", seed=0)
+    target.save_pretrained(tmp_path / "target")
+    draft = pruned_draft()
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight[draft.head_token_ids(torch.device("cpu"))])
+    draft.lm_head.weight.requires_grad_(False)   # as zoo training keeps it
+    save_without_embeddings(draft, tmp_path / "draft", embeddings_from=str(tmp_path / "target"))
+    with safe_open(str(tmp_path / "draft" / "model.safetensors"), framework="pt") as stored:
+        assert "lm_head.weight" not in stored.keys() and "model.embed_tokens.weight" not in stored.keys()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", local_files_only=True, dtype=torch.float32)
+    attach_from_target(loaded, tmp_path / "target")
+    assert torch.equal(loaded.lm_head.weight, draft.lm_head.weight)

@@ -119,6 +119,8 @@ def test_train_export_load_and_evaluate(corpus, name, tmp_path):
     draft = load_causal_lm(str(out), dtype="float32")
     target = load_causal_lm(dtype="float32")
     assert torch.equal(draft.model.get_input_embeddings().weight, target.model.get_input_embeddings().weight)
+    head = torch.tensor(draft.model.config.head_token_ids)   # frozen in training, so the target's, not stored
+    assert torch.equal(draft.model.lm_head.weight, target.model.get_output_embeddings().weight[head])
     assert type(draft_from_model("d", draft.model)).__name__ == ("HSRDraft" if name == "smollm2-hsr" else "DraftLM")
     rows = evaluate([str(out)], prompts_per_category=1, max_tokens=4, window=2, dtype="float32")
     assert [r["category"] for r in rows] == ["code", "chat", "summarise", "edit"]

@@ -14,8 +14,9 @@ head's token ids.
 
 A draft trained with the target's frozen embeddings is saved without them
 (``save_without_embeddings``): they are the target's to the last bit, and at half precision they
-would be most of the file (56 MB for the reference target). ``config.embeddings_from`` names the
-target, and ``attach_embeddings`` copies them in at load.
+would be most of the file (56 MB for the reference target). So is a head kept frozen as the
+target's output rows (9 MB at 8,192 tokens). ``config.embeddings_from`` names the target, and
+``attach_from_target`` copies both in at load.
 """
 
 from __future__ import annotations
@@ -83,31 +84,46 @@ class PrunedHeadLlamaForCausalLM(PrunedHeadMixin, LlamaForCausalLM):
 
 
 EMBEDDINGS_KEY = "model.embed_tokens.weight"
+OUTPUT_KEY = "lm_head.weight"
 
 
 def save_without_embeddings(model, out_dir: Path, embeddings_from: str, dtype: torch.dtype = torch.float16) -> None:
-    """Save in half precision, minus the input embeddings, which load from ``embeddings_from``."""
+    """Save in half precision, minus what is the target's to the last bit: the input embeddings
+    and, when training kept it frozen, the head (the target's output rows for the head's tokens).
+    Both load from ``embeddings_from``."""
     model.config.embeddings_from = embeddings_from
-    embeddings = model.get_input_embeddings().weight
-    skip = {name for name, p in model.named_parameters() if p is embeddings}
+    model.config.head_from_target = not model.lm_head.weight.requires_grad
+    shared = [model.get_input_embeddings().weight] + ([model.lm_head.weight] if model.config.head_from_target else [])
+    skip = {name for name, p in model.named_parameters() if any(p is s for s in shared)}
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k not in skip}
     model.save_pretrained(out_dir, state_dict=state)
 
 
-def attach_embeddings(model, source_dir: Path) -> None:
-    """Copy the embeddings of the model saved in ``source_dir`` (safetensors) into ``model``."""
+def _target_tensor(source_dir: Path, key: str) -> torch.Tensor | None:
     for file in sorted(Path(source_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as weights:
-            if EMBEDDINGS_KEY in weights.keys():
-                embeddings = weights.get_tensor(EMBEDDINGS_KEY)
-                target = model.get_input_embeddings().weight
-                if embeddings.shape != target.shape:
-                    raise ValueError(f"{source_dir} has embeddings of shape {tuple(embeddings.shape)}, the draft "
-                                     f"needs {tuple(target.shape)}: embeddings_from names the wrong model")
-                with torch.no_grad():
-                    target.copy_(embeddings)
-                return
-    raise FileNotFoundError(f"no {EMBEDDINGS_KEY} in the safetensors files of {source_dir}")
+            if key in weights.keys():
+                return weights.get_tensor(key)
+    return None
+
+
+def attach_from_target(model, source_dir: Path) -> None:
+    """Copy in what ``save_without_embeddings`` left out, from the model saved in ``source_dir``
+    (safetensors): the embeddings, and the head's rows of its output layer if the head is the
+    target's (the embeddings themselves when the target ties them)."""
+    embeddings = _target_tensor(source_dir, EMBEDDINGS_KEY)
+    if embeddings is None:
+        raise FileNotFoundError(f"no {EMBEDDINGS_KEY} in the safetensors files of {source_dir}")
+    wanted = model.get_input_embeddings().weight
+    if embeddings.shape != wanted.shape:
+        raise ValueError(f"{source_dir} has embeddings of shape {tuple(embeddings.shape)}, the draft "
+                         f"needs {tuple(wanted.shape)}: embeddings_from names the wrong model")
+    with torch.no_grad():
+        wanted.copy_(embeddings)
+        if getattr(model.config, "head_from_target", False):
+            output = _target_tensor(source_dir, OUTPUT_KEY)
+            output = embeddings if output is None else output
+            model.lm_head.weight.copy_(output[torch.tensor(model.config.head_token_ids)])
 
 
 AutoConfig.register(PrunedHeadConfig.model_type, PrunedHeadConfig, exist_ok=True)
