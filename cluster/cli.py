@@ -343,7 +343,8 @@ def zoo_export(
     work: Optional[Path] = typer.Option(None, help="The training folder (default: as `zoo train`)."),
     out: Optional[Path] = typer.Option(None, help="Where to write the draft (default: the package's zoo folder)."),
 ) -> None:
-    """Write the latest checkpoint as a draft loadable by name (half precision, embeddings from the target)."""
+    """Write the best-validating weights (else the latest checkpoint) as a draft loadable by name
+    (half precision; embeddings and frozen head from the target)."""
     from specserve.cluster.zoo import export, recipe
 
     try:

@@ -179,6 +179,8 @@ def train(
     optimizer = torch.optim.AdamW(_trainable(model), lr=config.lr, weight_decay=config.weight_decay)
     step = load_checkpoint(checkpoint, model, optimizer) if checkpoint.exists() else 0
     best = best_path(checkpoint)
+    if step == 0:
+        best.unlink(missing_ok=True)   # a fresh run must not compete with an earlier run's best
     best_value = torch.load(best, weights_only=False)["validation"] if best.exists() else math.inf
     model.train()
     for batch in batches(step):

@@ -3,6 +3,7 @@ hidden states that reproduce its choices, held out from every benchmark prompt; 
 same from any starting point (what makes a resumed run exact); both recipes train, export, load
 by path and evaluate."""
 
+import json
 from itertools import islice
 
 import pytest
@@ -99,7 +100,7 @@ def test_batches_from_any_start_are_the_continuation_and_score_only_answers(corp
     assert torch.equal(again["tokens"], first[4]["tokens"]) and torch.equal(again["weights"], first[4]["weights"])
     for b in first:
         assert b["tokens"].shape[1] <= 64 and b["features"].shape == (*b["tokens"].shape, 576)
-        # Scored positions are answer positions: each predicts a token of the answer.
+        # Scored positions of answers are answer positions: each predicts a token of the answer.
         assert b["weights"].sum() > 0 and set(b["weights"].unique().tolist()) <= {0.0, 1.0}
 
 
@@ -107,13 +108,17 @@ def test_batches_from_any_start_are_the_continuation_and_score_only_answers(corp
 @pytest.mark.parametrize("name", ["smollm2-draft-2l", "smollm2-hsr"])
 def test_train_export_load_and_evaluate(corpus, name, tmp_path):
     """The whole path, two steps long: train, export, load by path, draft, evaluate."""
-    from specserve.cluster.zoo import evaluate, export, train
+    from specserve.cluster.zoo import evaluate, export, train, write_card
     from specserve.replicas.drafts.base import draft_from_model
     from specserve.replicas.model_store import load_causal_lm
 
-    work = train(name, steps=2, work=tmp_path / "work", corpus=corpus, batch=2)
-    assert (work / "checkpoint.pt").exists() and len((work / "train.log").read_text().splitlines()) == 2
+    work = train(name, steps=2, work=tmp_path / "work", corpus=corpus, batch=2, validation_every=3)
+    log = [json.loads(line) for line in (work / "train.log").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 2] and log[-1]["best"], "two steps, then the last step validates"
+    assert (work / "checkpoint.pt").exists() and (work / "best.pt").exists()
     out = export(name, work=work, out=tmp_path / "draft", corpus=corpus)
+    training = json.loads((out / "training.json").read_text())
+    assert training["exported_step"] == 2 and training["validation_kl"] == pytest.approx(log[-1]["validation"], abs=1e-4)
     size_mb = sum(f.stat().st_size for f in out.iterdir()) / 2**20
     assert size_mb < 30, f"an exported draft should stay well under half the 60 MB budget, got {size_mb:.1f} MB"
     draft = load_causal_lm(str(out), dtype="float32")
@@ -128,3 +133,6 @@ def test_train_export_load_and_evaluate(corpus, name, tmp_path):
         assert r["draft"] == "draft" and 0 <= r["acceptance_rate"] <= 1 and r["mean_accepted_len"] >= 1
         assert 0 < r["latency_ratio"] < 1, "a draft must cost less than the 30-layer target"
         assert r["speedup_vs_ar"] > 0
+    card = write_card(out, rows, {"prompts": 1, "max_tokens": 4, "window": 2}).read_text()
+    assert "exported: step 2, the best validation KL" in card
+    assert len([line for line in card.splitlines() if line.startswith("| ") and "x |" in line]) == 4
