@@ -14,7 +14,7 @@ Configurations:
   baseline every ``speedup_vs_ar`` divides by.
 - ``prompt-lookup-{2,4,6}``: specserve's prompt-lookup draft with window γ = 2, 4, 6, and
   ``prompt-lookup-10``, HF's window, for a like-for-like comparison with ``hf-prompt-lookup``.
-- ``<zoo draft>-{2,4}`` and ``<zoo draft>-tree``: each draft exported into the package's zoo
+- ``<zoo draft>-{2,3,4}`` and ``<zoo draft>-tree``: each draft exported into the package's zoo
   (``specserve zoo export``) with window γ = 2, 4 and with a token tree (depth 4, top-2, 8 nodes).
 
 Per row (config × category, plus an ``all`` row per config): ``tokens_per_s`` = Σ tokens / Σ
@@ -82,7 +82,7 @@ def zoo_configs() -> list[BenchConfig]:
     configs = []
     for name in RECIPES:
         if (zoo_dir() / name / "config.json").exists():
-            configs += [BenchConfig(f"{name}-{w}", "specserve", name, w) for w in (2, 4)]
+            configs += [BenchConfig(f"{name}-{w}", "specserve", name, w) for w in (2, 3, 4)]
             configs.append(BenchConfig(f"{name}-tree", "specserve", name, tree=ZOO_TREE))
     return configs
 
