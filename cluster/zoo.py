@@ -74,10 +74,10 @@ class Recipe:
 RECIPES = {
     r.name: r for r in (
         Recipe("smollm2-draft-2l", "standalone", "standalone draft LM: the target's first 2 layers, retrained, "
-               "8k-token head, frozen target embeddings", head_tokens=8192, layers=2, steps=2400),
+               "8k-token head, frozen target embeddings", head_tokens=8192, layers=2, steps=2000),
         Recipe("smollm2-hsr", "hsr", "hidden-state-reuse head: FC(e_t + h_t-1) into one decoder layer "
                "(from the target's last), 8k-token head, 2 unrolled steps", head_tokens=8192, unroll=2, lr=2e-3,
-               steps=1800),
+               steps=1500),
     )
 }
 
