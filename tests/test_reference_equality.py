@@ -1,12 +1,15 @@
 """Greedy equality on the reference target (SmolLM2-135M-Instruct, float32) over 20 prompts:
-prompt lookup with windows 1..8 and with trees, and a real-weights draft LM (the target's first
-layers, untrained as a draft, so it is rejected often, which is what this test wants)."""
+prompt lookup with windows 1..8 and with trees, a real-weights draft LM (the target's first
+layers, untrained as a draft, so it is rejected often, which is what this test wants), and every
+draft the package's zoo ships."""
 
 import pytest
 import torch
 
 from equality import assert_greedy_equal
+from specserve.replicas.drafts.base import draft_from_model
 from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.model_store import load_causal_lm, zoo_dir, zoo_drafts
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
@@ -102,3 +105,18 @@ def test_real_weights_draft_lm_chain_and_tree(engine, prompt_ids, expected):
         else:
             gen = speculative_generate(target, draft, ids, NEW_TOKENS, GREEDY, tree=TreeShape(3, 2, 6))
         assert_greedy_equal(full, ids, gen.token_ids, exp, f"first-6-layers draft, prompt {i}")
+
+
+@pytest.mark.parametrize("name", zoo_drafts())
+def test_shipped_zoo_draft_chain_and_tree(engine, prompt_ids, expected, name):
+    """A committed draft loads (embeddings and frozen head from the target) and stays lossless;
+    an HSR head gets the target's hidden states in-process."""
+    draft = draft_from_model(name, load_causal_lm(str(zoo_dir() / name), dtype="float32").model)
+    target = Target(engine.loaded.model)
+    accepted = 0
+    for i, (ids, exp) in enumerate(list(zip(prompt_ids, expected))[:6]):
+        ask = {"window": 3} if i % 2 else {"tree": TreeShape(4, 2, 8)}
+        gen = speculative_generate(target, draft, ids, NEW_TOKENS, GREEDY, **ask)
+        assert_greedy_equal(engine.loaded.model, ids, gen.token_ids, exp, f"{name} {ask}, prompt {i}")
+        accepted += gen.stats.accepted
+    assert accepted > 6 * NEW_TOKENS // 4, f"a trained draft should be accepted often, got {accepted} tokens"
