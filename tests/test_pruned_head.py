@@ -58,7 +58,10 @@ def test_greedy_equality_with_a_pruned_head_draft():
             assert_greedy_equal(target_model, prompt, got.token_ids, want, f"pruned head, window={window} tree={tree}")
 
 
-def test_saved_without_embeddings_and_attached_from_the_target(tmp_path):
+def save_with_target(tmp_path, frozen_head: bool):
+    """A tiny target saved to ``tmp_path/target`` and a pruned draft sharing its embeddings (and,
+    if ``frozen_head``, its output rows, frozen as zoo training keeps them) saved to ``tmp_path/draft``;
+    returns (target, draft, the draft loaded back with what it takes from the target)."""
     import specserve.replicas.model_store  # noqa: F401 - registers the architecture
     from transformers import AutoModelForCausalLM
 
@@ -69,10 +72,18 @@ def test_saved_without_embeddings_and_attached_from_the_target(tmp_path):
     draft = pruned_draft()
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        if frozen_head:
+            draft.lm_head.weight.copy_(target.lm_head.weight[draft.head_token_ids(torch.device("cpu"))])
+    draft.lm_head.weight.requires_grad_(not frozen_head)
     save_without_embeddings(draft, tmp_path / "draft", embeddings_from=str(tmp_path / "target"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", local_files_only=True, dtype=torch.float32)
-    assert loaded.config.embeddings_from == str(tmp_path / "target")
     attach_from_target(loaded, tmp_path / "target")
+    return target, draft, loaded
+
+
+def test_saved_without_embeddings_and_attached_from_the_target(tmp_path):
+    target, draft, loaded = save_with_target(tmp_path, frozen_head=False)
+    assert loaded.config.embeddings_from == str(tmp_path / "target")
     assert torch.equal(loaded.model.embed_tokens.weight, target.model.embed_tokens.weight)
     ids = torch.tensor([[5, 6, 7, 8]])
     # Everything but the embeddings went through float16: close, not equal.
@@ -80,23 +91,9 @@ def test_saved_without_embeddings_and_attached_from_the_target(tmp_path):
 
 
 def test_a_frozen_head_is_not_stored_but_taken_from_the_target(tmp_path):
-    import specserve.replicas.model_store  # noqa: F401 - registers the architecture
-    from transformers import AutoModelForCausalLM
-
     from safetensors import safe_open
 
-    from specserve.replicas.drafts.pruned_head import attach_from_target, save_without_embeddings
-
-    target = tiny_model("llama", seed=0)
-    target.save_pretrained(tmp_path / "target")
-    draft = pruned_draft()
-    with torch.no_grad():
-        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-        draft.lm_head.weight.copy_(target.lm_head.weight[draft.head_token_ids(torch.device("cpu"))])
-    draft.lm_head.weight.requires_grad_(False)   # as zoo training keeps it
-    save_without_embeddings(draft, tmp_path / "draft", embeddings_from=str(tmp_path / "target"))
+    _, draft, loaded = save_with_target(tmp_path, frozen_head=True)
     with safe_open(str(tmp_path / "draft" / "model.safetensors"), framework="pt") as stored:
         assert "lm_head.weight" not in stored.keys() and "model.embed_tokens.weight" not in stored.keys()
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", local_files_only=True, dtype=torch.float32)
-    attach_from_target(loaded, tmp_path / "target")
     assert torch.equal(loaded.lm_head.weight, draft.lm_head.weight)
