@@ -163,8 +163,7 @@ def planned_transcripts(tokenizer, n: int, tokens: int, batch: int) -> list[list
                     for t in turns if t.get("from") in roles]
         if i < SHAREGPT_HELD_OUT or not messages or not looks_english(messages[0]["content"]):
             continue
-        ids = tokenizer.apply_chat_template(messages, tokenize=True)
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = encode_chat(tokenizer, messages, open_assistant_turn=False)
         if len(ids) >= tokens:
             chosen.append(ids[:tokens])
     return [chosen[i:i + batch] for i in range(0, len(chosen), batch)]
