@@ -10,6 +10,9 @@ shares a shorter prefix.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from transformers import PreTrainedModel
 
@@ -54,17 +57,47 @@ class KVSession:
                     layer.crop(length - len(self.tokens))
             self.tokens = self.tokens[:length]
 
+    @contextmanager
+    def _rolled_back_on_error(self) -> Iterator[None]:
+        """Undo whatever a forward that raised wrote to the cache, then re-raise.
+
+        Layers append their keys as the forward reaches them, so a failure in a late layer (say,
+        out of memory) leaves the early layers longer than ``self.tokens``. The next call would
+        attend to those orphaned keys and return wrong logits without any error.
+        """
+        try:
+            yield
+        except BaseException:
+            self._truncate_to_tokens()
+            raise
+
+    def _truncate_to_tokens(self) -> None:
+        if all(isinstance(layer, PreallocatedLayer) for layer in self.cache.layers):
+            for layer in self.cache.layers:   # a layer the forward never reached is already there
+                layer.crop_to(len(self.tokens))
+        else:
+            # Sliding-window and linear-attention layers cannot drop an unknown number of
+            # positions (some reached the failure, some did not); rebuilding from the tokens is
+            # always correct, as for any replica that lacks the cache.
+            self.reset()
+
     @torch.inference_mode()   # the buffers are inference tensors: in-place writes need the mode
     def keep(self, positions: list[int], tokens: list[int]) -> None:
         """Compact the cache to ``positions`` (ascending), which now hold ``tokens``.
 
         Used after tree verification: the accepted path is scattered among rejected siblings.
         """
-        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        # Check every layer before touching any: a half-compacted cache matches no token list.
         for layer in self.cache.layers:
             if not isinstance(layer, PreallocatedLayer):
                 raise NotImplementedError(f"tree compaction needs full-attention layers, not {type(layer).__name__}")
-            layer.keep(index)
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        try:
+            for layer in self.cache.layers:
+                layer.keep(index)
+        except BaseException:
+            self.reset()   # some layers compacted, some not: only a rebuild from tokens is right
+            raise
         self.tokens = list(tokens)
 
     def sync(self, tokens: list[int]) -> list[int]:
@@ -82,9 +115,10 @@ class KVSession:
         if not tokens:
             raise ValueError("extend needs at least one token")
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_rows
-        )
+        with self._rolled_back_on_error():
+            out = self.model(
+                input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_rows
+            )
         self.tokens.extend(tokens)
         return out.logits[0]
 
@@ -98,13 +132,14 @@ class KVSession:
         """
         past_len = len(self.tokens) - first_fed
         dtype = self.model.dtype
-        out = self.model(
-            input_ids=torch.tensor([tokens[first_fed:]], dtype=torch.long, device=self.device),
-            attention_mask=tree_attention_mask(parents, past_len, first_fed, dtype, self.device),
-            position_ids=tree_position_ids(parents, past_len, first_fed, self.device),
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        with self._rolled_back_on_error():
+            out = self.model(
+                input_ids=torch.tensor([tokens[first_fed:]], dtype=torch.long, device=self.device),
+                attention_mask=tree_attention_mask(parents, past_len, first_fed, dtype, self.device),
+                position_ids=tree_position_ids(parents, past_len, first_fed, self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+            )
         # Tree nodes are not a sequence: mark them unmatchable so that a later sync() can never
         # mistake a sibling's keys for those of the real token at that position. keep() or
         # crop() restores a true sequence.

@@ -6,14 +6,22 @@ the idle cache that shares the longest prefix with its tokens (a multi-turn chat
 the last turn stopped), else a fresh one. A cache that belonged to nobody is still correct:
 ``KVSession.sync`` rolls it back to the common prefix, so the pool only ever saves recompute.
 
-Holders whose request vanished without ``release`` (a caller that died) go back to the idle list
-after ``stale_after_s`` without use, so the pool cannot leak.
+A session holds its cache from ``acquire`` until ``release``. Its caller may be another replica
+(a target calling a draft server once per step) that can die without calling ``release``, so a
+session that goes ``stale_after_s`` without ``acquire`` or ``touch`` is taken to be abandoned and
+its cache goes back to the idle list: the pool cannot leak. A holder used for longer than that
+without returning to the pool (a whole request on one ``Target``, which under load can outlast
+the timeout) must say so: inside ``with pool.using(...)`` it is never reclaimed, and its idle
+time counts from the end of the block. So a live session's holder is never handed to another:
+"live" means pinned by ``using``, or acquired or touched within ``stale_after_s``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -26,6 +34,8 @@ Holder = TypeVar("Holder")   # anything with a ``.session`` (a KVSession)
 class _Busy(Generic[Holder]):
     holder: Holder
     last_used_s: float
+    in_use: int = 0          # open ``using`` blocks: while > 0 the holder is never reclaimed
+    released: bool = False   # released during a ``using`` block: parked when the last one ends
 
 
 class SessionPool(Generic[Holder]):
@@ -44,6 +54,9 @@ class SessionPool(Generic[Holder]):
         self._clock = clock
         self._busy: dict[str, _Busy[Holder]] = {}
         self._idle: list[Holder] = []   # least recently released first
+        # A ``using`` block may open on the event loop while steps acquire on a model thread;
+        # without the lock two sessions could pop the same idle holder.
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._busy) + len(self._idle)
@@ -53,18 +66,59 @@ class SessionPool(Generic[Holder]):
         return len(self._busy)
 
     def acquire(self, session_id: str, tokens: list[int]) -> Holder:
+        """The session's holder (taken from the idle list on first use); refreshes its lease."""
+        with self._lock:
+            return self._acquire(session_id, tokens).holder
+
+    @contextmanager
+    def using(self, session_id: str, tokens: list[int]) -> Iterator[Holder]:
+        """``acquire``, and keep the holder from being reclaimed until the block ends, however
+        long it runs. The session keeps the holder after the block; ``release`` ends it."""
+        with self._lock:
+            entry = self._acquire(session_id, tokens)
+            entry.in_use += 1
+        try:
+            yield entry.holder
+        finally:
+            with self._lock:
+                entry.in_use -= 1
+                entry.last_used_s = self._clock()   # idle from now, not from the acquire
+                if entry.released and entry.in_use == 0:
+                    self._park(entry.holder)
+
+    def touch(self, session_id: str) -> bool:
+        """Refresh the session's lease without a step. False if it holds nothing (released, or
+        reclaimed as abandoned): its next ``acquire`` may get another cache, which is still correct."""
+        with self._lock:
+            entry = self._busy.get(session_id)
+            if entry is not None:
+                entry.last_used_s = self._clock()
+            return entry is not None
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            self._release(session_id)
+
+    def _acquire(self, session_id: str, tokens: list[int]) -> _Busy[Holder]:
         now = self._clock()
-        self._reclaim_stale(now)
         entry = self._busy.get(session_id)
+        if entry is not None:
+            entry.last_used_s = now   # before the sweep: a caller back after a long gap is alive
+        self._reclaim_stale(now)
         if entry is None:
             entry = _Busy(self._take_idle(tokens), now)
             self._busy[session_id] = entry
-        entry.last_used_s = now
-        return entry.holder
+        return entry
 
-    def release(self, session_id: str) -> None:
+    def _release(self, session_id: str) -> None:
         entry = self._busy.pop(session_id, None)
-        if entry is not None:
+        if entry is None:
+            return
+        if entry.in_use:
+            # Still inside a ``using`` block: parking now would let another session take the
+            # holder mid-operation. The block parks it when it ends.
+            entry.released = True
+        else:
             self._park(entry.holder)
 
     def _take_idle(self, tokens: list[int]) -> Holder:
@@ -80,5 +134,6 @@ class SessionPool(Generic[Holder]):
         del self._idle[: max(0, len(self._idle) - self.keep_idle)]
 
     def _reclaim_stale(self, now: float) -> None:
-        for session_id in [s for s, e in self._busy.items() if now - e.last_used_s > self.stale_after_s]:
-            self.release(session_id)
+        stale = [s for s, e in self._busy.items() if not e.in_use and now - e.last_used_s > self.stale_after_s]
+        for session_id in stale:
+            self._release(session_id)

@@ -24,6 +24,13 @@ def one_hot_logits(rows: list[int], vocab: int = 6) -> torch.Tensor:
     return logits
 
 
+def point_mass_logits(rows: list[int], vocab: int = 6) -> torch.Tensor:
+    """Rows that put all probability on one token even when sampling (exp(-inf) is exactly 0)."""
+    logits = torch.full((len(rows), vocab), float("-inf"))
+    logits[torch.arange(len(rows)), torch.tensor(rows)] = 0.0
+    return logits
+
+
 def test_greedy_chain_accepts_matching_prefix_then_bonus():
     # target argmaxes: 3, 4, 0, 2 ; draft proposes 3, 4, 1 -> accept 2, bonus = 0
     path, bonus = verify(one_hot_logits([3, 4, 0, 2]), Proposal.chain([3, 4, 1]), GREEDY)
@@ -44,6 +51,34 @@ def test_greedy_tree_follows_the_matching_branch():
     proposal = Proposal(tokens=[1, 3, 4], parents=[-1, -1, 1])
     logits = one_hot_logits([3, 0, 4, 5])  # rows: root, node0, node1, node2
     assert verify(logits, proposal, GREEDY) == ([1, 2], 5)
+
+
+def test_sampled_chain_all_accepted_gets_bonus_from_the_row_after_the_last_token():
+    # p is a point mass on each drafted token, so p(x) = 1 >= q(x) whatever q is: both tokens are
+    # accepted for every u. The row after them (row 2 = len(proposal)) puts all its mass on 1,
+    # which is neither drafted token, so reading any other row cannot give 1.
+    q = torch.tensor([[0.1, 0.2, 0.1, 0.4, 0.1, 0.1], [0.3, 0.1, 0.1, 0.1, 0.3, 0.1]])
+    proposal = Proposal.chain([3, 4], draft_probs=q)
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        assert verify(point_mass_logits([3, 4, 1]), proposal, SAMPLE, gen) == ([0, 1], 1)
+
+
+def test_point_mass_chain_all_accepted_gets_bonus_from_the_row_after_the_last_token():
+    # Sampling with a deterministic draft (no draft_probs): accept x with probability p(x) = 1.
+    gen = torch.Generator().manual_seed(0)
+    assert verify(point_mass_logits([3, 4, 1]), Proposal.chain([3, 4]), SAMPLE, gen) == ([0, 1], 1)
+
+
+def test_point_mass_tree_all_accepted_gets_bonus_from_the_row_after_the_leaf():
+    # root children: node0=1, node1=3; node1's child node2=4. The root row gives 1 probability 0
+    # and 3 probability 1, node1's row gives 4 probability 1: path node1 -> node2 for every u.
+    # The bonus comes from node2's row (row 3), a point mass on 5; node0's row (row 1), never
+    # reached, points at 2 so that reading it would show.
+    proposal = Proposal(tokens=[1, 3, 4], parents=[-1, -1, 1])
+    logits = point_mass_logits([3, 2, 4, 5])
+    gen = torch.Generator().manual_seed(0)
+    assert verify(logits, proposal, SAMPLE, gen) == ([1, 2], 5)
 
 
 def empirical(counts: torch.Tensor, p: torch.Tensor, n: int):
@@ -108,4 +143,34 @@ def test_point_mass_tree_preserves_target_distribution(children, p_q):
         path, bonus = verify(logits, proposal, SAMPLE, gen)
         counts[children[path[0]] if path else bonus] += 1
     tv, pvalue = empirical(counts, p[0], n)
+    assert tv < 0.03 and pvalue > 1e-4, (tv, pvalue)
+
+
+@pytest.mark.parametrize("draft", ["sampled", "point mass"])
+def test_bonus_after_a_fully_accepted_chain_is_distributed_as_the_next_row(p_q, draft):
+    # Row 0 makes acceptance of the one drafted token certain: p = q for a sampled draft (accept
+    # with min(1, p/q) = 1), p = δ_x for a point mass (accept with p(x) = 1). The bonus must then
+    # follow row 1 = p[1]; row 0 (q or δ_x) is far from p[1], so sampling from it would fail.
+    p, q = p_q
+    x = 2
+    gen = torch.Generator().manual_seed(4)
+    if draft == "sampled":
+        row0 = q[0].log()
+    else:
+        row0 = point_mass_logits([x], vocab=8)[0]
+    logits = torch.stack([row0, p[1].log()])
+    n = 20_000
+    counts = torch.zeros(8)
+    for _ in range(n):
+        if draft == "sampled":
+            x = int(torch.multinomial(q[0], 1, generator=gen))
+            proposal = Proposal.chain([x], draft_probs=q)
+        else:
+            proposal = Proposal.chain([x])
+        path, bonus = verify(logits, proposal, SAMPLE, gen)
+        if path == [0]:
+            counts[bonus] += 1
+    # softmax(log q) can round a hair below q, so a rejection is possible in principle, not in fact.
+    assert counts.sum() >= 0.999 * n
+    tv, pvalue = empirical(counts, p[1], int(counts.sum()))
     assert tv < 0.03 and pvalue > 1e-4, (tv, pvalue)
