@@ -77,7 +77,7 @@ ZOO_TREE = TreeShape(depth=4, top_k=2, budget=8)
 
 def zoo_configs() -> list[BenchConfig]:
     """Rows for every draft exported into the zoo folder."""
-    from specserve.cluster.zoo import RECIPES
+    from specserve.training.zoo import RECIPES
 
     configs = []
     for name in RECIPES:

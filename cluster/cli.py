@@ -277,7 +277,7 @@ def bench_engine(
 @zoo_app.command("list")
 def zoo_list() -> None:
     """The recipes the zoo can train."""
-    from specserve.cluster.zoo import RECIPES, work_dir
+    from specserve.training.zoo import RECIPES, work_dir
 
     for r in RECIPES.values():
         shape = f"{r.layers} layers" if r.kind == "standalone" else f"1 layer, {r.unroll} unrolled steps"
@@ -295,7 +295,7 @@ def zoo_corpus(
     reading of held-out conversations, with its hidden states. Resumes where a stopped run left off."""
     from tqdm import tqdm
 
-    from specserve.cluster.zoo_corpus import build, build_transcripts, transcripts_dir
+    from specserve.training.corpus import build, build_transcripts, transcripts_dir
 
     set_threads(threads)
     try:
@@ -325,7 +325,7 @@ def zoo_train(
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """Distil a draft from the reference target; resumes from its checkpoint when run again."""
-    from specserve.cluster.zoo import recipe, train
+    from specserve.training.zoo import recipe, train
 
     set_threads(threads)
     try:
@@ -345,7 +345,7 @@ def zoo_export(
 ) -> None:
     """Write the best-validating weights (else the latest checkpoint) as a draft loadable by name
     (half precision; embeddings and frozen head from the target)."""
-    from specserve.cluster.zoo import export, recipe
+    from specserve.training.zoo import export, recipe
 
     try:
         recipe(name)
@@ -368,8 +368,8 @@ def zoo_eval(
     """Acceptance rate, latency ratio c and speedup over target-only, per draft and category."""
     import platform
 
-    from specserve.cluster.zoo import evaluate, write_card
     from specserve.replicas.model_store import zoo_dir
+    from specserve.training.zoo import evaluate, write_card
 
     if window < 1 or prompts < 1 or max_tokens < 1:
         fail("--window, --prompts and --max-tokens must be >= 1")

@@ -4,7 +4,7 @@ lowers the loss, and a run stopped mid-way resumes to exactly the weights of an 
 import pytest
 import torch
 
-from specserve.replicas.distill import (
+from specserve.training.distill import (
     DistillConfig, best_path, build_student, distill_loss, load_weights, most_frequent_tokens, standalone_loss,
     teacher_log_probs, train,
 )

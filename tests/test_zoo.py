@@ -9,9 +9,9 @@ from itertools import islice
 import pytest
 import torch
 
-from specserve.cluster import zoo_corpus
 from specserve.cluster.prompts import load_prompts, training_prompts
-from specserve.cluster.zoo import recipe
+from specserve.training import corpus as zoo_corpus
+from specserve.training.zoo import recipe
 
 pytestmark = pytest.mark.reference
 
@@ -108,9 +108,9 @@ def test_batches_from_any_start_are_the_continuation_and_score_only_answers(corp
 @pytest.mark.parametrize("name", ["smollm2-draft-2l", "smollm2-hsr"])
 def test_train_export_load_and_evaluate(corpus, name, tmp_path):
     """The whole path, two steps long: train, export, load by path, draft, evaluate."""
-    from specserve.cluster.zoo import evaluate, export, train, write_card
-    from specserve.replicas.drafts.base import draft_from_model
+    from specserve.replicas.drafts.factory import draft_from_model
     from specserve.replicas.model_store import load_causal_lm
+    from specserve.training.zoo import evaluate, export, train, write_card
 
     work = train(name, steps=2, work=tmp_path / "work", corpus=corpus, batch=2, validation_every=3)
     log = [json.loads(line) for line in (work / "train.log").read_text().splitlines()]

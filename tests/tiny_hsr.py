@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from specserve.cluster.zoo_corpus import feature_and_final
-from specserve.replicas.distill import DistillConfig, train
 from specserve.replicas.drafts.hsr_head import HSRHead, build_hsr_head
-from specserve.replicas.hsr_train import hsr_loss
+from specserve.training.corpus import feature_and_final
+from specserve.training.distill import DistillConfig, train
+from specserve.training.hsr_train import hsr_loss
 from tiny_models import VOCAB
 
 

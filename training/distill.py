@@ -8,7 +8,7 @@ and the rows of the target's output layer for the head's tokens.
 Loss (forward KL, per position): ``Σ_v p_T(v) (log p_T(v) − log q_S(v))`` over the head's tokens,
 with the teacher's distribution renormalised over the head. Matching the target's whole
 distribution, not only its argmax, is what makes the student's *sampled* proposals accepted too.
-The teacher's distribution comes from the corpus (``cluster/zoo_corpus.py``): its final hidden
+The teacher's distribution comes from the corpus (``training/corpus.py``): its final hidden
 states times the output rows of the head's tokens, so training never runs the target.
 
 Checkpoints hold the trainable weights, the optimizer, the step and the random state, written

@@ -1,9 +1,9 @@
 """Training a hidden-state-reuse head with unrolled steps (Sparrow §3.2 multi-token prediction).
 
 At inference the head drafts token 1 from the target's state, token 2 from its own output for
-token 1, and so on (``hsr_draft.py``). Trained only on the target's states (step 1), it would
-never see its own outputs as input, and the tokens after the first drift: exposure bias. So each
-batch is run ``steps`` times, every position at once:
+token 1, and so on (``replicas/drafts/hsr_draft.py``). Trained only on the target's states
+(step 1), it would never see its own outputs as input, and the tokens after the first drift:
+exposure bias. So each batch is run ``steps`` times, every position at once:
 
 - step 1 reads the target's states: ``z¹_p = FC(e_p ⊕ h_{p-1})``, causal attention;
 - step j reads step j-1's outputs: ``z^j_p = FC(e_p ⊕ o^{j-1}_{p-1})``, and position ``p`` stands
@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from specserve.replicas.distill import distill_loss, teacher_log_probs
 from specserve.replicas.drafts.hsr_head import HSRHead
+from specserve.training.distill import distill_loss, teacher_log_probs
 
 
 def _shift(x: torch.Tensor, by: int) -> torch.Tensor:

@@ -6,7 +6,7 @@
     specserve zoo export NAME                 # into the package's zoo folder, loadable by name
     specserve zoo eval NAME...                # acceptance, latency ratio c, speedup, per category
 
-Every recipe trains on the same corpus (``cluster/zoo_corpus.py``): the target's own greedy
+Every recipe trains on the same corpus (``training/corpus.py``): the target's own greedy
 answers to prompts that no benchmark uses and its reading of held-out ShareGPT conversations,
 with its hidden states, so no training step runs the target. Every 20th answer is held out, and
 the weights exported are those that validate best on them. Two kinds of draft:
@@ -14,7 +14,7 @@ the weights exported are those that validate best on them. Two kinds of draft:
 - ``standalone``: a small Llama (the target's first layers, retrained) with a pruned head; it
   drafts from tokens alone, so it can run anywhere, for any request.
 - ``hsr``: a hidden-state-reuse head (Sparrow Eq. 1): one layer reading the target's
-  second-to-last hidden states, trained with unrolled steps (``replicas/hsr_train.py``).
+  second-to-last hidden states, trained with unrolled steps (``training/hsr_train.py``).
 
 An exported draft does not store its token embeddings nor its head: they are the target's
 (embeddings and output rows), frozen during training, and at half precision the embeddings alone
@@ -30,20 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from specserve.cluster import zoo_corpus
 from specserve.cluster.prompts import HUMANEVAL_HELD_OUT, SHAREGPT_HELD_OUT
-from specserve.replicas.distill import (
-    DistillConfig,
-    best_path,
-    build_student,
-    load_weights,
-    most_frequent_tokens,
-    standalone_loss,
-)
-from specserve.replicas.distill import train as train_loop
 from specserve.replicas.drafts.hsr_head import build_hsr_head
 from specserve.replicas.drafts.pruned_head import save_without_embeddings
-from specserve.replicas.hsr_train import hsr_loss
 from specserve.replicas.model_store import (
     REFERENCE_TARGET,
     bf16_is_fast,
@@ -51,6 +40,17 @@ from specserve.replicas.model_store import (
     model_cache_dir,
     zoo_dir,
 )
+from specserve.training import corpus as zoo_corpus
+from specserve.training.distill import (
+    DistillConfig,
+    best_path,
+    build_student,
+    load_weights,
+    most_frequent_tokens,
+    standalone_loss,
+)
+from specserve.training.distill import train as train_loop
+from specserve.training.hsr_train import hsr_loss
 
 
 @dataclass(frozen=True)
@@ -224,20 +224,20 @@ def draft_ms(engine, name: str, context: list[int], reps: int = 20) -> float:
     (One forward of a standalone draft; one step of an HSR head, given the target's states.)"""
     from specserve.replicas.sampling import SamplingParams
     from specserve.replicas.step import Proposal
-    from specserve.router.session import ProposeRequest, needs_features, propose
+    from specserve.replicas.drafts.base import needs_features, propose
+    from specserve.replicas.step import ProposeRequest
 
     greedy = SamplingParams()
     draft = engine.drafts[name]
     engine.reset_caches()
-    bonus = engine.target.verify(context, Proposal.empty(), greedy, None).emitted_tokens
+    bonus = engine.target.verify_one(context, Proposal.empty(), greedy).emitted_tokens
     context = context + bonus
-    ask = ProposeRequest(1, None)
-    if needs_features(draft):
-        ask = ProposeRequest(1, None, engine.target.features(context), 0)
+    features = engine.target.features(context) if needs_features(draft) else None
+    ask = ProposeRequest("probe", context, 1, None, greedy, features=features)
     times = []
     for _ in range(reps + 3):
         start = time.perf_counter()
-        propose(draft, context, ask, greedy, None)
+        propose(draft, ask, None)
         times.append(time.perf_counter() - start)
     return 1e3 * sorted(times[3:])[reps // 2]
 

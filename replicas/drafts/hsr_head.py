@@ -11,7 +11,7 @@ input at position t joins the embedding of token t with the target's hidden stat
 several tokens, the target's state for a drafted position does not exist yet: the head feeds its
 own output instead, ``z_{t+1} = FC(e_{t+1} ⊕ o_t)`` (Sparrow Eq. 4 without the visual anchor,
 which text has no use for). Training unrolls those recursive steps so the head learns to read its
-own states (multi-token prediction, ``replicas/hsr_train.py``).
+own states (multi-token prediction, ``training/hsr_train.py``).
 
 Deviations from the paper, and why:
 - no VATA window (Eq. 2): there are no visual tokens to leave out, every position is text;
@@ -100,7 +100,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     """Llama attention split in two, so that training can attend over keys of several unrolled
-    steps (``replicas/hsr_train.py``) and inference over its own small cache."""
+    steps (``training/hsr_train.py``) and inference over its own small cache."""
 
     def __init__(self, config: HSRConfig):
         super().__init__()
