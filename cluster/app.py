@@ -13,11 +13,14 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.policies.goodput import GoodputPolicy
+from specserve.policies.static import StaticPolicy
 from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
 from specserve.router.ingress import Ingress
 
-# A session's steps should reach the draft replica that holds its KV cache: hash on session id.
+# A target replica's draft calls (each for all of its step's requests) should reach the draft
+# replica that holds those sessions' KV caches: hash on the target replica's id.
 # Any replica is still correct (the cache is rebuilt from the tokens), so a reshuffle on scaling
 # costs one rebuild per session, not a wrong answer.
 SESSION_AFFINITY = RequestRouterConfig(
@@ -35,7 +38,8 @@ def build_app(args: AppConfig) -> Application:
         for spec in config.drafts
     }
     target = TargetDeployment.options(name=TARGET_DEPLOYMENT).bind(
-        config.target, drafts, config.dtype, config.torch_threads, config.kv_sessions_idle
+        config.target, drafts, GoodputPolicy(StaticPolicy()), config.dtype, config.torch_threads, config.kv_sessions_idle,
+        config.max_batch, config.prefill_chunk,
     )
     return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config)
 

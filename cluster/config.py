@@ -82,6 +82,12 @@ class AppConfig(BaseModel):
     kv_sessions_idle: int = Field(
         4, ge=0, description="Idle KV caches a replica keeps after their requests end, as a prefix cache for follow-up turns."
     )
+    max_batch: int = Field(
+        16, ge=1, le=256, description="Requests a target replica verifies together in one forward; more wait for a slot."
+    )
+    prefill_chunk: int = Field(
+        512, ge=16, description="Prompt tokens a target replica prefills per step, so that running requests are not stalled by a long prompt."
+    )
     redis_url: str | None = Field(None, description="The Redis the policy service shares statistics through.")
 
     @model_validator(mode="after")

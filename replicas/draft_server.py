@@ -1,39 +1,39 @@
-"""A draft server: ``propose`` for one step of one session, ``release`` when the session ends.
+"""A draft server: proposals for all of a target step's requests that use this draft, in one call.
 
-It runs in one of two places (``DraftSpec.colocated``):
+It runs in one of three places:
 
 - as its own Ray Serve deployment (``DraftDeployment``): drafts scale and fail apart from the
-  target, on their own GPUs, and a step pays one handle call (measured 6-7 ms inside a replica on
-  the 2-core machines here, 3.7 ms from an idle driver);
-- inside each target replica: no call at all, sharing the target's worker thread. Worth it when
-  proposing is cheap next to the hop (prompt lookup: 0.5 ms) or the draft is small enough to sit
-  beside the target.
+  target, on their own GPUs, and a step pays one handle call for all its requests (measured 6-7 ms
+  inside a replica on the 2-core machines here, 3.7 ms from an idle driver);
+- inside each target replica (``DraftSpec.colocated``): no call at all, sharing the target's model
+  thread. Worth it when proposing is cheap next to the hop (prompt lookup: 0.5 ms) or the draft is
+  small enough to sit beside the target;
+- in-process (``specserve generate``, ``bench engine``, tests), built from a draft factory.
 
-Target replicas call it once per step with the session's whole context; the server keeps that
-session's KV cache between steps (``SessionPool``), so a step feeds only the tokens the cache
-lacks. Any replica can serve any call, since the cache is rebuilt from the tokens; the target
-routes a session's calls to one replica by session id only to save that rebuild.
+The server keeps each session's draft state between steps (``SessionPool``), so a step feeds only
+the tokens a draft's cache lacks. Any replica can serve any call, since a draft's cache is rebuilt
+from the tokens; a target replica sends all its calls to one draft replica only to save rebuilds.
 
-Model work runs on one ``ModelWorker`` thread, which the health check watches.
+A proposal that fails costs that request its speculation for the step, never the request.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from ray import serve
 
-from specserve.replicas.drafts.base import draft_from_model
+from specserve.replicas.drafts.base import Draft, propose
+from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_draft import MissingFeatures, NeedFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
-from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.session_pool import SessionPool
-from specserve.replicas.step import Proposal
-from specserve.router.session import ProposeRequest, propose
+from specserve.replicas.step import Proposal, ProposeRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -42,60 +42,92 @@ MAX_GENERATORS = 4096
 
 
 class DraftServer:
-    def __init__(self, name: str, model: str | None, dtype: str = "auto", torch_threads: int | None = None,
-                 kv_sessions_idle: int = 4, worker: ModelWorker | None = None):
-        """``worker``: the thread model work runs on; a colocated draft shares the target's."""
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
+    def __init__(self, name: str, model: str | None = None, dtype: str = "auto", torch_threads: int | None = None,
+                 kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None):
+        """``model``: a draft LM or HSR head to load (None: prompt lookup). ``make_draft``: build
+        the per-session drafts from a factory instead (in-process use). ``worker``: the thread
+        model work runs on; a colocated draft shares the target's."""
         self.name = name
-        self._worker = worker or ModelWorker(f"draft-{name}")
+        self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
         self._generators: dict[str, torch.Generator] = {}
-        self._needs_features = False
-        if model is None:
-            self._lookup: PromptLookupDraft | None = PromptLookupDraft()
-            self.pool = None
+        self._lookup: PromptLookupDraft | None = None
+        self.pool: SessionPool | None = None
+        self.vocab_size: int | None = None
+        self.device = torch.device("cpu")
+        if make_draft is not None:
+            probe = make_draft()
+            self._needs_features = bool(getattr(probe, "needs_features", False))
+            model_obj = getattr(getattr(probe, "session", None), "model", None) or getattr(probe, "head", None)
+            self._adopt(model_obj)
+            self.pool = SessionPool(make_draft, keep_idle=kv_sessions_idle)
+        elif model is None:
+            self._lookup = PromptLookupDraft()
+            self._needs_features = False
         else:
             loaded = load_causal_lm(model, dtype=dtype)
             self._needs_features = isinstance(loaded.model, HSRHead)
-            self._lookup = None
+            self._adopt(loaded.model)
             self.pool = SessionPool(lambda: draft_from_model(name, loaded.model), keep_idle=kv_sessions_idle)
-        logger.info("draft %s ready (%s)", name, model or "prompt lookup, no model")
+        logger.info("draft %s ready (%s)", name, model or ("in-process" if make_draft else "prompt lookup, no model"))
 
-    async def needs_features(self) -> bool:
-        """Whether proposals need the target's hidden states (a hidden-state-reuse head)."""
-        return self._needs_features
+    def _adopt(self, model) -> None:
+        if model is not None:
+            # config.vocab_size, not the output layer: a pruned head scatters its logits back to
+            # the full vocabulary's ids.
+            self.vocab_size = int(model.config.vocab_size)
+            self.device = model.device
 
-    async def propose(self, session_id: str, context: list[int], ask: ProposeRequest,
-                      params: SamplingParams) -> Proposal | NeedFeatures:
-        """A proposal; or, for an HSR head that holds fewer of the session's target states than
-        the call assumes (another replica had the session), ``NeedFeatures``: send them again."""
+    async def info(self) -> dict:
+        """What a target checks before it trusts this draft: whether proposals need its hidden
+        states, and the vocabulary the draft's ids come from (None: the target's own, as prompt
+        lookup copies them from the context)."""
+        return {"needs_features": self._needs_features, "vocab_size": self.vocab_size}
+
+    async def propose_batch(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
+        """One proposal per ask, in order. An HSR head that holds fewer of a session's target
+        states than the ask assumes (another replica had the session) answers ``NeedFeatures``
+        for that ask: send them again from there."""
         if self._lookup is not None:   # an n-gram search: cheaper than a thread hand-off
-            return propose(self._lookup, context, ask, params, None)
-        return await self._worker.run(self._propose_lm, session_id, context, ask, params)
+            return [self._propose_one(self._lookup, ask) for ask in asks]
+        return await self._worker.run(self._propose_pooled, asks)
 
-    def _propose_lm(self, session_id: str, context: list[int], ask: ProposeRequest,
-                    params: SamplingParams) -> Proposal | NeedFeatures:
-        draft = self.pool.acquire(session_id, context)
-        generator = None
-        if not params.greedy:
-            # The draft's own randomness never changes the output distribution (the target's
-            # rejection test corrects for q); a per-session seed only makes runs repeatable.
-            generator = self._generators.get(session_id)
-            if generator is None:
-                # Bounded: a target that died never calls release(); its entry ages out here.
-                while len(self._generators) >= MAX_GENERATORS:
-                    self._generators.pop(next(iter(self._generators)))
-                generator = self._generators[session_id] = params.generator()
+    def _propose_pooled(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
+        return [self._propose_one(self.pool.acquire(ask.session_id, ask.context), ask) for ask in asks]
+
+    def _propose_one(self, draft: Draft, ask: ProposeRequest) -> Proposal | NeedFeatures:
         try:
-            return propose(draft, context, ask, params, generator)
+            return propose(draft, ask, self._generator(ask))
         except MissingFeatures as missing:
             return NeedFeatures(missing.have)
+        except Exception as err:  # noqa: BLE001 - one bad proposal costs that request's speculation
+            logger.warning("draft %s: proposal for %s failed (%s: %s); that step goes plain",
+                           self.name, ask.session_id, type(err).__name__, err)
+            return Proposal.empty()
 
-    async def release(self, session_id: str) -> None:
-        """The session ended: its KV cache becomes an idle prefix cache."""
-        self._generators.pop(session_id, None)
+    def _generator(self, ask: ProposeRequest) -> torch.Generator | None:
+        if ask.params.greedy:
+            return None
+        # The draft's own randomness never changes the output distribution (the target's rejection
+        # test corrects for q); the derived seed only makes runs repeatable.
+        generator = self._generators.get(ask.session_id)
+        if generator is None:
+            # Bounded: a target that died never calls release(); its entry ages out here.
+            while len(self._generators) >= MAX_GENERATORS:
+                self._generators.pop(next(iter(self._generators)))
+            generator = torch.Generator(device=self.device)
+            if ask.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(ask.seed)
+            self._generators[ask.session_id] = generator
+        return generator
+
+    async def release(self, session_ids: list[str]) -> None:
+        """The sessions ended: their caches become idle prefix caches."""
+        for session_id in session_ids:
+            self._generators.pop(session_id, None)
         if self.pool is not None:
-            await self._worker.run(self.pool.release, session_id)
+            await self._worker.run(lambda: [self.pool.release(s) for s in session_ids])
 
     def check_health(self) -> None:
         self._worker.check()

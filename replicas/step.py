@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.replicas.sampling import SamplingParams  # noqa: F401  (ProposeRequest's field type)
 from specserve.replicas.tree_attention import node_depths
 
 
@@ -64,10 +65,14 @@ class Proposal:
     tokens: list[int]
     parents: list[int]
     draft_probs: torch.Tensor | None = None
+    # q(x) of each node given its parent, as the draft saw it (policies read the draft's
+    # confidence); None for drafts without a distribution (prompt lookup).
+    token_probs: list[float] | None = None
 
     @classmethod
-    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> "Proposal":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs)
+    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None,
+              token_probs: list[float] | None = None) -> "Proposal":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, token_probs)
 
     @classmethod
     def empty(cls) -> "Proposal":
@@ -86,6 +91,41 @@ class Proposal:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """What a policy asks of one request's next step: a chain of ``window`` tokens, a ``tree``,
+    or neither (``window == 0`` and no tree: a plain decoding step)."""
+
+    window: int = 0
+    tree: TreeShape | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.tree is None and self.window <= 0
+
+
+PLAIN = Speculation()
+
+
+@dataclass(frozen=True)
+class ProposeRequest:
+    """One request's ask of a draft for one step; a draft call carries a list of them.
+
+    ``seed`` seeds the draft's own random stream when it samples (derived from the request's
+    seed, never equal to the target's stream). A hidden-state-reuse draft also gets the target's
+    hidden states of context positions ``features_start..``: the ones it has not been sent yet.
+    """
+
+    session_id: str
+    context: list[int]
+    window: int
+    tree: TreeShape | None
+    params: "SamplingParams"
+    seed: int | None = None
+    features: torch.Tensor | None = None
+    features_start: int = 0
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What one step did. ``accepted_path`` indexes ``Proposal.tokens`` (root to leaf)."""
 
@@ -94,6 +134,33 @@ class StepResult:
     accepted_path: list[int]
     emitted_tokens: list[int]  # the n accepted draft tokens followed by the bonus token
     max_depth: int           # the longest path the proposal offered (γ for a chain)
+    proposal_error: str | None = None   # why the draft's proposal was dropped (the step went plain)
+
+
+@dataclass(frozen=True)
+class RequestStep:
+    """One request's part of a step: what policies and statistics learn from."""
+
+    request_id: str
+    draft: str
+    asked: Speculation          # what the policy asked for this step
+    proposed: int               # tokens (nodes) the draft proposed: γ for a full chain
+    accepted: int               # n
+    max_depth: int              # the longest path offered
+    draft_token_probs: tuple[float, ...] | None   # the draft's q(x) per proposed token, if it has one
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One scheduler step: every request verified in it, and where the time went."""
+
+    batch_size: int             # requests verified in the step's one target forward
+    forward_tokens: int         # tokens that forward fed (each request's root + proposal)
+    prefill_tokens: int         # prompt tokens prefilled in the step (their own forward)
+    draft_ms: float
+    verify_ms: float
+    prefill_ms: float
+    requests: tuple[RequestStep, ...]
 
 
 @dataclass
@@ -110,6 +177,7 @@ class SpecStats:
     # Wall time spent waiting for proposals and in verification: where a step's time goes.
     draft_s: float = 0.0
     verify_s: float = 0.0
+    proposal_errors: int = 0   # proposals dropped as malformed (those steps went plain)
 
     def record(self, result: StepResult) -> None:
         self.steps += 1
@@ -136,4 +204,5 @@ class SpecStats:
             "windows": list(self.windows),
             "draft_ms_per_step": round(1e3 * self.draft_s / self.steps, 3) if self.steps else 0.0,
             "verify_ms_per_step": round(1e3 * self.verify_s / self.steps, 3) if self.steps else 0.0,
+            **({"proposal_errors": self.proposal_errors} if self.proposal_errors else {}),
         }

@@ -1,10 +1,25 @@
-"""The target side of a step: score a proposal in one forward pass and keep what it accepts."""
+"""The target side of a step: score every request's proposal in one forward and keep what it accepts.
+
+A ``Target`` holds the model, the KV caches of up to ``slots`` requests (``BatchKV``) and, for
+hidden-state-reuse drafts, the tapped hidden states of each slot's cached positions.
+``verify`` takes one ``VerifyItem`` per request (its slot, context, proposal, sampling) and runs
+them through a single forward; acceptance is then decided per request by the rejection sampler,
+unchanged, so batching changes nothing a request sees but its latency.
+
+Proposals are untrusted input (a draft replica may be buggy or from another model): one that is
+malformed is dropped before it reaches the model and the step becomes a plain one for that
+request (``StepResult.proposal_error`` says why); it costs speculation, never the request, and on
+CUDA an out-of-range id never becomes a device-side assert.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from specserve.replicas.kv_session import KVSession, common_prefix_len
+from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.rejection_sampler import verify
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal, StepResult
@@ -12,8 +27,8 @@ from specserve.replicas.step import Proposal, StepResult
 
 class FeatureTap:
     """The output of one decoder layer in the model's last forward: the hidden states a
-    hidden-state-reuse draft reads (``replicas/drafts/hsr_head.py``). One per model, shared by
-    every session on it; forwards run one at a time (``ModelWorker``), so the slot is safe."""
+    hidden-state-reuse draft reads (``replicas/drafts/hsr_head.py``). One per model; forwards run
+    one at a time (one model thread per replica), so the slot is safe."""
 
     def __init__(self, layer: torch.nn.Module):
         self.last: torch.Tensor | None = None
@@ -34,77 +49,167 @@ def feature_tap(model, layer: int = -2) -> FeatureTap | None:
     return tap
 
 
-class Target:
-    def __init__(self, model):
-        self.session = KVSession(model)
-        self._tap = feature_tap(model)
-        # Row p: the tapped hidden state at cache position p; rows < _known are valid. Grows by
-        # doubling, so a step appends without copying the whole history.
-        self._features: torch.Tensor | None = None
-        self._known = 0
+def vocab_size(model) -> int:
+    """The number of rows of the model's output layer: the ids its logits cover."""
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
 
-    def features(self, context: list[int], start: int = 0) -> torch.Tensor | None:
-        """The hidden states this target holds for ``context`` (a view), from position ``start``:
-        rows up to the root at most, and only where its cache holds these very tokens (a pooled
-        cache may hold another request's). None without a tap."""
-        if self._features is None:
-            return None
-        end = min(self._known, common_prefix_len(self.session.tokens, context), len(context) - 1)
-        return self._features[start:max(start, end)]
 
-    def _keep_features(self, first: int, rows: torch.Tensor) -> None:
+def proposal_error(proposal: Proposal, vocab: int, device: torch.device) -> str | None:
+    """Why ``proposal`` cannot be verified, or None. Checked before any tensor work."""
+    n = len(proposal.tokens)
+    if len(proposal.parents) != n:
+        return f"{n} tokens but {len(proposal.parents)} parents"
+    for i, (tok, parent) in enumerate(zip(proposal.tokens, proposal.parents)):
+        if not isinstance(tok, int) or not 0 <= tok < vocab:
+            return f"token {tok!r} at node {i} is outside the target's vocabulary [0, {vocab})"
+        if not isinstance(parent, int) or not -1 <= parent < i:
+            return f"node {i} has parent {parent!r}: parents must be -1 or an earlier node"
+    q = proposal.draft_probs
+    if q is not None:
+        if not proposal.is_chain:
+            return "draft_probs are only defined for a chain"
+        if tuple(q.shape) != (n, vocab):
+            return f"draft_probs have shape {tuple(q.shape)}, expected ({n}, {vocab})"
+        if q.device.type != device.type:
+            return f"draft_probs are on {q.device}, the target on {device}"
+    return None
+
+
+@dataclass
+class VerifyItem:
+    """One request's part of a step. ``context[-1]`` is the root (the last emitted token)."""
+
+    slot: int
+    context: list[int]
+    proposal: Proposal
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+class _Features:
+    """Row p: the tapped hidden state at cache position p of one slot; rows < known are valid.
+    Grows by doubling, so a step appends without copying the whole history."""
+
+    def __init__(self):
+        self.rows: torch.Tensor | None = None
+        self.known = 0
+
+    def put(self, first: int, rows: torch.Tensor) -> None:
         """Rows for positions ``first..``; everything after ``first`` is replaced."""
+        if first > self.known:   # a gap: earlier states are unknown, so none can be trusted
+            self.known = 0
+            return
         end = first + len(rows)
-        if self._features is None or end > len(self._features):
+        if self.rows is None or end > len(self.rows):
             grown = torch.empty(max(2 * end, 256), rows.shape[-1], dtype=rows.dtype, device=rows.device)
-            if self._features is not None:
-                grown[: self._known] = self._features[: self._known]
-            self._features = grown
-        self._features[first:end] = rows
-        self._known = end
+            if self.rows is not None:
+                grown[: self.known] = self.rows[: self.known]
+            self.rows = grown
+        self.rows[first:end] = rows
+        self.known = end
 
-    def verify(
-        self,
-        context: list[int],
-        proposal: Proposal,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-    ) -> StepResult:
-        """One forward over [uncached context tail] + proposal; ``context[-1]`` is the root.
 
-        The cache afterwards holds ``context`` + the accepted tokens (not the bonus token, which
+class Target:
+    def __init__(self, model, slots: int = 1):
+        self.model = model
+        self.kv = BatchKV(model, slots)
+        self.vocab = vocab_size(model)
+        self._tap = feature_tap(model)
+        self._features = [_Features() for _ in range(slots)]
+
+    @property
+    def slots(self) -> int:
+        return self.kv.slots
+
+    def features(self, context: list[int], start: int = 0, slot: int = 0) -> torch.Tensor | None:
+        """The hidden states this target holds for ``context`` in ``slot`` (a view), from
+        ``start``: rows up to the root at most, and only where the slot holds these very tokens
+        (a reused slot may hold another request's). None without a tap."""
+        store = self._features[slot]
+        if store.rows is None:
+            return None
+        end = min(store.known, common_prefix_len(self.kv.tokens[slot], context), len(context) - 1)
+        return store.rows[start:max(start, end)]
+
+    def _keep_features(self, feeds: list[Feed], firsts: list[int], keep: list[list[int]] | None = None) -> None:
+        """After a forward: each feed's tapped rows (``keep[i]``: which of its tokens) at ``firsts[i]``."""
+        if self._tap is None or self._tap.last is None:
+            return
+        lo = min(f.slot for f in feeds)
+        width = self._tap.last.shape[1]
+        for i, feed in enumerate(feeds):
+            fed = self._tap.last[feed.slot - lo, width - len(feed.tokens):]   # [n, H], padding dropped
+            self._features[feed.slot].put(firsts[i], fed if keep is None else fed[keep[i]])
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``dst`` takes over ``src``'s cache and hidden states (the scheduler keeps busy slots dense)."""
+        self.kv.copy(src, dst)
+        self._features[src], self._features[dst] = self._features[dst], self._features[src]
+
+    def prefill(self, slot: int, tokens: list[int], chunk: int) -> tuple[int, int]:
+        """Feed at most ``chunk`` of the tokens ``slot`` lacks of ``tokens`` (a prompt without its
+        last token, which the first step feeds as its root). Returns (fed, still missing)."""
+        missing = self.kv.sync(slot, tokens)
+        if not missing:
+            return 0, 0
+        first = len(tokens) - len(missing)
+        feed = Feed(slot, missing[:chunk])
+        self.kv.forward([feed])
+        self._keep_features([feed], [first])
+        return len(feed.tokens), len(missing) - len(feed.tokens)
+
+    def verify(self, items: list[VerifyItem]) -> list[StepResult]:
+        """One forward over every item's [uncached context tail] + proposal.
+
+        Each slot afterwards holds its context + the accepted tokens (not the bonus token, which
         becomes the next step's root), and ``features()`` the hidden states of those positions.
         """
-        missing = self.session.sync(context[:-1]) + context[-1:]
-        base = len(context)  # cache positions 0..base-1 hold the context once the forward is done
-        first = base - len(missing)
-        rows = len(proposal) + 1
-        if proposal.is_chain:
-            logits = self.session.extend(missing + proposal.tokens, logits_rows=rows)
-        else:
-            # The uncached tail is a chain of tree nodes ending in the root; proposal nodes hang
-            # below the root (parent -1 -> the root's index).
-            tail = len(missing)
-            parents = list(range(-1, tail - 1)) + [
-                tail - 1 if p < 0 else tail + p for p in proposal.parents
-            ]
-            logits = self.session.extend_tree(missing + proposal.tokens, parents)[tail - 1 :]
-        path, bonus = verify(logits, proposal, params, generator)
-        accepted = [proposal.tokens[i] for i in path]
-        if self._tap is not None:
-            fed = self._tap.last[0]   # [len(missing) + len(proposal), H]
-            keep = list(range(len(missing))) + [len(missing) + i for i in path]
-            self._keep_features(first, fed[keep] if not proposal.is_chain else fed[: len(keep)])
-        if proposal.is_chain:
-            self.session.crop(base + len(path))
-        else:
-            keep = list(range(base)) + [base + i for i in path]
-            self.session.keep(keep, context + accepted)
-        depths = proposal.depths()
-        return StepResult(
-            proposed=len(proposal),
-            accepted=len(path),
-            accepted_path=path,
-            emitted_tokens=accepted + [bonus],
-            max_depth=max(depths, default=0),
-        )
+        feeds: list[Feed] = []
+        firsts: list[int] = []
+        errors: list[str | None] = []
+        for item in items:
+            error = proposal_error(item.proposal, self.vocab, self.model.device)
+            if error is not None:
+                item.proposal = Proposal.empty()
+            errors.append(error)
+            missing = self.kv.sync(item.slot, item.context[:-1]) + item.context[-1:]
+            firsts.append(len(item.context) - len(missing))
+            proposal = item.proposal
+            if proposal.is_chain:
+                feeds.append(Feed(item.slot, missing + proposal.tokens, len(proposal) + 1))
+            else:
+                # The uncached tail is a chain ending in the root; proposal nodes hang below the
+                # root (parent -1 -> the root's index).
+                tail = len(missing)
+                parents = list(range(-1, tail - 1)) + [tail - 1 if p < 0 else tail + p for p in proposal.parents]
+                feeds.append(Feed(item.slot, missing + proposal.tokens, len(proposal) + 1, parents, committed=tail))
+        logits = self.kv.forward(feeds)
+        results: list[StepResult] = []
+        kept: list[list[int]] = []
+        for item, feed, rows, error in zip(items, feeds, logits, errors):
+            proposal = item.proposal
+            path, bonus = verify(rows, proposal, item.params, item.generator)
+            accepted = [proposal.tokens[i] for i in path]
+            tail = len(feed.tokens) - len(proposal)
+            kept.append(list(range(tail)) + [tail + i for i in path])
+            base = len(item.context)
+            if proposal.is_chain:
+                self.kv.crop(item.slot, base + len(path))
+            else:
+                self.kv.keep(item.slot, list(range(base)) + [base + i for i in path], item.context + accepted)
+            results.append(StepResult(
+                proposed=len(proposal),
+                accepted=len(path),
+                accepted_path=path,
+                emitted_tokens=accepted + [bonus],
+                max_depth=max(proposal.depths(), default=0),
+                proposal_error=error,
+            ))
+        self._keep_features(feeds, firsts, kept)
+        return results
+
+    def verify_one(self, context: list[int], proposal: Proposal, params: SamplingParams,
+                   generator: torch.Generator | None = None, slot: int = 0) -> StepResult:
+        """``verify`` for a single request (tests, evaluation scripts)."""
+        return self.verify([VerifyItem(slot, context, proposal, params, generator)])[0]

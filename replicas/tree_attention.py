@@ -22,6 +22,19 @@ def node_depths(parents: list[int]) -> list[int]:
     return depths
 
 
+def ancestor_matrix(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: ``[i, j]`` is True when node ``j`` is ``i`` itself or one of its ancestors."""
+    n = len(parents)
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= i:
+            raise ValueError(f"node {i} has parent {p}: parents must come before children")
+        allowed[i, i] = True
+        if p >= 0:
+            allowed[i] |= allowed[p]   # ancestors of i = p and p's ancestors
+    return allowed
+
+
 def tree_attention_mask(
     parents: list[int],
     past_len: int,
@@ -34,12 +47,7 @@ def tree_attention_mask(
     Returns [1, 1, len(parents) - first_fed, past_len + len(parents)].
     """
     n = len(parents)
-    allowed = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        allowed[i, i] = True
-        if p >= 0:
-            allowed[i] |= allowed[p]   # ancestors of i = p and p's ancestors
-    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool), allowed], dim=1)[first_fed:]
+    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool), ancestor_matrix(parents)], dim=1)[first_fed:]
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None].to(device)

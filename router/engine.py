@@ -1,23 +1,30 @@
 """The in-process engine: a target, its drafts by name, and text in / text out.
 
-This is what ``specserve generate`` runs, and what a target replica runs for each request.
+It runs the same scheduler and step loop as a served target replica (``replicas/step_loop.py``),
+with the drafts in-process and model work in the caller's thread: ``specserve generate`` and
+``bench engine`` measure the code that serves.
 """
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specserve.replicas.drafts.base import Draft, draft_from_model
+from specserve.policies.static import StaticPolicy
+from specserve.replicas.draft_server import DraftServer
+from specserve.replicas.drafts.base import Draft
+from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
+from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.sampling import SamplingParams
-from specserve.replicas.step import TreeShape
+from specserve.replicas.scheduler import NO_DRAFT, Scheduler, SpecRequest
+from specserve.replicas.step import SpecStats, TreeShape
+from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 from specserve.router.prompt_ids import encode_chat, encode_text
-from specserve.router.session import Generation, speculative_generate
-
-NO_DRAFT = "none"
 
 
 @dataclass
@@ -31,13 +38,75 @@ class GenerateRequest:
     chat: bool = True   # render the prompt with the model's chat template
 
 
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str   # "stop" (an EOS token) or "length" (max_tokens), as in the OpenAI API
+    stats: SpecStats
+
+
+def local_draft(draft: Draft) -> DraftServer:
+    """A draft object served in-process, one instance for every session (a single stream)."""
+    return DraftServer(draft.name, worker=InlineWorker(), make_draft=lambda: draft)
+
+
+def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[SpecRequest],
+              eos_token_ids: frozenset[int] | set[int] = frozenset(), policy=None,
+              on_tokens: Callable[[int, list[int]], None] | None = None, prefill_chunk: int = 512) -> list[Generation]:
+    """Every request through one scheduler (batched as the target's slots allow), in-process.
+    ``on_tokens(i, tokens)`` sees request i's tokens as each step verifies them."""
+    scheduler = Scheduler(target, policy or StaticPolicy(), eos_token_ids, prefill_chunk=prefill_chunk)
+    loop = StepLoop(scheduler, drafts, InlineWorker())
+    states = []
+    for i, request in enumerate(requests):
+        emit = None if on_tokens is None else (lambda item, i=i: on_tokens(i, item["token_ids"]))
+        states.append(loop.add(request, emit))
+    asyncio.run(loop.run_until_idle())
+    return [Generation(s.out, s.finish_reason or "length", s.stats) for s in states]
+
+
+def speculative_generate(
+    target: Target,
+    draft: Draft | None,
+    prompt_ids: list[int],
+    max_tokens: int,
+    params: SamplingParams,
+    window: int = 0,
+    tree: TreeShape | None = None,
+    eos_token_ids: frozenset[int] | set[int] = frozenset(),
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """One request with one draft object. ``draft=None``, or ``window=0`` without a tree, is
+    plain decoding through the same path."""
+    name = NO_DRAFT if draft is None or (window <= 0 and tree is None) else draft.name
+    drafts = {} if draft is None else {draft.name: local_draft(draft)}
+    request = SpecRequest(list(prompt_ids), max_tokens, params, name, window, tree, uuid.uuid4().hex)
+    return run_batch(target, drafts, [request], eos_token_ids,
+                     on_tokens=None if on_tokens is None else (lambda _, tokens: on_tokens(tokens)))[0]
+
+
 class SpecEngine:
-    def __init__(self, target: LoadedModel, drafts: dict[str, Draft]):
+    def __init__(self, target: LoadedModel, drafts: dict[str, Draft], slots: int = 16):
         self.loaded = target
         self.tokenizer = target.tokenizer
-        self.target = Target(target.model)
+        self.target = Target(target.model, slots)
+        vocab = self.target.vocab
+        for name, draft in drafts.items():
+            model = getattr(getattr(draft, "session", None), "model", None) or getattr(draft, "head", None)
+            if model is not None and model.config.vocab_size != vocab:
+                raise ValueError(f"draft {name!r} has a vocabulary of {model.config.vocab_size} ids, the target "
+                                 f"{vocab}: a draft must share the target's tokenizer")
         self.drafts = drafts
+        self.servers = {name: self._server(name, draft) for name, draft in drafts.items()}
         self.max_context = getattr(target.model.config, "max_position_embeddings", None)
+
+    @staticmethod
+    def _server(name: str, draft: Draft) -> DraftServer:
+        if isinstance(draft, PromptLookupDraft):
+            return DraftServer(name, worker=InlineWorker(), make_draft=lambda: draft)
+        # One draft (and KV cache) per session, all on the draft's one model.
+        model = getattr(getattr(draft, "session", None), "model", None) or draft.head
+        return DraftServer(name, worker=InlineWorker(), make_draft=lambda: draft_from_model(name, model))
 
     @classmethod
     def load(
@@ -46,22 +115,20 @@ class SpecEngine:
         draft_models: list[str] = (),
         dtype: str = "auto",
         device: str | None = None,
+        slots: int = 16,
     ) -> "SpecEngine":
         loaded = load_causal_lm(target, dtype=dtype, device=device)
         drafts: dict[str, Draft] = {PromptLookupDraft.name: PromptLookupDraft()}
         for name in draft_models:
             lm = load_causal_lm(name, dtype=dtype, device=device)
             drafts[lm.name] = draft_from_model(lm.name, lm.model)
-        return cls(loaded, drafts)
+        return cls(loaded, drafts, slots)
 
     def reset_caches(self) -> None:
-        """Forget every KV cache. Sessions otherwise keep their longest common prefix with the
-        next request (a free prefix cache); benchmarks start each generation cold."""
-        self.target.session.reset()
-        for draft in self.drafts.values():
-            session = getattr(draft, "session", None)
-            if session is not None:
-                session.reset()
+        """Forget every KV cache. Slots otherwise keep their longest common prefix with the next
+        request (a free prefix cache); benchmarks start each generation cold."""
+        self.target.kv.reset()
+        self.servers = {name: self._server(name, draft) for name, draft in self.drafts.items()}
 
     @property
     def draft_names(self) -> list[str]:
@@ -74,32 +141,28 @@ class SpecEngine:
             return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         return encode_text(self.tokenizer, prompt)
 
-    def draft(self, name: str) -> Draft | None:
-        if name == NO_DRAFT:
-            return None
-        if name not in self.drafts:
-            raise ValueError(f"unknown draft {name!r}; available: {', '.join(self.draft_names)}")
-        return self.drafts[name]
-
-    def generate_ids(self, prompt_ids: list[int], request: GenerateRequest,
-                     on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
-        draft = self.draft(request.draft)
+    def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:
+        if request.draft != NO_DRAFT and request.draft not in self.drafts:
+            raise ValueError(f"unknown draft {request.draft!r}; available: {', '.join(self.draft_names)}")
         if self.max_context and len(prompt_ids) + request.max_tokens > self.max_context:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds "
                 f"the target's context of {self.max_context} tokens: shorten the prompt or lower max_tokens"
             )
-        return speculative_generate(
-            self.target,
-            draft,
-            prompt_ids,
-            request.max_tokens,
-            request.params,
-            window=request.window,
-            tree=request.tree,
-            eos_token_ids=self.loaded.eos_token_ids,
-            on_tokens=on_tokens,
-        )
+        speculating = request.window > 0 or request.tree is not None
+        return SpecRequest(prompt_ids, request.max_tokens, request.params,
+                           request.draft if speculating else NO_DRAFT, request.window, request.tree, uuid.uuid4().hex)
+
+    def generate_ids(self, prompt_ids: list[int], request: GenerateRequest,
+                     on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
+        return self.generate_batch_ids([prompt_ids], [request],
+                                       None if on_tokens is None else (lambda _, t: on_tokens(t)))[0]
+
+    def generate_batch_ids(self, prompt_ids: list[list[int]], requests: list[GenerateRequest],
+                           on_tokens: Callable[[int, list[int]], None] | None = None, policy=None) -> list[Generation]:
+        """Several requests at once, batched in every step as a served replica batches them."""
+        spec_requests = [self._spec_request(ids, r) for ids, r in zip(prompt_ids, requests)]
+        return run_batch(self.target, self.servers, spec_requests, self.loaded.eos_token_ids, policy, on_tokens)
 
     def generate(self, request: GenerateRequest) -> dict:
         """The ``--json`` object: ``{text, token_ids, finish_reason, usage, spec}``."""

@@ -35,7 +35,7 @@ from specserve.replicas.step import TreeShape
 from specserve.router import specserve_pb2 as pb
 from specserve.router.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.router.prompt_ids import encode_chat, encode_text
-from specserve.router.session import SpecRequest
+from specserve.replicas.scheduler import SpecRequest
 from specserve.router.text_stream import TextStream
 
 logger = logging.getLogger("ray.serve")
@@ -144,7 +144,7 @@ class Ingress:
         request_id = uuid.uuid4().hex
         return Prepared(
             id=request_id,
-            spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, session_id=request_id),
+            spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id),
             stop=req.stop,
         )
 

@@ -13,8 +13,12 @@ from specserve.replicas.drafts.hsr_draft import NeedFeatures
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal
 from specserve.replicas.target import Target
-from specserve.replicas.target_deployment import ColocatedDraft, TargetDeployment
-from specserve.router.session import ProposeRequest
+from specserve.policies.static import StaticPolicy
+from specserve.replicas.model_worker import InlineWorker
+from specserve.replicas.scheduler import Scheduler, SpecRequest
+from specserve.replicas.step import ProposeRequest
+from specserve.replicas.step_loop import StepLoop
+from specserve.router.engine import speculative_generate
 from tiny_hsr import save_tiny_pair, trained_hsr_head
 from tiny_models import tiny_model
 
@@ -30,30 +34,53 @@ def pair(tmp_path_factory):
 
 def test_a_replica_without_the_sessions_states_asks_for_them_and_gets_them(pair):
     target_model, head_dir = pair
-    propose_with_features = TargetDeployment.func_or_class._propose_with_features
 
     async def run():
         cold = DraftServer("hsr", str(head_dir), dtype="float32")
         warm = DraftServer("hsr", str(head_dir), dtype="float32")
-        assert await cold.needs_features() and not await DraftServer("lookup", None).needs_features()
+        assert (await cold.info())["needs_features"] and not (await DraftServer("lookup", None).info())["needs_features"]
+        assert (await cold.info())["vocab_size"] == target_model.config.vocab_size
         target = Target(target_model)
-        context = PROMPT + target.verify(PROMPT, Proposal.empty(), GREEDY, None).emitted_tokens
-        ask = ProposeRequest(3, None)
+        context = PROMPT + target.verify_one(PROMPT, Proposal.empty(), GREEDY).emitted_tokens
+
+        def ask(start):
+            return ProposeRequest("s", context, 3, None, GREEDY, features=target.features(context, start), features_start=start)
+
         # The warm replica got every state in order.
-        expected, sent = await propose_with_features(ColocatedDraft(warm), "s", context, ask, GREEDY, target, 0)
-        assert sent == len(context) - 1 and len(expected.tokens) == 3
-        # The cold one is told it was sent the first rows already: it asks again from 0.
-        direct = await cold.propose("s", context, ProposeRequest(3, None, target.features(context, 5), 5), GREEDY)
-        assert direct == NeedFeatures(0)
-        got, sent = await propose_with_features(ColocatedDraft(cold), "s", context, ask, GREEDY, target, 5)
-        assert sent == len(context) - 1 and got.tokens == expected.tokens
+        [expected] = await warm.propose_batch([ask(0)])
+        assert len(expected.tokens) == 3
+        # The cold one is told it was sent the first rows already: it asks again from 0 ...
+        assert await cold.propose_batch([ask(5)]) == [NeedFeatures(0)]
+        # ... and from there proposes what the warm one did.
+        [got] = await cold.propose_batch([ask(0)])
+        assert got.tokens == expected.tokens
 
     asyncio.run(run())
 
 
+def test_the_step_loop_resends_states_to_a_cold_draft_replica(pair):
+    # Through the loop: a draft replica that lost a session's states mid-request (a restart, a
+    # reshuffle) is re-sent them, and the output stays the target's own.
+    target_model, head_dir = pair
+    server = DraftServer("hsr", str(head_dir), dtype="float32")
+    expected = speculative_generate(Target(target_model), None, PROMPT, 16, GREEDY).token_ids
+    scheduler = Scheduler(Target(target_model, slots=2), StaticPolicy())
+    loop = StepLoop(scheduler, {"hsr": server}, InlineWorker())
+    state = loop.add(SpecRequest(PROMPT, 16, GREEDY, "hsr", 3, None, "s"))
+
+    async def run():
+        for _ in range(3):
+            await loop.step()
+        server.pool = type(server.pool)(server.pool._make)   # the replica forgets every session
+        await loop.run_until_idle()
+
+    asyncio.run(run())
+    assert state.out == expected and state.stats.accepted > 0
+
+
 def test_a_pooled_target_cache_never_hands_out_another_requests_states(pair):
     target = Target(pair[0])
-    target.verify(PROMPT, Proposal.empty(), GREEDY, None)
+    target.verify_one(PROMPT, Proposal.empty(), GREEDY)
     other = [9, 9, 9, 1, 2]
     assert len(target.features(other)) == 0                   # no common prefix: nothing
     assert torch.equal(target.features(PROMPT[:4] + [40]), target.features(PROMPT)[:4])

@@ -30,12 +30,12 @@ def test_prompt_longer_than_the_context_is_refused_before_any_forward(engine):
     too_long = [1] * engine.max_context
     with pytest.raises(ValueError, match="exceeds the target's context"):
         engine.generate_ids(too_long, GenerateRequest("", max_tokens=8))
-    assert engine.target.session.tokens == []
+    assert all(tokens == [] for tokens in engine.target.kv.tokens)
 
 
 def test_generate_reports_usage_and_reset_forgets_caches(engine):
     out = engine.generate(GenerateRequest("Count to three.", max_tokens=6, window=3))
     assert out["usage"]["completion_tokens"] == len(out["token_ids"]) <= 6
-    assert engine.target.session.tokens
+    assert any(engine.target.kv.tokens)
     engine.reset_caches()
-    assert engine.target.session.tokens == []
+    assert all(tokens == [] for tokens in engine.target.kv.tokens)

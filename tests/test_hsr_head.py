@@ -6,15 +6,15 @@ import pytest
 import torch
 
 from equality import assert_greedy_equal
-from specserve.replicas.drafts.base import draft_from_model
+from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_draft import HSRDraft, MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead, build_hsr_head
-from specserve.replicas.hsr_train import step_matches_inference
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal, TreeShape
 from specserve.replicas.target import Target
-from specserve.router.session import speculative_generate
+from specserve.router.engine import speculative_generate
+from specserve.training.hsr_train import step_matches_inference
 from tiny_hsr import save_tiny_pair, trained_hsr_head
 from tiny_models import VOCAB, tiny_model
 
@@ -47,10 +47,10 @@ def test_unrolled_training_computes_what_drafting_computes(target, head, exact, 
 def test_the_target_keeps_the_states_of_exactly_its_cached_positions(target):
     t = Target(target)
     prompt = PROMPTS[0]
-    result = t.verify(prompt, Proposal.chain([1, 2, 3]), GREEDY, None)
+    result = t.verify_one(prompt, Proposal.chain([1, 2, 3]), GREEDY)
     context = prompt + result.emitted_tokens
     kept = t.features(context)
-    assert len(kept) == len(context) - 1 == len(t.session.tokens)
+    assert len(kept) == len(context) - 1 == len(t.kv.tokens[0])
     assert torch.allclose(kept, states(target, context[:-1]), atol=1e-5)
 
 

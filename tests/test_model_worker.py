@@ -1,6 +1,9 @@
 """ModelWorker runs model work on one thread, and its health check fails only for stuck work."""
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -41,3 +44,18 @@ def test_health_fails_only_while_one_call_runs_too_long():
         worker.check()                      # idle again: healthy
 
     asyncio.run(main())
+
+
+def test_the_model_thread_runs_with_the_replicas_thread_count():
+    # Ray sets OMP_NUM_THREADS to an actor's num_cpus; OpenMP teams are per OS thread, so the
+    # worker sets torch's count in its own thread. In a fresh process (2 threads by default), a
+    # worker told 1 runs its work with 1, and one told nothing keeps the default.
+    script = (
+        "import asyncio, torch\n"
+        "from specserve.replicas.model_worker import ModelWorker\n"
+        "print(asyncio.run(ModelWorker('w').run(torch.get_num_threads)),"
+        " asyncio.run(ModelWorker('w', threads=1).run(torch.get_num_threads)))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2", "1"]

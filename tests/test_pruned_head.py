@@ -9,7 +9,7 @@ from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLl
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
-from specserve.router.session import speculative_generate
+from specserve.router.engine import speculative_generate
 from tiny_models import VOCAB, tiny_model
 
 HEAD = list(range(0, VOCAB, 2))   # every other token: the draft can never propose an odd one

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from equality import assert_greedy_equal
-from specserve.replicas.drafts.base import draft_from_model
+from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.model_store import load_causal_lm, zoo_dir, zoo_drafts
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
 from specserve.router.engine import SpecEngine
-from specserve.router.session import speculative_generate
+from specserve.router.engine import speculative_generate
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 

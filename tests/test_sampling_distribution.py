@@ -19,7 +19,7 @@ from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.sampling import SamplingParams, logits_to_probs
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
-from specserve.router.session import speculative_generate
+from specserve.router.engine import speculative_generate
 from test_greedy_equality import perturbed
 from tiny_hsr import trained_hsr_head
 from tiny_models import VOCAB, tiny_model

@@ -27,7 +27,7 @@ from specserve.replicas.sampling import SamplingParams
 from specserve.router import specserve_pb2 as pb
 from specserve.router import specserve_pb2_grpc
 from specserve.router.engine import SpecEngine
-from specserve.router.session import speculative_generate
+from specserve.router.engine import speculative_generate
 from specserve.replicas.target import Target
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample
-from specserve.replicas.step import Proposal, TreeShape
+from specserve.replicas.step import Proposal, ProposeRequest, TreeShape
 
 
 class Draft(Protocol):
@@ -43,24 +43,30 @@ def draft_chain(logits: torch.Tensor, window: int, params: SamplingParams, gener
     are deterministic (q = one-hot), so they carry no draft_probs."""
     tokens: list[int] = []
     probs: list[torch.Tensor] = []
+    token_probs: list[float] = []
     for i in range(window):
         if params.greedy:
             tok = int(logits.argmax())
+            token_probs.append(float(torch.softmax(logits.float(), -1)[tok]))
         else:
             q = logits_to_probs(logits, params)
             tok = sample(q, generator)
             probs.append(q)
+            token_probs.append(float(q[tok]))
         tokens.append(tok)
         if i + 1 < window:
             logits = next_logits(tok)
-    return Proposal.chain(tokens, torch.stack(probs) if probs else None)
+    return Proposal.chain(tokens, torch.stack(probs) if probs else None, token_probs)
 
 
-def draft_from_model(name: str, model) -> Draft:
-    """The draft that drives ``model``: a hidden-state-reuse head reads the target's states, any
-    other causal LM drafts from tokens alone."""
-    from specserve.replicas.drafts.draft_lm import DraftLM
-    from specserve.replicas.drafts.hsr_draft import HSRDraft
-    from specserve.replicas.drafts.hsr_head import HSRHead
+def needs_features(draft) -> bool:
+    """Whether ``draft`` reads the target's hidden states (a hidden-state-reuse head)."""
+    return bool(getattr(draft, "needs_features", False))
 
-    return HSRDraft(name, model) if isinstance(model, HSRHead) else DraftLM(name, model)
+
+def propose(draft: Draft, ask: ProposeRequest, generator: torch.Generator | None) -> Proposal:
+    """The proposal ``ask`` wants of ``draft``: a tree, or a chain of ``ask.window`` tokens."""
+    extra = {"features": ask.features, "features_start": ask.features_start} if needs_features(draft) else {}
+    if ask.tree is not None:
+        return draft.propose_tree(ask.context, ask.tree, **extra)
+    return draft.propose(ask.context, ask.window, ask.params, generator, **extra)

@@ -8,6 +8,8 @@ budget on one wide level), until the node budget is spent. Nodes are determinist
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from specserve.replicas.step import Proposal, TreeShape
@@ -46,4 +48,6 @@ class TreeGrowth:
         return level + 1 < self.shape.depth and self.room > 0
 
     def proposal(self) -> Proposal:
-        return Proposal(self.tokens, self.parents)
+        # q(node | parent) = exp(score(node) - score(parent)): the draft's confidence per node.
+        probs = [math.exp(s - (0.0 if p < 0 else self.score[p])) for s, p in zip(self.score, self.parents)]
+        return Proposal(self.tokens, self.parents, token_probs=probs)

@@ -1,0 +1,85 @@
+"""Speculation only where it pays at the replica's current load (goodput).
+
+At batch 1 a CPU verifies 5 tokens for about the price of 1, so drafting is nearly free; at
+batch 12 the forward feeds 60 tokens instead of 12 and costs several times more, while a draft
+with α ≈ 0.3 adds only ~0.4 tokens per request per step. This policy wraps another one and turns
+speculation off for a step when the measured cost model says plain decoding emits more tokens
+per second for the batch:
+
+    cost model     verify_ms ≈ a + b · forward_tokens      (least squares over recent steps)
+    acceptance     α̂ per draft, paper 003 Eq. 2 over the last steps: Σn / (Σn + Σ1[n < γ])
+    speculate iff  E(γ) / (a + b·B·(1 + γ))  >  1 / (a + b·B),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
+
+Until both are measured it speculates, and every ``explore_every`` steps it speculates anyway so
+that α̂ keeps being observed. The adaptive window policies (next issue) replace the all-or-nothing
+choice with the best γ.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from specserve.replicas.scheduler import RequestState
+from specserve.replicas.step import PLAIN, Speculation, StepRecord
+
+
+def expected_emitted(alpha: float, window: int) -> float:
+    """E(γ): tokens a chain step of γ drafts emits at per-token acceptance α (bonus included)."""
+    if alpha >= 1.0:
+        return window + 1.0
+    return (1.0 - alpha ** (window + 1)) / (1.0 - alpha)
+
+
+class GoodputPolicy:
+    def __init__(self, base, history_steps: int = 64, explore_every: int = 32, alpha_max: float = 0.95):
+        self.base = base
+        self.explore_every = explore_every
+        self.alpha_max = alpha_max
+        self._costs: deque[tuple[int, float]] = deque(maxlen=history_steps)   # (forward tokens, verify ms)
+        self._outcomes: dict[str, deque[tuple[int, int]]] = {}                 # draft -> (n, γ) per step
+        self._history = history_steps
+        self._steps = 0
+
+    def alpha(self, draft: str) -> float | None:
+        seen = self._outcomes.get(draft)
+        if not seen:
+            return None
+        accepted = sum(n for n, _ in seen)
+        broke = sum(1 for n, depth in seen if n < depth)
+        return min(self.alpha_max, accepted / (accepted + broke)) if accepted + broke else None
+
+    def cost_model(self) -> tuple[float, float] | None:
+        """(a, b) of verify_ms ≈ a + b · tokens, or None until the steps span two sizes."""
+        if len({t for t, _ in self._costs}) < 2:
+            return None
+        n = len(self._costs)
+        mean_t = sum(t for t, _ in self._costs) / n
+        mean_ms = sum(ms for _, ms in self._costs) / n
+        var = sum((t - mean_t) ** 2 for t, _ in self._costs)
+        b = max(0.0, sum((t - mean_t) * (ms - mean_ms) for t, ms in self._costs) / var)
+        return max(1e-3, mean_ms - b * mean_t), b
+
+    def pays(self, draft: str, window: int, batch_size: int) -> bool:
+        alpha, model = self.alpha(draft), self.cost_model()
+        if alpha is None or model is None or self._steps % self.explore_every == 0:
+            return True
+        a, b = model
+        spec_tokens_per_ms = batch_size * expected_emitted(alpha, window) / (a + b * batch_size * (1 + window))
+        plain_tokens_per_ms = batch_size / (a + b * batch_size)
+        return spec_tokens_per_ms > plain_tokens_per_ms
+
+    def choose(self, state: RequestState, batch_size: int) -> Speculation:
+        spec = self.base.choose(state, batch_size)
+        if spec.plain:
+            return spec
+        window = spec.window if spec.tree is None else spec.tree.depth
+        return spec if self.pays(state.request.draft, window, batch_size) else PLAIN
+
+    def observe(self, record: StepRecord) -> None:
+        self._steps += 1
+        self.base.observe(record)
+        if record.batch_size:
+            self._costs.append((record.forward_tokens, record.verify_ms))
+        for step in record.requests:
+            if step.max_depth > 0:
+                self._outcomes.setdefault(step.draft, deque(maxlen=self._history)).append((step.accepted, step.max_depth))

@@ -1,0 +1,247 @@
+"""The KV caches of all of a replica's requests in one buffer per layer, so that one forward
+serves them all.
+
+Each request holds a **slot**: row ``s`` of every layer's buffers ``[slots, kv_heads, capacity,
+head_dim]``, filled to its own length (``tokens[s]``: the tokens whose keys it holds). One
+``forward`` feeds each participating slot its own tokens at its own positions:
+
+- rows are **left-padded** to the longest feed, so every row's real tokens end at the last column
+  and ``logits_to_keep`` returns the last rows of each feed;
+- a 4D mask lets each token see its slot's cached prefix and its ancestors among the new tokens
+  (a chain: the tokens before it; a tree: its path), nothing of other slots;
+- the batch is the slot range ``[lo, hi)``: a *view* of the buffers, no gather. Slots in that range
+  that take no part are padding rows; every padding column writes beyond its slot's length (where
+  nothing reads: the length is the token list) and attends only to what it wrote, so its softmax
+  is never empty. The scheduler keeps busy slots low and dense so that the range stays tight.
+
+Rolling back is free (``crop`` shortens the token list); keeping a tree's accepted path compacts
+one slot. Like ``KVSession``, a slot is correct from its token list alone: ``sync`` keeps the
+longest common prefix with what a request needs and feeds the rest, so a slot that held another
+request's tokens is a prefix cache, never a wrong answer.
+
+Any Hugging Face causal LM whose cache layers are full attention (Llama, Qwen2, GPT-2, ...) works:
+the model is unchanged, it only sees a ``Cache`` whose ``update`` writes at per-row positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from specserve.replicas.kv_session import TREE_NODE, common_prefix_len
+from specserve.replicas.tree_attention import ancestor_matrix, node_depths
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Tokens for one slot in a batched forward.
+
+    ``parents`` is None for a chain; else ``tokens`` form a tree (``parents[i]`` before ``i``, -1 =
+    hangs off the cached prefix). The first ``committed`` tokens are part of the sequence; the
+    rest are tree nodes (recorded as ``TREE_NODE`` until the caller keeps a path). The logits of
+    the last ``logits_rows`` tokens come back.
+    """
+
+    slot: int
+    tokens: list[int]
+    logits_rows: int = 1
+    parents: list[int] | None = None
+    committed: int | None = None   # None: all of them
+
+
+class _Plan:
+    """Where this forward's keys go; shared by every layer of one cache."""
+
+    lo: int = 0
+    hi: int = 0
+    kv_len: int = 0
+    rows: torch.Tensor | None = None     # [B, S] slot index of each column
+    columns: torch.Tensor | None = None  # [B, S] cache position each column writes
+
+
+class SlotLayer(DynamicLayer):
+    def __init__(self, plan: _Plan, slots: int, capacity: int):
+        super().__init__()
+        self.plan = plan
+        self.slots = slots
+        self.capacity = capacity
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key_states: [B, H, S, D] for slots lo..hi-1; returns keys/values [B, H, kv_len, D] (views)."""
+        plan = self.plan
+        if self.buffers is None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[-1])
+            # Zeros, not empty: masked keys still enter the product (weight 0 x NaN garbage = NaN).
+            self.buffers = (key_states.new_zeros(shape), value_states.new_zeros(shape[:3] + value_states.shape[-1:]))
+            self.is_initialized = True
+        keys, values = self.buffers
+        # Advanced indices around a slice: the indexed view is [B, S, H, D].
+        keys[plan.rows, :, plan.columns] = key_states.transpose(1, 2)
+        values[plan.rows, :, plan.columns] = value_states.transpose(1, 2)
+        self.keys = keys[plan.lo:plan.hi, :, : plan.kv_len]
+        self.values = values[plan.lo:plan.hi, :, : plan.kv_len]
+        return self.keys, self.values
+
+    def grow(self, capacity: int) -> None:
+        if self.buffers is not None:
+            grown = []
+            for buf in self.buffers:
+                new = buf.new_zeros(buf.shape[0], buf.shape[1], capacity, buf.shape[-1])
+                new[:, :, : self.capacity].copy_(buf)
+                grown.append(new)
+            self.buffers = tuple(grown)
+        self.capacity = capacity
+
+    def get_seq_length(self) -> int:
+        return self.plan.kv_len
+
+
+class BatchKV:
+    """``slots`` KV caches of ``model`` that one forward can feed together."""
+
+    def __init__(self, model, slots: int, capacity: int = 512):
+        if slots < 1:
+            raise ValueError(f"a batch cache needs at least one slot, got {slots}")
+        self.model = model
+        self.slots = slots
+        self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 20
+        self.tokens: list[list[int]] = [[] for _ in range(slots)]
+        self._plan = _Plan()
+        self.cache = DynamicCache(config=model.config)
+        for layer in self.cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise NotImplementedError(
+                    f"batched KV caches need full-attention layers; {type(model).__name__} has {type(layer).__name__}"
+                )
+        self.cache.layers = [SlotLayer(self._plan, slots, min(capacity, self.max_len)) for _ in self.cache.layers]
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.layers[0].capacity
+
+    # ---- bookkeeping (no tensor work) ---------------------------------------------------------
+
+    def sync(self, slot: int, tokens: list[int]) -> list[int]:
+        """Roll ``slot`` back to its common prefix with ``tokens``; returns the uncached rest."""
+        keep = common_prefix_len(self.tokens[slot], tokens)
+        self.crop(slot, keep)
+        return tokens[keep:]
+
+    def crop(self, slot: int, length: int) -> None:
+        del self.tokens[slot][length:]
+
+    def reset(self, slot: int | None = None) -> None:
+        for s in range(self.slots) if slot is None else [slot]:
+            self.tokens[s] = []
+
+    # ---- slot moves ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def keep(self, slot: int, positions: list[int], tokens: list[int]) -> None:
+        """Compact ``slot`` to the cached ``positions`` (ascending), which now hold ``tokens``.
+        After tree verification the accepted path sits among rejected siblings."""
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            for buf in layer.buffers or ():
+                buf[slot, :, : len(positions)] = buf[slot].index_select(1, index)
+        self.tokens[slot] = list(tokens)
+
+    @torch.inference_mode()
+    def copy(self, src: int, dst: int, length: int | None = None) -> None:
+        """Slot ``dst`` takes the first ``length`` cached positions of ``src`` (all by default)."""
+        n = len(self.tokens[src]) if length is None else length
+        for layer in self.cache.layers:
+            for buf in layer.buffers or ():
+                buf[dst, :, :n] = buf[src, :, :n]
+        self.tokens[dst] = self.tokens[src][:n]
+
+    # ---- the batched forward ------------------------------------------------------------------
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if needed > self.max_len:
+            raise ValueError(f"{needed} positions exceed the model's context of {self.max_len}")
+        if needed > self.capacity:
+            capacity = min(self.max_len, max(needed, 2 * self.capacity))
+            for layer in self.cache.layers:
+                layer.grow(capacity)
+
+    @torch.inference_mode()
+    def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
+        """One forward for every feed; returns each feed's logits ``[logits_rows, V]``.
+
+        The caller keeps what it wants afterwards (``crop``, ``keep``): the slots' token lists
+        then say which of the fed keys count.
+        """
+        if not feeds:
+            return []
+        slots = [f.slot for f in feeds]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"one feed per slot per forward, got slots {slots}")
+        for f in feeds:
+            if not 1 <= f.logits_rows <= len(f.tokens):
+                raise ValueError(f"slot {f.slot}: logits_rows must be in 1..{len(f.tokens)} (its tokens), got {f.logits_rows}")
+        lo, hi = min(slots), max(slots) + 1
+        width = max(len(f.tokens) for f in feeds)             # S
+        lengths = [len(self.tokens[s]) for s in range(lo, hi)]
+        kv_len = max(lengths) + width
+        self._ensure_capacity(kv_len)
+        rows = hi - lo
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        positions = torch.zeros(rows, width, dtype=torch.long)
+        columns = torch.zeros(rows, width, dtype=torch.long)
+        allowed = torch.zeros(rows, width, kv_len, dtype=torch.bool)
+        by_slot = {f.slot: f for f in feeds}
+        for r in range(rows):
+            cached = lengths[r]
+            feed = by_slot.get(lo + r)
+            n = len(feed.tokens) if feed is not None else 0
+            pad = width - n
+            # Padding columns first: they write past the row's real tokens and see only themselves.
+            pad_cols = torch.arange(cached + n, cached + width)
+            columns[r, :pad] = pad_cols
+            positions[r, :pad] = cached
+            allowed[r, torch.arange(pad), pad_cols] = True
+            if n == 0:
+                continue
+            ids[r, pad:] = torch.tensor(feed.tokens)
+            columns[r, pad:] = torch.arange(cached, cached + n)
+            allowed[r, pad:, :cached] = True
+            if feed.parents is None:
+                depth = torch.arange(1, n + 1)
+                block = torch.ones(n, n, dtype=torch.bool).tril()
+            else:
+                depth = torch.tensor(node_depths(feed.parents))
+                block = ancestor_matrix(feed.parents)
+            positions[r, pad:] = cached + depth - 1
+            allowed[r, pad:, cached:cached + n] = block
+        dtype = self.model.dtype
+        mask = torch.zeros(rows, 1, width, kv_len, dtype=dtype)
+        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+        plan = self._plan
+        plan.lo, plan.hi, plan.kv_len = lo, hi, kv_len
+        plan.rows = torch.arange(lo, hi, device=self.device)[:, None].expand(rows, width)
+        plan.columns = columns.to(self.device)
+        keep = max(f.logits_rows for f in feeds)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        logits = out.logits   # [B, keep, V]
+        for f in feeds:
+            committed = len(f.tokens) if f.committed is None else f.committed
+            self.tokens[f.slot].extend(f.tokens[:committed])
+            self.tokens[f.slot].extend([TREE_NODE] * (len(f.tokens) - committed))
+        return [logits[f.slot - lo, keep - f.logits_rows:] for f in feeds]

@@ -1,0 +1,15 @@
+"""Which draft drives a loaded model (kept apart from ``base`` so that the drafts it builds can
+import ``base`` without a cycle)."""
+
+from __future__ import annotations
+
+from specserve.replicas.drafts.base import Draft
+from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.hsr_draft import HSRDraft
+from specserve.replicas.drafts.hsr_head import HSRHead
+
+
+def draft_from_model(name: str, model) -> Draft:
+    """A hidden-state-reuse head reads the target's states; any other causal LM drafts from
+    tokens alone."""
+    return HSRDraft(name, model) if isinstance(model, HSRHead) else DraftLM(name, model)

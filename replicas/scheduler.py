@@ -1,0 +1,314 @@
+"""The step scheduler of a target replica: every step verifies all of its running requests in one
+target forward (continuous batching).
+
+Requests are state machines with no threads of their own::
+
+    waiting --admit (a free KV slot)--> prefilling --prompt cached--> running --EOS/max_tokens/cancel--> finished
+
+Each step is split so that the same scheduler serves ``specserve generate``, ``bench engine`` and
+the served replica (``replicas/step_loop.py`` drives it):
+
+- ``plan()`` (cheap, no model work): retire finished requests, admit waiting ones into free slots,
+  choose the prefill chunks of this step within ``prefill_chunk`` tokens, and ask the ``policy``
+  for each running request's speculation; the plan lists what each draft must propose.
+- the drafts propose (one call per draft per step, for all of its requests);
+- ``execute(plan, proposals)`` (model work): prefill chunks, then ONE forward that verifies every
+  running request, acceptance per request, tokens streamed to each request, a ``StepRecord``
+  handed to the policy.
+
+Prefill chunks run as their own forward rather than as rows of the verify forward: rows are
+padded to the longest, so a 256-token chunk beside twelve 5-token verify rows would make the
+forward compute 13 x 256 positions instead of 316. A decoding request waits at most one chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import (
+    PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, SpecStats, StepRecord, StepResult, TreeShape,
+)
+from specserve.replicas.target import Target, VerifyItem
+
+NO_DRAFT = "none"
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """One generation as it reaches a target replica (tokenized and checked by the ingress or the
+    in-process engine): the only request type that crosses that boundary."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = SamplingParams()
+    draft: str = NO_DRAFT
+    window: int = 0
+    tree: TreeShape | None = None
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+
+    @property
+    def speculation(self) -> Speculation:
+        """What the request asked for (the static policy's answer)."""
+        return PLAIN if self.draft == NO_DRAFT else Speculation(self.window, self.tree)
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """The draft's own seed, derived from the request's and never equal to the target's stream:
+    with a shared stream the draft's draws and the target's acceptance tests would read the same
+    numbers, and the output would no longer follow the target's distribution."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(f"draft:{seed}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+class RequestState:
+    """One request between steps."""
+
+    def __init__(self, request: SpecRequest, eos_token_ids: frozenset[int], device: torch.device,
+                 emit: Callable[[dict], None] | None = None):
+        self.request = request
+        self.id = request.request_id
+        self.context = list(request.prompt_ids)
+        self.out: list[int] = []
+        self.finish_reason: str | None = None
+        self.eos_token_ids = eos_token_ids
+        self.stats = SpecStats(draft=request.draft)
+        self.slot: int | None = None
+        self.prefilled = False
+        self.speculating = not request.speculation.plain
+        params = request.params
+        self.generator = None if params.greedy else params.generator(device)
+        self.draft_seed = draft_seed(params.seed)
+        self.features_sent = 0     # target states already sent to a remote draft for this request
+        self.emit = emit
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def room(self) -> int:
+        """Draft tokens the next step may propose: the bonus token always comes on top."""
+        return self.request.max_tokens - len(self.out) - 1
+
+    def cap(self, spec: Speculation) -> Speculation:
+        """``spec`` within what this request can still use."""
+        room = self.room
+        if not self.speculating or room <= 0 or spec.plain:
+            return PLAIN
+        if spec.tree is not None:
+            return Speculation(0, TreeShape(min(spec.tree.depth, room), spec.tree.top_k, spec.tree.budget))
+        return Speculation(min(spec.window, room), None)
+
+    def advance(self, result: StepResult) -> list[int]:
+        """Record a verified step; returns the tokens it adds (cut at EOS / max_tokens)."""
+        self.stats.record(result)
+        new: list[int] = []
+        for token in result.emitted_tokens:
+            new.append(token)
+            self.out.append(token)
+            self.context.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+            elif len(self.out) == self.request.max_tokens:
+                self.finish_reason = "length"
+            if self.done:
+                break
+        return new
+
+    def finish(self, reason: str) -> None:
+        if not self.done:
+            self.finish_reason = reason
+            self._send({"token_ids": [], "finish_reason": reason, "spec": self.stats.summary()})
+
+    def _send(self, item: dict) -> None:
+        if self.emit is not None:
+            self.emit(item)
+
+
+class Policy(Protocol):
+    """Chooses each request's speculation for the next step (``specserve.policies``)."""
+
+    def choose(self, state: RequestState, batch_size: int) -> Speculation: ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+
+@dataclass
+class StepPlan:
+    prefill: list[tuple[RequestState, int]] = field(default_factory=list)   # (request, chunk tokens)
+    decode: list[RequestState] = field(default_factory=list)
+    speculation: dict[str, Speculation] = field(default_factory=dict)       # by request id
+    asks: dict[str, list[tuple[RequestState, Speculation]]] = field(default_factory=dict)  # by draft
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, target: Target, policy: Policy, eos_token_ids: frozenset[int] | set[int] = frozenset(),
+                 prefill_chunk: int = 512, max_running: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        """``max_running``: requests in the batch at once (default: every slot); slots beyond it
+        keep finished requests' caches as a prefix cache."""
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.target = target
+        self.policy = policy
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefill_chunk = prefill_chunk
+        self.max_running = min(max_running or target.slots, target.slots)
+        self._clock = clock
+        self.waiting: deque[RequestState] = deque()
+        self.slots: list[RequestState | None] = [None] * target.slots
+        self.records: deque[StepRecord] = deque(maxlen=256)
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def add(self, request: SpecRequest, emit: Callable[[dict], None] | None = None) -> RequestState:
+        state = RequestState(request, self.eos_token_ids, self.target.model.device, emit)
+        self.waiting.append(state)
+        return state
+
+    def cancel(self, request_id: str, reason: str = "abort") -> None:
+        """The request leaves at the next ``plan`` (a client gone, a deadline passed)."""
+        for state in [*self.waiting, *self.running]:
+            if state.id == request_id:
+                state.finish(reason)
+
+    @property
+    def running(self) -> list[RequestState]:
+        return [s for s in self.slots if s is not None]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    def _retire(self) -> None:
+        for i, state in enumerate(self.slots):
+            if state is not None and state.done:
+                self.slots[i] = None
+        self.waiting = deque(s for s in self.waiting if not s.done)
+        # Keep busy slots dense from 0: the verify forward's batch is the range of busy slots.
+        while True:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            busy = [i for i, s in enumerate(self.slots) if s is not None]
+            if not free or not busy or free[0] > busy[-1]:
+                return
+            self._move(busy[-1], free[0])
+
+    def _move(self, src: int, dst: int) -> None:
+        self.target.move(src, dst)
+        self.slots[dst], self.slots[src] = self.slots[src], None
+        self.slots[dst].slot = dst
+
+    def _admit(self) -> None:
+        while self.waiting:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if not free or len(self.slots) - len(free) >= self.max_running:
+                return
+            state = self.waiting.popleft()
+            # The free slot whose cache shares the longest prefix with the prompt is a prefix
+            # cache (a follow-up turn); bring it to the lowest free slot so busy slots stay dense.
+            tokens = self.target.kv.tokens
+            best = max(free, key=lambda i: (common_prefix_len(tokens[i], state.context), -i))
+            if best != free[0] and common_prefix_len(tokens[best], state.context) > 0:
+                self.target.move(best, free[0])
+            state.slot = free[0]
+            self.slots[free[0]] = state
+
+    def plan(self) -> StepPlan:
+        self._retire()
+        self._admit()
+        plan = StepPlan()
+        budget = self.prefill_chunk
+        for state in self.running:
+            if state.prefilled:
+                plan.decode.append(state)
+            elif budget > 0:
+                plan.prefill.append((state, budget))
+                budget -= min(budget, len(state.context) - 1)
+        for state in plan.decode:
+            spec = state.cap(self.policy.choose(state, len(plan.decode)))
+            plan.speculation[state.id] = spec
+            if not spec.plain:
+                plan.asks.setdefault(state.request.draft, []).append((state, spec))
+        return plan
+
+    def propose_request(self, state: RequestState, spec: Speculation, features_from: int | None = None) -> ProposeRequest:
+        """The ask for ``state``'s draft; a hidden-state-reuse draft also gets the target states
+        from ``features_from`` (None: no states)."""
+        features = None
+        start = 0
+        if features_from is not None:
+            start = features_from
+            features = self.target.features(state.context, start, state.slot)
+        return ProposeRequest(state.id, state.context, spec.window, spec.tree, state.request.params,
+                              state.draft_seed, features, start)
+
+    # ---- model work ---------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan, proposals: dict[str, Proposal], draft_s: float = 0.0) -> StepRecord:
+        """Prefill chunks, then one forward verifying every running request; streams each
+        request's new tokens and hands the step's record to the policy."""
+        t0 = self._clock()
+        prefilled = 0
+        for state, chunk in plan.prefill:
+            if state.done:
+                continue
+            fed, left = self.target.prefill(state.slot, state.context[:-1], chunk)
+            prefilled += fed
+            state.prefilled = left == 0
+        t1 = self._clock()
+        live = [s for s in plan.decode if not s.done]
+        items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator)
+                 for s in live]
+        forward_tokens = 0
+        results = self.target.verify(items) if items else []
+        t2 = self._clock()
+        steps: list[RequestStep] = []
+        per_request_draft_s = draft_s / len(live) if live else 0.0
+        for state, item, result in zip(live, items, results):
+            forward_tokens += 1 + len(item.proposal)
+            state.stats.draft_s += per_request_draft_s
+            state.stats.verify_s += t2 - t1
+            if result.proposal_error is not None:
+                state.stats.proposal_errors += 1
+            new = state.advance(result)
+            item_out = {"token_ids": new}
+            if state.done:
+                item_out.update(finish_reason=state.finish_reason, spec=state.stats.summary())
+            state._send(item_out)
+            steps.append(RequestStep(
+                request_id=state.id, draft=state.request.draft, asked=plan.speculation.get(state.id, PLAIN),
+                proposed=result.proposed, accepted=result.accepted, max_depth=result.max_depth,
+                draft_token_probs=tuple(item.proposal.token_probs) if item.proposal.token_probs else None,
+            ))
+        record = StepRecord(
+            batch_size=len(live), forward_tokens=forward_tokens, prefill_tokens=prefilled,
+            draft_ms=1e3 * draft_s, verify_ms=1e3 * (t2 - t1), prefill_ms=1e3 * (t1 - t0), requests=tuple(steps),
+        )
+        self.records.append(record)
+        self.policy.observe(record)
+        return record
+

@@ -1,0 +1,150 @@
+"""The one step loop: the served target replica, ``specserve generate`` and ``bench engine`` all
+drive a ``Scheduler`` through it.
+
+    plan = scheduler.plan()                                   # admit, prefill chunks, policy
+    proposals = await each draft.propose_batch(its asks)      # one call per draft, concurrently
+    await worker.run(scheduler.execute, plan, proposals)      # ONE verify forward for all
+
+A draft is a ``DraftServer`` (in-process or colocated) or a Serve handle to a draft deployment;
+both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs its requests
+their speculation (they go on with plain decoding), never the requests (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from specserve.replicas.drafts.hsr_draft import NeedFeatures
+from specserve.replicas.scheduler import RequestState, Scheduler, SpecRequest
+from specserve.replicas.step import Proposal, Speculation, StepRecord
+
+logger = logging.getLogger("ray.serve")
+
+
+async def call(draft, method: str, *args):
+    """``draft.method(*args)`` on a local server, ``draft.method.remote(*args)`` on a handle."""
+    fn = getattr(draft, method)
+    if hasattr(fn, "remote"):
+        return await fn.remote(*args)
+    return await fn(*args)
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, drafts: dict, worker, clock: Callable[[], float] = time.perf_counter):
+        self.scheduler = scheduler
+        self.drafts = dict(drafts)
+        self.worker = worker
+        self._clock = clock
+        self._info: dict[str, dict] = {}
+        self._disabled: dict[str, str] = {}   # draft -> why it is not used
+        self._wake = asyncio.Event()
+
+    def add(self, request: SpecRequest, emit: Callable[[dict], None] | None = None) -> RequestState:
+        state = self.scheduler.add(request, emit)
+        if state.speculating and request.draft not in self.drafts:
+            raise ValueError(f"unknown draft {request.draft!r}; this target knows: {', '.join(self.drafts) or 'none'}")
+        self._wake.set()
+        return state
+
+    # ---- drafts ------------------------------------------------------------------------------
+
+    async def draft_info(self, name: str) -> dict | None:
+        """The draft's ``info`` (asked once), or None when the draft is unusable."""
+        if name in self._disabled:
+            return None
+        if name not in self._info:
+            info = await call(self.drafts[name], "info")
+            vocab = info.get("vocab_size")
+            target_vocab = self.scheduler.target.vocab
+            if vocab is not None and vocab != target_vocab:
+                self._disabled[name] = (f"draft {name!r} has a vocabulary of {vocab} ids, the target {target_vocab}: "
+                                        f"a draft must share the target's tokenizer")
+                logger.error("%s; requests for it are decoded without speculation", self._disabled[name])
+                return None
+            self._info[name] = info
+        return self._info[name]
+
+    async def _propose(self, name: str, entries: list[tuple[RequestState, Speculation]]) -> dict[str, Proposal]:
+        draft = self.drafts[name]
+        try:
+            info = await self.draft_info(name)
+            if info is None:
+                raise RuntimeError(self._disabled[name])
+            hsr = bool(info.get("needs_features"))
+            pending = [(state, spec, state.features_sent if hsr else None) for state, spec in entries]
+            out: dict[str, Proposal] = {}
+            for _ in range(2):   # a draft replica that lacks a session's states asks once from where
+                asks = [self.scheduler.propose_request(state, spec, start) for state, spec, start in pending]
+                if hsr:   # views of the target's buffers: send only the rows
+                    asks = [ask if ask.features is None else _with_features(ask, ask.features.clone()) for ask in asks]
+                replies = await call(draft, "propose_batch", asks)
+                retry = []
+                for (state, spec, _), ask, reply in zip(pending, asks, replies):
+                    if isinstance(reply, NeedFeatures):
+                        retry.append((state, spec, reply.have))
+                        continue
+                    if ask.features is not None:
+                        state.features_sent = ask.features_start + len(ask.features)
+                    out[state.id] = reply
+                pending = retry
+                if not pending:
+                    break
+            return out
+        except Exception as err:  # noqa: BLE001 - any draft failure degrades its requests to plain decoding
+            logger.warning("draft %s failed (%s: %s); %d requests go on without speculation",
+                           name, type(err).__name__, err, len(entries))
+            for state, _ in entries:
+                state.speculating = False
+            return {}
+
+    async def _release(self, finished: list[RequestState]) -> None:
+        by_draft: dict[str, list[str]] = {}
+        for state in finished:
+            if state.request.draft in self.drafts and state.request.draft not in self._disabled:
+                by_draft.setdefault(state.request.draft, []).append(state.id)
+        for name, ids in by_draft.items():
+            try:
+                await call(self.drafts[name], "release", ids)
+            except Exception as err:  # noqa: BLE001 - releasing only frees a cache
+                logger.info("draft %s: release failed (%s)", name, err)
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    async def step(self) -> StepRecord | None:
+        plan = self.scheduler.plan()
+        if plan.empty:
+            return None
+        t0 = self._clock()
+        proposals: dict[str, Proposal] = {}
+        for part in await asyncio.gather(*(self._propose(name, entries) for name, entries in plan.asks.items())):
+            proposals.update(part)
+        record = await self.worker.run(self.scheduler.execute, plan, proposals, self._clock() - t0)
+        finished = [s for s in plan.decode if s.done]
+        if finished:
+            await self._release(finished)
+        return record
+
+    async def run_until_idle(self) -> None:
+        while self.scheduler.has_work:
+            await self.step()
+
+    async def serve_forever(self) -> None:
+        """The replica's background task: step while there is work, sleep until there is."""
+        while True:
+            if not self.scheduler.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 - a failed step fails its requests, not the replica
+                logger.exception("step failed; its requests end with an error")
+                for state in [*self.scheduler.running, *self.scheduler.waiting]:
+                    state.finish("error")
+
+
+def _with_features(ask, features):
+    from dataclasses import replace
+    return replace(ask, features=features)

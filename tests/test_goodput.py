@@ -1,0 +1,48 @@
+"""The goodput policy turns speculation off exactly when the measured costs say plain decoding
+emits more tokens per second for the batch."""
+
+from specserve.policies.goodput import GoodputPolicy, expected_emitted
+from specserve.policies.static import StaticPolicy
+from specserve.replicas.step import RequestStep, Speculation, StepRecord
+
+
+def record(forward_tokens: int, verify_ms: float, steps=()) -> StepRecord:
+    return StepRecord(len(steps) or 1, forward_tokens, 0, 0.0, verify_ms, 0.0, tuple(steps))
+
+
+def outcome(accepted: int, depth: int = 4) -> RequestStep:
+    return RequestStep("r", "d", Speculation(depth), depth, accepted, depth, None)
+
+
+def test_expected_emitted():
+    # α = 0: only the bonus token; α = 1: all γ drafts plus the bonus; α = 0.5, γ = 2: 1 + .5 + .25.
+    assert expected_emitted(0.0, 4) == 1.0
+    assert expected_emitted(1.0, 4) == 5.0
+    assert abs(expected_emitted(0.5, 2) - 1.75) < 1e-12
+
+
+def test_speculation_pays_alone_and_not_in_a_large_batch_at_low_acceptance():
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6)
+    # Verify costs 10 ms + 1 ms per token fed (literal, two sizes so the fit is exact).
+    for tokens in (5, 60) * 4:
+        policy.observe(record(tokens, 10 + tokens))
+    assert policy.cost_model() == (10.0, 1.0)
+    # α̂ = Σn / (Σn + Σ1[n < γ]) = 3 / (3 + 7) = 0.3: one step accepted 3 of γ = 4, six none.
+    policy.observe(record(5, 15, [outcome(3)] + [outcome(0)] * 6))
+    assert abs(policy.alpha("d") - 0.3) < 1e-12
+    # Batch 1: E(4) = 1.43 tokens in 15 ms beats 1 token in 11 ms.
+    assert policy.pays("d", 4, batch_size=1)
+    # Batch 12: 12 x 1.43 tokens in 70 ms lose to 12 tokens in 22 ms.
+    assert not policy.pays("d", 4, batch_size=12)
+
+
+def test_it_speculates_until_it_has_measured_and_explores_periodically():
+    policy = GoodputPolicy(StaticPolicy(), explore_every=4)
+    assert policy.pays("d", 4, batch_size=16)      # nothing measured yet
+    for tokens in (16, 80):
+        policy.observe(record(tokens, 10 + tokens, [outcome(0)] * 8))
+    decisions = []
+    for _ in range(8):
+        decisions.append(policy.pays("d", 4, batch_size=16))
+        policy.observe(record(16, 26))
+    assert decisions.count(True) == 2              # one step in four explores
