@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from specserve.cluster.bench_engine import machine_info
-from specserve.cluster.config import PROMPT_LOOKUP
+from specserve.cluster.config import PROMPT_LOOKUP, draft_deployment
 from specserve.cluster.prompts import load_prompts
 
 BENCH_CATEGORY = "chat"   # ShareGPT first turns: the serving-benchmark standard
@@ -247,6 +247,10 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         args["dtype"] = dtype
         if draft == PROMPT_LOOKUP:
             args["drafts"] = [{"name": PROMPT_LOOKUP}, {"name": colocated_name(PROMPT_LOOKUP), "colocated": True}]
+            # Serve refuses options for deployments the application no longer has.
+            kept = {"ingress", "target", draft_deployment(PROMPT_LOOKUP)}
+            app = serve_config["applications"][0]
+            app["deployments"] = [d for d in app.get("deployments", []) if d["name"] in kept]
         print("bringing the local stack up (specserve up)...", flush=True)
         server = local.up(serve_config).http_url
     try:
