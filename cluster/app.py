@@ -13,6 +13,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.policies.goodput import GoodputPolicy
 from specserve.policies.static import StaticPolicy
 from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
@@ -37,10 +38,10 @@ def build_app(args: AppConfig) -> Application:
         for spec in config.drafts
     }
     target = TargetDeployment.options(name=TARGET_DEPLOYMENT).bind(
-        config.target, drafts, StaticPolicy(), config.dtype, config.torch_threads, config.kv_sessions_idle,
+        config.target, drafts, GoodputPolicy(StaticPolicy()), config.dtype, config.torch_threads, config.kv_sessions_idle,
         config.max_batch, config.prefill_chunk,
     )
-    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config)
+    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config.ingress_config())
 
 
 # The reference models with every default, for `serve run specserve.cluster.app:app` and

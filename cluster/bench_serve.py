@@ -7,6 +7,8 @@ Configurations, all on the same ShareGPT chat prompts, greedy, chat-rendered:
   the draft in its own deployment (one handle call per step);
 - ``serve-spec-colocated``: the same draft inside the target replica (no call), when the server
   has a draft named ``<draft>-colocated`` (the local stack the benchmark brings up does);
+- ``serve-spec-colocated-policy``: the same, but the request names only the draft, so the
+  deployment's policy (goodput by default) decides each step's window; the rows above pin it;
 - ``in-process-spec``: the in-process engine with that draft and window, one stream (it is the
   floor of what the served path can cost, so it runs at concurrency 1 only).
 
@@ -47,6 +49,7 @@ class ServeBenchConfig:
     backend: str     # "serve" or "in-process"
     draft: str
     window: int
+    pinned: bool = True   # send the window; False: the deployment's policy and default window decide
 
 
 @dataclass
@@ -80,6 +83,8 @@ def configs_for(draft: str, window: int, served_drafts: list[str]) -> list[Serve
     ]
     if colocated_name(draft) in served_drafts:   # the same draft inside the target replica: no hop
         configs.insert(2, ServeBenchConfig("serve-spec-colocated", "serve", colocated_name(draft), window))
+        configs.insert(3, ServeBenchConfig("serve-spec-colocated-policy", "serve", colocated_name(draft), window,
+                                           pinned=False))
     return configs
 
 
@@ -90,7 +95,7 @@ async def http_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                        max_tokens: int, record: RequestRecord) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "spec": {"draft": config.draft, "window": config.window}}
+            "spec": {"draft": config.draft, **({"window": config.window} if config.pinned else {})}}
     start = last = time.perf_counter()
     record.start_s = start
     try:

@@ -13,18 +13,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specserve.replicas.model_store import REFERENCE_TARGET
+from specserve.router.ingress import IngressConfig
+from specserve.router.openai_api import AUTO_DRAFT, MAX_WINDOW, NO_DRAFT
 
 INGRESS_DEPLOYMENT = "ingress"
 TARGET_DEPLOYMENT = "target"
 PROMPT_LOOKUP = "prompt-lookup"
-NO_DRAFT = "none"
-AUTO_DRAFT = "auto"
-
-# Request limits: beyond these a step costs more than any draft can save, and an unbounded
-# window or tree is a cheap way to make a replica allocate without end.
-MAX_WINDOW = 16
-MAX_TREE_DEPTH = 16
-MAX_TREE_BUDGET = 64
 
 
 def draft_deployment(name: str) -> str:
@@ -102,6 +96,9 @@ class AppConfig(BaseModel):
     @property
     def draft_names(self) -> list[str]:
         return [d.name for d in self.drafts]
+
+    def ingress_config(self) -> IngressConfig:
+        return IngressConfig(self.target, self.model_id, self.draft_names, self.default_draft, self.default_window)
 
     @property
     def model_id(self) -> str:

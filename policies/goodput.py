@@ -10,7 +10,7 @@ per second for the batch:
     acceptance     α̂ per draft, paper 003 Eq. 2 over the last steps: Σn / (Σn + Σ1[n < γ])
     speculate iff  E(γ) / (a + b·B·(1 + γ))  >  1 / (a + b·B),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
 
-Until both are measured it speculates, and every ``explore_every`` steps it speculates anyway so
+A request whose client pinned its window or tree keeps it. Until both are measured it speculates, and every ``explore_every`` steps it speculates anyway so
 that α̂ keeps being observed. The adaptive window policies (next issue) replace the all-or-nothing
 choice with the best γ.
 """
@@ -70,7 +70,7 @@ class GoodputPolicy:
 
     def choose(self, state: RequestState, batch_size: int) -> Speculation:
         spec = self.base.choose(state, batch_size)
-        if spec.plain:
+        if spec.plain or state.request.pinned:
             return spec
         window = spec.window if spec.tree is None else spec.tree.depth
         return spec if self.pays(state.request.draft, window, batch_size) else PLAIN

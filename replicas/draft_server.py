@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from ray import serve
 
-from specserve.replicas.drafts.base import Draft, propose
+from specserve.replicas.drafts.base import Draft, draft_model, propose
 from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_draft import MissingFeatures, NeedFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead
@@ -57,8 +57,7 @@ class DraftServer:
         if make_draft is not None:
             probe = make_draft()
             self._needs_features = bool(getattr(probe, "needs_features", False))
-            model_obj = getattr(getattr(probe, "session", None), "model", None) or getattr(probe, "head", None)
-            self._adopt(model_obj)
+            self._adopt(draft_model(probe))
             self.pool = SessionPool(make_draft, keep_idle=kv_sessions_idle)
         elif model is None:
             self._lookup = PromptLookupDraft()
@@ -92,7 +91,11 @@ class DraftServer:
         return await self._worker.run(self._propose_pooled, asks)
 
     def _propose_pooled(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
-        return [self._propose_one(self.pool.acquire(ask.session_id, ask.context), ask) for ask in asks]
+        replies = []
+        for ask in asks:
+            with self.pool.using(ask.session_id, ask.context) as draft:
+                replies.append(self._propose_one(draft, ask))
+        return replies
 
     def _propose_one(self, draft: Draft, ask: ProposeRequest) -> Proposal | NeedFeatures:
         try:

@@ -54,6 +54,9 @@ class SpecRequest:
     window: int = 0
     tree: TreeShape | None = None
     request_id: str = ""
+    # The client named the window or tree itself: policies leave it as asked (a user measuring a
+    # window gets that window); otherwise the deployment's policy adapts it.
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -136,9 +139,9 @@ class RequestState:
     def finish(self, reason: str) -> None:
         if not self.done:
             self.finish_reason = reason
-            self._send({"token_ids": [], "finish_reason": reason, "spec": self.stats.summary()})
+            self.send({"token_ids": [], "finish_reason": reason, "spec": self.stats.summary()})
 
-    def _send(self, item: dict) -> None:
+    def send(self, item: dict) -> None:
         if self.emit is not None:
             self.emit(item)
 
@@ -298,7 +301,7 @@ class Scheduler:
             item_out = {"token_ids": new}
             if state.done:
                 item_out.update(finish_reason=state.finish_reason, spec=state.stats.summary())
-            state._send(item_out)
+            state.send(item_out)
             steps.append(RequestStep(
                 request_id=state.id, draft=state.request.draft, asked=plan.speculation.get(state.id, PLAIN),
                 proposed=result.proposed, accepted=result.accepted, max_depth=result.max_depth,

@@ -16,7 +16,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
+from specserve.replicas.drafts.base import vocabulary_error
 from specserve.replicas.drafts.hsr_draft import NeedFeatures
 from specserve.replicas.scheduler import RequestState, Scheduler, SpecRequest
 from specserve.replicas.step import Proposal, Speculation, StepRecord
@@ -57,11 +59,9 @@ class StepLoop:
             return None
         if name not in self._info:
             info = await call(self.drafts[name], "info")
-            vocab = info.get("vocab_size")
-            target_vocab = self.scheduler.target.vocab
-            if vocab is not None and vocab != target_vocab:
-                self._disabled[name] = (f"draft {name!r} has a vocabulary of {vocab} ids, the target {target_vocab}: "
-                                        f"a draft must share the target's tokenizer")
+            error = vocabulary_error(name, info.get("vocab_size"), self.scheduler.target.vocab)
+            if error is not None:
+                self._disabled[name] = error
                 logger.error("%s; requests for it are decoded without speculation", self._disabled[name])
                 return None
             self._info[name] = info
@@ -79,7 +79,7 @@ class StepLoop:
             for _ in range(2):   # a draft replica that lacks a session's states asks once from where
                 asks = [self.scheduler.propose_request(state, spec, start) for state, spec, start in pending]
                 if hsr:   # views of the target's buffers: send only the rows
-                    asks = [ask if ask.features is None else _with_features(ask, ask.features.clone()) for ask in asks]
+                    asks = [ask if ask.features is None else replace(ask, features=ask.features.clone()) for ask in asks]
                 replies = await call(draft, "propose_batch", asks)
                 retry = []
                 for (state, spec, _), ask, reply in zip(pending, asks, replies):
@@ -144,7 +144,3 @@ class StepLoop:
                 for state in [*self.scheduler.running, *self.scheduler.waiting]:
                     state.finish("error")
 
-
-def _with_features(ask, features):
-    from dataclasses import replace
-    return replace(ask, features=features)

@@ -84,13 +84,6 @@ class TargetDeployment:
             if not state.done:   # the caller left (a client hung up, a stop string, a deadline)
                 state.finish("abort")
 
-    async def stats(self) -> dict:
-        """The last steps' batch sizes and times, for benchmarks and the dashboard."""
-        records = list(self.scheduler.records)
-        return {"steps": len(records),
-                "batch_size": [r.batch_size for r in records],
-                "verify_ms": [round(r.verify_ms, 2) for r in records]}
-
     def check_health(self) -> None:
         self._worker.check()
         if self._task is not None and self._task.done() and not self._task.cancelled() and self._task.exception():

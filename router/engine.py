@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from specserve.policies.static import StaticPolicy
 from specserve.replicas.draft_server import DraftServer
-from specserve.replicas.drafts.base import Draft
+from specserve.replicas.drafts.base import Draft, draft_model, vocabulary_error
 from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
@@ -45,9 +45,12 @@ class Generation:
     stats: SpecStats
 
 
-def local_draft(draft: Draft) -> DraftServer:
-    """A draft object served in-process, one instance for every session (a single stream)."""
-    return DraftServer(draft.name, worker=InlineWorker(), make_draft=lambda: draft)
+def in_process_server(name: str, draft: Draft) -> DraftServer:
+    """``draft`` served in-process: a draft of its own (and KV cache) per session, all on the
+    draft's one model; a model-free draft (prompt lookup) serves every session as it is."""
+    model = draft_model(draft)
+    make = (lambda: draft) if model is None else (lambda: draft_from_model(name, model))
+    return DraftServer(name, worker=InlineWorker(), make_draft=make)
 
 
 def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[SpecRequest],
@@ -79,7 +82,7 @@ def speculative_generate(
     """One request with one draft object. ``draft=None``, or ``window=0`` without a tree, is
     plain decoding through the same path."""
     name = NO_DRAFT if draft is None or (window <= 0 and tree is None) else draft.name
-    drafts = {} if draft is None else {draft.name: local_draft(draft)}
+    drafts = {} if draft is None else {draft.name: in_process_server(draft.name, draft)}
     request = SpecRequest(list(prompt_ids), max_tokens, params, name, window, tree, uuid.uuid4().hex)
     return run_batch(target, drafts, [request], eos_token_ids,
                      on_tokens=None if on_tokens is None else (lambda _, tokens: on_tokens(tokens)))[0]
@@ -90,23 +93,14 @@ class SpecEngine:
         self.loaded = target
         self.tokenizer = target.tokenizer
         self.target = Target(target.model, slots)
-        vocab = self.target.vocab
         for name, draft in drafts.items():
-            model = getattr(getattr(draft, "session", None), "model", None) or getattr(draft, "head", None)
-            if model is not None and model.config.vocab_size != vocab:
-                raise ValueError(f"draft {name!r} has a vocabulary of {model.config.vocab_size} ids, the target "
-                                 f"{vocab}: a draft must share the target's tokenizer")
+            model = draft_model(draft)
+            error = vocabulary_error(name, None if model is None else model.config.vocab_size, self.target.vocab)
+            if error is not None:
+                raise ValueError(error)
         self.drafts = drafts
-        self.servers = {name: self._server(name, draft) for name, draft in drafts.items()}
+        self.servers = {name: in_process_server(name, draft) for name, draft in drafts.items()}
         self.max_context = getattr(target.model.config, "max_position_embeddings", None)
-
-    @staticmethod
-    def _server(name: str, draft: Draft) -> DraftServer:
-        if isinstance(draft, PromptLookupDraft):
-            return DraftServer(name, worker=InlineWorker(), make_draft=lambda: draft)
-        # One draft (and KV cache) per session, all on the draft's one model.
-        model = getattr(getattr(draft, "session", None), "model", None) or draft.head
-        return DraftServer(name, worker=InlineWorker(), make_draft=lambda: draft_from_model(name, model))
 
     @classmethod
     def load(
@@ -128,7 +122,7 @@ class SpecEngine:
         """Forget every KV cache. Slots otherwise keep their longest common prefix with the next
         request (a free prefix cache); benchmarks start each generation cold."""
         self.target.kv.reset()
-        self.servers = {name: self._server(name, draft) for name, draft in self.drafts.items()}
+        self.servers = {name: in_process_server(name, draft) for name, draft in self.drafts.items()}
 
     @property
     def draft_names(self) -> list[str]:

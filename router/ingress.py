@@ -28,12 +28,11 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from specserve.cluster.config import AUTO_DRAFT, NO_DRAFT, AppConfig
 from specserve.replicas.model_store import load_tokenizer_and_config
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.router import specserve_pb2 as pb
-from specserve.router.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+from specserve.router.openai_api import AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.router.prompt_ids import encode_chat, encode_text
 from specserve.replicas.scheduler import SpecRequest
 from specserve.router.text_stream import TextStream
@@ -41,6 +40,17 @@ from specserve.router.text_stream import TextStream
 logger = logging.getLogger("ray.serve")
 
 api = FastAPI(title="specserve", description="Speculative-decoding LLM serving, OpenAI-compatible.")
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    """What the ingress needs of the application's configuration (``cluster.config.AppConfig``)."""
+
+    target: str
+    model_id: str
+    draft_names: list[str]
+    default_draft: str
+    default_window: int
 
 
 @dataclass
@@ -102,7 +112,7 @@ _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_F
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256, health_check_period_s=10)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, target: DeploymentHandle, config: AppConfig):
+    def __init__(self, target: DeploymentHandle, config: IngressConfig):
         self.target = target
         self.config = config
         self.tokenizer, model_config = load_tokenizer_and_config(config.target)
@@ -144,7 +154,8 @@ class Ingress:
         request_id = uuid.uuid4().hex
         return Prepared(
             id=request_id,
-            spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id),
+            spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id,
+                                     pinned=bool(spec and (spec.window is not None or spec.tree is not None))),
             stop=req.stop,
         )
 

@@ -12,7 +12,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specserve.cluster.config import MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_WINDOW
+from specserve.replicas.scheduler import NO_DRAFT
+
+AUTO_DRAFT = "auto"   # spec.draft: the router decides (NO_DRAFT, "none": no speculation)
+__all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET"]
+
+# Request limits: beyond these a step costs more than any draft can save, and an unbounded
+# window or tree is a cheap way to make a replica allocate without end.
+MAX_WINDOW = 16
+MAX_TREE_DEPTH = 16
+MAX_TREE_BUDGET = 64
 
 
 class OpenAIError(Exception):

@@ -46,3 +46,17 @@ def test_it_speculates_until_it_has_measured_and_explores_periodically():
         decisions.append(policy.pays("d", 4, batch_size=16))
         policy.observe(record(16, 26))
     assert decisions.count(True) == 2              # one step in four explores
+
+
+def test_a_request_that_pinned_its_window_keeps_it():
+    from specserve.replicas.scheduler import RequestState, SpecRequest
+    from specserve.replicas.sampling import SamplingParams
+    import torch
+
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6)
+    for tokens in (5, 60) * 4:
+        policy.observe(record(tokens, 10 + tokens, [outcome(0)] * 4))   # α̂ = 0: never pays
+    free, pinned = (RequestState(SpecRequest([1, 2], 8, SamplingParams(), "d", 4, pinned=p), frozenset(),
+                                 torch.device("cpu")) for p in (False, True))
+    assert policy.choose(free, batch_size=12).plain
+    assert policy.choose(pinned, batch_size=12) == Speculation(4)

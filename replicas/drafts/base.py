@@ -59,6 +59,20 @@ def draft_chain(logits: torch.Tensor, window: int, params: SamplingParams, gener
     return Proposal.chain(tokens, torch.stack(probs) if probs else None, token_probs)
 
 
+def draft_model(draft):
+    """The model a draft runs (a draft LM's or a hidden-state-reuse head's), None for model-free drafts."""
+    session = getattr(draft, "session", None)
+    return getattr(session, "model", None) or getattr(draft, "head", None)
+
+
+def vocabulary_error(name: str, draft_vocab: int | None, target_vocab: int) -> str | None:
+    """Why a draft cannot serve a target, or None. A draft's vocabulary is its config's (a pruned
+    head scatters its logits back to full-vocabulary ids); None: model-free, the target's own ids."""
+    if draft_vocab is None or draft_vocab == target_vocab:
+        return None
+    return f"draft {name!r} has a vocabulary of {draft_vocab} ids, the target {target_vocab}: a draft must share the target's tokenizer"
+
+
 def needs_features(draft) -> bool:
     """Whether ``draft`` reads the target's hidden states (a hidden-state-reuse head)."""
     return bool(getattr(draft, "needs_features", False))
