@@ -50,7 +50,8 @@ class DraftServer:
         self.name = name
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
         self._generators: dict[str, torch.Generator] = {}
-        self._lookup: PromptLookupDraft | None = None
+        # A model-free draft keeps no per-session state: one instance serves every session.
+        self._stateless: Draft | None = None
         self.pool: SessionPool | None = None
         self.vocab_size: int | None = None
         self.device = torch.device("cpu")
@@ -58,9 +59,12 @@ class DraftServer:
             probe = make_draft()
             self._needs_features = bool(getattr(probe, "needs_features", False))
             self._adopt(draft_model(probe))
-            self.pool = SessionPool(make_draft, keep_idle=kv_sessions_idle)
+            if draft_model(probe) is None:
+                self._stateless = probe
+            else:
+                self.pool = SessionPool(make_draft, keep_idle=kv_sessions_idle)
         elif model is None:
-            self._lookup = PromptLookupDraft()
+            self._stateless = PromptLookupDraft()
             self._needs_features = False
         else:
             loaded = load_causal_lm(model, dtype=dtype)
@@ -86,8 +90,8 @@ class DraftServer:
         """One proposal per ask, in order. An HSR head that holds fewer of a session's target
         states than the ask assumes (another replica had the session) answers ``NeedFeatures``
         for that ask: send them again from there."""
-        if self._lookup is not None:   # an n-gram search: cheaper than a thread hand-off
-            return [self._propose_one(self._lookup, ask) for ask in asks]
+        if self._stateless is not None:   # an n-gram search: cheaper than a thread hand-off
+            return [self._propose_one(self._stateless, ask) for ask in asks]
         return await self._worker.run(self._propose_pooled, asks)
 
     def _propose_pooled(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:

@@ -1,11 +1,13 @@
 """End to end on a tiny model: with speculation, the first two generated tokens are distributed
-exactly as under the target alone.
+exactly as under the target alone, with every request sharing its steps' forwards with 15 others
+(the batched scheduler, as served).
 
 The exact joint ``P(t1, t2)`` is computed from the target's warped distributions; speculative
 samples are compared with it by a chi-square goodness-of-fit test (cells with an expected count
 below 5 pooled), fixed seeds, so the test is deterministic. A wrong acceptance rule (e.g.
 accepting greedy draft tokens with ``min(1, p/q)`` of the draft's softmax) fails it by a wide
-margin.
+margin. The ``bonus-`` cases draft one token and stop at two: whenever the draft token is
+accepted, the second token is the bonus token drawn after a fully accepted proposal.
 """
 
 import pytest
@@ -19,12 +21,14 @@ from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.sampling import SamplingParams, logits_to_probs
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
-from specserve.router.engine import speculative_generate
+from specserve.replicas.scheduler import SpecRequest
+from specserve.router.engine import in_process_server, run_batch
 from test_greedy_equality import perturbed
 from tiny_hsr import trained_hsr_head
 from tiny_models import VOCAB, tiny_model
 
 RUNS = 3000
+BATCH = 16
 
 
 def lookup_friendly_prompt(model) -> list[int]:
@@ -69,7 +73,7 @@ def hsr_head(target):
 @pytest.mark.parametrize(
     "case",
     ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "pruned-head-chain",
-     "hsr-chain", "hsr-tree"],
+     "hsr-chain", "hsr-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain"],
 )
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
 def test_first_two_tokens_follow_the_target(target, hsr_head, case, params):
@@ -85,27 +89,34 @@ def test_first_two_tokens_follow_the_target(target, hsr_head, case, params):
         # Reads the target's states: its first step proposes nothing, so its draft token is t2.
         "hsr-chain": HSRDraft("hsr", hsr_head),
         "hsr-tree": HSRDraft("hsr", hsr_head),
+        "bonus-draft-lm-chain": DraftLM("near", perturbed(target, seed=1)),
+        "bonus-prompt-lookup-chain": PromptLookupDraft(),
     }[case]
     tree = TreeShape(2, 3, 6) if case.endswith("tree") else None
-    pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS))
+    # max_tokens = window + 1: room for a full window, so the second token can be a draft token
+    # (window 2) or the bonus token after an accepted one (window 1).
+    window = 1 if case.startswith("bonus-") else 2
+    pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS), window)
     if pvalue <= 1e-3:
         # Seeds are fixed, so a correct sampler still fails 1 case in 1,000 by chance, once and
         # for all. A second, disjoint block decides: a real bias fails both by a wide margin.
-        pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS, 2 * RUNS))
+        pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS, 2 * RUNS), window)
     assert pvalue > 1e-3, f"{case}: chi-square p={pvalue:.2e} on two disjoint blocks of seeds"
     if draft is not None:   # the test means something only if draft tokens were accepted
         assert accepted > RUNS // 20, f"{case}: only {accepted} accepted draft tokens"
 
 
-def goodness_of_fit(target, prompt, draft, params, tree, seeds) -> tuple[float, int]:
+def goodness_of_fit(target, prompt, draft, params, tree, seeds, window: int) -> tuple[float, int]:
     """Chi-square p-value of the sampled (t1, t2) pairs against the exact joint, and the number
-    of accepted draft tokens."""
+    of accepted draft tokens. One request per seed, all through one batched scheduler."""
+    name = "none" if draft is None else draft.name
+    servers = {} if draft is None else {name: in_process_server(name, draft)}
+    requests = [SpecRequest(prompt, window + 1, SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed),
+                            name, window, tree, f"seed-{seed}") for seed in seeds]
+    gens = run_batch(Target(target, slots=BATCH), servers, requests)
     counts = torch.zeros(VOCAB, VOCAB)
     accepted = 0
-    for seed in seeds:
-        run_params = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
-        # max_tokens=3 leaves room for a 2-token window, so the second token can be a draft token.
-        gen = speculative_generate(Target(target), draft, prompt, 3, run_params, window=2, tree=tree)
+    for gen in gens:
         counts[gen.token_ids[0], gen.token_ids[1]] += 1
         accepted += gen.stats.accepted
     expected = exact_joint(target, prompt, params).flatten().double() * len(seeds)

@@ -118,3 +118,18 @@ def test_the_draft_seed_is_its_own_stream():
     target = torch.Generator().manual_seed(7)
     draft = torch.Generator().manual_seed(draft_seed(7))
     assert not torch.equal(torch.rand(8, generator=target), torch.rand(8, generator=draft))
+
+
+def test_a_model_free_draft_keeps_proposing_after_other_sessions_end():
+    # More requests than slots: later ones are admitted after earlier ones released their draft
+    # sessions. Each prompt ends with an n-gram it contains earlier, so prompt lookup always has a
+    # proposal; a draft server that failed once sessions ended would send those requests plain.
+    model = tiny_model("llama", seed=0)
+    requests = []
+    for i in range(6):
+        seed = [4 + i, 9]
+        prompt = seed + speculative_generate(Target(model), None, seed, 6, GREEDY).token_ids + seed
+        requests.append(SpecRequest(prompt, 6, GREEDY, "prompt-lookup", 3, None, f"r{i}"))
+    gens = run_batch(Target(model, slots=2), servers(model), requests)
+    assert all(max(g.stats.windows) > 0 for g in gens), [g.stats.windows for g in gens]
+    assert sum(g.stats.accepted for g in gens) > 0
