@@ -7,8 +7,9 @@ speculation off for a step when the measured cost model says plain decoding emit
 per second for the batch:
 
     cost model     verify_ms ≈ a + b · forward_tokens      (least squares over recent steps)
+                   d̂ = the draft's ms per step when it proposed (recent mean; 0 for prompt lookup, ~)
     acceptance     α̂ per draft, paper 003 Eq. 2 over the last steps: Σn / (Σn + Σ1[n < γ])
-    speculate iff  E(γ) / (a + b·B·(1 + γ))  >  1 / (a + b·B),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
+    speculate iff  E(γ) / (d̂ + a + b·B·(1 + γ))  >  1 / (a + b·B),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
 
 A request whose client pinned its window or tree keeps it. Until both are measured it speculates, and every ``explore_every`` steps it speculates anyway so
 that α̂ keeps being observed. The adaptive window policies (next issue) replace the all-or-nothing
@@ -37,6 +38,7 @@ class GoodputPolicy:
         self.alpha_max = alpha_max
         self._costs: deque[tuple[int, float]] = deque(maxlen=history_steps)   # (forward tokens, verify ms)
         self._outcomes: dict[str, deque[tuple[int, int]]] = {}                 # draft -> (n, γ) per step
+        self._draft_ms: dict[str, deque[float]] = {}                            # draft -> ms of steps it proposed in
         self._history = history_steps
         self._steps = 0
 
@@ -64,7 +66,9 @@ class GoodputPolicy:
         if alpha is None or model is None or self._steps % self.explore_every == 0:
             return True
         a, b = model
-        spec_tokens_per_ms = batch_size * expected_emitted(alpha, window) / (a + b * batch_size * (1 + window))
+        draft_ms = self._draft_ms.get(draft)
+        d = sum(draft_ms) / len(draft_ms) if draft_ms else 0.0
+        spec_tokens_per_ms = batch_size * expected_emitted(alpha, window) / (d + a + b * batch_size * (1 + window))
         plain_tokens_per_ms = batch_size / (a + b * batch_size)
         return spec_tokens_per_ms > plain_tokens_per_ms
 
@@ -83,3 +87,6 @@ class GoodputPolicy:
         for step in record.requests:
             if step.max_depth > 0:
                 self._outcomes.setdefault(step.draft, deque(maxlen=self._history)).append((step.accepted, step.max_depth))
+        # A step's drafts propose concurrently: each draft that proposed is charged the step's draft time.
+        for draft in {s.draft for s in record.requests if s.max_depth > 0}:
+            self._draft_ms.setdefault(draft, deque(maxlen=self._history)).append(record.draft_ms)

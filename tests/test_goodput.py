@@ -60,3 +60,15 @@ def test_a_request_that_pinned_its_window_keeps_it():
                                  torch.device("cpu")) for p in (False, True))
     assert policy.choose(free, batch_size=12).plain
     assert policy.choose(pinned, batch_size=12) == Speculation(4)
+
+
+def test_the_drafts_own_time_counts():
+    # Same costs and α̂ = 0.3 as above, where batch 1 speculation paid (1.43 tokens in 15 ms);
+    # a draft that takes 10 ms a step makes it 1.43 tokens in 25 ms, against 1 token in 11 ms.
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6)
+    for tokens in (5, 60) * 4:
+        policy.observe(record(tokens, 10 + tokens))
+    slow = StepRecord(1, 5, 0, 10.0, 15.0, 0.0, tuple([outcome(3)] + [outcome(0)] * 6))
+    policy.observe(slow)
+    assert abs(policy.alpha("d") - 0.3) < 1e-12
+    assert not policy.pays("d", 4, batch_size=1)
