@@ -26,6 +26,7 @@ import torch
 from ray import serve
 
 from specserve.replicas.drafts.base import Draft, draft_model, propose
+from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_draft import MissingFeatures, NeedFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead
@@ -54,6 +55,8 @@ class DraftServer:
         self._stateless: Draft | None = None
         self.pool: SessionPool | None = None
         self.vocab_size: int | None = None
+        # Chains of a causal-LM draft are drafted for all of a call's sessions together.
+        self._batched: BatchedDraftLM | None = None
         self.device = torch.device("cpu")
         if make_draft is not None:
             probe = make_draft()
@@ -79,6 +82,8 @@ class DraftServer:
             # the full vocabulary's ids.
             self.vocab_size = int(model.config.vocab_size)
             self.device = model.device
+            if not isinstance(model, HSRHead):
+                self._batched = BatchedDraftLM(self.name, model)
 
     async def info(self) -> dict:
         """What a target checks before it trusts this draft: whether proposals need its hidden
@@ -95,10 +100,24 @@ class DraftServer:
         return await self._worker.run(self._propose_pooled, asks)
 
     def _propose_pooled(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
-        replies = []
-        for ask in asks:
-            with self.pool.using(ask.session_id, ask.context) as draft:
-                replies.append(self._propose_one(draft, ask))
+        replies: list[Proposal | NeedFeatures | None] = [None] * len(asks)
+        chains = [i for i, ask in enumerate(asks) if ask.tree is None and ask.window > 0]
+        if self._batched is not None and chains:
+            for start in range(0, len(chains), self._batched.kv.slots):
+                part = chains[start:start + self._batched.kv.slots]
+                try:
+                    proposals = self._batched.propose_chains([asks[i] for i in part],
+                                                             [self._generator(asks[i]) for i in part])
+                except Exception as err:  # noqa: BLE001 - costs these requests their speculation
+                    logger.warning("draft %s: batched proposal failed (%s: %s); those steps go plain",
+                                   self.name, type(err).__name__, err)
+                    proposals = [Proposal.empty() for _ in part]
+                for i, proposal in zip(part, proposals):
+                    replies[i] = proposal
+        for i, ask in enumerate(asks):
+            if replies[i] is None:
+                with self.pool.using(ask.session_id, ask.context) as draft:
+                    replies[i] = self._propose_one(draft, ask)
         return replies
 
     def _propose_one(self, draft: Draft, ask: ProposeRequest) -> Proposal | NeedFeatures:
@@ -133,8 +152,14 @@ class DraftServer:
         """The sessions ended: their caches become idle prefix caches."""
         for session_id in session_ids:
             self._generators.pop(session_id, None)
-        if self.pool is not None:
-            await self._worker.run(lambda: [self.pool.release(s) for s in session_ids])
+        if self.pool is not None:   # on the model thread, which owns the caches
+            await self._worker.run(self._release_caches, session_ids)
+
+    def _release_caches(self, session_ids: list[str]) -> None:
+        for session_id in session_ids:
+            self.pool.release(session_id)
+            if self._batched is not None:
+                self._batched.release(session_id)
 
     def check_health(self) -> None:
         self._worker.check()

@@ -36,27 +36,44 @@ class Draft(Protocol):
         ...
 
 
+class ChainBuilder:
+    """One chain proposal, token by token: the argmax under greedy (q = one-hot, so no
+    draft_probs), else a sample from the warped q, whose rows the rejection sampler needs."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None):
+        self.params = params
+        self.generator = generator
+        self.tokens: list[int] = []
+        self.probs: list[torch.Tensor] = []
+        self.token_probs: list[float] = []
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from ``logits`` [V]."""
+        if self.params.greedy:
+            tok = int(logits.argmax())
+            self.token_probs.append(float(torch.softmax(logits.float(), -1)[tok]))
+        else:
+            q = logits_to_probs(logits, self.params)
+            tok = sample(q, self.generator)
+            self.probs.append(q)
+            self.token_probs.append(float(q[tok]))
+        self.tokens.append(tok)
+        return tok
+
+    def proposal(self) -> Proposal:
+        return Proposal.chain(self.tokens, torch.stack(self.probs) if self.probs else None, self.token_probs)
+
+
 def draft_chain(logits: torch.Tensor, window: int, params: SamplingParams, generator: torch.Generator | None,
                 next_logits: Callable[[int], torch.Tensor]) -> Proposal:
-    """The chain loop every model draft shares: choose a token from ``logits`` [V] (argmax, or a
-    sample from q), then ``next_logits(token)`` for the next, ``window`` times. Greedy proposals
-    are deterministic (q = one-hot), so they carry no draft_probs."""
-    tokens: list[int] = []
-    probs: list[torch.Tensor] = []
-    token_probs: list[float] = []
+    """The chain loop every one-session model draft shares: choose a token from ``logits`` [V],
+    then ``next_logits(token)`` for the next, ``window`` times."""
+    chain = ChainBuilder(params, generator)
     for i in range(window):
-        if params.greedy:
-            tok = int(logits.argmax())
-            token_probs.append(float(torch.softmax(logits.float(), -1)[tok]))
-        else:
-            q = logits_to_probs(logits, params)
-            tok = sample(q, generator)
-            probs.append(q)
-            token_probs.append(float(q[tok]))
-        tokens.append(tok)
+        tok = chain.choose(logits)
         if i + 1 < window:
             logits = next_logits(tok)
-    return Proposal.chain(tokens, torch.stack(probs) if probs else None, token_probs)
+    return chain.proposal()
 
 
 def draft_model(draft):

@@ -1,0 +1,77 @@
+"""A draft LM that proposes the chains of all of a step's sessions together: one forward per
+drafted position for every session, instead of one per session (``DraftLM``).
+
+Sessions hold slots of a ``BatchKV`` over the draft model, like requests on the target. A slot
+keeps the session's committed tokens between steps (drafted tokens are cropped after each
+proposal), so a step feeds each session only what its cache lacks. Slots are taken least recently
+used first; a session whose slot went to another is rebuilt from its tokens, so eviction costs
+recompute, never correctness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.drafts.base import ChainBuilder
+from specserve.replicas.step import Proposal, ProposeRequest
+
+
+class BatchedDraftLM:
+    def __init__(self, name: str, model, slots: int = 32):
+        self.name = name
+        self.kv = BatchKV(model, slots)
+        self.owner: list[str | None] = [None] * slots
+        self._used = [0] * slots   # a step counter per slot: the least recently used goes first
+        self._tick = 0
+
+    def release(self, session_id: str) -> None:
+        """The session ended; its slot stays a prefix cache until another takes it."""
+        for slot, owner in enumerate(self.owner):
+            if owner == session_id:
+                self.owner[slot] = None
+
+    def _slot(self, session_id: str, taken: set[int]) -> int:
+        if session_id in self.owner:
+            slot = self.owner.index(session_id)
+        else:   # free slots first, then the least recently used; lowest index on ties (a tight range)
+            slot = min((s for s in range(self.kv.slots) if s not in taken),
+                       key=lambda s: (self.owner[s] is not None, self._used[s], s))
+            self.owner[slot] = session_id
+        self._used[slot] = self._tick
+        return slot
+
+    @torch.inference_mode()
+    def propose_chains(self, asks: list[ProposeRequest], generators: list[torch.Generator | None]) -> list[Proposal]:
+        """A chain of ``ask.window`` tokens for each ask; at most ``slots`` asks per call."""
+        if len(asks) > self.kv.slots:
+            raise ValueError(f"{len(asks)} sessions in one call, this draft holds {self.kv.slots}")
+        self._tick += 1
+        taken: set[int] = set()
+        slots = []
+        for ask in asks:
+            slots.append(self._slot(ask.session_id, taken))
+            taken.add(slots[-1])
+        feeds = []
+        for slot, ask in zip(slots, asks):
+            missing = self.kv.sync(slot, ask.context)
+            if not missing:   # all cached, but the root's logits were not kept: feed the root again
+                self.kv.crop(slot, len(ask.context) - 1)
+                missing = ask.context[-1:]
+            feeds.append(Feed(slot, missing))
+        chains = [ChainBuilder(ask.params, gen) for ask, gen in zip(asks, generators)]
+        logits = self.kv.forward(feeds)
+        for depth in range(max(ask.window for ask in asks)):
+            feeds = []
+            for slot, ask, chain, rows in zip(slots, asks, chains, logits):
+                if depth < ask.window:
+                    tok = chain.choose(rows[-1])
+                    if depth + 1 < ask.window:
+                        feeds.append(Feed(slot, [tok]))
+            if not feeds:
+                break
+            by_slot = dict(zip((f.slot for f in feeds), self.kv.forward(feeds)))
+            logits = [by_slot.get(slot, rows) for slot, rows in zip(slots, logits)]
+        for slot, ask in zip(slots, asks):
+            self.kv.crop(slot, len(ask.context))   # drafted tokens are not part of the sequence
+        return [chain.proposal() for chain in chains]

@@ -1,0 +1,46 @@
+"""Batched chain drafting proposes exactly what one-session drafting proposes, for every session
+of a call, with sessions coming, going and being evicted."""
+
+import torch
+
+from specserve.replicas.drafts.batched_lm import BatchedDraftLM
+from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import ProposeRequest
+from tiny_models import tiny_model
+
+GREEDY = SamplingParams()
+CONTEXTS = [[5, 6, 7, 8, 5, 6], [1, 2, 3], list(range(20, 45)), [9]]
+
+
+def asks(contexts, windows, params=GREEDY):
+    return [ProposeRequest(f"s{i}", c, w, None, params) for i, (c, w) in enumerate(zip(contexts, windows))]
+
+
+def test_batched_chains_equal_one_session_chains_as_contexts_grow():
+    model = tiny_model("llama", seed=3)
+    batched = BatchedDraftLM("d", model, slots=3)   # fewer slots than sessions over time: eviction
+    contexts = [list(c) for c in CONTEXTS[:3]]
+    for step in range(4):
+        windows = [1 + (step + i) % 4 for i in range(3)]
+        got = batched.propose_chains(asks(contexts, windows), [None] * 3)
+        for context, window, proposal in zip(contexts, windows, got):
+            want = DraftLM("d", model).propose(context, window, GREEDY, None)
+            assert proposal.tokens == want.tokens and len(want.tokens) == window
+        # Each session commits some of its proposal plus a token of its own, as after verification.
+        for context, proposal in zip(contexts, got):
+            context.extend(proposal.tokens[:1] + [11])
+    batched.release("s1")
+    other = [ProposeRequest("s9", CONTEXTS[3], 3, None, GREEDY)]   # takes the released slot
+    assert batched.propose_chains(other, [None])[0].tokens == DraftLM("d", model).propose(CONTEXTS[3], 3, GREEDY, None).tokens
+
+
+def test_sampled_chains_carry_the_rows_of_q():
+    model = tiny_model("llama", seed=3)
+    params = SamplingParams(temperature=1.0)
+    got = BatchedDraftLM("d", model, slots=4).propose_chains(
+        asks(CONTEXTS, [2, 3, 1, 2], params), [torch.Generator().manual_seed(i) for i in range(4)])
+    for proposal, window in zip(got, [2, 3, 1, 2]):
+        assert proposal.draft_probs.shape == (window, model.config.vocab_size)
+        # Each drafted token was drawn from its own row: it has probability > 0 there.
+        assert all(proposal.draft_probs[i, t] > 0 for i, t in enumerate(proposal.tokens))
