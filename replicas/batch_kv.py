@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specserve.replicas import llama_forward
 from specserve.replicas.kv_session import TREE_NODE, common_prefix_len
 from specserve.replicas.tree_attention import ancestor_matrix, node_depths
 
@@ -119,6 +120,8 @@ class BatchKV:
                     f"batched KV caches need full-attention layers; {type(model).__name__} has {type(layer).__name__}"
                 )
         self.cache.layers = [SlotLayer(self._plan, slots, min(capacity, self.max_len)) for _ in self.cache.layers]
+        # Llama-family models run our own forward (fewer, larger operations); others run theirs.
+        self._fast = llama_forward.for_model(model) if llama_forward.supports(model) else None
 
     @property
     def device(self) -> torch.device:
@@ -231,15 +234,18 @@ class BatchKV:
         plan.rows = torch.arange(lo, hi, device=self.device)[:, None].expand(rows, width)
         plan.columns = columns.to(self.device)
         keep = max(f.logits_rows for f in feeds)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        logits = out.logits   # [B, keep, V]
+        if self._fast is not None:
+            logits = self._fast(ids.to(self.device), positions.to(self.device), mask.to(self.device),
+                                self.cache.layers, keep, getattr(self.model, "_specserve_feature_tap", None))
+        else:
+            logits = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            ).logits   # [B, keep, V]
         for f in feeds:
             committed = len(f.tokens) if f.committed is None else f.committed
             self.tokens[f.slot].extend(f.tokens[:committed])

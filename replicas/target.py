@@ -31,6 +31,7 @@ class FeatureTap:
     one at a time (one model thread per replica), so the slot is safe."""
 
     def __init__(self, layer: torch.nn.Module):
+        self.layer = layer   # a forward of our own (llama_forward) fills ``last`` itself
         self.last: torch.Tensor | None = None
         layer.register_forward_hook(self._keep)
 

@@ -1,0 +1,89 @@
+"""Our Llama-family forward computes what Hugging Face computes, over the slot cache.
+
+Float32 tiny models: the maths must agree with Hugging Face's to float32 rounding (the attention
+is ordered differently, so not bit for bit); bfloat16 packed products must agree bit for bit
+with ``F.linear``, since packing only changes the weight's memory layout.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.replicas import llama_forward
+from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.target import feature_tap
+from tiny_models import tiny_model
+
+PREFIX = [5, 17, 3, 42, 8, 8, 61, 2, 30, 11]
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: q/k/v biases
+def test_chain_and_tree_feeds_match_hugging_face(arch):
+    model = tiny_model(arch, seed=7, layers=3)
+    kv = BatchKV(model, slots=3)
+    assert kv._fast is not None, f"{arch} should take our forward"
+    kv.forward([Feed(0, PREFIX), Feed(2, PREFIX[:4])])
+    # Slot 0: a chain of 3 after its prefix; slot 2: a tree (two children of the root, one grandchild).
+    chain = [9, 4, 77]
+    tree, parents = [20, 21, 22], [-1, -1, 0]
+    got = kv.forward([Feed(0, chain, 3), Feed(2, tree, 3, parents)])
+    want_chain = hf_logits(model, PREFIX + chain)[-3:]
+    torch.testing.assert_close(got[0], want_chain, rtol=0, atol=1e-4)
+    # Each tree node sees the cached prefix and its own ancestors only.
+    for node, path in ((0, [20]), (1, [21]), (2, [20, 22])):
+        want = hf_logits(model, PREFIX[:4] + path)[-1]
+        torch.testing.assert_close(got[1][node], want, rtol=0, atol=1e-4)
+
+
+def test_the_hugging_face_module_still_computes_the_same_after_stacking():
+    model = tiny_model("llama", seed=1)
+    before = hf_logits(model, PREFIX)
+    forward = llama_forward.for_model(model)
+    # q/k/v and gate/up now live in stacked tensors; the module's parameters are views of them.
+    stacked = forward.layers[0].qkv.weight.untyped_storage().data_ptr()
+    assert model.model.layers[0].self_attn.k_proj.weight.untyped_storage().data_ptr() == stacked
+    torch.testing.assert_close(hf_logits(model, PREFIX), before, rtol=0, atol=0)
+    assert llama_forward.for_model(model) is llama_forward.for_model(model)   # stacked once per model
+
+
+def test_the_feature_tap_sees_what_the_hugging_face_hook_sees():
+    model = tiny_model("llama", seed=2, layers=3)
+    tap = feature_tap(model)
+    hf_logits(model, PREFIX)
+    hooked = tap.last.clone()   # [1, S, hidden], from the module hook
+    BatchKV(model, slots=1).forward([Feed(0, PREFIX)])
+    torch.testing.assert_close(tap.last, hooked, rtol=0, atol=1e-5)
+
+
+def test_a_pruned_head_draft_scatters_its_logits_to_the_full_vocabulary():
+    from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
+
+    base = tiny_model("llama", seed=4)
+    config = PrunedHeadConfig.from_dict({**base.config.to_dict(), "head_token_ids": list(range(0, base.config.vocab_size, 3))})
+    torch.manual_seed(0)
+    pruned = PrunedHeadLlamaForCausalLM(config).eval()
+    assert llama_forward.supports(pruned)
+    got = BatchKV(pruned, slots=1).forward([Feed(0, PREFIX, 2)])[0]
+    torch.testing.assert_close(got, hf_logits(pruned, PREFIX)[-2:], rtol=0, atol=1e-4)
+
+
+def test_other_architectures_keep_the_hugging_face_path():
+    assert not llama_forward.supports(tiny_model("gpt2", seed=0))
+    assert BatchKV(tiny_model("gpt2", seed=0), slots=1)._fast is None
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packing is oneDNN's")
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_packed_bfloat16_products_equal_f_linear_bit_for_bit(rows):
+    torch.manual_seed(0)
+    weight = (torch.randn(384, 96) * 0.05).bfloat16()
+    linear = llama_forward.Linear(weight, None)
+    assert linear.packed is not None
+    x = torch.randn(2, rows, 96).bfloat16()
+    assert torch.equal(linear(x), F.linear(x, weight))
+    assert llama_forward.Linear(weight.float(), None).packed is None   # float32 is left as it is
