@@ -25,7 +25,12 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from specserve.cluster.redis_server import RedisServer, free_port, ping  # noqa: E402
-from specserve.cluster.serve_config import APP_NAME, local_serve_config, with_overrides  # noqa: E402
+from specserve.cluster.serve_config import (  # noqa: E402
+    APP_NAME,
+    local_ray_cpus,
+    local_serve_config,
+    with_overrides,
+)
 
 DASHBOARD_PORT = 8265
 
@@ -85,11 +90,24 @@ def _ray_running() -> bool:
     return _ray("status", timeout_s=60).returncode == 0
 
 
-def _start_ray(metrics_port: int) -> None:
+def _machine_cpus() -> int:
+    """The CPUs ``ray start`` would give the node by itself (it reads cgroup limits, which
+    ``os.cpu_count`` does not)."""
+    try:
+        from ray._private.utils import get_num_cpus   # private in Ray 2.60
+
+        return int(get_num_cpus())
+    except (ImportError, AttributeError):
+        return os.cpu_count() or 1
+
+
+def _start_ray(metrics_port: int, num_cpus: int) -> None:
+    """``num_cpus``: Ray's logical CPUs, which may exceed the cores (``local_ray_cpus``)."""
     if auth_token() is None:
         _ray("get-auth-token", "--generate", timeout_s=60, check=True)
     result = _ray("start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
-                  "--metrics-export-port", str(metrics_port), "--disable-usage-stats", timeout_s=300)
+                  "--metrics-export-port", str(metrics_port), "--num-cpus", str(num_cpus), "--disable-usage-stats",
+                  timeout_s=300)
     if result.returncode != 0:
         raise RuntimeError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
 
@@ -162,7 +180,11 @@ def up(config: dict | None = None, redis_url: str | None = None, http_port: int 
         state.redis_url, state.redis_pid = server.url, server.pid
     if not _ray_running():
         metrics_port = free_port()
-        _start_ray(metrics_port)
+        # Each model asks Ray for the CPUs it runs threads on, which on one machine add up to
+        # more than its cores (the target and its drafts take turns within a step; see
+        # serve_config.cpus_requested): Ray gets that many logical CPUs, so every replica of the
+        # config can be placed. A cluster this machine already belongs to is used as it is.
+        _start_ray(metrics_port, local_ray_cpus(config, _machine_cpus()))
         state.ray_started = True
         state.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     state.dashboard_url = state.dashboard_url or f"http://127.0.0.1:{DASHBOARD_PORT}"
@@ -199,6 +221,17 @@ def status() -> dict:
     }
 
 
+def _forget_serve_controller() -> None:
+    """Drop Serve's cached handle to the controller before leaving a cluster. Serve keys that
+    cache by the driver's job id, and the first job on the next cluster this process joins (a
+    later ``up``) has the same id: Serve would call the controller of the stopped cluster."""
+    from ray.serve import context
+
+    disconnect = getattr(context, "_disconnect", None)   # private in Ray 2.60
+    if disconnect is not None:
+        disconnect()
+
+
 def down() -> list[str]:
     """Stop what ``up`` started; returns what was stopped."""
     state = LocalState.load()
@@ -208,6 +241,7 @@ def down() -> list[str]:
     import ray
 
     if ray.is_initialized():   # leave the cluster before stopping it, or its raylet dies under us
+        _forget_serve_controller()
         ray.shutdown()
     if state.ray_started:
         _ray("stop", "--force")
@@ -217,6 +251,7 @@ def down() -> list[str]:
 
         connect()
         serve.delete(state.app_name)
+        _forget_serve_controller()
         ray.shutdown()
         stopped.append(f"serve application {state.app_name}")
     if state.redis_pid:

@@ -7,6 +7,8 @@ deploy the same thing, and an installed specserve needs no file from the reposit
 
 from __future__ import annotations
 
+import copy
+import math
 from pathlib import Path
 
 import yaml
@@ -21,16 +23,42 @@ GRPC_SERVICER = "specserve.router.specserve_pb2_grpc.add_SpecServeServicer_to_se
 # The package's trained drafts (specserve zoo), each its own deployment, selectable by name.
 ZOO_DRAFTS = ("smollm2-draft-2l", "smollm2-hsr")
 
+# CPU accounting, in this one place: a deployment that runs a model asks Ray for as many CPUs as
+# it runs torch threads (num_cpus = torch_threads), so Ray's books show what the replicas really
+# use. The thread counts are written into the app's args, not left to Ray's OMP_NUM_THREADS, so
+# that the two numbers cannot drift apart.
+TARGET_THREADS = 2        # the target's forwards use both cores of the small machine
+DRAFT_MODEL_THREADS = 1   # a draft model: one thread (a small forward gains little from two)
+MODEL_FREE_CPUS = 0.1     # the ingress and prompt lookup: an event loop and no model
 
-def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
-    """The reference target with prompt lookup and the zoo's drafts, sized for one small machine
-    (2 cores here).
 
-    The target asks for one logical CPU but runs torch on two threads: its forwards never overlap
-    the draft's or the ingress's work (a step waits for its proposal), so it may use every core.
-    It stays at one replica here because a second one would only split the same two cores; the
-    ingress and the draft, which are cheap, scale out under load.
+def model_threads(args: dict) -> dict[str, int | None]:
+    """The torch threads of each deployment that runs a model, by deployment name: the target's
+    ``torch_threads`` and that of each draft with a model that runs as its own deployment (a
+    colocated draft runs on the target's model thread). ``None``: not set, so the replica runs
+    as many as it asks Ray for (Ray's ``OMP_NUM_THREADS`` = ``num_cpus``)."""
+    threads: dict[str, int | None] = {TARGET_DEPLOYMENT: args.get("torch_threads")}
+    for spec in args.get("drafts", [{"name": PROMPT_LOOKUP}]):
+        if spec.get("model") and not spec.get("colocated"):
+            threads[draft_deployment(spec["name"])] = spec.get("torch_threads")
+    return threads
+
+
+def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000) -> dict:
+    """A Serve config for the application with these ``AppConfig`` args, sized for one small
+    machine: one entry for each deployment ``build_app`` creates (Serve refuses an entry for a
+    deployment the app does not have), and each model's ``num_cpus`` equal to its torch threads
+    (``TARGET_THREADS`` and ``DRAFT_MODEL_THREADS`` unless the args give them).
+
+    The target stays at one replica: a second one would only split the same cores. The ingress
+    and prompt lookup, which are cheap, scale out under load.
     """
+    args = copy.deepcopy(args)
+    args["torch_threads"] = args.get("torch_threads") or TARGET_THREADS
+    for spec in args.get("drafts", []):
+        if spec.get("model") and not spec.get("colocated"):
+            spec["torch_threads"] = spec.get("torch_threads") or DRAFT_MODEL_THREADS
+    threads = model_threads(args)
 
     def deployment(name: str, num_cpus: float, max_ongoing: int, max_replicas: int, target_ongoing: int) -> dict:
         return {
@@ -43,6 +71,15 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
             "health_check_timeout_s": 30,
         }
 
+    drafts = []
+    for spec in args.get("drafts", [{"name": PROMPT_LOOKUP}]):
+        name = draft_deployment(spec["name"])
+        if spec.get("colocated"):
+            continue
+        if name in threads:   # a draft model's forward waits for no one but its step
+            drafts.append(deployment(name, threads[name], 64, 1, 32))
+        else:                 # prompt lookup: an n-gram search
+            drafts.append(deployment(name, MODEL_FREE_CPUS, 64, 2, 32))
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": http_port},
@@ -51,17 +88,56 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
             "name": APP_NAME,
             "route_prefix": "/",
             "import_path": BUILDER,
-            "args": {"dtype": "auto", "torch_threads": 2, "default_draft": PROMPT_LOOKUP, "default_window": 4,
-                     "drafts": [{"name": PROMPT_LOOKUP}, *({"name": name, "model": name} for name in ZOO_DRAFTS)]},
+            "args": args,
             "deployments": [
-                deployment(INGRESS_DEPLOYMENT, 0.1, 256, 2, 32),
-                deployment(TARGET_DEPLOYMENT, 1, 16, 1, 8),
-                deployment(draft_deployment(PROMPT_LOOKUP), 0.1, 64, 2, 32),
-                # A draft model's forward waits for no one but its step: a fraction of a core each.
-                *(deployment(draft_deployment(name), 0.2, 64, 1, 32) for name in ZOO_DRAFTS),
+                deployment(INGRESS_DEPLOYMENT, MODEL_FREE_CPUS, 256, 2, 32),
+                deployment(TARGET_DEPLOYMENT, threads[TARGET_DEPLOYMENT], 16, 1, 8),
+                *drafts,
             ],
         }],
     }
+
+
+def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
+    """The reference target with prompt lookup and the zoo's drafts, sized for one small machine
+    (2 cores here): the target runs 2 threads and each zoo draft 1, so the application asks for
+    more CPUs than the machine has cores. See ``cpus_requested`` for why that is honest, and how
+    the local Ray cluster is sized for it."""
+    return app_serve_config({
+        "dtype": "auto", "torch_threads": TARGET_THREADS, "default_draft": PROMPT_LOOKUP, "default_window": 4,
+        "drafts": [{"name": PROMPT_LOOKUP},
+                   *({"name": name, "model": name, "torch_threads": DRAFT_MODEL_THREADS} for name in ZOO_DRAFTS)],
+    }, http_port, grpc_port)
+
+
+def cpus_requested(config: dict) -> float:
+    """The logical CPUs a Serve config's deployments ask for with every replica up (each entry's
+    ``num_cpus`` times its ``max_replicas``, or ``num_replicas``, or 1).
+
+    On one machine this is more than its cores (the local default: 2 + 1 + 1 for the models, on 2
+    cores), and ``specserve up`` starts its local Ray cluster with this many logical CPUs rather
+    than shrinking each model's share below the threads it runs. The cores are time-shared, not
+    double-booked: a target replica's step first waits for its drafts' proposals and then runs
+    its verify forward, so its threads and the drafts' are not busy at the same time (the drafts
+    of one step run together: 1 + 1 threads). The extra logical CPUs say exactly that, in one
+    place, instead of a fraction per deployment that hides how many threads it runs. Deployments
+    the config does not list run with the code's defaults and are not counted.
+    """
+    total = 0.0
+    for app in config.get("applications", []):
+        for entry in app.get("deployments") or []:
+            cpus = (entry.get("ray_actor_options") or {}).get("num_cpus")
+            if cpus is None:
+                continue
+            replicas = (entry.get("autoscaling_config") or {}).get("max_replicas") or entry.get("num_replicas") or 1
+            total += cpus * (replicas if isinstance(replicas, int) else 1)   # num_replicas may be "auto"
+    return total
+
+
+def local_ray_cpus(config: dict, cores: int) -> int:
+    """The logical CPUs of a local Ray cluster started for ``config``: every replica's request,
+    and never fewer than the machine's cores."""
+    return max(cores, math.ceil(cpus_requested(config) - 1e-9))
 
 
 def load_serve_config(path: Path) -> dict:

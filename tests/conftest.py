@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -26,3 +27,24 @@ def _one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def local_stack(config: dict, home: Path, timeout_s: float = 900):
+    """``specserve up`` with the Serve ``config`` on free ports: a real local Ray cluster, a real
+    redis-server and the application, healthy; ``specserve down`` when the block ends, which stops
+    exactly what ``up`` started. Its state file lives in ``home`` (``SPECSERVE_HOME``), which
+    stays set while the block runs (the CLI finds the stack through it)."""
+    from specserve.cluster import local
+    from specserve.cluster.redis_server import free_port
+
+    previous = os.environ.get("SPECSERVE_HOME")
+    os.environ["SPECSERVE_HOME"] = str(home)
+    try:
+        yield local.up(config, http_port=free_port(), grpc_port=free_port(), timeout_s=timeout_s)
+    finally:
+        local.down()
+        if previous is None:
+            os.environ.pop("SPECSERVE_HOME", None)
+        else:
+            os.environ["SPECSERVE_HOME"] = previous

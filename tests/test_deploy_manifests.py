@@ -27,7 +27,7 @@ from ray.serve.schema import (
 )
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, AppConfig, draft_deployment
-from specserve.cluster.serve_config import BUILDER, GRPC_SERVICER
+from specserve.cluster.serve_config import BUILDER, GRPC_SERVICER, model_threads
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SIZED_DEPLOYMENTS = (INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, draft_deployment(PROMPT_LOOKUP))
@@ -147,6 +147,46 @@ def test_each_deployment_is_sized(where):
         assert name in deployments, f"{where}: no entry for deployment {name!r} (has {sorted(deployments)})"
         missing = [key for key in SIZING_KEYS if key not in deployments[name]]
         assert not missing, f"{where}: deployment {name!r} lacks {missing}; Ray would fall back to the code's defaults"
+
+
+@pytest.mark.parametrize("where", SERVE_CONFIGS)
+def test_each_model_asks_for_as_many_cpus_as_it_runs_torch_threads(where):
+    # Ray books num_cpus; the replica's model thread runs torch_threads (ModelWorker). Left unset,
+    # the count would follow Ray's OMP_NUM_THREADS, which a container's environment can override.
+    config = SERVE_CONFIGS[where]()
+    args = _specserve_app(config, where).get("args") or {}
+    deployments = _deployments(config, where)
+    threads = model_threads(args)
+    assert TARGET_DEPLOYMENT in threads
+    for name, count in threads.items():
+        cpus = ((deployments.get(name) or {}).get("ray_actor_options") or {}).get("num_cpus")
+        assert count is not None, f"{where}: {name} runs a model but args give it no torch_threads"
+        assert cpus == count, f"{where}: {name} asks Ray for num_cpus={cpus} but runs {count} torch threads"
+
+
+def _group_resources(group: dict) -> dict[str, float]:
+    """What Ray sees on a RayService group's node: rayStartParams, else the container's limits."""
+    params = group.get("rayStartParams") or {}
+    limits = (_containers(group)[0].get("resources") or {}).get("limits") or {}
+    cpu = params.get("num-cpus", limits.get("cpu", 0))
+    return {"CPU": float(cpu), "GPU": float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))}
+
+
+def test_every_replica_fits_a_node_it_may_be_placed_on():
+    # A replica asking for more than any node of its group has is never placed, on either platform.
+    nodes = {
+        "RayService": [(g.get("labels") or {}, _group_resources(g)) for g in _ray_groups(_rayservice())],
+        "deploy/cluster.yaml": [(t.get("labels") or {}, {k: float(v) for k, v in (t.get("resources") or {}).items()})
+                                for t in _cluster_yaml()["available_node_types"].values()],
+    }
+    for name, entry in _deployments(_rayservice_serve_config(), "serveConfigV2").items():
+        options = entry.get("ray_actor_options") or {}
+        wants = {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0)}
+        selector = options.get("label_selector") or {}
+        for platform, kinds in nodes.items():
+            fits = [res for labels, res in kinds if _satisfies(labels, selector)
+                    and all(res.get(key, 0) >= amount for key, amount in wants.items())]
+            assert fits, f"{platform}: no node matching {selector} has {wants} for a replica of {name!r}"
 
 
 def test_rayservice_app_args_are_a_valid_app_config():

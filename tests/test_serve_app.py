@@ -20,9 +20,9 @@ import grpc
 import httpx
 import pytest
 
+from conftest import local_stack
 from specserve.cluster import local
-from specserve.cluster.redis_server import free_port
-from specserve.cluster.serve_config import local_serve_config
+from specserve.cluster.serve_config import app_serve_config, local_serve_config
 from specserve.replicas.sampling import SamplingParams
 from specserve.router import specserve_pb2 as pb
 from specserve.router import specserve_pb2_grpc
@@ -43,22 +43,19 @@ PROMPTS = [
 NEW_TOKENS = 24
 
 
-def _test_config(http_port: int, grpc_port: int, draft_path: str) -> dict:
-    config = local_serve_config(http_port, grpc_port)
-    app = config["applications"][0]
-    app["args"].update(dtype="float32", drafts=[
+def _test_config(draft_path: str) -> dict:
+    args = {**local_serve_config()["applications"][0]["args"], "dtype": "float32", "drafts": [
         {"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path},
         {"name": "lookup-in-target", "colocated": True},   # prompt lookup inside the target replica
-        {"name": HSR, "model": HSR}, {"name": "hsr-in-target", "model": HSR, "colocated": True}])
-    deployments = {d["name"]: d for d in app["deployments"]}
+        {"name": HSR, "model": HSR}, {"name": "hsr-in-target", "model": HSR, "colocated": True}]}
+    # An entry for exactly each deployment this app builds (Serve refuses one it does not), each
+    # model asking for the CPUs of its torch threads.
+    config = app_serve_config(args)
+    deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
     # The ingress scales out fast under a burst, so the autoscaling test sees it within seconds.
     deployments["ingress"]["autoscaling_config"].update(
         target_ongoing_requests=1, upscale_delay_s=0.5, metrics_interval_s=0.5, look_back_period_s=2,
         downscale_delay_s=600)
-    # Entries for exactly the deployments this app builds (Serve refuses one it does not).
-    app["deployments"] = [deployments[n] for n in ("ingress", "target", "draft-prompt-lookup")] + [
-        {**deployments["draft-prompt-lookup"], "name": f"draft-{name}", "ray_actor_options": {"num_cpus": 0.2}}
-        for name in (DRAFT_LM, HSR)]
     return config
 
 
@@ -71,7 +68,6 @@ def engine():
 def served(engine, tmp_path_factory):
     """The whole stack, once for the module; `down` stops exactly what `up` started."""
     home = tmp_path_factory.mktemp("specserve-home")
-    os.environ["SPECSERVE_HOME"] = str(home)
     full = engine.loaded.model
     config = full.config.__class__.from_dict({**full.config.to_dict(), "num_hidden_layers": 2})
     small = type(full)(config).eval()
@@ -79,11 +75,8 @@ def served(engine, tmp_path_factory):
     draft_path = home / DRAFT_LM
     small.save_pretrained(draft_path)
     engine.tokenizer.save_pretrained(draft_path)
-    http_port, grpc_port = free_port(), free_port()
-    state = local.up(_test_config(http_port, grpc_port, str(draft_path)), http_port=http_port,
-                     grpc_port=grpc_port, timeout_s=900)
-    yield state
-    local.down()
+    with local_stack(_test_config(str(draft_path)), home) as state:
+        yield state
 
 
 @pytest.fixture(scope="module")
