@@ -1,26 +1,30 @@
-"""Serving benchmark: the served path under load, beside the in-process engine, in one run.
+"""Serving benchmark: specserve under load, beside the in-process engine and any OpenAI-compatible
+peer (``vllm serve``), in one run.
 
-Configurations, all on the same ShareGPT chat prompts, greedy, chat-rendered:
+Rows (configurations), all on the same ShareGPT chat prompts, greedy, the same ``max_tokens``,
+streamed, so that every row's TTFT and ITL are measured the same way:
 
-- ``serve-target-only``: the deployed application with ``spec.draft = "none"``, plain decoding;
-- ``serve-spec``: the same deployment with a fixed draft and window (default prompt lookup, γ = 4),
-  the draft in its own deployment (one handle call per step);
-- ``serve-spec-colocated``: the same draft inside the target replica (no call), when the server
-  has a draft named ``<draft>-colocated`` (the local stack the benchmark brings up does);
-- ``serve-spec-colocated-policy``: the same, but the request names only the draft, so the
-  deployment's policy (goodput by default) decides each step's window; the rows above pin it;
-- ``in-process-spec``: the in-process engine with that draft and window, one stream (it is the
-  floor of what the served path can cost, so it runs at concurrency 1 only).
+- ``serve-target-only``: the deployment with ``spec.draft = "none"``, plain (batched) decoding;
+- ``serve-default``: a request with no ``spec`` at all, i.e. what any OpenAI client gets: the
+  deployment's default draft, its policy (goodput by default) choosing each step's window;
+- ``serve-spec[<draft>]``: one row per draft the deployment serves (or ``--drafts``), with that
+  draft and a pinned window γ. A ``<draft>-colocated`` draft is the same draft inside the target
+  replica (no handle call per step); the local stack the benchmark brings up serves
+  ``prompt-lookup-colocated`` beside the drafts of ``deploy/serve.yaml``;
+- ``in-process-spec[<draft>]``: the in-process engine with one draft and γ, one stream (it is the
+  floor of what the served path can cost, so it runs at concurrency 1 only);
+- ``peer[<name>]``: the same OpenAI chat requests to a foreign server (``--peer NAME=URL``),
+  model id from its ``/v1/models``, no specserve field; steps and τ are unknown there (null).
 
 Load: requests arrive as a Poisson process at each ``rate`` (requests/s; ``inf`` sends them all
 at once) and at most ``concurrency`` are in flight. Metrics follow vLLM's serving benchmark:
 TTFT (time to first token), TPOT (time per output token after the first), ITL (time between
 streamed chunks; a speculative step streams several tokens at once), output tokens/s, failed
-requests; plus ``ms_per_step`` (request latency / steps) and ``mean_accepted_len``.
+requests; plus ``ms_per_step`` (request latency / steps) and ``mean_accepted_len`` τ.
 
-At concurrency 1 the three configurations take turns prompt by prompt, so a noisy neighbour
-slows them alike; ``step_overhead_vs_in_process`` = serve-spec's ms/step over in-process-spec's
-on the same prompts, minus one (the price of the distributed path per step).
+At concurrency 1 the rows take turns prompt by prompt, so a noisy neighbour slows them alike;
+``step_overhead_vs_in_process`` = a served row's ms/step over the in-process row's on the same
+prompts, minus one (the price of the distributed path per step).
 """
 
 from __future__ import annotations
@@ -29,27 +33,30 @@ import asyncio
 import json
 import math
 import random
+import re
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
 from specserve.cluster.bench_engine import machine_info
-from specserve.cluster.config import PROMPT_LOOKUP, draft_deployment
+from specserve.cluster.config import INGRESS_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, draft_deployment
 from specserve.cluster.prompts import load_prompts
 
 BENCH_CATEGORY = "chat"   # ShareGPT first turns: the serving-benchmark standard
+NO_DRAFT = "none"
 
 
 @dataclass(frozen=True)
 class ServeBenchConfig:
     name: str
-    backend: str     # "serve" or "in-process"
-    draft: str
-    window: int
-    pinned: bool = True   # send the window; False: the deployment's policy and default window decide
+    backend: str               # "serve" (specserve), "peer" (any OpenAI server) or "in-process"
+    url: str | None = None     # the server's base URL (no /v1); None in-process
+    model: str | None = None   # the model id the server lists first in /v1/models
+    draft: str | None = None   # spec.draft to send; None: the request names none
+    window: int | None = None  # spec.window to send; None: the deployment's policy decides
 
 
 @dataclass
@@ -65,7 +72,7 @@ class RequestRecord:
     ttft_s: float = 0.0
     chunk_gaps_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
-    steps: int = 0
+    steps: int = 0          # 0: unknown (a peer does not say)
     mean_accepted_len: float = 0.0
     draft_s: float = 0.0    # inside the step loop: waiting for proposals ...
     verify_s: float = 0.0   # ... and verifying them (the rest of a request's time is transport)
@@ -75,31 +82,126 @@ def colocated_name(draft: str) -> str:
     return f"{draft}-colocated"
 
 
-def configs_for(draft: str, window: int, served_drafts: list[str]) -> list[ServeBenchConfig]:
-    configs = [
-        ServeBenchConfig("serve-target-only", "serve", "none", 0),
-        ServeBenchConfig("serve-spec", "serve", draft, window),
-        ServeBenchConfig("in-process-spec", "in-process", draft, window),
+def row_name(kind: str, label: str) -> str:
+    """``serve-spec[prompt-lookup]``: the kind of row first, so that a sorted table groups them."""
+    return f"{kind}[{label}]"
+
+
+# --- arguments -----------------------------------------------------------------------------
+
+
+def parse_peers(specs: list[str]) -> list[tuple[str, str]]:
+    """``NAME=URL`` pairs. The URL may end in ``/v1`` (an OpenAI client's base_url) or not."""
+    peers: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        name, url = name.strip(), url.strip().rstrip("/")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise ValueError(f"--peer takes NAME=URL with a name of letters, digits, '.', '_' or '-', got {spec!r} "
+                             f"(e.g. --peer vllm=http://127.0.0.1:8100)")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--peer {name}: the URL must start with http:// or https://, got {url!r}")
+        if name in (p for p, _ in peers):
+            raise ValueError(f"--peer {name} is given twice: each peer needs its own name")
+        peers.append((name, url.removesuffix("/v1")))
+    return peers
+
+
+def parse_drafts(text: str | None) -> list[str] | None:
+    """``a,b,c`` -> names; None (no --drafts): every draft the deployment serves."""
+    if text is None:
+        return None
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    if not names or NO_DRAFT in names:
+        raise ValueError(f"--drafts takes draft names (serve-target-only is always measured), got {text!r}")
+    return list(dict.fromkeys(names))   # a name given twice is one row
+
+
+def resolve_drafts(requested: list[str] | None, served: list[str]) -> list[str]:
+    if requested is None:
+        return list(served)
+    unknown = [d for d in requested if d not in served]
+    if unknown:
+        raise ValueError(f"--drafts: the deployment does not serve {', '.join(unknown)}; it serves "
+                         f"{', '.join(served) or 'no draft'}")
+    return requested
+
+
+def configs_for(url: str, model: str, drafts: list[str], window: int, in_process: str | None,
+                peers: list[tuple[str, str, str]]) -> list[ServeBenchConfig]:
+    """The rows of one run; ``peers`` are (name, url, model)."""
+    return [
+        ServeBenchConfig("serve-target-only", "serve", url, model, NO_DRAFT, 0),
+        ServeBenchConfig("serve-default", "serve", url, model),
+        *(ServeBenchConfig(row_name("serve-spec", d), "serve", url, model, d, window) for d in drafts),
+        *([ServeBenchConfig(row_name("in-process-spec", in_process), "in-process", draft=in_process, window=window)]
+          if in_process else []),
+        *(ServeBenchConfig(row_name("peer", name), "peer", peer_url, peer_model) for name, peer_url, peer_model in peers),
     ]
-    if colocated_name(draft) in served_drafts:   # the same draft inside the target replica: no hop
-        configs.insert(2, ServeBenchConfig("serve-spec-colocated", "serve", colocated_name(draft), window))
-        configs.insert(3, ServeBenchConfig("serve-spec-colocated-policy", "serve", colocated_name(draft), window,
-                                           pinned=False))
-    return configs
+
+
+def local_stack_config(dtype: str, drafts: list[str] | None) -> dict:
+    """The default application (deploy/serve.yaml) plus prompt lookup colocated in the target
+    replica, restricted to ``drafts`` when given: every draft model deployed costs start-up time
+    and memory that a run measuring only prompt lookup need not pay."""
+    from specserve.cluster.serve_config import local_serve_config
+
+    config = local_serve_config()
+    app = config["applications"][0]
+    args = app["args"]
+    args["dtype"] = dtype
+    available = [*args["drafts"], {"name": colocated_name(PROMPT_LOOKUP), "colocated": True}]
+    if drafts is not None:
+        names = [d["name"] for d in available]
+        unknown = [d for d in drafts if d not in names]
+        if unknown:
+            raise ValueError(f"--drafts: the local stack serves {', '.join(names)}, not {', '.join(unknown)} "
+                             f"(give --server URL to measure another deployment)")
+        available = [d for d in available if d["name"] in drafts]
+    args["drafts"] = available
+    kept = [d["name"] for d in available]
+    if args.get("default_draft") not in kept:
+        args["default_draft"] = kept[0]
+    # Serve refuses options for deployments the application no longer has; a colocated draft has none.
+    deployments = {INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT,
+                   *(draft_deployment(d["name"]) for d in available if not d.get("colocated"))}
+    app["deployments"] = [d for d in app.get("deployments", []) if d["name"] in deployments]
+    return config
+
+
+def served_model(url: str) -> dict:
+    """The first model a server lists (an OpenAI server lists the one it serves first)."""
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=60)
+        response.raise_for_status()
+        return response.json()["data"][0]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as err:
+        raise RuntimeError(f"{url}/v1/models did not list a model ({type(err).__name__}: {err}); "
+                           f"is an OpenAI-compatible server running there?") from err
 
 
 # --- one request ---------------------------------------------------------------------------
 
 
-async def http_request(client: httpx.AsyncClient, base_url: str, model: str, prompt: str, config: ServeBenchConfig,
-                       max_tokens: int, record: RequestRecord) -> None:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "spec": {"draft": config.draft, **({"window": config.window} if config.pinned else {})}}
+def request_body(config: ServeBenchConfig, prompt: str, max_tokens: int) -> dict:
+    """The OpenAI chat request every row sends: greedy, streamed, usage in the last chunk. Only
+    specserve rows carry ``spec``: a peer gets nothing it does not know (vLLM rejects no extra
+    field, but another server may, and the request must be the same a plain client sends)."""
+    body = {"model": config.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    spec = {key: value for key, value in (("draft", config.draft), ("window", config.window)) if value is not None}
+    if config.backend == "serve" and spec:
+        body["spec"] = spec
+    return body
+
+
+async def http_request(client: httpx.AsyncClient, config: ServeBenchConfig, prompt: str, max_tokens: int,
+                       record: RequestRecord) -> None:
+    body = request_body(config, prompt, max_tokens)
     start = last = time.perf_counter()
     record.start_s = start
     try:
-        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", f"{config.url}/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
@@ -117,7 +219,9 @@ async def http_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                     else:
                         record.chunk_gaps_s.append(now - last)
                     last = now
-                spec = chunk.get("spec")
+                # A peer's steps stay unknown even if it speaks specserve's extension: its rows
+                # must read the same whatever server stands behind them.
+                spec = chunk.get("spec") if config.backend == "serve" else None
                 if spec:
                     record.steps = spec["steps"]
                     record.mean_accepted_len = spec["mean_accepted_len"]
@@ -127,6 +231,8 @@ async def http_request(client: httpx.AsyncClient, base_url: str, model: str, pro
                     record.output_tokens = chunk["usage"]["completion_tokens"]
         record.latency_s = time.perf_counter() - start
         record.ok = record.output_tokens > 0
+        if not record.ok:
+            record.error = "no usage in the stream: the server ignored stream_options.include_usage or sent no tokens"
     except httpx.HTTPError as err:
         record.error = f"{type(err).__name__}: {err}"
 
@@ -160,9 +266,10 @@ def in_process_request(engine, prompt_ids: list[int], config: ServeBenchConfig, 
 # --- load ----------------------------------------------------------------------------------
 
 
-async def load_run(base_url: str, model: str, prompts: list[str], config: ServeBenchConfig, concurrency: int,
-                   rate: float, max_tokens: int, seed: int = 0) -> tuple[list[RequestRecord], float]:
-    """All prompts through the server, Poisson arrivals at ``rate``, at most ``concurrency`` in flight."""
+async def load_run(prompts: list[str], config: ServeBenchConfig, concurrency: int, rate: float, max_tokens: int,
+                   seed: int = 0) -> tuple[list[RequestRecord], float]:
+    """All prompts to the row's server, Poisson arrivals at ``rate``, at most ``concurrency`` in flight.
+    The seed is the same for every row, so every row sees the same arrival times."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
     records = [RequestRecord(config.name, concurrency, rate, i) for i in range(len(prompts))]
@@ -171,7 +278,7 @@ async def load_run(base_url: str, model: str, prompts: list[str], config: ServeB
 
         async def one(i: int) -> None:
             async with gate:
-                await http_request(client, base_url, model, prompts[i], config, max_tokens, records[i])
+                await http_request(client, config, prompts[i], max_tokens, records[i])
 
         start = time.perf_counter()
         tasks = []
@@ -195,7 +302,9 @@ def summarise(records: list[RequestRecord], duration_s: float) -> dict:
 
     tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    steps = sum(r.steps for r in ok)
+    # Per-step figures only where every completed request reported its steps: a peer reports none,
+    # and a partial count would make ms/step look too long.
+    steps = sum(r.steps for r in ok) if ok and all(r.steps for r in ok) else 0
     return {
         "completed": len(ok),
         "failed": len(records) - len(ok),
@@ -214,11 +323,11 @@ def summarise(records: list[RequestRecord], duration_s: float) -> dict:
     }
 
 
-def step_overhead(records: list[RequestRecord], served: str) -> dict:
-    """A served configuration vs in-process-spec at concurrency 1, paired by prompt."""
+def step_overhead(records: list[RequestRecord], served: str, in_process: str) -> dict:
+    """A served row vs the in-process row at concurrency 1, paired by prompt."""
     by = {(r.config, r.prompt_index): r for r in records if r.ok and r.concurrency == 1}
-    pairs = [(by[(served, i)], by[("in-process-spec", i)]) for (c, i) in by
-             if c == served and ("in-process-spec", i) in by]
+    pairs = [(by[(served, i)], by[(in_process, i)]) for (c, i) in by
+             if c == served and (in_process, i) in by and by[(served, i)].steps]
     if not pairs:
         return {}
     served_s = sum(s.latency_s for s, _ in pairs) / sum(s.steps for s, _ in pairs)
@@ -228,55 +337,76 @@ def step_overhead(records: list[RequestRecord], served: str) -> dict:
             "prompts_with_equal_steps": sum(s.steps == p.steps for s, p in pairs)}
 
 
+def row(config: ServeBenchConfig, concurrency: int, rate: float, summary: dict) -> dict:
+    """One result row: what was measured (the row's whole config) and how it did."""
+    return {"config": config.name, "concurrency": concurrency, "rate": _rate(rate),
+            "setup": {k: v for k, v in asdict(config).items() if k != "name"}, **summary}
+
+
 # --- the run -------------------------------------------------------------------------------
 
 
 def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompts_n: int, max_tokens: int,
-                    concurrencies: list[int], rates: list[float], draft: str, window: int, dtype: str) -> dict:
+                    concurrencies: list[int], rates: list[float], drafts: list[str] | None, window: int,
+                    in_process: str | None, peers: list[tuple[str, str]], dtype: str) -> dict:
+    """``drafts`` None: every draft the deployment serves; ``in_process`` None: no in-process row;
+    ``peers``: (name, url) from ``parse_peers``."""
     if prompts_n < 1 or max_tokens < 1:
         raise ValueError(f"--prompts and --max-tokens must be >= 1, got {prompts_n}, {max_tokens}")
     if not concurrencies or min(concurrencies) < 1:
         raise ValueError(f"--concurrency needs integers >= 1, got {concurrencies}")
     if not rates or min(rates) <= 0:
         raise ValueError(f"--rates needs numbers > 0 (or inf), got {rates}")
+    if window < 1:
+        raise ValueError(f"--window must be >= 1 (serve-target-only is the plain row), got {window}")
+    if in_process is not None:
+        from specserve.replicas.model_store import zoo_drafts
+
+        runnable = [PROMPT_LOOKUP, *zoo_drafts()]
+        if in_process not in runnable:
+            raise ValueError(f"--in-process runs one of {', '.join(runnable)} (or none), got {in_process!r}")
     prompts = load_prompts(BENCH_CATEGORY, prompts_n)
+    # Ask the peers first: a peer that is not running should cost no stack start-up.
+    peer_rows = [(name, url, served_model(url)["id"]) for name, url in peers]
 
     from specserve.cluster import local
-    from specserve.cluster.serve_config import local_serve_config
     from specserve.router.engine import SpecEngine
 
     started = server is None
+    if server is not None:
+        server = server.rstrip("/").removesuffix("/v1")
     if started:
-        serve_config = local_serve_config()
-        args = serve_config["applications"][0]["args"]
-        args["dtype"] = dtype
-        if draft == PROMPT_LOOKUP:
-            args["drafts"] = [{"name": PROMPT_LOOKUP}, {"name": colocated_name(PROMPT_LOOKUP), "colocated": True}]
-            # Serve refuses options for deployments the application no longer has.
-            kept = {"ingress", "target", draft_deployment(PROMPT_LOOKUP)}
-            app = serve_config["applications"][0]
-            app["deployments"] = [d for d in app.get("deployments", []) if d["name"] in kept]
+        serve_config = local_stack_config(dtype, drafts)
         print("bringing the local stack up (specserve up)...", flush=True)
         server = local.up(serve_config).http_url
     try:
-        listed = httpx.get(f"{server}/v1/models", timeout=60).json()["data"][0]
+        listed = served_model(server)
         model = listed["id"]
-        configs = configs_for(draft, window, listed.get("drafts", []))
-        engine = SpecEngine.load(dtype=dtype)
-        prompt_ids = [engine.encode(p) for p in prompts]
+        chosen = resolve_drafts(drafts, listed.get("drafts", []))
+        configs = configs_for(server, model, chosen, window, in_process, peer_rows)
+        engine = None
+        if in_process is not None:
+            engine = SpecEngine.load(dtype=dtype, draft_models=[] if in_process == PROMPT_LOOKUP else [in_process])
+            prompt_ids = [engine.encode(p) for p in prompts]
         machine = machine_info()
         records: list[RequestRecord] = []
         runs: list[dict] = []
 
+        def measure_one(config: ServeBenchConfig, i: int, tokens: int) -> RequestRecord:
+            if config.backend == "in-process":
+                rec = RequestRecord(config.name, 1, math.inf, i)
+                in_process_request(engine, prompt_ids[i], config, tokens, rec)
+                return rec
+            rec = asyncio.run(load_run([prompts[i]], config, 1, math.inf, tokens))[0][0]
+            rec.prompt_index = i
+            return rec
+
         # Warm-up: the first calls through Serve's handles and the first forwards are slow.
         for config in configs:
-            if config.backend == "serve":
-                asyncio.run(load_run(server, model, prompts[:1], config, 1, math.inf, 8))
-            else:
-                in_process_request(engine, prompt_ids[0], config, 8, RequestRecord("warmup", 1, math.inf, 0))
+            measure_one(config, 0, 8)
 
         # Concurrency 1: every request runs alone (so the arrival rate changes nothing), and the
-        # configurations take turns prompt by prompt.
+        # rows take turns prompt by prompt (the first one rotating).
         if 1 in concurrencies:
             from tqdm import tqdm
 
@@ -286,48 +416,47 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                 for k in range(len(configs)):
                     config = configs[(i + k) % len(configs)]
                     t0 = time.perf_counter()
-                    if config.backend == "serve":
-                        rec = asyncio.run(load_run(server, model, [prompts[i]], config, 1, math.inf, max_tokens))[0][0]
-                        rec.prompt_index = i
-                    else:
-                        rec = RequestRecord(config.name, 1, math.inf, i)
-                        in_process_request(engine, prompt_ids[i], config, max_tokens, rec)
+                    turn[config.name].append(measure_one(config, i, max_tokens))
                     busy_s[config.name] += time.perf_counter() - t0
-                    turn[config.name].append(rec)
             for config in configs:
                 records += turn[config.name]
-                runs.append({"config": config.name, "concurrency": 1, "rate": "inf",
-                             **summarise(turn[config.name], busy_s[config.name])})
+                runs.append(row(config, 1, math.inf, summarise(turn[config.name], busy_s[config.name])))
 
         for concurrency in [c for c in concurrencies if c > 1]:
             for rate in rates:
                 for config in configs:
-                    if config.backend != "serve":
+                    if config.backend == "in-process":
                         continue
                     print(f"{config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests",
                           flush=True)
-                    recs, duration = asyncio.run(load_run(server, model, prompts, config, concurrency, rate, max_tokens))
+                    recs, duration = asyncio.run(load_run(prompts, config, concurrency, rate, max_tokens))
                     records += recs
-                    runs.append({"config": config.name, "concurrency": concurrency, "rate": _rate(rate),
-                                 **summarise(recs, duration)})
+                    runs.append(row(config, concurrency, rate, summarise(recs, duration)))
     finally:
         if started:
             local.down()
 
+    inproc = next((c for c in configs if c.backend == "in-process"), None)
+    overhead = {}
+    if inproc is not None:   # served rows with the in-process row's draft (or its colocated twin) and window
+        overhead = {c.name: step_overhead(records, c.name, inproc.name) for c in configs
+                    if c.backend == "serve" and c.window == inproc.window
+                    and c.draft in (inproc.draft, colocated_name(inproc.draft))}
     result = {
         "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "category": BENCH_CATEGORY,
-                 "max_tokens": max_tokens, "draft": draft, "window": window, "concurrencies": concurrencies,
-                 "rates": [_rate(r) for r in rates], "machine": machine, "load_avg_1m_after": machine_info()["load_avg_1m"]},
-        "overhead": {c.name: step_overhead(records, c.name) for c in configs
-                     if c.backend == "serve" and c.draft != "none"},
+                 "max_tokens": max_tokens, "window": window, "drafts": chosen, "in_process": in_process,
+                 "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},
+                 "concurrencies": concurrencies, "rates": [_rate(r) for r in rates], "machine": machine,
+                 "load_avg_1m_after": machine_info()["load_avg_1m"]},
+        "overhead": overhead,
         "runs": runs,
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"{name}: {100 * o['step_overhead_vs_in_process']:+.1f}% per step vs in-process "
              f"({o['served_ms_per_step']} vs {o['in_process_ms_per_step']} ms/step, {o['prompts']} prompts)"
-             for name, o in result["overhead"].items() if o]
-    plot(runs, {**result["meta"], "overhead_text": "".join("\n" + line for line in lines)}, plot_path)
+             for name, o in overhead.items() if o]
+    plot(runs, result["meta"], plot_path)
     print(format_table(runs))
     if lines:
         print("\nconcurrency 1, served path against the in-process engine:\n  " + "\n  ".join(lines))
@@ -341,39 +470,51 @@ def _rate(rate: float) -> float | str:
 
 
 def format_table(runs: list[dict]) -> str:
-    header = (f"{'config':21s} {'conc':>4s} {'rate':>5s} {'ok':>4s} {'fail':>4s} {'out tok/s':>9s} "
+    width = max([len("config"), *(len(r["config"]) for r in runs)])
+    header = (f"{'config':{width}s} {'conc':>4s} {'rate':>5s} {'ok':>4s} {'fail':>4s} {'out tok/s':>9s} "
               f"{'TTFT p50':>9s} {'TPOT p50':>9s} {'ITL p50':>8s} {'ms/step':>8s} {'draft':>6s} {'verify':>6s} {'τ':>5s}")
     lines = [header, "-" * len(header)]
+
+    def num(value, spec: str) -> str:   # unknown (a peer's steps, no completed request): "-"
+        return format(value, spec) if value is not None else "-"
+
     for r in runs:
-        def ms(key):
-            value = r[key]["median"]
-            return f"{value:.1f}" if value is not None else "-"
-        tau = f"{r['mean_accepted_len']:.2f}" if r["mean_accepted_len"] else "-"
-        step = f"{r['ms_per_step']:.1f}" if r["ms_per_step"] else "-"
-        lines.append(f"{r['config']:21s} {r['concurrency']:4d} {str(r['rate']):>5s} {r['completed']:4d} {r['failed']:4d} "
-                     f"{r['output_tokens_per_s']:9.2f} {ms('ttft_ms'):>9s} {ms('tpot_ms'):>9s} {ms('itl_ms'):>8s} "
-                     f"{step:>8s} {r['draft_ms_per_step'] or 0:6.1f} {r['verify_ms_per_step'] or 0:6.1f} {tau:>5s}")
+        lines.append(f"{r['config']:{width}s} {r['concurrency']:4d} {str(r['rate']):>5s} {r['completed']:4d} "
+                     f"{r['failed']:4d} {r['output_tokens_per_s']:9.2f} {num(r['ttft_ms']['median'], '.1f'):>9s} "
+                     f"{num(r['tpot_ms']['median'], '.1f'):>9s} {num(r['itl_ms']['median'], '.1f'):>8s} "
+                     f"{num(r['ms_per_step'], '.1f'):>8s} {num(r['draft_ms_per_step'], '.1f'):>6s} "
+                     f"{num(r['verify_ms_per_step'], '.1f'):>6s} {num(r['mean_accepted_len'], '.2f'):>5s}")
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], meta: dict, path: Path) -> None:
-    """Output tokens/s and median TPOT against concurrency, a line per configuration and rate."""
+def plot(runs: list[dict], meta: dict, path: Path) -> list[str]:
+    """Output tokens/s and median TPOT against concurrency: a colour per row, a line style per
+    arrival rate. Returns the legend's labels (every row, then every rate)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, (ax_tps, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4.4))
-    series: dict[str, list[dict]] = {}
-    for r in runs:
-        label = r["config"] if r["concurrency"] == 1 and r["config"].startswith("in-process") else f"{r['config']} @ {r['rate']} req/s"
-        series.setdefault(label, []).append(r)
-    for label, rows in series.items():
-        rows = sorted(rows, key=lambda r: r["concurrency"])
-        xs = [r["concurrency"] for r in rows]
-        marker = "s" if label.startswith("in-process") else "o"
-        ax_tps.plot(xs, [r["output_tokens_per_s"] for r in rows], marker=marker, label=label)
-        ax_tpot.plot(xs, [r["tpot_ms"]["median"] or 0 for r in rows], marker=marker, label=label)
+    names = list(dict.fromkeys(r["config"] for r in runs))
+    rates = list(dict.fromkeys(r["rate"] for r in runs if r["concurrency"] > 1)) or ["inf"]
+    colours = {name: plt.get_cmap("tab10" if len(names) <= 10 else "tab20")(i) for i, name in enumerate(names)}
+    styles = {rate: ("-", "--", ":", "-.")[i % 4] for i, rate in enumerate(rates)}
+
+    fig, (ax_tps, ax_tpot) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for name in names:
+        alone = [r for r in runs if r["config"] == name and r["concurrency"] == 1]
+        for rate in rates:
+            # A request at concurrency 1 runs alone whatever the rate: that point starts every rate's line.
+            points = sorted(alone + [r for r in runs if r["config"] == name and r["concurrency"] > 1
+                                     and r["rate"] == rate], key=lambda r: r["concurrency"])
+            if not points:
+                continue
+            xs = [r["concurrency"] for r in points]
+            for ax, ys in ((ax_tps, [r["output_tokens_per_s"] for r in points]),
+                           (ax_tpot, [r["tpot_ms"]["median"] for r in points])):
+                ax.plot(xs, [y if y is not None else math.nan for y in ys], color=colours[name],
+                        linestyle=styles[rate], marker="s" if name.startswith("in-process") else "o", markersize=4)
     levels = sorted({r["concurrency"] for r in runs})
     for ax, ylabel in ((ax_tps, "output tokens / s"), (ax_tpot, "median TPOT (ms)")):
         ax.set_xscale("log", base=2)
@@ -382,13 +523,15 @@ def plot(runs: list[dict], meta: dict, path: Path) -> None:
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    ax_tps.legend(fontsize=7)
+    handles = [Line2D([], [], color=colours[n], marker="s" if n.startswith("in-process") else "o", label=n) for n in names]
+    handles += [Line2D([], [], color="grey", linestyle=styles[r], label=f"rate {r} req/s") for r in rates]
+    legend = fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.78, 0.5), fontsize=7, frameon=False)
     machine = meta["machine"]
-    overhead = meta.get("overhead_text", "")
-    fig.suptitle(f"{meta['model']} {meta['dtype']}, greedy, {meta['prompts']} ShareGPT prompts, {meta['max_tokens']} tokens, "
-                 f"draft {meta['draft']} γ={meta['window']}; {machine['cpu_count']} CPUs, load {machine['load_avg_1m']} {overhead}",
+    fig.suptitle(f"{meta['model']} {meta['dtype']}, greedy, {meta['prompts']} ShareGPT prompts, {meta['max_tokens']} "
+                 f"tokens, serve-spec γ={meta['window']}; {machine['cpu_count']} CPUs, load {machine['load_avg_1m']}",
                  fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.78, 1))   # the right margin holds the legend
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return [t.get_text() for t in legend.get_texts()]

@@ -397,18 +397,24 @@ def zoo_eval(
 def bench_serve(
     json_path: Path = typer.Option(Path("bench-serve.json"), "--json", help="Where to write the results."),
     plot_path: Path = typer.Option(Path("bench-serve.png"), "--plot", help="Where to write the plot."),
-    server: Optional[str] = typer.Option(None, help="A running deployment (http://HOST:PORT); default: bring the local stack up and down."),
-    prompts: int = typer.Option(12, help="ShareGPT prompts per run."),
+    server: Optional[str] = typer.Option(None, help="A running specserve deployment (http://HOST:PORT); default: bring the local stack up and down."),
+    drafts: Optional[str] = typer.Option(None, help="Comma-separated drafts, a serve-spec[<draft>] row each; default: every draft the deployment lists in /v1/models (the local stack: deploy/serve.yaml's drafts and prompt-lookup-colocated)."),
+    peer: list[str] = typer.Option([], "--peer", help="NAME=URL of any OpenAI-compatible server (e.g. vllm=http://127.0.0.1:8100), measured as row peer[NAME] with the same requests and no specserve fields; repeatable."),
+    in_process: str = typer.Option("prompt-lookup", "--in-process", help="Draft of the in-process-spec row (concurrency 1), or 'none' for no in-process row."),
+    prompts: int = typer.Option(12, help="ShareGPT prompts per run (concurrency 16 binds only with more than 16)."),
     max_tokens: int = typer.Option(64, help="New tokens per request."),
-    concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency limits."),
-    rates: str = typer.Option("0.5,inf", help="Comma-separated Poisson arrival rates in requests/s (inf: all at once)."),
-    draft: str = typer.Option("prompt-lookup", help="The fixed draft of serve-spec and in-process-spec."),
-    window: int = typer.Option(4, help="The fixed window γ of serve-spec and in-process-spec."),
+    concurrency: str = typer.Option("1,4,8,16", help="Comma-separated concurrency limits."),
+    rates: str = typer.Option("2,inf", help="Comma-separated Poisson arrival rates in requests/s (inf: all at once). At 2 req/s about 4 requests are in flight, so the limits 4-8 bind."),
+    window: int = typer.Option(4, help="The pinned window γ of the serve-spec and in-process rows."),
     dtype: str = typer.Option("auto", help="dtype of the in-process engine and of the local stack it brings up."),
     threads: Optional[int] = typer.Option(None, help="torch threads of the in-process engine."),
 ) -> None:
-    """Load generator (Poisson arrivals, concurrency limits) against target-only and speculative serving, beside the in-process engine."""
-    from specserve.cluster.bench_serve import run_serve_bench
+    """Load generator (Poisson arrivals, concurrency limits): target-only, the deployment's default and
+    each draft pinned, beside the in-process engine and any OpenAI-compatible peers, in one run.
+
+    A default run (local stack, 12 prompts x 64 tokens, no peer) takes about 10 minutes on 2 cores,
+    and each peer about a minute more."""
+    from specserve.cluster.bench_serve import parse_drafts, parse_peers, run_serve_bench
 
     set_threads(threads)
     try:
@@ -417,7 +423,8 @@ def bench_serve(
     except ValueError:
         fail(f"--concurrency takes integers and --rates numbers or inf, got {concurrency!r} and {rates!r}")
     try:
-        run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, draft, window, dtype)
+        run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, parse_drafts(drafts),
+                        window, None if in_process == "none" else in_process, parse_peers(peer), dtype)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
         fail(str(err))
 
