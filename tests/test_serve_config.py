@@ -51,7 +51,7 @@ def test_each_model_asks_ray_for_the_threads_it_runs():
     args = AppConfig.model_validate(config["applications"][0]["args"])
     cpus = _num_cpus(config)
     # Written out, not left to Ray's OMP_NUM_THREADS: the replica sets exactly this many.
-    assert args.torch_threads == TARGET_THREADS == 2
+    assert args.torch_threads == TARGET_THREADS == 1
     assert cpus[TARGET_DEPLOYMENT] == args.torch_threads
     models = [spec for spec in args.drafts if spec.model]
     assert [spec.name for spec in models] == list(ZOO_DRAFTS)
@@ -63,11 +63,11 @@ def test_each_model_asks_ray_for_the_threads_it_runs():
 
 def test_the_local_ray_cluster_has_room_for_every_replica_on_two_cores():
     config = local_serve_config()
-    # 2 threads for the target and 1 for each zoo draft, on 2 cores: more than the machine ...
+    # 1 thread for the target and 1 for each zoo draft, on 2 cores: more than the machine ...
     requested = cpus_requested(config)
-    assert requested == pytest.approx(2 + 2 * 0.1 + 2 * 0.1 + 2 * 1)
+    assert requested == pytest.approx(1 + 2 * 0.1 + 2 * 0.1 + 2 * 1)
     # ... so `specserve up` starts Ray with that many logical CPUs, and never fewer than the cores.
-    assert local_ray_cpus(config, cores=2) == 5
+    assert local_ray_cpus(config, cores=2) == 4
     assert local_ray_cpus(config, cores=16) == 16
 
 
