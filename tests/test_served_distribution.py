@@ -29,10 +29,10 @@ import copy
 import httpx
 import pytest
 import torch
-from scipy.stats import chisquare
 from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from chi_square import chi_square_pvalue
 from conftest import local_stack
 from specserve.cluster.serve_config import app_serve_config
 from specserve.replicas.drafts.hsr_head import build_hsr_head
@@ -85,20 +85,6 @@ def exact_joint(model, prompt: list[int]) -> torch.Tensor:
         first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], PARAMS)
         second = logits_to_probs(model(torch.tensor([prompt + [t] for t in range(V)])).logits[:, -1], PARAMS)
     return first[:, None] * second
-
-
-def chi_square_pvalue(counts: torch.Tensor, joint: torch.Tensor) -> float:
-    expected = joint.flatten().double() * counts.sum().item()
-    observed = counts.flatten().double()
-    assert observed[expected == 0].sum() == 0, "sampled a pair the target gives probability 0"
-    big = expected >= 5
-    f_obs, f_exp = [observed[big]], [expected[big]]
-    if expected[~big].sum() > 0:          # pool the rare pairs into one cell
-        f_obs.append(observed[~big].sum()[None])
-        f_exp.append(expected[~big].sum()[None])
-    f_obs, f_exp = torch.cat(f_obs), torch.cat(f_exp)
-    f_exp *= f_obs.sum() / f_exp.sum()
-    return float(chisquare(f_obs.numpy(), f_exp.numpy()).pvalue)
 
 
 @pytest.fixture(scope="module")
