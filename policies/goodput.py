@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from specserve.policies.window import estimate_alpha, fit_verify_ms
 from specserve.replicas.scheduler import RequestState
 from specserve.replicas.step import PLAIN, Speculation, StepRecord
 
@@ -43,23 +44,11 @@ class GoodputPolicy:
         self._steps = 0
 
     def alpha(self, draft: str) -> float | None:
-        seen = self._outcomes.get(draft)
-        if not seen:
-            return None
-        accepted = sum(n for n, _ in seen)
-        broke = sum(1 for n, depth in seen if n < depth)
-        return min(self.alpha_max, accepted / (accepted + broke)) if accepted + broke else None
+        return estimate_alpha(self._outcomes.get(draft, ()), self.alpha_max)
 
     def cost_model(self) -> tuple[float, float] | None:
         """(a, b) of verify_ms ≈ a + b · tokens, or None until the steps span two sizes."""
-        if len({t for t, _ in self._costs}) < 2:
-            return None
-        n = len(self._costs)
-        mean_t = sum(t for t, _ in self._costs) / n
-        mean_ms = sum(ms for _, ms in self._costs) / n
-        var = sum((t - mean_t) ** 2 for t, _ in self._costs)
-        b = max(0.0, sum((t - mean_t) * (ms - mean_ms) for t, ms in self._costs) / var)
-        return max(1e-3, mean_ms - b * mean_t), b
+        return fit_verify_ms(self._costs)
 
     def pays(self, draft: str, window: int, batch_size: int) -> bool:
         alpha, model = self.alpha(draft), self.cost_model()

@@ -1,0 +1,134 @@
+"""Online window optimisation (paper 003 §4.1, App. B): each step, the window that maximises the
+expected emitted tokens per unit time under the costs and acceptance measured so far.
+
+    α̂       paper 003 Eq. 2 over this request's last h drafting steps, capped at α_max
+    a        draft ms per draft token: Σ draft_ms / Σ draft forwards over recent steps
+             (a step's draft forwards = the longest window of its batch: drafts run batched)
+    b(γ)     verify ms of a forward that feeds this request's 1 + γ tokens beside the others':
+             the mean measured verify_ms at each forward size seen, interpolated between sizes,
+             extended beyond them with the least-squares slope (never assumed flat: on the CPU
+             here 6 tokens cost about 1.5x one)
+    G(γ)     = E(γ) / (γ·a + b(γ)),  E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)        (Eq. 1)
+    γ        = argmax G over 0..window_max, the smallest γ on ties
+
+Where this deviates from the paper, and why:
+
+- **Batching.** The paper verifies one request per forward. Here a request shares the forward
+  with the others of its batch, so the objective is the batch's tokens per ms,
+  ``G(γ) = (E(γ) + E_others) / (a·max(γ, γ_others) + b(T_others + 1 + γ))``, with the others'
+  emitted tokens, longest window and forward tokens taken from the last step. Alone
+  (T_others = 0, E_others = 0) this is exactly Eq. 1.
+- **Before measurement.** Until α̂ and two forward sizes are measured the request alternates its
+  own window with a second size (half of it, or 2 when it asked for 1), so that the first fit
+  comes from steps that differ.
+- **Leaving γ = 0.** At γ = 0 nothing is drafted and α̂ can never change again; after
+  ``explore_every`` plain steps in a row the request drafts one token to look again.
+- **Estimator.** Eq. 2 is the paper's own approximation of the MLE of App. B.2; we use Eq. 2.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from specserve.policies.goodput import expected_emitted
+from specserve.policies.window import JsonState, WindowOutcome, estimate_alpha, fit_verify_ms, keep_last
+from specserve.replicas.scheduler import SpecRequest
+
+
+@dataclass(frozen=True)
+class OnlineState(JsonState):
+    start_window: int                              # the window the request came with (bounded)
+    window: int                                    # the window asked last
+    outcomes: tuple[tuple[int, int], ...] = ()     # (n, γ) of the last h steps that drafted
+    draft_costs: tuple[tuple[int, float], ...] = ()    # (draft forwards, draft ms) per step
+    verify_costs: tuple[tuple[int, float], ...] = ()   # (forward tokens, verify ms) per step
+    others_tokens: int = 0                         # tokens the rest of the batch fed the last forward
+    others_emitted: int = 0                        # tokens the rest of the batch emitted in the last step
+    others_window: int = 0                         # the longest window the rest of the batch was offered
+    plain_steps: int = 0                           # γ = 0 chosen this many steps in a row
+
+
+def verify_ms_at(costs: tuple[tuple[int, float], ...], tokens: int) -> float | None:
+    """b at ``tokens`` forward tokens from measured (tokens, ms) pairs; None before two sizes."""
+    fit = fit_verify_ms(costs)
+    if fit is None:
+        return None
+    slope = fit[1]
+    sums: dict[int, list[float]] = {}
+    for t, ms in costs:
+        sums.setdefault(t, []).append(ms)
+    sizes = sorted(sums)
+    means = [sum(sums[t]) / len(sums[t]) for t in sizes]
+    if tokens <= sizes[0]:
+        return max(1e-3, means[0] - slope * (sizes[0] - tokens))
+    if tokens >= sizes[-1]:
+        return means[-1] + slope * (tokens - sizes[-1])
+    i = bisect.bisect_left(sizes, tokens)
+    if sizes[i] == tokens:
+        return means[i]
+    w = (tokens - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+    return (1 - w) * means[i - 1] + w * means[i]
+
+
+def draft_ms_per_token(costs: tuple[tuple[int, float], ...]) -> float:
+    """a: draft ms per draft forward (0 before any drafting, and for model-free drafts)."""
+    forwards = sum(f for f, _ in costs)
+    return sum(ms for _, ms in costs) / forwards if forwards else 0.0
+
+
+@dataclass(frozen=True)
+class OnlineWindow:
+    window_max: int = 8          # γ_max
+    history_steps: int = 6       # h; paper 003 Table 10 found 5-7 about equally good
+    cost_steps: int = 32         # steps the cost measurements look back over
+    alpha_max: float = 0.95      # α̂ cap (Eq. 2): a run of full acceptances must not mean α = 1
+    explore_every: int = 16      # plain steps in a row before one token is drafted to re-measure α
+
+    name: ClassVar[str] = "online"
+
+    def start(self, request: SpecRequest) -> OnlineState:
+        window = min(request.window, self.window_max)
+        return OnlineState(start_window=window, window=window)
+
+    def update(self, state: OnlineState, outcome: WindowOutcome) -> OnlineState:
+        outcomes = state.outcomes
+        if outcome.window > 0:
+            outcomes = keep_last(outcomes, (outcome.accepted, outcome.window), self.history_steps)
+        draft_costs = state.draft_costs
+        forwards = max(outcome.window, outcome.others_window)
+        if forwards > 0:
+            draft_costs = keep_last(draft_costs, (forwards, outcome.draft_ms), self.cost_steps)
+        verify_costs = state.verify_costs
+        if outcome.forward_tokens > 0:
+            verify_costs = keep_last(verify_costs, (outcome.forward_tokens, outcome.verify_ms), self.cost_steps)
+        return replace(
+            state, outcomes=outcomes, draft_costs=draft_costs, verify_costs=verify_costs,
+            others_tokens=max(0, outcome.forward_tokens - 1 - outcome.window),
+            others_emitted=outcome.others_emitted, others_window=outcome.others_window,
+        )
+
+    def objective(self, state: OnlineState, alpha: float, window: int) -> float | None:
+        """G(γ) in emitted tokens per ms for the batch (Eq. 1 when the request is alone)."""
+        verify_ms = verify_ms_at(state.verify_costs, state.others_tokens + 1 + window)
+        if verify_ms is None:
+            return None
+        draft_ms = draft_ms_per_token(state.draft_costs) * max(window, state.others_window)
+        return (expected_emitted(alpha, window) + state.others_emitted) / (draft_ms + verify_ms)
+
+    def decide(self, state: OnlineState, batch_size: int, rng: random.Random) -> tuple[int, OnlineState]:
+        alpha = estimate_alpha(state.outcomes, self.alpha_max)
+        if alpha is None or fit_verify_ms(state.verify_costs) is None:
+            # Unmeasured: alternate two sizes so that the first cost fit has two points.
+            other = state.start_window // 2 if state.start_window > 1 else min(2, self.window_max)
+            window = state.start_window if len(state.verify_costs) % 2 == 0 else other
+            return window, replace(state, window=window, plain_steps=0)
+        gains = [self.objective(state, alpha, g) for g in range(self.window_max + 1)]
+        window = max(range(len(gains)), key=lambda g: (gains[g], -g))
+        if window == 0:
+            if state.plain_steps + 1 >= self.explore_every and self.window_max > 0:
+                return 1, replace(state, window=1, plain_steps=0)
+            return 0, replace(state, window=0, plain_steps=state.plain_steps + 1)
+        return window, replace(state, window=window, plain_steps=0)

@@ -1,0 +1,186 @@
+"""Adaptive chain windows: what a window rule learns from, and the one wrapper that makes any rule
+the scheduler's ``Policy`` (``replicas/scheduler.py``).
+
+A **window rule** is a frozen dataclass of settings with three pure methods over an explicit,
+per-request state ``S`` (a frozen dataclass that round-trips through JSON, so it can sit in Redis
+and a test can replay it)::
+
+    start(request)              -> S           the state of a request the policy has not seen
+    update(S, outcome)          -> S           one verified step of that request (a WindowOutcome)
+    decide(S, batch_size, rng)  -> (γ, S)      the window of its next step; rng is injected
+
+The rules, one per file: ``online_window.py`` (paper 003 §4.1, the objective G(γ) with measured
+costs), ``fsm_window.py`` and ``cache_fsm_window.py`` (003 §4.2), ``q_learning_window.py``
+(003 §4.2 and App. B.4), ``hf_window.py`` (Hugging Face assisted generation's heuristic, a
+baseline).
+
+``WindowPolicy`` holds the bounds and the bookkeeping so that no rule repeats them: one state per
+request id, dropped when the request finishes; a request that pinned its speculation, asked for a
+tree, or has no draft keeps exactly what it asked for; no window above ``rule.window_max``.
+It assumes request ids are unique among running requests (the scheduler's ``StepPlan`` already
+does).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Protocol
+
+from specserve.replicas.scheduler import NO_DRAFT, RequestState, SpecRequest
+from specserve.replicas.step import PLAIN, RequestStep, SpecStats, Speculation, StepRecord
+
+
+def _tuples(value: Any) -> Any:
+    """JSON gives lists back; frozen states hold tuples (hashable, and equal after a round trip)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+class JsonState:
+    """``to_json`` / ``from_json`` for a frozen dataclass of numbers and (nested) tuples."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str):
+        data = json.loads(text)
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**{k: _tuples(v) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class WindowOutcome(JsonState):
+    """One request's part of one verified step, as a window rule sees it.
+
+    Times are the whole step's (``draft_ms``: every draft's proposals, which run batched and
+    concurrently; ``verify_ms``: the one target forward of the batch); ``others_*`` describe the
+    rest of the batch, so a rule can price its own window inside the shared forward.
+    """
+
+    asked: int                  # the window asked for this step (after the scheduler's cap)
+    window: int                 # γ the draft actually offered (RequestStep.max_depth); 0: no proposal
+    accepted: int               # n
+    emitted_tokens: tuple[int, ...] = ()   # the n accepted draft tokens, then the bonus token
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    forward_tokens: int = 0     # tokens the verify forward fed, over the whole batch
+    batch_size: int = 1
+    others_window: int = 0      # the longest window another request of the batch was offered
+    others_emitted: int = 0     # Σ (n + 1) over the other requests of the batch
+
+    @classmethod
+    def of(cls, record: StepRecord, step: RequestStep, emitted_tokens: Sequence[int] = ()) -> WindowOutcome:
+        others = [s for s in record.requests if s is not step]
+        asked = step.asked.window if step.asked.tree is None else step.asked.tree.depth
+        return cls(
+            asked=asked, window=step.max_depth, accepted=step.accepted, emitted_tokens=tuple(emitted_tokens),
+            draft_ms=record.draft_ms, verify_ms=record.verify_ms, forward_tokens=record.forward_tokens,
+            batch_size=record.batch_size, others_window=max((s.max_depth for s in others), default=0),
+            others_emitted=sum(s.accepted + 1 for s in others),
+        )
+
+    @property
+    def fully_accepted(self) -> bool:
+        return self.window > 0 and self.accepted >= self.window
+
+
+def estimate_alpha(history: Sequence[tuple[int, int]], alpha_max: float) -> float | None:
+    """α̂ over (n, γ) pairs (paper 003 Eq. 2), capped at ``alpha_max``; None before any drafting.
+
+    ``SpecStats.acceptance_rate`` is the project's one implementation of Eq. 2
+    (Σn / (Σn + Σ1[n < γ])); this feeds it the window's totals instead of repeating it.
+    """
+    drafted = [(n, g) for n, g in history if g > 0]
+    if not drafted:
+        return None
+    totals = SpecStats(draft="", accepted=sum(n for n, _ in drafted),
+                       rejections=sum(1 for n, g in drafted if n < g))
+    return min(alpha_max, totals.acceptance_rate)
+
+
+def fit_verify_ms(costs: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """(c0, c1) of ``verify_ms ≈ c0 + c1 · forward_tokens`` by least squares; None until the
+    steps span two sizes. The slope is floored at 0 (noise on a shared machine can make it
+    negative) and the intercept at 1 µs, so a step never looks free."""
+    if len({t for t, _ in costs}) < 2:
+        return None
+    slope, _ = statistics.linear_regression([float(t) for t, _ in costs], [ms for _, ms in costs])
+    slope = max(0.0, slope)
+    # The least-squares line passes through the means; with the slope floored it is their level.
+    intercept = statistics.fmean(ms for _, ms in costs) - slope * statistics.fmean(t for t, _ in costs)
+    return max(1e-3, intercept), slope
+
+
+def keep_last(items: tuple, item: Any, limit: int) -> tuple:
+    """``items`` + ``item``, only the last ``limit`` of them."""
+    return (*items, item)[-limit:] if limit > 0 else ()
+
+
+class WindowRule(Protocol):
+    window_max: int
+
+    def start(self, request: SpecRequest) -> Any: ...
+
+    def update(self, state: Any, outcome: WindowOutcome) -> Any: ...
+
+    def decide(self, state: Any, batch_size: int, rng: random.Random) -> tuple[int, Any]: ...
+
+
+class WindowPolicy:
+    """Any window rule as the scheduler's ``Policy``.
+
+    ``choose`` runs the rule's ``decide`` on the request's state; ``observe`` runs its ``update``
+    with each request's part of the step, including the tokens the step emitted (read from the
+    request as the scheduler left it, which is why the wrapper keeps the ``RequestState`` it last
+    chose for). States of finished or cancelled requests are dropped at the next ``observe``.
+    """
+
+    def __init__(self, rule: WindowRule, rng: random.Random | None = None):
+        if rule.window_max < 0:
+            raise ValueError(f"window_max must be >= 0, got {rule.window_max}")
+        self.rule = rule
+        self.rng = rng if rng is not None else random.Random()
+        self.states: dict[str, Any] = {}          # request id -> the rule's state (JSON-serialisable)
+        self._requests: dict[str, RequestState] = {}
+        self._emitted_before: dict[str, int] = {}  # request id -> len(out) when its window was chosen
+
+    @staticmethod
+    def adapts(request: SpecRequest) -> bool:
+        """Only unpinned chain requests with a draft are adapted; trees belong to tree policies."""
+        return not request.pinned and request.draft != NO_DRAFT and request.tree is None
+
+    def choose(self, state: RequestState, batch_size: int) -> Speculation:
+        if not self.adapts(state.request):
+            return state.request.speculation
+        current = self.states.get(state.id)
+        if current is None:
+            current = self.rule.start(state.request)
+        window, current = self.rule.decide(current, batch_size, self.rng)
+        self.states[state.id] = current
+        self._requests[state.id] = state
+        self._emitted_before[state.id] = len(state.out)
+        window = max(0, min(int(window), self.rule.window_max))
+        return Speculation(window) if window > 0 else PLAIN
+
+    def observe(self, record: StepRecord) -> None:
+        for step in record.requests:
+            request = self._requests.get(step.request_id)
+            if request is None:
+                continue
+            emitted = request.out[self._emitted_before[step.request_id]:]
+            outcome = WindowOutcome.of(record, step, emitted)
+            self.states[step.request_id] = self.rule.update(self.states[step.request_id], outcome)
+        for request_id in [i for i, request in self._requests.items() if request.done]:
+            self.drop(request_id)
+
+    def drop(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._emitted_before.pop(request_id, None)
