@@ -63,11 +63,11 @@ def test_each_model_asks_ray_for_the_threads_it_runs():
 
 def test_the_local_ray_cluster_has_room_for_every_replica_on_two_cores():
     config = local_serve_config()
-    # 1 thread for the target and 1 for each zoo draft, on 2 cores: more than the machine ...
+    # Two one-thread target replicas and 1 thread for each zoo draft, on 2 cores: more than the machine ...
     requested = cpus_requested(config)
-    assert requested == pytest.approx(1 + 2 * 0.1 + 2 * 0.1 + 2 * 1)
+    assert requested == pytest.approx(2 * 1 + 2 * 0.1 + 2 * 0.1 + 2 * 1)
     # ... so `specserve up` starts Ray with that many logical CPUs, and never fewer than the cores.
-    assert local_ray_cpus(config, cores=2) == 4
+    assert local_ray_cpus(config, cores=2) == 5
     assert local_ray_cpus(config, cores=16) == 16
 
 
