@@ -21,3 +21,13 @@ def test_selection_keeps_the_baseline_and_names_the_choices():
     assert [c.name for c in chosen] == [BASELINE, "smollm2-hsr-4"]
     with pytest.raises(ValueError, match="smollm2-hsr-tree"):
         select_configs(["nope"])
+
+
+def test_every_figure_records_the_cpu_it_ran_on():
+    from specserve.cluster.bench_engine import machine_info
+
+    info = machine_info()
+    # This machine class differs ~2x with and without native bfloat16, so the model and the
+    # flags that decide it go with every JSON a benchmark writes.
+    assert info["cpu_model"] and info["cpu_count"] >= 1
+    assert set(info.get("cpu_bf16", [])) <= {"avx512_bf16", "amx_bf16", "avx512f"}
