@@ -178,7 +178,8 @@ class LlamaForward:
         B, S = ids.shape
         nq, nkv, D = self.heads, self.kv_heads, self.head_dim
         h = F.embedding(ids, self.embed)                       # [B, S, hidden]
-        cos_t, sin_t = self._rope_table(int(positions.max()) + 1, h.device, h.dtype)
+        # Every position is below the key length (no device sync to find the largest one).
+        cos_t, sin_t = self._rope_table(mask.shape[-1], h.device, h.dtype)
         cos = cos_t[positions][:, :, None]                      # [B, S, 1, D]
         sin = sin_t[positions][:, :, None]
         half = D // 2
