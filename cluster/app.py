@@ -13,8 +13,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
-from specserve.policies.goodput import GoodputPolicy
-from specserve.policies.static import StaticPolicy
+from specserve.policies.registry import build_policy
 from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
 from specserve.router.ingress import Ingress
@@ -38,7 +37,7 @@ def build_app(args: AppConfig) -> Application:
         for spec in config.drafts
     }
     target = TargetDeployment.options(name=TARGET_DEPLOYMENT).bind(
-        config.target, drafts, GoodputPolicy(StaticPolicy()), config.dtype, config.torch_threads, config.kv_sessions_idle,
+        config.target, drafts, build_policy(config.policy), config.dtype, config.torch_threads, config.kv_sessions_idle,
         config.max_batch, config.prefill_chunk,
     )
     return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config.ingress_config())

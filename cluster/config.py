@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specserve.policies.registry import DEFAULT_POLICY, POLICIES
 from specserve.replicas.model_store import REFERENCE_TARGET
 from specserve.router.ingress import IngressConfig
 from specserve.router.openai_api import AUTO_DRAFT, MAX_WINDOW, NO_DRAFT
@@ -83,9 +84,13 @@ class AppConfig(BaseModel):
         512, ge=16, description="Prompt tokens a target replica prefills per step, so that running requests are not stalled by a long prompt."
     )
     redis_url: str | None = Field(None, description="The Redis the policy service shares statistics through.")
+    policy: str = Field(DEFAULT_POLICY, description=f"How each request's window adapts per step: {', '.join(POLICIES)}. "
+                        "A request that names its window or tree keeps it.")
 
     @model_validator(mode="after")
     def _drafts_known(self) -> "AppConfig":
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
         names = [d.name for d in self.drafts]
         if len(set(names)) != len(names):
             raise ValueError(f"draft names must be unique, got {names}")

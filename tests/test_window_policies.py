@@ -303,3 +303,16 @@ def test_the_policy_runs_a_trace_through_the_scheduler_types_and_drops_finished_
     assert rs.done
     policy.observe(record())                             # the next step: the finished request's state goes
     assert policy.states == {}
+
+
+def test_every_named_policy_builds_and_the_config_rejects_unknown_ones():
+    from specserve.cluster.config import AppConfig
+    from specserve.policies.registry import POLICIES, build_policy
+
+    for name in POLICIES:
+        policy = build_policy(name)
+        assert callable(policy.choose) and callable(policy.observe), name
+        assert AppConfig(policy=name).policy == name
+    assert build_policy("online") is not build_policy("online")   # state is per replica
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        AppConfig(policy="nope")
