@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 
 from specserve.cluster.bench_engine import machine_info
-from specserve.cluster.config import INGRESS_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, draft_deployment
+from specserve.cluster.config import PROMPT_LOOKUP
 from specserve.cluster.prompts import load_prompts
 
 BENCH_CATEGORY = "chat"   # ShareGPT first turns: the serving-benchmark standard
@@ -144,11 +144,9 @@ def local_stack_config(dtype: str, drafts: list[str] | None) -> dict:
     """The default application (deploy/serve.yaml) plus prompt lookup colocated in the target
     replica, restricted to ``drafts`` when given: every draft model deployed costs start-up time
     and memory that a run measuring only prompt lookup need not pay."""
-    from specserve.cluster.serve_config import local_serve_config
+    from specserve.cluster.serve_config import TARGET_REPLICAS, app_serve_config, local_serve_config
 
-    config = local_serve_config()
-    app = config["applications"][0]
-    args = app["args"]
+    args = local_serve_config()["applications"][0]["args"]
     args["dtype"] = dtype
     available = [*args["drafts"], {"name": colocated_name(PROMPT_LOOKUP), "colocated": True}]
     if drafts is not None:
@@ -162,11 +160,8 @@ def local_stack_config(dtype: str, drafts: list[str] | None) -> dict:
     kept = [d["name"] for d in available]
     if args.get("default_draft") not in kept:
         args["default_draft"] = kept[0]
-    # Serve refuses options for deployments the application no longer has; a colocated draft has none.
-    deployments = {INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT,
-                   *(draft_deployment(d["name"]) for d in available if not d.get("colocated"))}
-    app["deployments"] = [d for d in app.get("deployments", []) if d["name"] in deployments]
-    return config
+    # One entry per deployment the restricted app has (Serve refuses the others), sized as the default.
+    return app_serve_config(args, target_replicas=TARGET_REPLICAS)
 
 
 def served_model(url: str) -> dict:

@@ -42,13 +42,18 @@ DRAFT_MODEL_THREADS = 1   # a draft model: one thread (a small forward gains lit
 MODEL_FREE_CPUS = 0.1     # the ingress and prompt lookup: an event loop and no model
 
 
+def _drafts(args: dict) -> list[dict]:
+    """The app's draft specs; ``AppConfig``'s default when the args give none."""
+    return args.get("drafts", [{"name": PROMPT_LOOKUP}])
+
+
 def model_threads(args: dict) -> dict[str, int | None]:
     """The torch threads of each deployment that runs a model, by deployment name: the target's
     ``torch_threads`` and that of each draft with a model that runs as its own deployment (a
     colocated draft runs on the target's model thread). ``None``: not set, so the replica runs
     as many as it asks Ray for (Ray's ``OMP_NUM_THREADS`` = ``num_cpus``)."""
     threads: dict[str, int | None] = {TARGET_DEPLOYMENT: args.get("torch_threads")}
-    for spec in args.get("drafts", [{"name": PROMPT_LOOKUP}]):
+    for spec in _drafts(args):
         if spec.get("model") and not spec.get("colocated"):
             threads[draft_deployment(spec["name"])] = spec.get("torch_threads")
     return threads
@@ -84,7 +89,7 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
         }
 
     drafts = []
-    for spec in args.get("drafts", [{"name": PROMPT_LOOKUP}]):
+    for spec in _drafts(args):
         name = draft_deployment(spec["name"])
         if spec.get("colocated"):
             continue

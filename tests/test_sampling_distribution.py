@@ -86,7 +86,7 @@ def test_first_two_tokens_follow_the_target(target, hsr_head, case, params):
         "prompt-lookup-tree": PromptLookupDraft(),
         # q = 0 on every odd token: the residual max(0, p - q) must give them their mass.
         "pruned-head-chain": DraftLM("pruned", pruned_copy(target, head=list(range(0, VOCAB, 2)))),
-        # Reads the target's states: its first step proposes nothing, so its draft token is t2.
+        # Reads the target's hidden states, which the prefill already gives it: it drafts from step 1.
         "hsr-chain": HSRDraft("hsr", hsr_head),
         "hsr-tree": HSRDraft("hsr", hsr_head),
         "bonus-draft-lm-chain": DraftLM("near", perturbed(target, seed=1)),
