@@ -1,0 +1,125 @@
+"""Cluster priors from the counters of every replica, and the snapshot replicas start requests from.
+
+Per (target, draft, task bucket), from counters summed over time windows with exponential decay
+(weight 0.5^(age / half_life), so the priors follow drift without forgetting at once):
+
+    α                paper 003 Eq. 2: Σ accepted / (Σ accepted + Σ 1[n < γ]), capped at α_max
+    accepted length  emitted tokens per drafting step (τ)
+    by position      P(draft token i accepted | offered), vLLM's per-position acceptance
+    a                draft ms per draft token; b(γ) verify ms of a step at window γ (least
+                     squares over the windows seen; flat when only one was seen)
+    latency ratio    a / b(0): paper 003 §5's cost of a draft token relative to a target forward
+    best window      argmax over γ of G(γ) = E(γ) / (γ·a + b(γ)), E(γ) = (1 − α^(γ+1)) / (1 − α)
+                     (paper 003 Eq. 1 with the cluster's measured costs)
+
+A bucket's prior is published only after ``min_steps`` drafting steps; an ``all`` bucket per
+(target, draft) pools every bucket, for buckets not yet seen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+
+from specserve.policies.goodput import expected_emitted
+from specserve.policies.stats import StatsKey
+
+ALL_BUCKETS = "all"
+SNAPSHOT_FORMAT = 1
+
+
+def _decayed(counts: dict[StatsKey, Counter], now: float, half_life_s: float) -> dict[tuple[str, str, str], dict[str, float]]:
+    sums: dict[tuple[str, str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for key, c in counts.items():
+        weight = 0.5 ** (max(0.0, now - key.window_start) / half_life_s)
+        for bucket in (key.bucket, ALL_BUCKETS):
+            into = sums[(key.target, key.draft, bucket)]
+            for field, n in c.items():
+                into[field] += weight * n
+    return sums
+
+
+def _verify_fit(c: dict[str, float]) -> tuple[float, float] | None:
+    """(b0, b1) of verify ms ≈ b0 + b1·γ, weighted by steps per window; b1 = 0 with one window."""
+    points = []
+    for field, us in c.items():
+        if field.startswith("verify_us_w"):
+            gamma = int(field.removeprefix("verify_us_w"))
+            steps = c.get(f"window_{gamma}", 0.0)
+            if steps > 0:
+                points.append((gamma, us / steps / 1e3, steps))
+    if not points:
+        return None
+    total = sum(w for _, _, w in points)
+    mean_g = sum(g * w for g, _, w in points) / total
+    mean_v = sum(v * w for _, v, w in points) / total
+    var = sum(w * (g - mean_g) ** 2 for g, _, w in points)
+    slope = 0.0 if var == 0 else max(0.0, sum(w * (g - mean_g) * (v - mean_v) for g, v, w in points) / var)
+    return mean_v - slope * mean_g, slope
+
+
+def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, window_max: int) -> int:
+    def goodput(gamma: int) -> float:
+        return expected_emitted(alpha, gamma) / (gamma * draft_ms_per_token + max(1e-6, b0 + b1 * gamma))
+    return max(range(window_max + 1), key=lambda g: (goodput(g), -g))
+
+
+def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_max: float, window_max: int) -> dict | None:
+    drafts = c.get("drafts", 0.0)
+    fit = _verify_fit(c)
+    if drafts <= 0 or fit is None:
+        return None
+    accepted, rejections = c.get("accepted_tokens", 0.0), c.get("rejections", 0.0)
+    alpha = min(alpha_max, accepted / (accepted + rejections)) if accepted + rejections > 0 else 0.0
+    offered = Counter()
+    for field, n in c.items():
+        if field.startswith("window_"):
+            gamma = int(field.removeprefix("window_"))
+            for i in range(gamma):
+                offered[i] += n
+    by_position = [round(c.get(f"accepted_pos_{i}", 0.0) / offered[i], 4) for i in sorted(offered) if offered[i] > 0]
+    draft_tokens = c.get("draft_tokens", 0.0)
+    a = c.get("draft_us", 0.0) / 1e3 / draft_tokens if draft_tokens else 0.0
+    b0, b1 = fit
+    return {
+        "target": target, "draft": draft, "bucket": bucket,
+        "steps": round(drafts, 2),
+        "requests": round(c.get("requests", 0.0), 2),
+        "alpha": round(alpha, 4),
+        "mean_accepted_len": round(c.get("emitted", 0.0) / drafts, 4),
+        "acceptance_by_position": by_position,
+        "draft_ms_per_token": round(a, 4),
+        "verify_ms": [round(b0, 4), round(b1, 4)],
+        "latency_ratio": round(a / b0, 4) if b0 > 0 else None,
+        "best_window": best_window(alpha, a, b0, b1, window_max),
+        "plain_share": round(c.get("plain_steps", 0.0) / (c.get("plain_steps", 0.0) + drafts), 4),
+    }
+
+
+def compute_snapshot(counts: dict[StatsKey, Counter], now: float | None = None, half_life_s: float = 3600.0,
+                     min_steps: int = 20, alpha_max: float = 0.95, window_max: int = 8) -> dict:
+    """The snapshot document (without version: ``RedisStats.publish_snapshot`` stamps it)."""
+    now = time.time() if now is None else now
+    priors = []
+    for (target, draft, bucket), c in sorted(_decayed(counts, now, half_life_s).items()):
+        if c.get("drafts", 0.0) < min_steps:
+            continue
+        prior = prior_of(target, draft, bucket, c, alpha_max, window_max)
+        if prior is not None:
+            priors.append(prior)
+    return {"format": SNAPSHOT_FORMAT, "computed_at": now, "half_life_s": half_life_s, "min_steps": min_steps,
+            "priors": priors}
+
+
+def find_prior(snapshot: dict | None, target: str, draft: str, bucket: str) -> dict | None:
+    """The prior for a request: its bucket's, else the draft's pooled ``all``; None when absent."""
+    if not snapshot:
+        return None
+    fallback = None
+    for prior in snapshot.get("priors", ()):
+        if prior["target"] == target and prior["draft"] == draft:
+            if prior["bucket"] == bucket:
+                return prior
+            if prior["bucket"] == ALL_BUCKETS:
+                fallback = prior
+    return fallback

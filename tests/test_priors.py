@@ -1,0 +1,47 @@
+"""Cluster priors from counters: paper 003's objective with the cluster's measured costs."""
+
+from collections import Counter
+
+import pytest
+
+from specserve.policies.priors import best_window, compute_snapshot, find_prior
+from specserve.policies.stats import StatsKey
+
+
+def counts(accepted, rejections, drafts=100, window=4, verify_ms=10.0, draft_ms=2.0, **extra):
+    return Counter(drafts=drafts, draft_tokens=drafts * window, accepted_tokens=accepted, rejections=rejections,
+                   emitted=accepted + drafts, **{f"window_{window}": drafts, f"verify_us_w{window}": int(drafts * verify_ms * 1e3)},
+                   draft_us=int(drafts * draft_ms * 1e3), verify_us=int(drafts * verify_ms * 1e3), **extra)
+
+
+def test_best_window_is_zero_when_alpha_is_tiny_and_the_largest_when_alpha_is_high_and_verify_flat():
+    assert best_window(0.01, draft_ms_per_token=1.0, b0=10.0, b1=0.0, window_max=8) == 0
+    assert best_window(0.95, draft_ms_per_token=0.0, b0=10.0, b1=0.0, window_max=8) == 8
+    # A steep verify cost pulls the window in: each token costs half a forward.
+    assert best_window(0.6, draft_ms_per_token=0.0, b0=10.0, b1=5.0, window_max=8) < best_window(0.6, 0.0, 10.0, 0.0, 8)
+
+
+def test_snapshot_alpha_cost_fit_and_latency_ratio():
+    key = StatsKey("t", "pl", "p64", 0)
+    c = counts(accepted=300, rejections=100) + counts(accepted=50, rejections=50, window=1, verify_ms=8.0, draft_ms=0.5)
+    snapshot = compute_snapshot({key: c}, now=0.0)
+    assert sorted(p["bucket"] for p in snapshot["priors"]) == ["all", "p64"]
+    p = find_prior(snapshot, "t", "pl", "p64")
+    assert p["alpha"] == pytest.approx(350 / 500, abs=1e-4)
+    # verify ms 8 at γ = 1 and 10 at γ = 4: b(γ) = 7.333 + 0.667·γ
+    assert p["verify_ms"] == pytest.approx([22 / 3, 2 / 3], abs=1e-3)
+    assert p["draft_ms_per_token"] == pytest.approx((200 + 50) / (400 + 100))
+    assert p["latency_ratio"] == pytest.approx(0.5 / (22 / 3), abs=1e-3)
+
+
+def test_older_windows_weigh_less():
+    old, new = StatsKey("t", "pl", "p64", 0), StatsKey("t", "pl", "p64", 3600)
+    snapshot = compute_snapshot({old: counts(400, 0), new: counts(0, 100)}, now=3600.0, half_life_s=3600.0)
+    p = find_prior(snapshot, "t", "pl", "p64")
+    assert p["alpha"] == pytest.approx(200 / 300, abs=1e-4)       # the old window's 400 count as 200
+
+
+def test_find_prior_falls_back_to_the_pooled_bucket():
+    snapshot = compute_snapshot({StatsKey("t", "pl", "p64", 0): counts(300, 100)}, now=0.0)
+    assert find_prior(snapshot, "t", "pl", "p1024")["bucket"] == "all"
+    assert find_prior(snapshot, "t", "other", "p64") is None and find_prior(None, "t", "pl", "p64") is None

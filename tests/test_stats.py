@@ -1,0 +1,64 @@
+"""The replica-local statistics collector: integer counts per (target, draft, bucket, window)."""
+
+from collections import Counter
+
+from specserve.policies.stats import StatsCollector, StatsKey, counts_from_record, task_bucket
+from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
+
+
+def step(request_id, draft="pl", proposed=4, accepted=2, max_depth=4):
+    return RequestStep(request_id, draft, Speculation(max_depth) if max_depth else PLAIN, proposed, accepted,
+                       max_depth, None)
+
+
+def record(*steps, draft_ms=2.0, verify_ms=10.0):
+    return StepRecord(len(steps), sum(1 + s.proposed for s in steps), 0, draft_ms, verify_ms, 0.0, tuple(steps))
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_counts_of_one_step_follow_eq2_and_vllm_names():
+    counts = counts_from_record(record(step("a", accepted=2), step("b", accepted=4), step("c", proposed=0, accepted=0, max_depth=0)))
+    assert counts["a"] == Counter(drafts=1, draft_tokens=4, accepted_tokens=2, accepted_pos_0=1, accepted_pos_1=1,
+                                  rejections=1, emitted=3, window_4=1, verify_us_w4=10000, draft_us=2000, verify_us=10000)
+    assert counts["b"]["rejections"] == 0 and counts["b"]["accepted_pos_3"] == 1 and counts["b"]["emitted"] == 5
+    # A request with a draft whose step went plain: speculation switched off, nothing drafted.
+    assert counts["c"] == Counter(plain_steps=1)
+
+
+def test_collector_sums_per_key_and_drain_empties_it():
+    clock = Clock(1000.0)
+    c = StatsCollector("t", window_s=60, clock=clock)
+    c.start("a", "pl", prompt_tokens=10)
+    c.start("b", "pl", prompt_tokens=300)
+    c.observe(record(step("a", accepted=1), step("b", accepted=3)))
+    c.observe(record(step("a", accepted=4)))
+    c.observe(record(step("ghost", accepted=4)))   # unknown request: not counted
+    drained = c.drain()
+    short, long = StatsKey("t", "pl", "p64", 960), StatsKey("t", "pl", "p1024", 960)
+    assert set(drained) == {short, long}
+    assert drained[short]["requests"] == 1 and drained[short]["drafts"] == 2 and drained[short]["accepted_tokens"] == 5
+    assert drained[long]["accepted_tokens"] == 3
+    assert c.drain() == {} and c.pending == 0
+
+
+def test_buffer_is_bounded_in_windows_and_keeps_every_count():
+    clock = Clock(0.0)
+    c = StatsCollector("t", window_s=10, max_windows=3, clock=clock)
+    c.start("a", "pl", 10)
+    for i in range(10):              # ten windows of one step each
+        clock.t = 10.0 * i
+        c.observe(record(step("a", accepted=1)))
+    drained = c.drain()
+    assert len({k.window_start for k in drained}) == 3
+    assert sum(v["drafts"] for v in drained.values()) == 10 and sum(v["requests"] for v in drained.values()) == 1
+
+
+def test_task_buckets():
+    assert [task_bucket(n) for n in (1, 64, 65, 256, 1024, 5000)] == ["p64", "p64", "p256", "p256", "p1024", "p1024+"]
