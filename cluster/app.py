@@ -1,10 +1,11 @@
-"""The Serve application builder: ingress -> target -> one deployment per draft (or colocated drafts).
+"""The Serve application builder: ingress -> target -> one deployment per draft (or colocated
+drafts), and with a Redis URL the policy service (ingress -> policy for ``GET /v1/policy``).
 
     serve run specserve.cluster.app:app                  # defaults: the reference models
     serve run deploy/serve.yaml                          # the same builder, args and deployments from YAML
 
 Deployments get their defaults here; Serve's config file overrides them by name (``ingress``,
-``target``, ``draft-<name>``), which is where replicas, CPUs/GPUs and autoscaling are set.
+``target``, ``draft-<name>``, ``policy``), which is where replicas, CPUs/GPUs and autoscaling are set.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from specserve.cluster.config import INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
-from specserve.policies.registry import build_policy
+from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.policies.policy_service import PolicyService
+from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
 from specserve.router.ingress import Ingress
@@ -37,10 +39,13 @@ def build_app(args: AppConfig) -> Application:
         for spec in config.drafts
     }
     target = TargetDeployment.options(name=TARGET_DEPLOYMENT).bind(
-        config.target, drafts, build_policy(config.policy), config.dtype, config.torch_threads, config.kv_sessions_idle,
-        config.max_batch, config.prefill_chunk,
+        config.target, drafts, PolicyByRequest(config.policy), config.dtype, config.torch_threads, config.kv_sessions_idle,
+        config.max_batch, config.prefill_chunk, config.redis_url, config.redis_prefix, config.model_id,
     )
-    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config.ingress_config())
+    policy = None
+    if config.redis_url:
+        policy = PolicyService.options(name=POLICY_DEPLOYMENT).bind(config.redis_url, config.redis_prefix)
+    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config.ingress_config(), policy)
 
 
 # The reference models with every default, for `serve run specserve.cluster.app:app` and

@@ -19,6 +19,7 @@ from specserve.router.openai_api import AUTO_DRAFT, MAX_WINDOW, NO_DRAFT
 
 INGRESS_DEPLOYMENT = "ingress"
 TARGET_DEPLOYMENT = "target"
+POLICY_DEPLOYMENT = "policy"
 PROMPT_LOOKUP = "prompt-lookup"
 
 
@@ -83,7 +84,12 @@ class AppConfig(BaseModel):
     prefill_chunk: int = Field(
         512, ge=16, description="Prompt tokens a target replica prefills per step, so that running requests are not stalled by a long prompt."
     )
-    redis_url: str | None = Field(None, description="The Redis the policy service shares statistics through.")
+    redis_url: str | None = Field(
+        None, description="The Redis the replicas share statistics through and the policy service publishes "
+        "snapshots to (redis://, or rediss:// for TLS; a password goes in the URL). None: no policy service, "
+        "each replica learns alone.")
+    redis_prefix: str = Field("specserve", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                              description="Key prefix in Redis, one per application, so that applications can share a Redis.")
     policy: str = Field(DEFAULT_POLICY, description=f"How each request's window adapts per step: {', '.join(POLICIES)}. "
                         "A request that names its window or tree keeps it.")
 

@@ -57,6 +57,9 @@ class SpecRequest:
     # The client named the window or tree itself: policies leave it as asked (a user measuring a
     # window gets that window); otherwise the deployment's policy adapts it.
     pinned: bool = False
+    # The policy that adapts this request (a name from ``specserve.policies.registry``); None: the
+    # deployment's.
+    policy: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -183,6 +186,8 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.slots: list[RequestState | None] = [None] * target.slots
         self.records: deque[StepRecord] = deque(maxlen=256)
+        # Besides the policy, whoever learns from the steps (statistics collectors, metrics).
+        self.observers: list[Callable[[StepRecord], None]] = []
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -313,5 +318,7 @@ class Scheduler:
         )
         self.records.append(record)
         self.policy.observe(record)
+        for observe in self.observers:
+            observe(record)
         return record
 

@@ -11,6 +11,7 @@ HTTP formats the events as OpenAI JSON or Server-Sent Events; gRPC as protobuf m
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -28,6 +29,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
+from specserve.policies.registry import POLICIES
 from specserve.replicas.model_store import load_tokenizer_and_config
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
@@ -112,8 +114,10 @@ _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_F
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256, health_check_period_s=10)
 @serve.ingress(api)
 class Ingress:
-    def __init__(self, target: DeploymentHandle, config: IngressConfig):
+    def __init__(self, target: DeploymentHandle, config: IngressConfig, policy: DeploymentHandle | None = None):
+        """``policy``: the policy service, when the application shares statistics through Redis."""
         self.target = target
+        self.policy = policy
         self.config = config
         self.tokenizer, model_config = load_tokenizer_and_config(config.target)
         self.max_context = getattr(model_config, "max_position_embeddings", None)
@@ -148,6 +152,10 @@ class Ingress:
         elif draft not in (NO_DRAFT, *self.config.draft_names):
             raise OpenAIError(f"unknown draft {draft!r}; available: {', '.join([AUTO_DRAFT, NO_DRAFT, *self.config.draft_names])}",
                               param="spec.draft", code="draft_not_found")
+        policy = spec.policy if spec else None
+        if policy is not None and policy not in POLICIES:
+            raise OpenAIError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}",
+                              param="spec.policy", code="policy_not_found")
         window = spec.window if spec and spec.window is not None else self.config.default_window
         tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
         params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed)
@@ -155,7 +163,8 @@ class Ingress:
         return Prepared(
             id=request_id,
             spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id,
-                                     pinned=bool(spec and (spec.window is not None or spec.tree is not None))),
+                                     pinned=bool(spec and (spec.window is not None or spec.tree is not None)),
+                                     policy=policy),
             stop=req.stop,
         )
 
@@ -221,8 +230,21 @@ class Ingress:
     async def models(self) -> dict:
         return {"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
-            "max_model_len": self.max_context, "drafts": self.config.draft_names,
+            "max_model_len": self.max_context, "drafts": self.config.draft_names, "policies": list(POLICIES),
         }]}
+
+    @api.get("/v1/policy")
+    async def policy_snapshot(self) -> dict:
+        """The cluster priors new requests start from (the policy service's latest snapshot)."""
+        if self.policy is None:
+            raise OpenAIError("this deployment has no policy service: give the application a redis_url",
+                              status=404, code="policy_service_not_configured")
+        try:
+            snapshot, status = await asyncio.gather(self.policy.snapshot.remote(), self.policy.status.remote())
+        except Exception as err:  # noqa: BLE001 - the service is down: say so, do not fail the ingress
+            raise OpenAIError(f"the policy service is not answering ({type(err).__name__}); retry shortly",
+                              status=503, type="server_error", code="policy_service_unavailable") from err
+        return {"object": "policy_snapshot", "snapshot": snapshot, "service": status}
 
     @api.post("/v1/completions")
     async def completions(self, req: CompletionRequest):

@@ -50,6 +50,8 @@ class SpecOptions(BaseModel):
     draft: str | None = Field(None, description="A draft name, 'auto' (the router's choice) or 'none' (plain decoding).")
     window: int | None = Field(None, ge=0, le=MAX_WINDOW, description="Window γ: draft tokens per step.")
     tree: TreeOptions | None = Field(None, description="Draft a token tree instead of a chain.")
+    policy: str | None = Field(None, description="How this request's window or tree adapts per step, instead of "
+                               "the deployment's policy: a name from GET /v1/models' `policies`.")
 
 
 class StreamOptions(BaseModel):

@@ -326,3 +326,79 @@ def test_a_burst_scales_the_ingress_out(served, client):
             time.sleep(0.5)
         assert all(f.result() > 0 for f in burst), "every request of the burst must be served"
     assert replicas == 2, "8 concurrent requests at target_ongoing_requests=1 should scale the ingress to 2"
+
+
+def _redis_counts(url: str, field: str) -> int:
+    from specserve.policies.redis_stats import RedisStats
+
+    return sum(c[field] for c in RedisStats(url, "specserve").read().values())
+
+
+def test_the_policy_service_publishes_priors_and_new_requests_start_from_them(served, client):
+    """Replicas' counters reach Redis, the policy service turns them into a snapshot that
+    GET /v1/policy shows, and a new request's `spec.prior` names the snapshot it started from."""
+    for _ in range(10):   # the static policy drafts every step it can: enough steps for a prior
+        chat(client, PROMPTS[2], {"draft": "prompt-lookup", "policy": "static"})
+    deadline, priors = time.monotonic() + 90, []
+    while not priors and time.monotonic() < deadline:
+        body = httpx.get(served.http_url + "/v1/policy", timeout=30).json()
+        priors = [p for p in (body["snapshot"] or {}).get("priors", []) if p["draft"] == "prompt-lookup"]
+        time.sleep(1)
+    assert priors, f"no prompt-lookup prior within 90 s: {body}"
+    assert {"alpha", "best_window", "mean_accepted_len", "latency_ratio", "acceptance_by_position"} <= set(priors[0])
+    assert 0.0 <= priors[0]["alpha"] <= 1.0 and body["service"]["redis_error"] is None
+    deadline, prior = time.monotonic() + 60, None
+    while prior is None and time.monotonic() < deadline:
+        prior = chat(client, PROMPTS[2], {"draft": "prompt-lookup"}).model_extra["spec"].get("prior")
+    assert prior is not None and prior["version"] >= 1 and prior["window"] >= 1
+    # A pinned window is the client's: no prior.
+    assert "prior" not in chat(client, PROMPTS[2], {"draft": "prompt-lookup", "window": 3}).model_extra["spec"]
+
+
+def test_redis_killed_while_requests_stream_loses_nothing_and_the_counts_arrive_after_restart(served, client, tmp_path):
+    import signal
+
+    from specserve.cluster.redis_server import RedisServer, ping
+
+    time.sleep(5)   # earlier tests' counts flushed (every 2 s), so that Redis holds only what follows
+    os.kill(served.redis_pid, signal.SIGKILL)
+    while ping(served.redis_url):
+        time.sleep(0.05)
+
+    def one(i):
+        return chat(client, PROMPTS[i % len(PROMPTS)], {"draft": "prompt-lookup"}).usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(n > 0 for n in pool.map(one, range(8))), "every request is served while Redis is down"
+    assert httpx.get(served.http_url + "/health", timeout=30).status_code == 200
+    port = int(served.redis_url.rsplit(":", 1)[1].split("/")[0])
+    restarted = RedisServer.start(tmp_path, port=port)   # empty: it kept nothing on disk
+    try:
+        # The 8 requests counted during the outage arrive, once each (exactly-once flushes).
+        deadline = time.monotonic() + 60
+        while _redis_counts(served.redis_url, "requests") < 8 and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(5)   # a few more flush rounds: nothing may be counted twice
+        assert _redis_counts(served.redis_url, "requests") == 8
+    finally:
+        restarted.stop()
+
+
+def test_speculation_metrics_reach_the_prometheus_endpoint(served, client):
+    """vLLM-named spec-decode counters on Ray's metrics endpoint (the Ray dashboard reads it)."""
+    chat(client, PROMPTS[2], {"draft": "prompt-lookup", "policy": "static"})
+    names = ("ray_specserve_spec_decode_num_drafts", "ray_specserve_spec_decode_num_draft_tokens",
+             "ray_specserve_spec_decode_num_accepted_tokens", "ray_specserve_spec_decode_num_accepted_tokens_per_pos",
+             "ray_specserve_spec_decode_window_bucket")
+    deadline, text = time.monotonic() + 90, ""
+    while time.monotonic() < deadline:
+        text = httpx.get(served.metrics_url, timeout=30).text
+        if all(n in text for n in names):
+            break
+        time.sleep(2)
+    missing = [n for n in names if n not in text]
+    assert not missing, f"not on {served.metrics_url}: {missing}"
+    drafts = [line for line in text.splitlines()   # Prometheus may add _total to a counter's name
+              if line.startswith(("ray_specserve_spec_decode_num_drafts{", "ray_specserve_spec_decode_num_drafts_total{"))]
+    assert any('draft="prompt-lookup"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in drafts), \
+        [line for line in text.splitlines() if "spec_decode_num_drafts" in line]

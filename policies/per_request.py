@@ -1,0 +1,36 @@
+"""The deployment's policy, overridable per request (``spec.policy``).
+
+One instance of each policy a request names lives in the replica, created on first use, so that
+policies with per-replica state (the goodput cost model, Q-tables) keep it across requests. Every
+step's record goes to every instance: costs measured on any request inform all of them, and a
+window policy updates only the requests it chose for.
+"""
+
+from __future__ import annotations
+
+from specserve.policies.registry import POLICIES, build_policy
+from specserve.replicas.scheduler import RequestState
+from specserve.replicas.step import Speculation, StepRecord
+
+
+class PolicyByRequest:
+    def __init__(self, default: str):
+        if default not in POLICIES:
+            raise ValueError(f"unknown policy {default!r}; choose from {', '.join(POLICIES)}")
+        self.default = default
+        self.instances: dict[str, object] = {}
+
+    def name_for(self, state: RequestState) -> str:
+        return getattr(state.request, "policy", None) or self.default
+
+    def _instance(self, name: str):
+        if name not in self.instances:
+            self.instances[name] = build_policy(name)
+        return self.instances[name]
+
+    def choose(self, state: RequestState, batch_size: int) -> Speculation:
+        return self._instance(self.name_for(state)).choose(state, batch_size)
+
+    def observe(self, record: StepRecord) -> None:
+        for policy in list(self.instances.values()):
+            policy.observe(record)
