@@ -42,9 +42,16 @@ class GoodputPolicy:
         self._draft_ms: dict[str, deque[float]] = {}                            # draft -> ms of steps it proposed in
         self._history = history_steps
         self._steps = 0
+        # The cluster's α per draft (from requests that came with the policy service's prior),
+        # counted as ``prior_steps`` pseudo-steps: a replica's first unlucky steps do not switch
+        # a good draft off for ``explore_every`` steps.
+        self._prior: dict[str, float] = {}
+        self.prior_steps = 8
 
     def alpha(self, draft: str) -> float | None:
-        return estimate_alpha(self._outcomes.get(draft, ()), self.alpha_max)
+        prior = self._prior.get(draft)
+        return estimate_alpha(self._outcomes.get(draft, ()), self.alpha_max,
+                              None if prior is None else (prior, self.prior_steps))
 
     def cost_model(self) -> tuple[float, float] | None:
         """(a, b) of verify_ms ≈ a + b · tokens, or None until the steps span two sizes."""
@@ -65,6 +72,8 @@ class GoodputPolicy:
         spec = self.base.choose(state, batch_size)
         if spec.plain or state.request.pinned:
             return spec
+        if state.request.prior_alpha is not None:
+            self._prior[state.request.draft] = state.request.prior_alpha
         window = spec.window if spec.tree is None else spec.tree.depth
         return spec if self.pays(state.request.draft, window, batch_size) else PLAIN
 

@@ -24,6 +24,9 @@ Where this deviates from the paper, and why:
 - **Leaving γ = 0.** At γ = 0 nothing is drafted and α̂ can never change again; after
   ``explore_every`` plain steps in a row the request drafts one token to look again.
 - **Estimator.** Eq. 2 is the paper's own approximation of the MLE of App. B.2; we use Eq. 2.
+- **Warm start.** A request that comes with the cluster's α for its draft and task bucket
+  (``SpecRequest.prior_alpha``, from the policy service's snapshot) counts it as h/2 pseudo-steps
+  in α̂, so that one unlucky first step does not switch its speculation off.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class OnlineState(JsonState):
     others_emitted: int = 0                        # tokens the rest of the batch emitted in the last step
     others_window: int = 0                         # the longest window the rest of the batch was offered
     plain_steps: int = 0                           # γ = 0 chosen this many steps in a row
+    prior_alpha: float | None = None               # the cluster's α for this draft and bucket, if known
 
 
 def verify_ms_at(costs: tuple[tuple[int, float], ...], tokens: int) -> float | None:
@@ -91,7 +95,7 @@ class OnlineWindow:
 
     def start(self, request: SpecRequest) -> OnlineState:
         window = min(request.window, self.window_max)
-        return OnlineState(start_window=window, window=window)
+        return OnlineState(start_window=window, window=window, prior_alpha=request.prior_alpha)
 
     def update(self, state: OnlineState, outcome: WindowOutcome) -> OnlineState:
         outcomes = state.outcomes
@@ -119,8 +123,10 @@ class OnlineWindow:
         return (expected_emitted(alpha, window) + state.others_emitted) / (draft_ms + verify_ms)
 
     def decide(self, state: OnlineState, batch_size: int, rng: random.Random) -> tuple[int, OnlineState]:
-        alpha = estimate_alpha(state.outcomes, self.alpha_max)
-        if alpha is None or fit_verify_ms(state.verify_costs) is None:
+        # A cluster prior counts as h/2 pseudo-steps (window.estimate_alpha; not in the paper).
+        prior = None if state.prior_alpha is None else (state.prior_alpha, self.history_steps / 2)
+        alpha = estimate_alpha(state.outcomes, self.alpha_max, prior)
+        if not state.outcomes or fit_verify_ms(state.verify_costs) is None:
             # Unmeasured: alternate two sizes so that the first cost fit has two points.
             other = state.start_window // 2 if state.start_window > 1 else min(2, self.window_max)
             window = state.start_window if len(state.verify_costs) % 2 == 0 else other

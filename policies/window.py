@@ -91,17 +91,28 @@ class WindowOutcome(JsonState):
         return self.window > 0 and self.accepted >= self.window
 
 
-def estimate_alpha(history: Sequence[tuple[int, int]], alpha_max: float) -> float | None:
-    """α̂ over (n, γ) pairs (paper 003 Eq. 2), capped at ``alpha_max``; None before any drafting.
+def estimate_alpha(history: Sequence[tuple[int, int]], alpha_max: float,
+                   prior: tuple[float, float] | None = None) -> float | None:
+    """α̂ over (n, γ) pairs (paper 003 Eq. 2), capped at ``alpha_max``; None before any drafting
+    (unless there is a prior).
 
     ``SpecStats.acceptance_rate`` is the project's one implementation of Eq. 2
     (Σn / (Σn + Σ1[n < γ])); this feeds it the window's totals instead of repeating it.
+
+    ``prior = (α0, m)``, the cluster's α for this draft and bucket (``priors.py``), counts as m
+    pseudo-steps: (Σn + m·α0) / (Σn + Σ1[n < γ] + m). Not in the paper, which starts cold: one
+    unlucky first step (α̂ = 0) would otherwise switch speculation off for a request that the
+    cluster knows drafts well; the prior's weight fades as the request's own steps accumulate.
     """
     drafted = [(n, g) for n, g in history if g > 0]
-    if not drafted:
+    if not drafted and prior is None:
         return None
-    totals = SpecStats(draft="", accepted=sum(n for n, _ in drafted),
-                       rejections=sum(1 for n, g in drafted if n < g))
+    accepted = float(sum(n for n, _ in drafted))
+    rejections = float(sum(1 for n, g in drafted if n < g))
+    if prior is not None:
+        alpha0, weight = prior
+        accepted, rejections = accepted + weight * alpha0, rejections + weight * (1.0 - alpha0)
+    totals = SpecStats(draft="", accepted=accepted, rejections=rejections)
     return min(alpha_max, totals.acceptance_rate)
 
 

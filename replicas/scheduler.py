@@ -60,6 +60,9 @@ class SpecRequest:
     # The policy that adapts this request (a name from ``specserve.policies.registry``); None: the
     # deployment's.
     policy: str | None = None
+    # The cluster's acceptance rate for this request's draft and task bucket (the policy service's
+    # snapshot), which adaptive policies start from instead of cold; None: no prior.
+    prior_alpha: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -105,7 +105,7 @@ class TargetDeployment:
         if prior is None:
             return request, None
         window = max(1, prior["best_window"])
-        return replace(request, window=window), {"version": snapshot["version"], "bucket": prior["bucket"],
+        return replace(request, window=window, prior_alpha=prior["alpha"]), {"version": snapshot["version"], "bucket": prior["bucket"],
                                                  "alpha": prior["alpha"], "window": window}
 
     async def generate(self, request: SpecRequest) -> AsyncIterator[dict]:

@@ -72,3 +72,27 @@ def test_the_drafts_own_time_counts():
     policy.observe(slow)
     assert abs(policy.alpha("d") - 0.3) < 1e-12
     assert not policy.pays("d", 4, batch_size=1)
+
+
+def test_the_clusters_prior_keeps_a_good_draft_on_after_a_replicas_unlucky_first_steps():
+    from specserve.replicas.scheduler import RequestState, SpecRequest
+    from specserve.replicas.sampling import SamplingParams
+    import torch
+
+    def fresh():
+        policy = GoodputPolicy(StaticPolicy(), explore_every=10**6)
+        for tokens in (5, 60) * 4:
+            policy.observe(record(tokens, 10 + tokens))     # 10 ms + 1 ms per token fed
+        return policy
+
+    def warm_request(prior):
+        return RequestState(SpecRequest([1, 2], 8, SamplingParams(), "d", 4, prior_alpha=prior), frozenset(),
+                            torch.device("cpu"))
+
+    cold, warm = fresh(), fresh()
+    warm.choose(warm_request(0.9), batch_size=1)            # a request arrives with the cluster's α
+    for policy in (cold, warm):
+        policy.observe(record(5, 15, [outcome(0)] * 2))     # two unlucky first steps
+    assert cold.alpha("d") == 0.0 and not cold.pays("d", 4, batch_size=1)
+    # 8 pseudo-steps at 0.9 beside 2 failures: α̂ = 7.2 / 10 = 0.72, E(4) = 2.4 tokens in 15 ms.
+    assert abs(warm.alpha("d") - 0.72) < 1e-9 and warm.pays("d", 4, batch_size=1)

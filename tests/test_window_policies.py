@@ -316,3 +316,26 @@ def test_every_named_policy_builds_and_the_config_rejects_unknown_ones():
     assert build_policy("online") is not build_policy("online")   # state is per replica
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         AppConfig(policy="nope")
+
+
+# ---- warm start from the cluster's prior ------------------------------------------------------------
+
+def test_a_prior_counts_as_pseudo_steps_in_alpha():
+    assert estimate_alpha([], 0.95) is None
+    assert estimate_alpha([], 0.95, prior=(0.8, 3)) == pytest.approx(0.8)
+    # One failed step of γ = 4 beside a prior of α0 = 0.8 over 3 pseudo-steps: 2.4 / (2.4 + 0.6 + 1).
+    assert estimate_alpha([(0, 4)], 0.95, prior=(0.8, 3)) == pytest.approx(2.4 / 4.0)
+
+
+def test_online_with_the_clusters_prior_keeps_drafting_after_an_unlucky_first_step():
+    rule = OnlineWindow(window_max=8, history_steps=6)
+    costs = dict(draft_ms=0.4, verify_ms=20.0)
+    cold = rule.start(request(window=4))
+    warm = rule.start(replace(request(window=4), prior_alpha=0.9))
+    for n, g in [(0, 4), (0, 2)]:     # two failed steps at two sizes (so the cost fit exists)
+        cold = rule.update(cold, outcome(n, g, **costs))
+        warm = rule.update(warm, outcome(n, g, **costs))
+    # Cold, α̂ = 0 and γ = 0 wins; warm, α̂ = 2.7 / (2.7 + 0.3 + 2) = 0.54 and drafting still pays.
+    assert rule.decide(cold, 1, RNG)[0] == 0
+    assert rule.decide(warm, 1, RNG)[0] > 0
+    assert OnlineState.from_json(warm.to_json()) == warm
