@@ -11,6 +11,9 @@ Per (target, draft, task bucket), from counters summed over time windows with ex
     latency ratio    a / b(0): paper 003 §5's cost of a draft token relative to a target forward
     best window      argmax over γ of G(γ) = E(γ) / (γ·a + b(γ)), E(γ) = (1 − α^(γ+1)) / (1 − α)
                      (paper 003 Eq. 1 with the cluster's measured costs)
+    best tree        among the tree shapes (depth, top-k) requests asked for, the one whose steps
+                     emitted the most tokens per ms of draft + verify time, measured (no model of
+                     tree acceptance is assumed); only shapes with ``min_steps`` steps compete
 
 A bucket's prior is published only after ``min_steps`` drafting steps; an ``all`` bucket per
 (target, draft) pools every bucket, for buckets not yet seen.
@@ -64,7 +67,8 @@ def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, w
     return max(range(window_max + 1), key=lambda g: (goodput(g), -g))
 
 
-def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_max: float, window_max: int) -> dict | None:
+def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_max: float, window_max: int,
+             min_steps: int = 20) -> dict | None:
     drafts = c.get("drafts", 0.0)
     fit = _verify_fit(c)
     if drafts <= 0 or fit is None:
@@ -81,6 +85,16 @@ def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_ma
     draft_tokens = c.get("draft_tokens", 0.0)
     a = c.get("draft_us", 0.0) / 1e3 / draft_tokens if draft_tokens else 0.0
     b0, b1 = fit
+    trees = {}
+    for field, steps in c.items():
+        if field.startswith("tree_") and field.endswith("_steps") and steps >= min_steps:
+            shape = field.removesuffix("_steps")
+            us = c.get(f"{shape}_us", 0.0)
+            trees[shape] = c.get(f"{shape}_emitted", 0.0) / (us / 1e3) if us > 0 else 0.0
+    best_tree = None
+    if trees:
+        depth, top_k = max(trees, key=trees.get).removeprefix("tree_").split("x")
+        best_tree = {"depth": int(depth), "top_k": int(top_k), "tokens_per_ms": round(max(trees.values()), 4)}
     return {
         "target": target, "draft": draft, "bucket": bucket,
         "steps": round(drafts, 2),
@@ -93,6 +107,7 @@ def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_ma
         "latency_ratio": round(a / b0, 4) if b0 > 0 else None,
         "best_window": best_window(alpha, a, b0, b1, window_max),
         "plain_share": round(c.get("plain_steps", 0.0) / (c.get("plain_steps", 0.0) + drafts), 4),
+        "best_tree": best_tree,
     }
 
 
@@ -104,7 +119,7 @@ def compute_snapshot(counts: dict[StatsKey, Counter], now: float | None = None, 
     for (target, draft, bucket), c in sorted(_decayed(counts, now, half_life_s).items()):
         if c.get("drafts", 0.0) < min_steps:
             continue
-        prior = prior_of(target, draft, bucket, c, alpha_max, window_max)
+        prior = prior_of(target, draft, bucket, c, alpha_max, window_max, min_steps)
         if prior is not None:
             priors.append(prior)
     return {"format": SNAPSHOT_FORMAT, "computed_at": now, "half_life_s": half_life_s, "min_steps": min_steps,

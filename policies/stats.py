@@ -17,6 +17,8 @@ spec-decode counters where one exists:
     draft_us, verify_us   time of the steps those request-steps were part of (µs, summed per request-step)
     verify_us_w<γ>    verify time of the drafting steps with window γ (the cost model b(γ) of paper 003)
     requests          requests started
+    tree_<d>x<k>_steps, _emitted, _us   drafting steps that asked a tree of depth d and top-k k, the
+                      tokens they emitted and their draft + verify time (which shape pays, measured)
 
 The collector's buffer is bounded: counts of one key only grow in value, and the number of time
 windows it holds is capped (the oldest merge into the next), so a long Redis outage costs time
@@ -76,6 +78,12 @@ def counts_from_record(record: StepRecord) -> dict[str, Counter]:
             c[f"verify_us_w{step.max_depth}"] += verify_us
             c["draft_us"] += draft_us
             c["verify_us"] += verify_us
+            tree = step.asked.tree
+            if tree is not None:
+                shape = f"tree_{tree.depth}x{tree.top_k}"
+                c[f"{shape}_steps"] += 1
+                c[f"{shape}_emitted"] += step.accepted + 1
+                c[f"{shape}_us"] += draft_us + verify_us
         elif step.draft != "none":
             c["plain_steps"] += 1
     return out

@@ -45,3 +45,14 @@ def test_find_prior_falls_back_to_the_pooled_bucket():
     snapshot = compute_snapshot({StatsKey("t", "pl", "p64", 0): counts(300, 100)}, now=0.0)
     assert find_prior(snapshot, "t", "pl", "p1024")["bucket"] == "all"
     assert find_prior(snapshot, "t", "other", "p64") is None and find_prior(None, "t", "pl", "p64") is None
+
+
+def test_the_best_tree_is_the_measured_fastest_shape_with_enough_steps():
+    c = counts(300, 100)
+    c.update({"tree_4x2_steps": 50, "tree_4x2_emitted": 150, "tree_4x2_us": 50 * 20_000,     # 0.15 tokens/ms
+              "tree_3x3_steps": 50, "tree_3x3_emitted": 200, "tree_3x3_us": 50 * 25_000,     # 0.16
+              "tree_6x4_steps": 5, "tree_6x4_emitted": 100, "tree_6x4_us": 5 * 10_000})      # too few steps
+    p = find_prior(compute_snapshot({StatsKey("t", "pl", "p64", 0): c}, now=0.0), "t", "pl", "p64")
+    assert p["best_tree"] == {"depth": 3, "top_k": 3, "tokens_per_ms": pytest.approx(0.16)}
+    assert find_prior(compute_snapshot({StatsKey("t", "pl", "p64", 0): counts(300, 100)}, now=0.0),
+                      "t", "pl", "p64")["best_tree"] is None

@@ -62,3 +62,12 @@ def test_buffer_is_bounded_in_windows_and_keeps_every_count():
 
 def test_task_buckets():
     assert [task_bucket(n) for n in (1, 64, 65, 256, 1024, 5000)] == ["p64", "p64", "p256", "p256", "p1024", "p1024+"]
+
+
+def test_a_tree_step_counts_its_shape():
+    from specserve.replicas.step import TreeShape
+
+    tree_step = RequestStep("a", "pl", Speculation(0, TreeShape(3, 2, 6)), 6, 2, 3, None)
+    counts = counts_from_record(record(tree_step, draft_ms=1.0, verify_ms=9.0))["a"]
+    assert counts["tree_3x2_steps"] == 1 and counts["tree_3x2_emitted"] == 3 and counts["tree_3x2_us"] == 10_000
+    assert counts["window_3"] == 1   # the longest path offered
