@@ -371,6 +371,11 @@ def test_redis_killed_while_requests_stream_loses_nothing_and_the_counts_arrive_
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert all(n > 0 for n in pool.map(one, range(8))), "every request is served while Redis is down"
     assert httpx.get(served.http_url + "/health", timeout=30).status_code == 200
+    # Health checks (every 10 s) do not ask Redis: every deployment stays healthy while it is down.
+    time.sleep(12)
+    statuses = {name: d["status"] for name, d in local.app_status()["deployments"].items()}
+    assert set(statuses.values()) == {"HEALTHY"}, statuses
+    assert httpx.get(served.http_url + "/v1/policy", timeout=30).status_code == 200   # the last snapshot
     port = int(served.redis_url.rsplit(":", 1)[1].split("/")[0])
     restarted = RedisServer.start(tmp_path, port=port)   # empty: it kept nothing on disk
     try:
