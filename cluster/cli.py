@@ -238,6 +238,28 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
 
 
 @app.command()
+def policy(
+    server: Optional[str] = typer.Option(None, help="A running deployment (http://HOST:PORT); default: the local stack."),
+    as_json: bool = typer.Option(False, "--json", help="Print GET /v1/policy's JSON."),
+) -> None:
+    """The cluster priors new requests start from: the policy service's latest snapshot."""
+    from specserve.cluster.policy_view import fetch_policy, format_policy
+
+    if server is None:
+        from specserve.cluster.local import LocalState
+
+        state = LocalState.load()
+        if state is None or not state.http_url:
+            fail("specserve is not up here: run `specserve up`, or give --server http://HOST:PORT")
+        server = state.http_url
+    try:
+        body = fetch_policy(server)
+    except (RuntimeError, OSError) as err:
+        fail(str(err))
+    typer.echo(json.dumps(body, indent=2) if as_json else format_policy(body))
+
+
+@app.command()
 def down() -> None:
     """Stop what `specserve up` started (Ray only if it started it, Redis only if it started it)."""
     from specserve.cluster import local
@@ -426,6 +448,61 @@ def bench_serve(
         run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, parse_drafts(drafts),
                         window, None if in_process == "none" else in_process, parse_peers(peer), dtype)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
+        fail(str(err))
+
+
+@bench_app.command("policies")
+def bench_policies(
+    json_path: Path = typer.Option(Path("bench-policies.json"), "--json", help="Where to write the rows."),
+    plot_path: Path = typer.Option(Path("bench-policies.png"), "--plot", help="Where to write the plot."),
+    prompts_per_category: int = typer.Option(2, "--prompts", help="Prompts per category (one stream each, every row)."),
+    max_tokens: int = typer.Option(96, help="New tokens per request (the cold/warm rows take at most 32)."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated subset of code,chat,summarise,edit."),
+    policies: Optional[str] = typer.Option(None, help="Comma-separated subset of row names (static-1..static-8, oracle-static, online, fsm, cache-fsm, q-learning, hf-heuristic, static-tree[-dDkKnN], sage, adt-tree, eagle2-depth, cold, warm, load-aware, target-only); default: all."),
+    draft: str = typer.Option("prompt-lookup", help="The draft of every speculating row: prompt-lookup, a zoo draft or a model folder."),
+    concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels of the load rows."),
+    load_requests: int = typer.Option(16, help="Requests of the category mix per load row, sent in waves of each concurrency."),
+    snapshot: Optional[Path] = typer.Option(None, help="A policy snapshot (JSON: GET /v1/policy's body, or the snapshot document) for the warm rows; without it only cold rows run.", exists=True, dir_okay=False),
+    start_policy: Optional[str] = typer.Option(None, help="The policy of the cold and warm rows (a registry name); default: the deployment default, load-aware."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16 (the same for every row)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core). Use 1 when other jobs share the machine."),
+) -> None:
+    """In-process, reference target, greedy: static windows 1..8 and their per-request oracle, every
+    window and tree policy in the registry, cold vs warm start on short requests, and load-aware vs
+    target-only at each concurrency, by category, side by side in one run.
+
+    A default run (4 categories x 2 prompts x 96 tokens, 16 load requests, prompt lookup) takes about
+    6 minutes on a quiet 2-core AMD EPYC and about 15 on the slower 2-core Intel Xeon; a model draft
+    takes longer."""
+    from specserve.cluster.bench_policies import run_policies_bench
+
+    set_threads(threads)
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        fail(f"--concurrency takes comma-separated integers, got {concurrency!r}")
+    snapshot_doc = None
+    if snapshot is not None:
+        try:
+            snapshot_doc = json.loads(snapshot.read_text())
+        except (OSError, ValueError) as err:
+            fail(f"--snapshot {snapshot}: not readable JSON ({err})")
+    try:
+        run_policies_bench(
+            json_path=json_path,
+            plot_path=plot_path,
+            prompts_per_category=prompts_per_category,
+            max_tokens=max_tokens,
+            categories=categories.split(",") if categories else None,
+            policies=policies.split(",") if policies else None,
+            draft=draft,
+            concurrency=levels,
+            load_requests=load_requests,
+            snapshot=snapshot_doc,
+            dtype=dtype,
+            start_policy=start_policy,
+        )
+    except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
 
 
