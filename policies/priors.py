@@ -25,7 +25,7 @@ import time
 from collections import Counter, defaultdict
 
 from specserve.policies.goodput import expected_emitted
-from specserve.policies.stats import StatsKey
+from specserve.policies.stats import StatsKey, task_bucket
 
 ALL_BUCKETS = "all"
 SNAPSHOT_FORMAT = 1
@@ -124,6 +124,22 @@ def compute_snapshot(counts: dict[StatsKey, Counter], now: float | None = None, 
             priors.append(prior)
     return {"format": SNAPSHOT_FORMAT, "computed_at": now, "half_life_s": half_life_s, "min_steps": min_steps,
             "priors": priors}
+
+
+def warm_start(snapshot: dict | None, target: str, draft: str, prompt_tokens: int) -> dict | None:
+    """Where a request that did not pin its window starts, from the cluster's prior for its draft
+    and prompt-length bucket: ``{"version", "bucket", "alpha", "window"}``, or None (cold). The
+    target replica and ``bench policies`` both start requests through here.
+
+    The window is the prior's best window, at least 1: a prior of γ = 0 still starts drafting,
+    because the per-step policy decides whether to switch speculation off and must see the draft
+    to learn; its α counts as pseudo-steps in that policy's estimate (``window.estimate_alpha``).
+    """
+    prior = find_prior(snapshot, target, draft, task_bucket(prompt_tokens))
+    if prior is None:
+        return None
+    return {"version": snapshot.get("version"), "bucket": prior["bucket"], "alpha": prior["alpha"],
+            "window": max(1, int(prior["best_window"]))}
 
 
 def find_prior(snapshot: dict | None, target: str, draft: str, bucket: str) -> dict | None:

@@ -30,11 +30,11 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specserve.policies.priors import find_prior
+from specserve.policies.priors import warm_start
 from specserve.policies.redis_stats import RedisStats
 from specserve.policies.snapshot_cache import SnapshotCache
 from specserve.policies.spec_metrics import SpecMetrics
-from specserve.policies.stats import StatsCollector, task_bucket
+from specserve.policies.stats import StatsCollector
 from specserve.policies.stats_exporter import RedisExporter
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
@@ -95,18 +95,15 @@ class TargetDeployment:
             self._background = [loop.create_task(self.exporter.run_forever()), loop.create_task(self.snapshots.run_forever())]
 
     def _warm_start(self, request: SpecRequest) -> tuple[SpecRequest, dict | None]:
-        """The request's starting window from the cluster's prior for its (draft, bucket), unless
-        the client pinned one. A prior of γ = 0 still starts at 1: the per-step policy decides
-        whether to switch speculation off, and must see the draft to learn."""
+        """The request's start from the cluster's prior (``priors.warm_start``), unless the client
+        pinned its window or tree or asked for no speculation."""
         snapshot = None if self.snapshots is None else self.snapshots.current()
         if snapshot is None or request.pinned or request.tree is not None or request.speculation.plain:
             return request, None
-        prior = find_prior(snapshot, self.stats_name, request.draft, task_bucket(len(request.prompt_ids)))
-        if prior is None:
+        start = warm_start(snapshot, self.stats_name, request.draft, len(request.prompt_ids))
+        if start is None:
             return request, None
-        window = max(1, prior["best_window"])
-        return replace(request, window=window, prior_alpha=prior["alpha"]), {"version": snapshot["version"], "bucket": prior["bucket"],
-                                                 "alpha": prior["alpha"], "window": window}
+        return replace(request, window=start["window"], prior_alpha=start["alpha"]), start
 
     async def generate(self, request: SpecRequest) -> AsyncIterator[dict]:
         """Yields ``{"token_ids": [...]}`` per step; the last item also carries ``finish_reason``

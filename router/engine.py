@@ -36,6 +36,7 @@ class GenerateRequest:
     tree: TreeShape | None = None
     params: SamplingParams = SamplingParams()
     chat: bool = True   # render the prompt with the model's chat template
+    prior_alpha: float | None = None   # the cluster's α for the draft (a warm start: policies/priors.py)
 
 
 @dataclass
@@ -145,7 +146,8 @@ class SpecEngine:
             )
         speculating = request.window > 0 or request.tree is not None
         return SpecRequest(prompt_ids, request.max_tokens, request.params,
-                           request.draft if speculating else NO_DRAFT, request.window, request.tree, uuid.uuid4().hex)
+                           request.draft if speculating else NO_DRAFT, request.window, request.tree, uuid.uuid4().hex,
+                           prior_alpha=request.prior_alpha)
 
     def generate_ids(self, prompt_ids: list[int], request: GenerateRequest,
                      on_tokens: Callable[[list[int]], None] | None = None) -> Generation:

@@ -345,6 +345,9 @@ def test_the_policy_service_publishes_priors_and_new_requests_start_from_them(se
         priors = [p for p in (body["snapshot"] or {}).get("priors", []) if p["draft"] == "prompt-lookup"]
         time.sleep(1)
     assert priors, f"no prompt-lookup prior within 90 s: {body}"
+    shown = subprocess.run([sys.executable, "-m", "specserve.cluster.cli", "policy", "--server", served.http_url],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "snapshot version" in shown.stdout and "prompt-lookup" in shown.stdout, shown
     assert {"alpha", "best_window", "mean_accepted_len", "latency_ratio", "acceptance_by_position"} <= set(priors[0])
     assert 0.0 <= priors[0]["alpha"] <= 1.0 and body["service"]["redis_error"] is None
     deadline, prior = time.monotonic() + 60, None
