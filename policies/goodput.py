@@ -11,7 +11,11 @@ per second for the batch:
     acceptance     α̂ per draft, paper 003 Eq. 2 over the last steps: Σn / (Σn + Σ1[n < γ])
     speculate iff  E(γ) / (d̂ + a + b·B·(1 + γ))  >  1 / (a + b·B),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
 
-A request whose client pinned its window or tree keeps it. Until both are measured it speculates, and every ``explore_every`` steps it speculates anyway so
+A request whose client pinned its window or tree keeps it. Until both are measured it speculates
+(α̂ counts as measured after ``min_steps`` drafting steps of the draft, or at once when requests
+bring the cluster's prior: one empty first step of prompt lookup must not switch it off for
+``explore_every`` steps, which ended short requests plain in ``bench policies``), and every
+``explore_every`` steps it speculates anyway so
 that α̂ keeps being observed. The adaptive window policies (next issue) replace the all-or-nothing
 choice with the best γ.
 """
@@ -33,8 +37,10 @@ def expected_emitted(alpha: float, window: int) -> float:
 
 
 class GoodputPolicy:
-    def __init__(self, base, history_steps: int = 64, explore_every: int = 32, alpha_max: float = 0.95):
+    def __init__(self, base, history_steps: int = 64, explore_every: int = 32, alpha_max: float = 0.95,
+                 min_steps: int = 8):
         self.base = base
+        self.min_steps = min_steps
         self.explore_every = explore_every
         self.alpha_max = alpha_max
         self._costs: deque[tuple[int, float]] = deque(maxlen=history_steps)   # (forward tokens, verify ms)
@@ -50,6 +56,8 @@ class GoodputPolicy:
 
     def alpha(self, draft: str) -> float | None:
         prior = self._prior.get(draft)
+        if prior is None and len(self._outcomes.get(draft, ())) < self.min_steps:
+            return None
         return estimate_alpha(self._outcomes.get(draft, ()), self.alpha_max,
                               None if prior is None else (prior, self.prior_steps))
 

@@ -22,7 +22,7 @@ def test_expected_emitted():
 
 
 def test_speculation_pays_alone_and_not_in_a_large_batch_at_low_acceptance():
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6)
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1)
     # Verify costs 10 ms + 1 ms per token fed (literal, two sizes so the fit is exact).
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + tokens))
@@ -65,7 +65,7 @@ def test_a_request_that_pinned_its_window_keeps_it():
 def test_the_drafts_own_time_counts():
     # Same costs and α̂ = 0.3 as above, where batch 1 speculation paid (1.43 tokens in 15 ms);
     # a draft that takes 10 ms a step makes it 1.43 tokens in 25 ms, against 1 token in 11 ms.
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6)
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1)
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + tokens))
     slow = StepRecord(1, 5, 0, 10.0, 15.0, 0.0, tuple([outcome(3)] + [outcome(0)] * 6))
@@ -93,6 +93,13 @@ def test_the_clusters_prior_keeps_a_good_draft_on_after_a_replicas_unlucky_first
     warm.choose(warm_request(0.9), batch_size=1)            # a request arrives with the cluster's α
     for policy in (cold, warm):
         policy.observe(record(5, 15, [outcome(0)] * 2))     # two unlucky first steps
-    assert cold.alpha("d") == 0.0 and not cold.pays("d", 4, batch_size=1)
+    # Cold, too few steps to judge: it keeps speculating (min_steps); warm, the prior decides.
+    assert cold.alpha("d") is None and cold.pays("d", 4, batch_size=1)
     # 8 pseudo-steps at 0.9 beside 2 failures: α̂ = 7.2 / 10 = 0.72, E(4) = 2.4 tokens in 15 ms.
     assert abs(warm.alpha("d") - 0.72) < 1e-9 and warm.pays("d", 4, batch_size=1)
+    for policy in (cold, warm):
+        policy.observe(record(5, 15, [outcome(0)] * 6))     # eight failures in all
+    # Cold: α̂ = 0, plain wins. Warm: 7.2 / (7.2 + 0.8 + 8) = 0.45, E(4) = 1.79 tokens in 15 ms
+    # still beats 1 token in 11 ms; the prior fades as the replica's own steps pile up.
+    assert cold.alpha("d") == 0.0 and not cold.pays("d", 4, batch_size=1)
+    assert abs(warm.alpha("d") - 0.45) < 1e-9 and warm.pays("d", 4, batch_size=1)
