@@ -27,7 +27,7 @@ import hashlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -123,7 +123,8 @@ class RequestState:
         if not self.speculating or room <= 0 or spec.plain:
             return PLAIN
         if spec.tree is not None:
-            return Speculation(0, TreeShape(min(spec.tree.depth, room), spec.tree.top_k, spec.tree.budget))
+            # replace, not a new TreeShape: the shape's other fields (SAGE's width decay, threshold) stay.
+            return Speculation(0, replace(spec.tree, depth=min(spec.tree.depth, room)))
         return Speculation(min(spec.window, room), None)
 
     def advance(self, result: StepResult) -> list[int]:
@@ -305,6 +306,9 @@ class Scheduler:
             state.stats.verify_s += t2 - t1
             if result.proposal_error is not None:
                 state.stats.proposal_errors += 1
+            asked = plan.speculation.get(state.id, PLAIN)
+            if asked.tree is not None:   # the response's spec says which trees the policy asked for
+                state.stats.trees.append([asked.tree.depth, asked.tree.top_k, asked.tree.budget])
             new = state.advance(result)
             item_out = {"token_ids": new}
             if state.done:
@@ -314,6 +318,7 @@ class Scheduler:
                 request_id=state.id, draft=state.request.draft, asked=plan.speculation.get(state.id, PLAIN),
                 proposed=result.proposed, accepted=result.accepted, max_depth=result.max_depth,
                 draft_token_probs=tuple(item.proposal.token_probs) if item.proposal.token_probs else None,
+                draft_root_probs=tuple(item.proposal.root_probs) if item.proposal.root_probs else None,
             ))
         record = StepRecord(
             batch_size=len(live), forward_tokens=forward_tokens, prefill_tokens=prefilled,

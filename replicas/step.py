@@ -29,11 +29,25 @@ from specserve.replicas.tree_attention import node_depths
 @dataclass(frozen=True)
 class TreeShape:
     """How a draft should expand a token tree: at most ``depth`` levels, ``top_k`` children per
-    node, ``budget`` nodes in all (the root, the last emitted token, is not counted)."""
+    node, ``budget`` nodes in all (the root, the last emitted token, is not counted).
+
+    The last two fields are SAGE's (paper 004 §3.2, ``policies/sage_tree.py``), applied while the
+    draft grows the tree (``drafts/tree_growth.py``); their defaults keep the EAGLE-2-style tree:
+
+    - ``width_decay``: a node at level ``l >= 2`` gets ``top_k · (1/l) · (0.5 + P_parent)``
+      children (Eq. 12, ``P_parent`` its parent's path probability), and a level is not cut to
+      ``top_k`` nodes; only the budget bounds it.
+    - ``threshold``: a node is kept only if its path probability exceeds
+      ``threshold · l / depth`` (SAGE's θ_l, 0.1 in the paper); 0 keeps every node.
+
+    Drafts without a distribution (prompt lookup) ignore both.
+    """
 
     depth: int
     top_k: int
     budget: int
+    width_decay: bool = False
+    threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.budget < 1:
@@ -41,6 +55,8 @@ class TreeShape:
                 f"tree shape needs depth, top_k and budget >= 1, got "
                 f"depth={self.depth}, top_k={self.top_k}, budget={self.budget}"
             )
+        if not 0.0 <= self.threshold < 1.0:
+            raise ValueError(f"tree threshold must be in [0, 1) (a path probability scale), got {self.threshold}")
 
     @classmethod
     def parse(cls, text: str) -> "TreeShape":
@@ -68,6 +84,10 @@ class Proposal:
     # q(x) of each node given its parent, as the draft saw it (policies read the draft's
     # confidence); None for drafts without a distribution (prompt lookup).
     token_probs: list[float] | None = None
+    # The draft's highest next-token probabilities at the root, highest first (a tree's level-1
+    # distribution, ``tree_growth.ROOT_TOP_PROBS`` of them): SAGE's entropy (paper 004 Eq. 7-9)
+    # is computed from them. None for chains and for drafts without a distribution.
+    root_probs: list[float] | None = None
 
     @classmethod
     def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None,
@@ -148,6 +168,7 @@ class RequestStep:
     accepted: int               # n
     max_depth: int              # the longest path offered
     draft_token_probs: tuple[float, ...] | None   # the draft's q(x) per proposed token, if it has one
+    draft_root_probs: tuple[float, ...] | None = None   # Proposal.root_probs (trees), for SAGE's entropy
 
 
 @dataclass(frozen=True)
@@ -174,6 +195,7 @@ class SpecStats:
     # Σ 1[n < max_depth]: steps where the chain broke, the denominator term of paper 003 Eq. 2.
     rejections: int = 0
     windows: list[int] = field(default_factory=list)
+    trees: list[list[int]] = field(default_factory=list)   # [depth, top_k, budget] asked, per tree step
     # Wall time spent waiting for proposals and in verification: where a step's time goes.
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -205,4 +227,5 @@ class SpecStats:
             "draft_ms_per_step": round(1e3 * self.draft_s / self.steps, 3) if self.steps else 0.0,
             "verify_ms_per_step": round(1e3 * self.verify_s / self.steps, 3) if self.steps else 0.0,
             **({"proposal_errors": self.proposal_errors} if self.proposal_errors else {}),
+            **({"trees": [list(t) for t in self.trees]} if self.trees else {}),
         }

@@ -28,3 +28,16 @@ def test_each_request_follows_its_own_policy_in_one_batch():
 def test_an_unknown_default_policy_is_refused():
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         PolicyByRequest("nope")
+
+
+def test_the_response_spec_lists_the_trees_a_tree_policy_asked_for():
+    from specserve.replicas.step import TreeShape
+
+    model = tiny_model("llama", seed=0)
+    request = SpecRequest(PROMPT, 24, GREEDY, "near", 0, TreeShape(4, 2, 8), "tree", policy="adt-tree")
+    (gen,) = run_batch(Target(model, slots=2), servers(model), [request], policy=PolicyByRequest("static"))
+    trees = gen.stats.summary()["trees"]
+    # Every step but the last (no room left for a draft token: plain) asked a tree.
+    assert len(trees) >= gen.stats.steps - 1 and all(len(t) == 3 for t in trees)
+    assert len({tuple(t) for t in trees}) > 1, trees     # ADT-Tree moved the shape step by step
+    assert gen.token_ids == alone(model, PROMPT)

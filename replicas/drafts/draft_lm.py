@@ -41,7 +41,7 @@ class DraftLM:
         growth = TreeGrowth(shape)
         frontier_logits = self._root_logits(context)[None]            # [F, V]
         for level in range(shape.depth):
-            if growth.room <= 0:
+            if not growth.growing:   # budget spent, or every candidate pruned (SAGE's θ)
                 break
             first_new = growth.grow(frontier_logits)
             if growth.more_levels(level):

@@ -156,7 +156,7 @@ class HSRDraft:
             outputs: list[torch.Tensor] = []      # [H] per fed node, in node order
             frontier_hidden = root[0]             # [F, H]
             for level in range(shape.depth):
-                if growth.room <= 0:
+                if not growth.growing:   # budget spent, or every candidate pruned (SAGE's θ)
                     break
                 first_new = growth.grow(self.head.full_logits(frontier_hidden))
                 if not growth.more_levels(level):

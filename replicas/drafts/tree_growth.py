@@ -4,6 +4,19 @@ Every frontier node offers its top-k tokens, and the level keeps the k candidate
 highest cumulative draft log-probability (so the tree reaches its depth instead of spending the
 budget on one wide level), until the node budget is spent. Nodes are deterministic choices
 (q = one-hot), which keeps tree sampling lossless.
+
+A ``TreeShape`` with SAGE's fields (paper 004 §3.2, "Hierarchical Width Decay" and "Dynamic Tree
+Construction") grows differently: a node at level ``l >= 2`` offers
+``W_l = top_k · (1/l) · (0.5 + P_parent)`` tokens (Eq. 12), the level keeps all of them (only the
+budget bounds it), and a node whose path probability is not above ``θ_l = threshold · l / depth``
+is dropped. The paper expands recursively; here a level is one forward, so the tree grows
+breadth first and, when the budget runs out inside a level, that level's most probable
+candidates are the ones kept. A fractional ``W_l`` is rounded to the nearest count, at least 1:
+the paper does not say, and truncation would stop a confident tree (W = W_min = 2) at level 3,
+against its "deeper-narrower" intent.
+
+The tree also records the root's top probabilities (``ROOT_TOP_PROBS`` of them), from which SAGE
+computes the draft's entropy (Eq. 7-9) for the next step.
 """
 
 from __future__ import annotations
@@ -14,6 +27,17 @@ import torch
 
 from specserve.replicas.step import Proposal, TreeShape
 
+# Root probabilities a tree proposal reports: enough for SAGE's top-k entropy (k = 10 in the paper).
+ROOT_TOP_PROBS = 16
+
+
+def decayed_width(top_k: int, level: int, parent_prob: float) -> int:
+    """SAGE's children of one node at ``level`` (Eq. 12): all ``top_k`` at level 1, then
+    ``top_k · (1/level) · (0.5 + parent_prob)`` rounded to the nearest count, at least 1."""
+    if level <= 1:
+        return top_k
+    return max(1, min(top_k, math.floor(top_k / level * (0.5 + parent_prob) + 0.5)))
+
 
 class TreeGrowth:
     def __init__(self, shape: TreeShape):
@@ -22,6 +46,8 @@ class TreeGrowth:
         self.parents: list[int] = []
         self.score: list[float] = []       # cumulative log q per node
         self.frontier: list[int] = [-1]    # -1: the root
+        self.level = 0                     # levels grown so far
+        self.root_probs: list[float] | None = None
 
     @property
     def room(self) -> int:
@@ -29,13 +55,29 @@ class TreeGrowth:
 
     def grow(self, frontier_logits: torch.Tensor) -> int:
         """Add a level from the frontier's logits [F, V]; returns the index of its first node
-        (the level's nodes, ``first..len(tokens)-1``, become the frontier)."""
-        k = self.shape.top_k
-        top = torch.log_softmax(frontier_logits.float(), -1).topk(k, dim=-1)
-        base = torch.tensor([0.0 if f < 0 else self.score[f] for f in self.frontier])
-        cand = (base[:, None] + top.values).flatten()
+        (the level's nodes, ``first..len(tokens)-1``, become the frontier; it is empty when every
+        candidate was pruned)."""
+        shape = self.shape
+        self.level += 1
+        logp = torch.log_softmax(frontier_logits.float(), -1)               # [F, V]
+        if self.level == 1:
+            self.root_probs = logp[0].topk(min(ROOT_TOP_PROBS, logp.shape[-1])).values.exp().tolist()
+        parent_scores = [0.0 if f < 0 else self.score[f] for f in self.frontier]
+        if shape.width_decay:
+            widths = [decayed_width(shape.top_k, self.level, math.exp(s)) for s in parent_scores]
+        else:
+            widths = [shape.top_k] * len(self.frontier)
+        k = max(widths)
+        top = logp.topk(k, dim=-1)
+        cand = (torch.tensor(parent_scores)[:, None] + top.values).flatten()   # [F * k]
+        allowed = (torch.arange(k)[None, :] < torch.tensor(widths)[:, None]).flatten()
+        if shape.threshold > 0:   # θ_l on the path probability, in log space
+            allowed &= cand > math.log(shape.threshold * self.level / shape.depth)
+        # EAGLE-2 keeps the level's k best; SAGE keeps every node its width and θ allow.
+        limit = self.room if shape.width_decay else min(self.room, k)
+        order = [i for i in cand.argsort(descending=True).tolist() if allowed[i]][:limit]
         first = len(self.tokens)
-        for flat in cand.argsort(descending=True)[: min(self.room, k)].tolist():
+        for flat in order:
             row, col = divmod(flat, k)
             self.tokens.append(int(top.indices[row, col]))
             self.parents.append(self.frontier[row])
@@ -43,11 +85,16 @@ class TreeGrowth:
         self.frontier = list(range(first, len(self.tokens)))
         return first
 
+    @property
+    def growing(self) -> bool:
+        """Whether another level may be added: budget left and a frontier to expand."""
+        return self.room > 0 and bool(self.frontier)
+
     def more_levels(self, level: int) -> bool:
         """Whether the tree grows past ``level`` (0-based): the caller must score the frontier."""
-        return level + 1 < self.shape.depth and self.room > 0
+        return level + 1 < self.shape.depth and self.growing
 
     def proposal(self) -> Proposal:
         # q(node | parent) = exp(score(node) - score(parent)): the draft's confidence per node.
         probs = [math.exp(s - (0.0 if p < 0 else self.score[p])) for s, p in zip(self.score, self.parents)]
-        return Proposal(self.tokens, self.parents, token_probs=probs)
+        return Proposal(self.tokens, self.parents, token_probs=probs, root_probs=self.root_probs)
