@@ -31,7 +31,7 @@ from typing import ClassVar
 from specserve.policies.goodput import expected_emitted
 from specserve.policies.online_window import draft_ms_per_token, verify_ms_at
 from specserve.policies.tree import TreeOutcome
-from specserve.policies.window import JsonState, estimate_alpha, fit_verify_ms, keep_last
+from specserve.policies.window import JsonState, estimate_alpha, fit_verify_ms, keep_last, with_costs
 from specserve.replicas.scheduler import SpecRequest
 from specserve.replicas.step import TreeShape
 
@@ -74,13 +74,9 @@ class Eagle2DepthTree:
         outcomes = state.outcomes
         if outcome.depth > 0:
             outcomes = keep_last(outcomes, (outcome.accepted, outcome.depth), self.history_steps)
-        draft_costs = state.draft_costs
-        forwards = max(outcome.depth, outcome.others_depth)
-        if forwards > 0:
-            draft_costs = keep_last(draft_costs, (forwards, outcome.draft_ms), self.cost_steps)
-        verify_costs = state.verify_costs
-        if outcome.forward_tokens > 0:
-            verify_costs = keep_last(verify_costs, (outcome.forward_tokens, outcome.verify_ms), self.cost_steps)
+        draft_costs, verify_costs = with_costs(state.draft_costs, state.verify_costs, outcome.depth,
+                                               outcome.others_depth, outcome.draft_ms, outcome.forward_tokens,
+                                               outcome.verify_ms, self.cost_steps)
         return replace(
             state, outcomes=outcomes, draft_costs=draft_costs, verify_costs=verify_costs,
             others_tokens=max(0, outcome.forward_tokens - 1 - outcome.nodes),

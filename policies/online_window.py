@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from specserve.policies.goodput import expected_emitted
-from specserve.policies.window import JsonState, WindowOutcome, estimate_alpha, fit_verify_ms, keep_last
+from specserve.policies.window import JsonState, WindowOutcome, estimate_alpha, fit_verify_ms, keep_last, with_costs
 from specserve.replicas.scheduler import SpecRequest
 
 
@@ -101,13 +101,9 @@ class OnlineWindow:
         outcomes = state.outcomes
         if outcome.window > 0:
             outcomes = keep_last(outcomes, (outcome.accepted, outcome.window), self.history_steps)
-        draft_costs = state.draft_costs
-        forwards = max(outcome.window, outcome.others_window)
-        if forwards > 0:
-            draft_costs = keep_last(draft_costs, (forwards, outcome.draft_ms), self.cost_steps)
-        verify_costs = state.verify_costs
-        if outcome.forward_tokens > 0:
-            verify_costs = keep_last(verify_costs, (outcome.forward_tokens, outcome.verify_ms), self.cost_steps)
+        draft_costs, verify_costs = with_costs(state.draft_costs, state.verify_costs, outcome.window,
+                                               outcome.others_window, outcome.draft_ms, outcome.forward_tokens,
+                                               outcome.verify_ms, self.cost_steps)
         return replace(
             state, outcomes=outcomes, draft_costs=draft_costs, verify_costs=verify_costs,
             others_tokens=max(0, outcome.forward_tokens - 1 - outcome.window),

@@ -129,6 +129,19 @@ def fit_verify_ms(costs: Sequence[tuple[int, float]]) -> tuple[float, float] | N
     return max(1e-3, intercept), slope
 
 
+def with_costs(draft_costs: tuple, verify_costs: tuple, drafted: int, others_drafted: int, draft_ms: float,
+               forward_tokens: int, verify_ms: float, limit: int) -> tuple[tuple, tuple]:
+    """One step's costs added to a request's measured (draft forwards, draft ms) and (forward
+    tokens, verify ms) histories. The drafts of a step run batched, so its draft forwards are the
+    longest of the batch (``drafted`` by this request, ``others_drafted`` by the rest)."""
+    forwards = max(drafted, others_drafted)
+    if forwards > 0:
+        draft_costs = keep_last(draft_costs, (forwards, draft_ms), limit)
+    if forward_tokens > 0:
+        verify_costs = keep_last(verify_costs, (forward_tokens, verify_ms), limit)
+    return draft_costs, verify_costs
+
+
 def keep_last(items: tuple, item: Any, limit: int) -> tuple:
     """``items`` + ``item``, only the last ``limit`` of them."""
     return (*items, item)[-limit:] if limit > 0 else ()

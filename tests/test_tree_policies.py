@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from equality import assert_greedy_equal
+from test_greedy_equality import perturbed
 from specserve.policies.adt_tree import ADTState, ADTTree
 from specserve.policies.eagle2_depth_tree import Eagle2DepthState, Eagle2DepthTree
 from specserve.policies.registry import POLICIES, TREE_POLICY_NAMES, WINDOW_POLICY_NAMES, build_policy
@@ -195,17 +196,6 @@ def test_a_fully_pruned_level_ends_the_tree():
     assert growth.tokens == [0] and growth.more_levels(0)
     growth.grow(logits_of(CHILD))  # θ_2 = 0.6: 0.5 · 0.6 = 0.3 does not
     assert growth.frontier == [] and not growth.growing and not growth.more_levels(1)
-
-
-def perturbed(model, seed: int, noise: float = 0.5):
-    """A draft that agrees with the target often but not always: its weights plus noise."""
-    draft = tiny_model(model.config.model_type, seed=0)
-    draft.load_state_dict(model.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std())
-    return draft
 
 
 @pytest.fixture(scope="module")
