@@ -178,6 +178,7 @@ def up(config: dict | None = None, redis_url: str | None = None, http_port: int 
     elif not (state.redis_url and ping(state.redis_url)):
         server = RedisServer.start(state_dir())
         state.redis_url, state.redis_pid = server.url, server.pid
+    config = with_overrides(config, http_port=http_port, grpc_port=grpc_port, redis_url=state.redis_url)
     if not _ray_running():
         metrics_port = free_port()
         # Each model asks Ray for the CPUs it runs threads on, which on one machine add up to
@@ -190,7 +191,6 @@ def up(config: dict | None = None, redis_url: str | None = None, http_port: int 
     state.dashboard_url = state.dashboard_url or f"http://127.0.0.1:{DASHBOARD_PORT}"
     state.save()   # from here on `down` can clean up whatever happens next
 
-    config = with_overrides(config, http_port=http_port, grpc_port=grpc_port, redis_url=state.redis_url)
     app_name = config["applications"][0]["name"]
     http = config.get("http_options", {})
     host = http.get("host", "127.0.0.1")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from specserve.cluster.config import INGRESS_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, draft_deployment
+from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, draft_deployment
 
 APP_NAME = "specserve"
 BUILDER = "specserve.cluster.app:build_app"
@@ -178,4 +178,11 @@ def with_overrides(config: dict, *, http_port: int | None = None, grpc_port: int
         for app in config.get("applications", []):
             if app.get("import_path") == BUILDER:
                 app.setdefault("args", {})["redis_url"] = redis_url
+                # With a Redis the app has a policy service: its entry makes it count in the CPUs
+                # the local cluster is sized for (an event loop, no model).
+                deployments = app.setdefault("deployments", [])
+                if not any(d.get("name") == POLICY_DEPLOYMENT for d in deployments):
+                    deployments.append({"name": POLICY_DEPLOYMENT, "num_replicas": 1,
+                                        "ray_actor_options": {"num_cpus": MODEL_FREE_CPUS},
+                                        "health_check_period_s": 10, "health_check_timeout_s": 30})
     return config

@@ -40,6 +40,12 @@ def test_overrides_set_ports_and_redis_without_touching_the_original():
     assert (out["http_options"]["port"], out["grpc_options"]["port"]) == (1, 2)
     assert out["applications"][0]["args"]["redis_url"] == "redis://x:3/0"
     assert "redis_url" not in base["applications"][0]["args"]
+    # With a Redis the app builds a policy service; its entry makes its CPU count.
+    assert _num_cpus(out)["policy"] == 0.1 and "policy" not in _num_cpus(base)
+    assert cpus_requested(out) == pytest.approx(cpus_requested(base) + 0.1)
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(out)
 
 
 def _num_cpus(config: dict) -> dict[str, float]:

@@ -170,7 +170,8 @@ def test_the_local_cluster_holds_every_replica_it_asks_for(served, stack):
     from specserve.cluster.serve_config import cpus_requested
 
     local.connect()
-    assert set(local.app_status()["deployments"]) == {"ingress", "target", "draft-hsr", "draft-near"}
+    # (the policy service: the stack has a Redis)
+    assert set(local.app_status()["deployments"]) == {"ingress", "target", "draft-hsr", "draft-near", "policy"}
     # Each model asks for its torch threads (1 here) and Ray was started with room for them all,
     # more than this machine's cores if need be.
     assert ray.cluster_resources()["CPU"] >= cpus_requested(stack[1]) > 3
