@@ -61,6 +61,10 @@ def _verify_fit(c: dict[str, float]) -> tuple[float, float] | None:
     return mean_v - slope * mean_g, slope
 
 
+def _windows_seen(c: dict[str, float]) -> list[int]:
+    return [int(f.removeprefix("window_")) for f, n in c.items() if f.startswith("window_") and n > 0]
+
+
 def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, window_max: int) -> int:
     def goodput(gamma: int) -> float:
         return expected_emitted(alpha, gamma) / (gamma * draft_ms_per_token + max(1e-6, b0 + b1 * gamma))
@@ -105,7 +109,10 @@ def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_ma
         "draft_ms_per_token": round(a, 4),
         "verify_ms": [round(b0, 4), round(b1, 4)],
         "latency_ratio": round(a / b0, 4) if b0 > 0 else None,
-        "best_window": best_window(alpha, a, b0, b1, window_max),
+        # Never beyond the largest window measured: with one window seen b(γ) is taken flat, which
+        # would always favour the longest window (bench serve: warm starts at γ = 8 from γ = 4 data
+        # fed larger forwards than the verify cost allowed under load).
+        "best_window": best_window(alpha, a, b0, b1, min(window_max, max(_windows_seen(c), default=window_max))),
         "plain_share": round(c.get("plain_steps", 0.0) / (c.get("plain_steps", 0.0) + drafts), 4),
         "best_tree": best_tree,
     }

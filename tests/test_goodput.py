@@ -22,7 +22,7 @@ def test_expected_emitted():
 
 
 def test_speculation_pays_alone_and_not_in_a_large_batch_at_low_acceptance():
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1)
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1, margin=0.0)
     # Verify costs 10 ms + 1 ms per token fed (literal, two sizes so the fit is exact).
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + tokens))
@@ -34,6 +34,9 @@ def test_speculation_pays_alone_and_not_in_a_large_batch_at_low_acceptance():
     assert policy.pays("d", 4, batch_size=1)
     # Batch 12: 12 x 1.43 tokens in 70 ms lose to 12 tokens in 22 ms.
     assert not policy.pays("d", 4, batch_size=12)
+    # With the default 10% margin the batch-1 case (0.0953 vs 0.0909 tokens/ms: +4.8%) is too close to call.
+    policy.margin = 0.1
+    assert not policy.pays("d", 4, batch_size=1)
 
 
 def test_it_speculates_until_it_has_measured_and_explores_periodically():

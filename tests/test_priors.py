@@ -56,3 +56,11 @@ def test_the_best_tree_is_the_measured_fastest_shape_with_enough_steps():
     assert p["best_tree"] == {"depth": 3, "top_k": 3, "tokens_per_ms": pytest.approx(0.16)}
     assert find_prior(compute_snapshot({StatsKey("t", "pl", "p64", 0): counts(300, 100)}, now=0.0),
                       "t", "pl", "p64")["best_tree"] is None
+
+
+def test_the_best_window_never_exceeds_the_largest_window_measured():
+    # Only γ = 4 seen at α = 0.9 with a flat verify cost: the objective would say 8, the data say
+    # nothing beyond 4.
+    p = find_prior(compute_snapshot({StatsKey("t", "pl", "p64", 0): counts(900, 100, draft_ms=0.0)}, now=0.0),
+                   "t", "pl", "p64")
+    assert p["best_window"] == 4
