@@ -44,5 +44,5 @@ def format_policy(body: dict, now: float | None = None) -> str:
                      f"{p['alpha']:6.3f} {p['mean_accepted_len']:6.2f} {p['best_window']:6d} {ratio:>7s} "
                      f"{p['plain_share']:5.0%}")
     lines.append("alpha: paper 003 Eq. 2; tau: tokens per drafting step; c: draft ms per token / verify ms; "
-                 "off: steps the policy switched speculation off")
+                 "off: steps with nothing drafted (policy off, or no proposal)")
     return "\n".join(lines)

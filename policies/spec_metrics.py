@@ -6,7 +6,8 @@ named after vLLM's spec-decode counters so that existing dashboards carry over:
     specserve_spec_decode_num_accepted_tokens           draft tokens accepted
     specserve_spec_decode_num_accepted_tokens_per_pos   ... by position (tag ``position``)
     specserve_spec_decode_speculation_off               request-steps of a request with a draft where
-                                                        the policy switched speculation off
+                                                        nothing was drafted (the policy switched
+                                                        speculation off, or the draft had nothing)
     specserve_spec_decode_window                        histogram of the longest path offered per step
 
 Ray prefixes every name with ``ray_``. Counts are aggregated per step and draft before they are
@@ -35,7 +36,7 @@ class SpecMetrics:
             "specserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
             tag_keys=(*tags, "position"))
         self.off = metrics.Counter("specserve_spec_decode_speculation_off",
-                                   "Request-steps where the policy switched speculation off.", tag_keys=tags)
+                                   "Request-steps of a speculating request where nothing was drafted.", tag_keys=tags)
         self.window = metrics.Histogram("specserve_spec_decode_window", "Longest draft path offered per request-step.",
                                         boundaries=WINDOW_BOUNDARIES, tag_keys=tags)
 

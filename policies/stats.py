@@ -13,7 +13,9 @@ spec-decode counters where one exists:
                       second term of paper 003 Eq. 2's denominator
     emitted           tokens emitted by drafting steps (accepted + the bonus token)
     window_<γ>        drafting steps whose longest offered path was γ (a chain's window)
-    plain_steps       steps of a request that has a draft but where the policy switched speculation off
+    plain_steps       steps of a request that has a draft where nothing was drafted: the policy
+                      switched speculation off, or the draft had nothing to propose (prompt
+                      lookup without a match)
     draft_us, verify_us   time of the steps those request-steps were part of (µs, summed per request-step)
     verify_us_w<γ>    verify time of the drafting steps with window γ (the cost model b(γ) of paper 003)
     requests          requests started
