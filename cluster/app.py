@@ -15,6 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
 from specserve.policies.policy_service import PolicyService
+from specserve.policies.replica_learning import ReplicaLearningFactory
 from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
@@ -40,7 +41,8 @@ def build_app(args: AppConfig) -> Application:
     }
     target = TargetDeployment.options(name=TARGET_DEPLOYMENT).bind(
         config.target, drafts, PolicyByRequest(config.policy), config.dtype, config.torch_threads, config.kv_sessions_idle,
-        config.max_batch, config.prefill_chunk, config.redis_url, config.redis_prefix, config.model_id,
+        config.max_batch, config.prefill_chunk, ReplicaLearningFactory(config.redis_url, config.redis_prefix),
+        config.model_id,
     )
     policy = None
     if config.redis_url:

@@ -7,10 +7,11 @@ request and relays what the loop emits for it; the loop (``StepLoop.serve_foreve
 background task, and model work runs on the replica's one model thread, with its thread count
 set in that thread.
 
-Every step's record also goes to the replica's statistics collector and speculation metrics; with
-a Redis URL, a background task flushes the counts to Redis and another keeps the policy service's
-latest snapshot, from which new requests take their starting window (``spec.prior`` in the
-response says which). Neither touches Redis on the request path.
+What the replica learns with comes from the application (``learning``, built by
+``policies.replica_learning``): every step's record goes to its observers (statistics, metrics),
+its background tasks flush counts to Redis and keep the policy service's snapshot, and each new
+request may start from that snapshot (``spec.prior`` in the response says which); none of it
+touches Redis on the request path.
 
 A draft replica that fails mid-request costs speed, never the request: its requests go on with
 plain decoding (DESIGN.md §7). A client that leaves cancels its request: it leaves the batch at
@@ -23,19 +24,12 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specserve.policies.priors import warm_start
-from specserve.policies.redis_stats import RedisStats
-from specserve.policies.snapshot_cache import SnapshotCache
-from specserve.policies.spec_metrics import SpecMetrics
-from specserve.policies.stats import StatsCollector
-from specserve.policies.stats_exporter import RedisExporter
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
@@ -50,13 +44,12 @@ logger = logging.getLogger("ray.serve")
 class TargetDeployment:
     def __init__(self, model: str, drafts: dict[str, DeploymentHandle | dict], policy, dtype: str = "auto",
                  torch_threads: int | None = None, kv_sessions_idle: int = 4, max_batch: int = 16,
-                 prefill_chunk: int = 512, redis_url: str | None = None, redis_prefix: str = "specserve",
-                 stats_name: str | None = None):
+                 prefill_chunk: int = 512, learning=None, stats_name: str | None = None):
         """``drafts``: a handle per draft deployment, or the ``DraftSpec`` fields of a colocated
         draft. ``policy``: chooses each request's speculation per step (``specserve.policies``).
-        ``max_batch``: requests verified together; more wait for a slot. ``redis_url``: where the
-        statistics go and the policy snapshot comes from (None: this replica learns alone);
-        ``stats_name``: the target's name in them (default: the model's folder name)."""
+        ``max_batch``: requests verified together; more wait for a slot. ``learning``: called with
+        ``stats_name`` (default: the model's folder name), what the replica learns with: the
+        statistics, metrics and warm starts (``policies.replica_learning``); None: nothing."""
         self.loaded = load_causal_lm(model, dtype=dtype)
         # Ray sets OMP_NUM_THREADS to num_cpus; the model thread sets torch's count itself.
         threads = torch_threads or torch.get_num_threads()
@@ -76,13 +69,9 @@ class TargetDeployment:
         self.loop = StepLoop(self.scheduler, resolved, self._worker)
         self._task: asyncio.Task | None = None
         self.stats_name = stats_name or Path(model).name.removesuffix(".gguf")
-        self.collector = StatsCollector(self.stats_name)
-        self.metrics = SpecMetrics(self.stats_name)
-        self.scheduler.observers += [self.collector.observe, self.metrics.observe]
-        self.exporter = self.snapshots = None
-        if redis_url:
-            store = RedisStats(redis_url, redis_prefix)
-            self.exporter, self.snapshots = RedisExporter(self.collector, store), SnapshotCache(store)
+        self.learning = learning(self.stats_name) if learning is not None else None
+        if self.learning is not None:
+            self.scheduler.observers += self.learning.observers
         self._background: list[asyncio.Task] = []
         logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s", model, self.loaded.model.device,
                     self.loaded.model.dtype, threads, max_batch, ", ".join(drafts) or "none")
@@ -91,28 +80,18 @@ class TargetDeployment:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self.loop.serve_forever())
-        if self.exporter is not None and not self._background:
-            self._background = [loop.create_task(self.exporter.run_forever()), loop.create_task(self.snapshots.run_forever())]
-
-    def _warm_start(self, request: SpecRequest) -> tuple[SpecRequest, dict | None]:
-        """The request's start from the cluster's prior (``priors.warm_start``), unless the client
-        pinned its window or tree or asked for no speculation."""
-        snapshot = None if self.snapshots is None else self.snapshots.current()
-        if snapshot is None or request.pinned or request.tree is not None or request.speculation.plain:
-            return request, None
-        start = warm_start(snapshot, self.stats_name, request.draft, len(request.prompt_ids))
-        if start is None:
-            return request, None
-        return replace(request, window=start["window"], prior_alpha=start["alpha"]), start
+        if self.learning is not None and not self._background:
+            self._background = [loop.create_task(work) for work in self.learning.background()]
 
     async def generate(self, request: SpecRequest) -> AsyncIterator[dict]:
         """Yields ``{"token_ids": [...]}`` per step; the last item also carries ``finish_reason``
         and ``spec`` (the statistics summary)."""
         self._ensure_loop()
-        request, prior = self._warm_start(request)
+        prior = None
+        if self.learning is not None:
+            request, prior = self.learning.start(request)
         queue: asyncio.Queue[dict] = asyncio.Queue()
         state = self.loop.add(request, queue.put_nowait)
-        self.collector.start(request.request_id, request.draft, len(request.prompt_ids))
         try:
             while True:
                 item = await queue.get()
@@ -127,7 +106,8 @@ class TargetDeployment:
                 if "finish_reason" in item:
                     return
         finally:
-            self.collector.finish(request.request_id)
+            if self.learning is not None:
+                self.learning.finish(request.request_id)
             if not state.done:   # the caller left (a client hung up, a stop string, a deadline)
                 state.finish("abort")
 

@@ -1,0 +1,71 @@
+"""What a target replica learns from and with: its statistics collector and speculation metrics,
+and with a Redis URL the exporter of its counts and the cache of the policy service's snapshot,
+from which new requests start (warm start).
+
+Built by the application (``cluster/app.py``) as a factory and called inside each target replica
+with the target's name, so that the replica (``replicas/``) needs nothing from this layer but
+these five calls: ``observers``, ``start``, ``finish``, ``background`` and the factory itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+
+from specserve.policies.priors import warm_start
+from specserve.policies.redis_stats import RedisStats
+from specserve.policies.snapshot_cache import SnapshotCache
+from specserve.policies.spec_metrics import SpecMetrics
+from specserve.policies.stats import StatsCollector
+from specserve.policies.stats_exporter import RedisExporter
+from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.step import StepRecord
+
+
+class ReplicaLearning:
+    def __init__(self, target: str, redis_url: str | None = None, redis_prefix: str = "specserve"):
+        self.target = target
+        self.collector = StatsCollector(target)
+        self.metrics = SpecMetrics(target)
+        self.exporter = self.snapshots = None
+        if redis_url:
+            store = RedisStats(redis_url, redis_prefix)
+            self.exporter, self.snapshots = RedisExporter(self.collector, store), SnapshotCache(store)
+
+    @property
+    def observers(self) -> list[Callable[[StepRecord], None]]:
+        """What the scheduler hands every step's record to."""
+        return [self.collector.observe, self.metrics.observe]
+
+    def background(self) -> list[Coroutine]:
+        """The replica's background tasks: flushing counts, refreshing the snapshot."""
+        if self.exporter is None:
+            return []
+        return [self.exporter.run_forever(), self.snapshots.run_forever()]
+
+    def start(self, request: SpecRequest) -> tuple[SpecRequest, dict | None]:
+        """Count the request, and start it from the cluster's prior (``priors.warm_start``) unless
+        the client pinned its window or tree or asked for no speculation; returns the request to
+        run and the prior it started from (None: cold)."""
+        start = None
+        snapshot = None if self.snapshots is None else self.snapshots.current()
+        if snapshot is not None and not (request.pinned or request.tree is not None or request.speculation.plain):
+            start = warm_start(snapshot, self.target, request.draft, len(request.prompt_ids))
+            if start is not None:
+                request = replace(request, window=start["window"], prior_alpha=start["alpha"])
+        self.collector.start(request.request_id, request.draft, len(request.prompt_ids))
+        return request, start
+
+    def finish(self, request_id: str) -> None:
+        self.collector.finish(request_id)
+
+
+@dataclass(frozen=True)
+class ReplicaLearningFactory:
+    """Picklable (Serve ships it to each replica); called there with the target's name."""
+
+    redis_url: str | None = None
+    redis_prefix: str = "specserve"
+
+    def __call__(self, target: str) -> ReplicaLearning:
+        return ReplicaLearning(target, self.redis_url, self.redis_prefix)
