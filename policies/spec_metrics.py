@@ -20,6 +20,7 @@ from collections import Counter
 
 from ray.serve import metrics
 
+from specserve.policies.stats import counts_from_record
 from specserve.replicas.step import StepRecord
 
 WINDOW_BOUNDARIES = [0.5, 1.5, 2.5, 3.5, 4.5, 6.5, 8.5, 12.5, 16.5, 32.5, 64.5]
@@ -41,25 +42,22 @@ class SpecMetrics:
                                         boundaries=WINDOW_BOUNDARIES, tag_keys=tags)
 
     def observe(self, record: StepRecord) -> None:
+        # The collector's own counting rules (stats.counts_from_record), summed per draft.
         per_draft: dict[str, Counter] = {}
-        for step in record.requests:
-            if step.draft == "none":
-                continue
-            c = per_draft.setdefault(step.draft, Counter())
-            if step.max_depth > 0:
-                c["drafts"] += 1
-                c["draft_tokens"] += step.proposed
-                c["accepted"] += step.accepted
-                for i in range(step.accepted):
-                    c[i] += 1
-                self.window.observe(step.max_depth, tags={"target": self.target, "draft": step.draft})
-            else:
-                c["off"] += 1
+        drafts = {step.request_id: step.draft for step in record.requests}
+        for request_id, counts in counts_from_record(record).items():
+            per_draft.setdefault(drafts[request_id], Counter()).update(counts)
         for draft, c in per_draft.items():
+            if draft == "none":
+                continue
             tags = {"target": self.target, "draft": draft}
-            for name, counter in (("drafts", self.drafts), ("draft_tokens", self.draft_tokens),
-                                  ("accepted", self.accepted), ("off", self.off)):
-                if c[name]:
-                    counter.inc(c[name], tags=tags)
-            for i in (k for k in c if isinstance(k, int)):
-                self.accepted_per_pos.inc(c[i], tags={**tags, "position": str(i)})
+            for field, counter in (("drafts", self.drafts), ("draft_tokens", self.draft_tokens),
+                                   ("accepted_tokens", self.accepted), ("plain_steps", self.off)):
+                if c[field]:
+                    counter.inc(c[field], tags=tags)
+            for field, n in c.items():
+                if field.startswith("accepted_pos_"):
+                    self.accepted_per_pos.inc(n, tags={**tags, "position": field.removeprefix("accepted_pos_")})
+                elif field.startswith("window_"):
+                    for _ in range(n):
+                        self.window.observe(int(field.removeprefix("window_")), tags=tags)

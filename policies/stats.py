@@ -132,7 +132,10 @@ class StatsCollector:
                 self._add(StatsKey(self.target, draft, bucket, window), counts)
 
     def _add(self, key: StatsKey, counts: Counter) -> None:
-        self._buffer.setdefault(key, Counter()).update(counts)
+        if key in self._buffer:   # the common case, every step: no bound to check
+            self._buffer[key].update(counts)
+            return
+        self._buffer[key] = Counter(counts)
         windows = sorted({k.window_start for k in self._buffer})
         if len(windows) > self.max_windows:
             # Bounded: the oldest window's counts move into the next one (time resolution lost, no count).
