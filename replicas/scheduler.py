@@ -24,6 +24,7 @@ forward compute 13 x 256 positions instead of 316. A decoding request waits at m
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,7 +40,14 @@ from specserve.replicas.step import (
 )
 from specserve.replicas.target import Target, VerifyItem
 
+logger = logging.getLogger("ray.serve")
+
 NO_DRAFT = "none"
+# The draft is chosen by the replica's draft router (``router/``) when the request's prefill is
+# done: the features it reads include the target's perplexity on the prompt.
+AUTO_DRAFT = "auto"
+# Prompt positions whose next token each prefill chunk scores, for that perplexity (``Target.prefill``).
+PERPLEXITY_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,12 @@ class RequestState:
         self.draft_seed = draft_seed(params.seed)
         self.features_sent = 0     # target states already sent to a remote draft for this request
         self.emit = emit
+        # The target's negative log-likelihood of the prompt's last tokens, from the prefill
+        # (``PERPLEXITY_ROWS`` per chunk): the draft router's perplexity feature.
+        self.prompt_nll = 0.0
+        self.prompt_scored = 0
+        self.routed = False                # the scheduler has settled its draft (after the prefill)
+        self.routing: dict | None = None   # the draft router's decision (``spec.router``)
 
     @property
     def done(self) -> bool:
@@ -153,6 +167,20 @@ class RequestState:
             self.emit(item)
 
 
+class DraftRouter(Protocol):
+    """Chooses the draft of each ``AUTO_DRAFT`` request (``specserve.router``): once the prefill is
+    done (``route``), then again every step (``revisit``: a draft name to switch to, or None to
+    keep it); ``finish`` sees the request end. Every answer is a configured draft or NO_DRAFT."""
+
+    def route(self, state: RequestState, batch_size: int) -> str: ...
+
+    def revisit(self, state: RequestState, batch_size: int) -> str | None: ...
+
+    def finish(self, state: RequestState) -> None: ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+
 class Policy(Protocol):
     """Chooses each request's speculation for the next step (``specserve.policies``)."""
 
@@ -176,9 +204,11 @@ class StepPlan:
 class Scheduler:
     def __init__(self, target: Target, policy: Policy, eos_token_ids: frozenset[int] | set[int] = frozenset(),
                  prefill_chunk: int = 512, max_running: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, router: DraftRouter | None = None,
+                 default_draft: str = NO_DRAFT):
         """``max_running``: requests in the batch at once (default: every slot); slots beyond it
-        keep finished requests' caches as a prefix cache."""
+        keep finished requests' caches as a prefix cache. ``router`` chooses the draft of
+        ``AUTO_DRAFT`` requests; without one they get ``default_draft``."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target = target
@@ -192,6 +222,15 @@ class Scheduler:
         self.records: deque[StepRecord] = deque(maxlen=256)
         # Besides the policy, whoever learns from the steps (statistics collectors, metrics).
         self.observers: list[Callable[[StepRecord], None]] = []
+        self.router = router
+        if router is not None:
+            self.observers.append(router.observe)
+        self.default_draft = default_draft
+        # Called after a request's draft is set or switched (the replica's warm start, statistics).
+        self.on_draft: list[Callable[[RequestState, str | None], None]] = []
+        # (draft, request id) whose draft sessions the step loop should free: the draft a request
+        # switched away from keeps no KV cache.
+        self.released: list[tuple[str, str]] = []
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -199,6 +238,46 @@ class Scheduler:
         state = RequestState(request, self.eos_token_ids, self.target.model.device, emit)
         self.waiting.append(state)
         return state
+
+    def set_draft(self, state: RequestState, draft: str) -> None:
+        """``state`` speculates with ``draft`` from its next step (NO_DRAFT: plain decoding). The
+        new draft starts its own session from the tokens (it was sent none of the target's
+        states); the old one's session is freed."""
+        old = state.request.draft
+        if draft == old:
+            return
+        state.request = replace(state.request, draft=draft)
+        state.stats.draft = draft
+        state.speculating = not state.request.speculation.plain
+        state.features_sent = 0
+        if old not in (NO_DRAFT, AUTO_DRAFT):
+            self.released.append((old, state.id))
+        for hook in self.on_draft:
+            hook(state, None if old == AUTO_DRAFT else old)
+
+    def _route(self, decode: list[RequestState]) -> None:
+        """Each request's draft once its prefill is done (the router's choice for ``AUTO_DRAFT``,
+        the client's otherwise, which the router records), and the switches it asks for later.
+        A router that fails costs the choice, never the request."""
+        for state in decode:
+            if not state.routed:
+                state.routed = True
+                draft = state.request.draft
+                if self.router is not None:
+                    draft = self._ask(self.router.route, state, len(decode)) or draft
+                self.set_draft(state, self.default_draft if draft == AUTO_DRAFT else draft)
+            elif self.router is not None:
+                switch = self._ask(self.router.revisit, state, len(decode))
+                if switch is not None:
+                    self.set_draft(state, switch)
+
+    @staticmethod
+    def _ask(method, state: RequestState, batch_size: int) -> str | None:
+        try:
+            return method(state, batch_size)
+        except Exception:  # noqa: BLE001 - routing is an optimisation: the request goes on without it
+            logger.exception("draft router failed for request %s; it keeps its draft", state.id)
+            return None
 
     def cancel(self, request_id: str, reason: str = "abort") -> None:
         """The request leaves at the next ``plan`` (a client gone, a deadline passed)."""
@@ -220,6 +299,8 @@ class Scheduler:
         for i, state in enumerate(self.slots):
             if state is not None and state.done:
                 self.slots[i] = None
+                if self.router is not None:
+                    self._ask(lambda s, _: self.router.finish(s), state, 0)
         self.waiting = deque(s for s in self.waiting if not s.done)
         # Keep busy slots dense from 0: the verify forward's batch is the range of busy slots.
         while True:
@@ -260,6 +341,7 @@ class Scheduler:
             elif budget > 0:
                 plan.prefill.append((state, budget))
                 budget -= min(budget, len(state.context) - 1)
+        self._route(plan.decode)
         for state in plan.decode:
             spec = state.cap(self.policy.choose(state, len(plan.decode)))
             plan.speculation[state.id] = spec
@@ -280,7 +362,8 @@ class Scheduler:
 
     # ---- model work ---------------------------------------------------------------------------
 
-    def execute(self, plan: StepPlan, proposals: dict[str, Proposal], draft_s: float = 0.0) -> StepRecord:
+    def execute(self, plan: StepPlan, proposals: dict[str, Proposal], draft_s: float = 0.0,
+                draft_ms_by: dict[str, float] | None = None) -> StepRecord:
         """Prefill chunks, then one forward verifying every running request; streams each
         request's new tokens and hands the step's record to the policy."""
         t0 = self._clock()
@@ -288,9 +371,12 @@ class Scheduler:
         for state, chunk in plan.prefill:
             if state.done:
                 continue
-            fed, left = self.target.prefill(state.slot, state.context[:-1], chunk)
-            prefilled += fed
-            state.prefilled = left == 0
+            done = self.target.prefill(state.slot, state.context[:-1], chunk, state.context[-1],
+                                       0 if self.router is None else PERPLEXITY_ROWS)
+            prefilled += done.fed
+            state.prompt_nll += done.nll
+            state.prompt_scored += done.scored
+            state.prefilled = done.left == 0
         t1 = self._clock()
         live = [s for s in plan.decode if not s.done]
         items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator)
@@ -323,6 +409,7 @@ class Scheduler:
         record = StepRecord(
             batch_size=len(live), forward_tokens=forward_tokens, prefill_tokens=prefilled,
             draft_ms=1e3 * draft_s, verify_ms=1e3 * (t2 - t1), prefill_ms=1e3 * (t1 - t0), requests=tuple(steps),
+            draft_ms_by=tuple(sorted((draft_ms_by or {}).items())),
         )
         self.records.append(record)
         self.policy.observe(record)

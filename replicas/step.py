@@ -182,6 +182,9 @@ class StepRecord:
     verify_ms: float
     prefill_ms: float
     requests: tuple[RequestStep, ...]
+    # Each draft's own proposal time in the step, (draft, ms) by name: the drafts propose
+    # concurrently, so ``draft_ms`` is the slowest's; the router prices each draft by its own.
+    draft_ms_by: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from specserve.replicas.drafts.base import vocabulary_error
 from specserve.replicas.drafts.hsr_draft import NeedFeatures
-from specserve.replicas.scheduler import RequestState, Scheduler, SpecRequest
+from specserve.replicas.scheduler import AUTO_DRAFT, RequestState, Scheduler, SpecRequest
 from specserve.replicas.step import Proposal, Speculation, StepRecord
 
 logger = logging.getLogger("ray.serve")
@@ -43,10 +43,11 @@ class StepLoop:
         self._info: dict[str, dict] = {}
         self._disabled: dict[str, str] = {}   # draft -> why it is not used
         self._wake = asyncio.Event()
+        self._draft_ms: dict[str, float] = {}   # this step's time per draft (they run concurrently)
 
     def add(self, request: SpecRequest, emit: Callable[[dict], None] | None = None) -> RequestState:
         state = self.scheduler.add(request, emit)
-        if state.speculating and request.draft not in self.drafts:
+        if state.speculating and request.draft not in (*self.drafts, AUTO_DRAFT):
             raise ValueError(f"unknown draft {request.draft!r}; this target knows: {', '.join(self.drafts) or 'none'}")
         self._wake.set()
         return state
@@ -68,6 +69,13 @@ class StepLoop:
         return self._info[name]
 
     async def _propose(self, name: str, entries: list[tuple[RequestState, Speculation]]) -> dict[str, Proposal]:
+        t0 = self._clock()
+        try:
+            return await self._proposals(name, entries)
+        finally:
+            self._draft_ms[name] = 1e3 * (self._clock() - t0)
+
+    async def _proposals(self, name: str, entries: list[tuple[RequestState, Speculation]]) -> dict[str, Proposal]:
         draft = self.drafts[name]
         try:
             info = await self.draft_info(name)
@@ -100,11 +108,12 @@ class StepLoop:
                 state.speculating = False
             return {}
 
-    async def _release(self, finished: list[RequestState]) -> None:
+    async def _release(self, sessions: list[tuple[str, str]]) -> None:
+        """Free the draft sessions of (draft, request id) pairs."""
         by_draft: dict[str, list[str]] = {}
-        for state in finished:
-            if state.request.draft in self.drafts and state.request.draft not in self._disabled:
-                by_draft.setdefault(state.request.draft, []).append(state.id)
+        for draft, request_id in sessions:
+            if draft in self.drafts and draft not in self._disabled:
+                by_draft.setdefault(draft, []).append(request_id)
         for name, ids in by_draft.items():
             try:
                 await call(self.drafts[name], "release", ids)
@@ -119,12 +128,15 @@ class StepLoop:
             return None
         t0 = self._clock()
         proposals: dict[str, Proposal] = {}
+        self._draft_ms: dict[str, float] = {}
         for part in await asyncio.gather(*(self._propose(name, entries) for name, entries in plan.asks.items())):
             proposals.update(part)
-        record = await self.worker.run(self.scheduler.execute, plan, proposals, self._clock() - t0)
-        finished = [s for s in plan.decode if s.done]
-        if finished:
-            await self._release(finished)
+        record = await self.worker.run(self.scheduler.execute, plan, proposals, self._clock() - t0, self._draft_ms)
+        # Sessions of finished requests, and of drafts a request switched away from.
+        sessions = [(s.request.draft, s.id) for s in plan.decode if s.done] + self.scheduler.released
+        self.scheduler.released = []
+        if sessions:
+            await self._release(sessions)
         return record
 
     async def run_until_idle(self) -> None:

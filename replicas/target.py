@@ -15,6 +15,7 @@ CUDA an out-of-range id never becomes a device-side assert.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -111,6 +112,16 @@ class _Features:
         self.known = end
 
 
+class Prefilled(NamedTuple):
+    """What one prefill chunk did: tokens fed, tokens still missing, and the summed negative
+    log-likelihood of the ``scored`` prompt tokens it predicted."""
+
+    fed: int
+    left: int
+    nll: float = 0.0
+    scored: int = 0
+
+
 class Target:
     def __init__(self, model, slots: int = 1):
         self.model = model
@@ -148,17 +159,33 @@ class Target:
         self.kv.copy(src, dst)
         self._features[src], self._features[dst] = self._features[dst], self._features[src]
 
-    def prefill(self, slot: int, tokens: list[int], chunk: int) -> tuple[int, int]:
+    def prefill(self, slot: int, tokens: list[int], chunk: int, next_token: int | None = None,
+                score_rows: int = 0) -> Prefilled:
         """Feed at most ``chunk`` of the tokens ``slot`` lacks of ``tokens`` (a prompt without its
-        last token, which the first step feeds as its root). Returns (fed, still missing)."""
+        last token, which the first step feeds as its root, ``next_token``).
+
+        ``score_rows``: the chunk's last rows whose next token the prompt knows are scored (their
+        negative log-likelihood summed): the router's prompt perplexity, from the forward that
+        runs anyway. Paper 003 (Eq. 9) averages over the whole prompt; we score only the last
+        rows of each chunk, because the output layer over every prompt position would add ~20%
+        to the prefill (a 49k-token vocabulary against a 135M-parameter model)."""
         missing = self.kv.sync(slot, tokens)
         if not missing:
-            return 0, 0
+            return Prefilled(0, 0)
         first = len(tokens) - len(missing)
-        feed = Feed(slot, missing[:chunk])
-        self.kv.forward([feed])
+        fed = missing[:chunk]
+        known_next = (tokens + ([] if next_token is None else [next_token]))[first + 1:first + len(fed) + 1]
+        rows = min(score_rows, len(known_next))
+        # Feed row j predicts known_next[j]; a chunk that ends the prompt without ``next_token``
+        # has no target for its last row, so that row's logits come back too and are dropped.
+        feed = Feed(slot, fed, rows + len(fed) - len(known_next) if rows else 1)
+        logits = self.kv.forward([feed])[0]
         self._keep_features([feed], [first])
-        return len(feed.tokens), len(missing) - len(feed.tokens)
+        nll = 0.0
+        if rows:
+            wanted = torch.tensor(known_next[-rows:], device=logits.device)
+            nll = float(-torch.log_softmax(logits[:rows].float(), -1).gather(-1, wanted[:, None]).sum())
+        return Prefilled(len(fed), len(missing) - len(fed), nll, rows)
 
     def verify(self, items: list[VerifyItem]) -> list[StepResult]:
         """One forward over every item's [uncached context tail] + proposal.

@@ -11,6 +11,7 @@ import asyncio
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specserve.policies.static import StaticPolicy
 from specserve.replicas.draft_server import DraftServer
@@ -20,11 +21,14 @@ from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
 from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.sampling import SamplingParams
-from specserve.replicas.scheduler import NO_DRAFT, Scheduler, SpecRequest
+from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT, Scheduler, SpecRequest
 from specserve.replicas.step import SpecStats, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 from specserve.router.prompt_ids import encode_chat, encode_text
+
+if TYPE_CHECKING:
+    from specserve.router.draft_router import DraftRouter
 
 
 @dataclass
@@ -44,6 +48,7 @@ class Generation:
     token_ids: list[int]
     finish_reason: str   # "stop" (an EOS token) or "length" (max_tokens), as in the OpenAI API
     stats: SpecStats
+    routing: dict | None = None   # the draft router's decision (``spec.router``), when one decided
 
 
 def in_process_server(name: str, draft: Draft) -> DraftServer:
@@ -56,17 +61,19 @@ def in_process_server(name: str, draft: Draft) -> DraftServer:
 
 def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[SpecRequest],
               eos_token_ids: frozenset[int] | set[int] = frozenset(), policy=None,
-              on_tokens: Callable[[int, list[int]], None] | None = None, prefill_chunk: int = 512) -> list[Generation]:
+              on_tokens: Callable[[int, list[int]], None] | None = None, prefill_chunk: int = 512,
+              router: DraftRouter | None = None) -> list[Generation]:
     """Every request through one scheduler (batched as the target's slots allow), in-process.
-    ``on_tokens(i, tokens)`` sees request i's tokens as each step verifies them."""
-    scheduler = Scheduler(target, policy or StaticPolicy(), eos_token_ids, prefill_chunk=prefill_chunk)
+    ``on_tokens(i, tokens)`` sees request i's tokens as each step verifies them. ``router``
+    chooses the draft of ``AUTO_DRAFT`` requests (and learns from every request)."""
+    scheduler = Scheduler(target, policy or StaticPolicy(), eos_token_ids, prefill_chunk=prefill_chunk, router=router)
     loop = StepLoop(scheduler, drafts, InlineWorker())
     states = []
     for i, request in enumerate(requests):
         emit = None if on_tokens is None else (lambda item, i=i: on_tokens(i, item["token_ids"]))
         states.append(loop.add(request, emit))
     asyncio.run(loop.run_until_idle())
-    return [Generation(s.out, s.finish_reason or "length", s.stats) for s in states]
+    return [Generation(s.out, s.finish_reason or "length", s.stats, s.routing) for s in states]
 
 
 def speculative_generate(
@@ -92,6 +99,7 @@ def speculative_generate(
 class SpecEngine:
     def __init__(self, target: LoadedModel, drafts: dict[str, Draft], slots: int = 16):
         self.loaded = target
+        self.router: DraftRouter | None = None   # set one to serve spec.draft "auto" (``router/draft_router.py``)
         self.tokenizer = target.tokenizer
         self.target = Target(target.model, slots)
         for name, draft in drafts.items():
@@ -137,7 +145,9 @@ class SpecEngine:
         return encode_text(self.tokenizer, prompt)
 
     def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:
-        if request.draft != NO_DRAFT and request.draft not in self.drafts:
+        if request.draft == AUTO_DRAFT and self.router is None:
+            raise ValueError("draft 'auto' needs a draft router: set SpecEngine.router (specserve.router.draft_router)")
+        if request.draft not in (NO_DRAFT, AUTO_DRAFT) and request.draft not in self.drafts:
             raise ValueError(f"unknown draft {request.draft!r}; available: {', '.join(self.draft_names)}")
         if self.max_context and len(prompt_ids) + request.max_tokens > self.max_context:
             raise ValueError(
@@ -158,7 +168,8 @@ class SpecEngine:
                            on_tokens: Callable[[int, list[int]], None] | None = None, policy=None) -> list[Generation]:
         """Several requests at once, batched in every step as a served replica batches them."""
         spec_requests = [self._spec_request(ids, r) for ids, r in zip(prompt_ids, requests)]
-        return run_batch(self.target, self.servers, spec_requests, self.loaded.eos_token_ids, policy, on_tokens)
+        return run_batch(self.target, self.servers, spec_requests, self.loaded.eos_token_ids, policy, on_tokens,
+                         router=self.router)
 
     def generate(self, request: GenerateRequest) -> dict:
         """The ``--json`` object: ``{text, token_ids, finish_reason, usage, spec}``."""
@@ -169,5 +180,5 @@ class SpecEngine:
             "token_ids": gen.token_ids,
             "finish_reason": gen.finish_reason,
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen.token_ids)},
-            "spec": gen.stats.summary(),
+            "spec": {**gen.stats.summary(), **({"router": gen.routing} if gen.routing else {})},
         }

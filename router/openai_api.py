@@ -12,9 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specserve.replicas.scheduler import NO_DRAFT
+from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT   # spec.draft: "auto", the router decides; "none", no speculation
 
-AUTO_DRAFT = "auto"   # spec.draft: the router decides (NO_DRAFT, "none": no speculation)
 __all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET"]
 
 # Request limits: beyond these a step costs more than any draft can save, and an unbounded
