@@ -1,0 +1,106 @@
+"""Per-draft acceptance models: α predicted from a prompt's feature vector (paper 003 Eq. 8,
+α ≈ uᵀZ), learned from the α each finished request realised.
+
+One class serves both of the issue's models:
+
+- **online** (the router's): ridge regression updated after every observation, the sufficient
+  statistics ``A = λI + Σ w·x·xᵀ`` and ``b = Σ w·α·x`` kept, so that the estimate is exactly the
+  least-squares fit of everything seen so far, and LinUCB's confidence width ``sqrt(xᵀA⁻¹x)``
+  comes for free (it shrinks as similar prompts are observed: exploration fades with confidence);
+- **least squares** (paper 003 §5's baseline): the same fit over a fixed set of prompts, then
+  frozen (``LinearAcceptance.fit``); the paper's ordinary least squares is the limit λ → 0, kept
+  slightly positive so that collinear features (a topic dimension that is always 0) stay solvable.
+
+Two replicas' statistics add (``A₁ + A₂ − λI``, ``b₁ + b₂``), which is how the policy service
+merges the cluster's observations; they travel as JSON (never pickle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class LinearAcceptance:
+    def __init__(self, dims: int, ridge: float = 1.0, alpha_max: float = 0.95):
+        if dims < 1 or ridge <= 0:
+            raise ValueError(f"dims must be >= 1 and ridge > 0, got dims={dims}, ridge={ridge}")
+        self.dims = dims
+        self.ridge = ridge
+        self.alpha_max = alpha_max
+        self.A = ridge * np.eye(dims)
+        self.b = np.zeros(dims)
+        self.observations = 0.0   # Σ w
+        self._inverse: np.ndarray | None = None
+
+    def _vector(self, x: Sequence[float]) -> np.ndarray:
+        v = np.asarray(x, dtype=float)
+        if v.shape != (self.dims,):
+            raise ValueError(f"feature vector of length {len(v)}; this model has {self.dims} features")
+        return v
+
+    def update(self, x: Sequence[float], alpha: float, weight: float = 1.0) -> None:
+        """One request's realised α on features ``x``; ``weight`` < 1 for a request that drafted
+        only a few steps (its α is a noisier measurement)."""
+        if weight <= 0:
+            return
+        v = self._vector(x)
+        self.A += weight * np.outer(v, v)
+        self.b += weight * float(alpha) * v
+        self.observations += weight
+        self._inverse = None
+
+    @property
+    def inverse(self) -> np.ndarray:
+        if self._inverse is None:
+            self._inverse = np.linalg.inv(self.A)
+        return self._inverse
+
+    @property
+    def weights(self) -> np.ndarray:
+        """θ = A⁻¹b (Ẑ of paper 003 Eq. 8)."""
+        return self.inverse @ self.b
+
+    def predict(self, x: Sequence[float]) -> float:
+        """The expected α for features ``x``, within [0, α_max]."""
+        return float(np.clip(self.weights @ self._vector(x), 0.0, self.alpha_max))
+
+    def width(self, x: Sequence[float]) -> float:
+        """LinUCB's confidence width sqrt(xᵀA⁻¹x): large for prompts unlike any observed."""
+        v = self._vector(x)
+        return float(np.sqrt(max(0.0, v @ self.inverse @ v)))
+
+    @classmethod
+    def fit(cls, xs: Sequence[Sequence[float]], alphas: Sequence[float], ridge: float = 1e-3,
+            alpha_max: float = 0.95) -> "LinearAcceptance":
+        """Least squares over a fixed set of (features, α) (paper 003 §5's estimate of Z)."""
+        if not xs:
+            raise ValueError("least squares needs at least one observed prompt")
+        model = cls(len(xs[0]), ridge, alpha_max)
+        for x, alpha in zip(xs, alphas):
+            model.update(x, alpha)
+        return model
+
+    def merged(self, other: "LinearAcceptance") -> "LinearAcceptance":
+        """The model of both observation sets (their sufficient statistics add; the ridge once)."""
+        if other.dims != self.dims or other.ridge != self.ridge:
+            raise ValueError("only models of the same features and ridge merge")
+        out = LinearAcceptance(self.dims, self.ridge, self.alpha_max)
+        out.A = self.A + other.A - self.ridge * np.eye(self.dims)
+        out.b = self.b + other.b
+        out.observations = self.observations + other.observations
+        return out
+
+    def to_dict(self) -> dict:
+        return {"dims": self.dims, "ridge": self.ridge, "alpha_max": self.alpha_max,
+                "observations": self.observations, "A": self.A.tolist(), "b": self.b.tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LinearAcceptance":
+        model = cls(int(data["dims"]), float(data["ridge"]), float(data.get("alpha_max", 0.95)))
+        A, b = np.asarray(data["A"], dtype=float), np.asarray(data["b"], dtype=float)
+        if A.shape != (model.dims, model.dims) or b.shape != (model.dims,):
+            raise ValueError(f"acceptance model of {model.dims} features with A {A.shape} and b {b.shape}")
+        model.A, model.b, model.observations = A, b, float(data.get("observations", 0.0))
+        return model

@@ -1,0 +1,75 @@
+"""What a step costs, measured on this replica, priced for the router's objective.
+
+Paper 003's objective per draft d at window γ, for one request in a batch of B:
+
+    G_d(γ) = E(α_d, γ) / (γ·a_d + b(γ))        tokens per ms
+    E(α, γ) = (1 − α^(γ+1)) / (1 − α)           emitted tokens per step (bonus included)
+    a_d      the draft's ms per drafted position (its batched forward), measured per draft
+    b(γ)     the verify forward: c0 + c1 · B·(1 + γ) ms, least squares over recent steps
+             (the batch's other requests are priced at the same window)
+
+and the plain candidate (no speculation) emits one token per ``c0 + c1·B`` ms. The router takes
+each draft at its best γ (``best``), as the per-step window policy will then adapt it.
+
+Until a draft has proposed here its cost is unknown and taken as 0 (optimistic: the router tries
+it and measures), unless the cluster's snapshot gave one (``seed``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from specserve.policies.goodput import expected_emitted
+from specserve.policies.window import fit_verify_ms
+from specserve.replicas.step import StepRecord
+
+
+class StepCosts:
+    def __init__(self, history_steps: int = 128, window_max: int = 8):
+        self.window_max = window_max
+        self._verify: deque[tuple[int, float]] = deque(maxlen=history_steps)    # (forward tokens, ms)
+        self._draft: dict[str, deque[float]] = {}                              # draft -> ms per drafted position
+        self._seeded: dict[str, float] = {}
+        self._history = history_steps
+
+    def seed(self, draft: str, ms_per_position: float) -> None:
+        """A draft's cost from elsewhere (the cluster's priors) until this replica measures it."""
+        self._seeded[draft] = max(0.0, float(ms_per_position))
+
+    def observe(self, record: StepRecord) -> None:
+        if record.batch_size:
+            self._verify.append((record.forward_tokens, record.verify_ms))
+        for draft, ms in record.draft_ms_by:
+            # A draft's requests are drafted in one batched forward per position: the step costs
+            # the deepest proposal's positions.
+            positions = max((s.max_depth for s in record.requests if s.draft == draft), default=0)
+            if positions > 0:
+                self._draft.setdefault(draft, deque(maxlen=self._history)).append(ms / positions)
+
+    def draft_ms(self, draft: str) -> float:
+        """ms per drafted position (the median of recent steps: robust to a slow one)."""
+        measured = self._draft.get(draft)
+        if measured:
+            ordered = sorted(measured)
+            return ordered[len(ordered) // 2]
+        return self._seeded.get(draft, 0.0)
+
+    def verify_model(self) -> tuple[float, float]:
+        """(c0, c1) of verify ms ≈ c0 + c1·tokens; flat (1 ms, 0) until measured, which only
+        scales every candidate alike."""
+        return fit_verify_ms(self._verify) or (1.0, 0.0)
+
+    def step_ms(self, draft_ms: float, window: int, batch_size: int) -> float:
+        c0, c1 = self.verify_model()
+        return window * draft_ms + c0 + c1 * max(1, batch_size) * (1 + window)
+
+    def best(self, alpha: float, draft: str, batch_size: int) -> tuple[float, int]:
+        """(tokens per second, γ) of ``draft`` at its best window for per-token acceptance α."""
+        a = self.draft_ms(draft)
+        rates = [(1e3 * expected_emitted(alpha, g) / self.step_ms(a, g, batch_size), g)
+                 for g in range(1, self.window_max + 1)]
+        return max(rates, key=lambda r: (r[0], -r[1]))
+
+    def plain(self, batch_size: int) -> float:
+        """Tokens per second of plain decoding."""
+        return 1e3 / self.step_ms(0.0, 0, batch_size)
