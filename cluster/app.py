@@ -14,12 +14,15 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.cluster.prompts import topic_corpus
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.replica_learning import ReplicaLearningFactory
 from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
 from specserve.router.ingress import Ingress
+from specserve.router.retrain import retrain
+from specserve.router.router_factory import RouterFactory
 
 # A target replica's draft calls (each for all of its step's requests) should reach the draft
 # replica that holds those sessions' KV caches: hash on the target replica's id.
@@ -43,10 +46,14 @@ def build_app(args: AppConfig) -> Application:
         config.target, drafts, PolicyByRequest(config.policy), config.dtype, config.torch_threads, config.kv_sessions_idle,
         config.max_batch, config.prefill_chunk, ReplicaLearningFactory(config.redis_url, config.redis_prefix),
         config.model_id,
+        router=RouterFactory(config.router_explore, topic_corpus, redis_url=config.redis_url,
+                             redis_prefix=config.redis_prefix) if config.router else None,
+        default_draft=config.default_draft,
     )
     policy = None
     if config.redis_url:
-        policy = PolicyService.options(name=POLICY_DEPLOYMENT).bind(config.redis_url, config.redis_prefix)
+        policy = PolicyService.options(name=POLICY_DEPLOYMENT).bind(config.redis_url, config.redis_prefix,
+                                                                    router_retrain=retrain if config.router else None)
     return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config.ingress_config(), policy)
 
 

@@ -237,6 +237,18 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
                f"{', pid ' + str(redis['pid']) if redis['pid'] else ', not started by specserve'})")
 
 
+def local_server(server: str | None) -> str:
+    """``server``, else the HTTP address of the stack `specserve up` started here."""
+    if server is not None:
+        return server
+    from specserve.cluster.local import LocalState
+
+    state = LocalState.load()
+    if state is None or not state.http_url:
+        fail("specserve is not up here: run `specserve up`, or give --server http://HOST:PORT")
+    return state.http_url
+
+
 @app.command()
 def policy(
     server: Optional[str] = typer.Option(None, help="A running deployment (http://HOST:PORT); default: the local stack."),
@@ -245,18 +257,27 @@ def policy(
     """The cluster priors new requests start from: the policy service's latest snapshot."""
     from specserve.cluster.policy_view import fetch_policy, format_policy
 
-    if server is None:
-        from specserve.cluster.local import LocalState
-
-        state = LocalState.load()
-        if state is None or not state.http_url:
-            fail("specserve is not up here: run `specserve up`, or give --server http://HOST:PORT")
-        server = state.http_url
     try:
-        body = fetch_policy(server)
+        body = fetch_policy(local_server(server))
     except (RuntimeError, OSError) as err:
         fail(str(err))
     typer.echo(json.dumps(body, indent=2) if as_json else format_policy(body))
+
+
+@app.command()
+def routes(
+    server: Optional[str] = typer.Option(None, help="A running deployment (http://HOST:PORT); default: the local stack."),
+    limit: int = typer.Option(20, min=1, max=1000, help="How many of the latest decisions."),
+    as_json: bool = typer.Option(False, "--json", help="Print GET /v1/routing/recent's JSON."),
+) -> None:
+    """The draft router's latest decisions: features, scores, choice, reason and the realised outcome."""
+    from specserve.cluster.routes_view import fetch_routes, format_routes
+
+    try:
+        body = fetch_routes(local_server(server), limit)
+    except (RuntimeError, OSError) as err:
+        fail(str(err))
+    typer.echo(json.dumps(body, indent=2) if as_json else format_routes(body))
 
 
 @app.command()

@@ -7,16 +7,21 @@ import time
 import requests
 
 
-def fetch_policy(server: str, timeout_s: float = 30.0) -> dict:
-    """``GET /v1/policy`` of a running deployment; a clear error when it has no policy service."""
-    response = requests.get(f"{server.rstrip('/')}/v1/policy", timeout=timeout_s)
+def get_json(server: str, path: str, params: dict | None = None, timeout_s: float = 30.0) -> dict:
+    """``GET path`` of a running deployment; the OpenAI error body's message when it refuses."""
+    response = requests.get(f"{server.rstrip('/')}{path}", params=params, timeout=timeout_s)
     if response.status_code != 200:
         try:
             message = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = response.text[:200]
-        raise RuntimeError(f"{server}/v1/policy answered {response.status_code}: {message}")
+        raise RuntimeError(f"{server}{path} answered {response.status_code}: {message}")
     return response.json()
+
+
+def fetch_policy(server: str, timeout_s: float = 30.0) -> dict:
+    """``GET /v1/policy`` of a running deployment; a clear error when it has no policy service."""
+    return get_json(server, "/v1/policy", timeout_s=timeout_s)
 
 
 def format_policy(body: dict, now: float | None = None) -> str:

@@ -229,3 +229,14 @@ def load_prompts(category: str, n: int, offset: int = 0) -> list[str]:
             f"asked for {n} from offset {offset}"
         )
     return prompts
+
+
+# Per category, for the draft router's TF-IDF topics (router/topics.py): enough to find the
+# directions that tell code from prose, few enough to fit in seconds on a replica's first start.
+TOPIC_CORPUS_PER_CATEGORY = 300
+
+
+def topic_corpus() -> Iterator[str]:
+    """Prompts no benchmark uses, of every category, for fitting the router's topic basis."""
+    for category in CATEGORIES:
+        yield from islice(training_prompts(category), TOPIC_CORPUS_PER_CATEGORY)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import redis
 from ray import serve
@@ -25,8 +26,14 @@ logger = logging.getLogger("ray.serve")
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, num_replicas=1, max_ongoing_requests=64, health_check_period_s=10)
 class PolicyService:
     def __init__(self, redis_url: str, prefix: str = "specserve", interval_s: float = 10.0,
-                 half_life_s: float = 3600.0, horizon_s: float = 24 * 3600.0, min_steps: int = 20):
+                 half_life_s: float = 3600.0, horizon_s: float = 24 * 3600.0, min_steps: int = 20,
+                 router_retrain: Callable[[list[dict]], dict] | None = None):
+        """``router_retrain``: turns the routing outcomes stream into the draft router's weights
+        (``router/retrain.py``, handed in by the application: this layer does not import the
+        router's); None: no router weights are published."""
         self.store = RedisStats(redis_url, prefix)
+        self.router_retrain = router_retrain
+        self.router_latest: dict | None = None
         self.interval_s = interval_s
         self.half_life_s = half_life_s
         self.horizon_s = horizon_s
@@ -41,6 +48,8 @@ class PolicyService:
         counts = self.store.read(since=now - self.horizon_s)
         snapshot = compute_snapshot(counts, now, self.half_life_s, self.min_steps)
         self.latest = self.store.publish_snapshot(snapshot)
+        if self.router_retrain is not None:
+            self.router_latest = self.store.publish_snapshot(self.router_retrain(self.store.read_routes()), "router")
         return self.latest
 
     async def _publish_forever(self) -> None:
@@ -81,7 +90,17 @@ class PolicyService:
     async def status(self) -> dict:
         self._ensure_running()
         return {"interval_s": self.interval_s, "half_life_s": self.half_life_s, "min_steps": self.min_steps,
-                "redis_error": self.last_error, "version": (self.latest or {}).get("version")}
+                "redis_error": self.last_error, "version": (self.latest or {}).get("version"),
+                "router_weights_version": (self.router_latest or {}).get("version"),
+                "router_outcomes": (self.router_latest or {}).get("outcomes")}
+
+    async def recent_routes(self, count: int = 50) -> list[dict] | None:
+        """The newest routing outcomes of the whole cluster (``GET /v1/routing/recent``); None
+        when Redis does not answer."""
+        try:
+            return await asyncio.to_thread(self.store.read_routes, count)
+        except (redis.RedisError, OSError):
+            return None
 
     async def check_health(self) -> None:
         # Starts the publishing loop without waiting for a first call; never asks Redis.

@@ -8,8 +8,13 @@ Layout, all under one key prefix per application (two applications can share a R
     <prefix>:flushed:<flusher>:<n>  "flush n of this replica was applied" (exactly-once, below)
     <prefix>:policy:snapshot        the policy service's latest snapshot (a JSON document)
     <prefix>:policy:version         the snapshot version counter
+    <prefix>:router:outcomes        stream, capped: finished requests' routing decisions, features and
+                                    realised acceptance (one JSON field ``o`` per entry)
+    <prefix>:router:weights         the draft router's acceptance models, retrained by the policy
+                                    service from that stream (a JSON document, versioned like the
+                                    snapshot: ``<prefix>:router:version``)
 
-**Exactly once.** A flush is one Lua script: it sets the flush's marker with ``NX`` and applies
+**Exactly once.** A flush (of counters, or of routing outcomes) is one Lua script: it sets the flush's marker with ``NX`` and applies
 the increments only if the marker was new, atomically. A replica whose flush times out retries
 the *same* flush (same number, same counts) until Redis answers, so a flush whose reply was lost
 is not counted twice and a flush that never arrived is not lost. (The script names keys it was
@@ -42,6 +47,13 @@ for _, entry in ipairs(batch) do
 end
 return 1
 """
+_ROUTES = """
+if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
+for _, outcome in ipairs(cjson.decode(ARGV[2])) do
+  redis.call('XADD', ARGV[3], 'MAXLEN', '~', ARGV[4], '*', 'o', outcome)
+end
+return 1
+"""
 _IDENTITY = ("_target", "_draft", "_bucket", "_window")
 
 
@@ -61,6 +73,7 @@ class RedisStats:
         self.ttl_s = ttl_s
         self.client = connect(url, timeout_s)
         self._flush = self.client.register_script(_FLUSH)
+        self._routes = self.client.register_script(_ROUTES)
 
     # ---- keys ---------------------------------------------------------------------------------
 
@@ -108,18 +121,52 @@ class RedisStats:
 
     # ---- snapshots ----------------------------------------------------------------------------
 
-    def publish_snapshot(self, snapshot: dict) -> dict:
-        """Stamp ``snapshot`` with the next version and the time, store it, return it."""
-        version = int(self.client.incr(f"{self.prefix}:policy:version"))
+    def publish_snapshot(self, snapshot: dict, name: str = "policy") -> dict:
+        """Stamp ``snapshot`` with the next version and the time, store it, return it. ``name``:
+        which document (``policy``: the priors; ``router``: the router's weights)."""
+        version = int(self.client.incr(f"{self.prefix}:{name}:version"))
         stamped = {**snapshot, "version": version, "published_at": time.time()}
-        self.client.set(self.snapshot_key, json.dumps(stamped))
+        self.client.set(self._document_key(name), json.dumps(stamped))
         return stamped
 
-    def read_snapshot(self) -> dict | None:
-        raw = self.client.get(self.snapshot_key)
+    def read_snapshot(self, name: str = "policy") -> dict | None:
+        key = self._document_key(name)
+        raw = self.client.get(key)
         if raw is None:
             return None
         snapshot = json.loads(raw)
         if not isinstance(snapshot, dict) or "version" not in snapshot:
-            raise ValueError(f"{self.snapshot_key} does not hold a policy snapshot")
+            raise ValueError(f"{key} does not hold a versioned {name} document")
         return snapshot
+
+    def _document_key(self, name: str) -> str:
+        return self.snapshot_key if name == "policy" else f"{self.prefix}:{name}:weights"
+
+    # ---- routing outcomes ---------------------------------------------------------------------
+
+    @property
+    def routes_key(self) -> str:
+        return f"{self.prefix}:router:outcomes"
+
+    def add_routes(self, flusher: str, number: int, outcomes: list[dict], maxlen: int = 20000) -> bool:
+        """Append finished requests' routing outcomes to the capped stream, exactly once per
+        (flusher, number) like ``flush``; raises when Redis does not answer: retry the same batch."""
+        marker = f"{self.prefix}:flushed-routes:{flusher}:{number}"
+        encoded = json.dumps([json.dumps(o, sort_keys=True) for o in outcomes])
+        return bool(self._routes(keys=[marker], args=[self.ttl_s, encoded, self.routes_key, maxlen]))
+
+    def read_routes(self, count: int | None = None) -> list[dict]:
+        """The stream's outcomes, oldest first: all of them, or the newest ``count``."""
+        if count is None:
+            entries = self.client.xrange(self.routes_key)
+        else:
+            entries = list(reversed(self.client.xrevrange(self.routes_key, count=count)))
+        out = []
+        for _, fields in entries:
+            try:
+                outcome = json.loads(fields.get("o", ""))
+            except json.JSONDecodeError:
+                continue   # not ours: skip, never fail the reader
+            if isinstance(outcome, dict):
+                out.append(outcome)
+        return out

@@ -22,8 +22,10 @@ logger = logging.getLogger("ray.serve")
 
 class SnapshotCache:
     def __init__(self, store: RedisStats, refresh_s: float = 5.0, max_age_s: float = 600.0,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, name: str = "policy"):
+        """``name``: the document (``policy``: the priors; ``router``: the router's weights)."""
         self.store = store
+        self.name = name
         self.refresh_s = refresh_s
         self.max_age_s = max_age_s
         self._clock = clock
@@ -34,11 +36,11 @@ class SnapshotCache:
         """Read the latest snapshot (blocking; ``run_forever`` calls it in a thread). Keeps the last
         one when Redis does not answer or holds none."""
         try:
-            snapshot = self.store.read_snapshot()
+            snapshot = self.store.read_snapshot(self.name)
         except (redis.RedisError, OSError, ValueError) as err:
             if not self._failing:
-                logger.warning("policy snapshot: Redis read failed (%s: %s); keeping version %s",
-                               type(err).__name__, err, (self._snapshot or {}).get("version"))
+                logger.warning("%s snapshot: Redis read failed (%s: %s); keeping version %s",
+                               self.name, type(err).__name__, err, (self._snapshot or {}).get("version"))
             self._failing = True
             return self._snapshot
         self._failing = False

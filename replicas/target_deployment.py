@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
-from specserve.replicas.scheduler import Scheduler, SpecRequest
+from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT, RequestState, Scheduler, SpecRequest
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 
@@ -44,12 +44,15 @@ logger = logging.getLogger("ray.serve")
 class TargetDeployment:
     def __init__(self, model: str, drafts: dict[str, DeploymentHandle | dict], policy, dtype: str = "auto",
                  torch_threads: int | None = None, kv_sessions_idle: int = 4, max_batch: int = 16,
-                 prefill_chunk: int = 512, learning=None, stats_name: str | None = None):
+                 prefill_chunk: int = 512, learning=None, stats_name: str | None = None, router=None,
+                 default_draft: str = NO_DRAFT):
         """``drafts``: a handle per draft deployment, or the ``DraftSpec`` fields of a colocated
         draft. ``policy``: chooses each request's speculation per step (``specserve.policies``).
         ``max_batch``: requests verified together; more wait for a slot. ``learning``: called with
         ``stats_name`` (default: the model's folder name), what the replica learns with: the
-        statistics, metrics and warm starts (``policies.replica_learning``); None: nothing."""
+        statistics, metrics and warm starts (``policies.replica_learning``); None: nothing.
+        ``router``: called with the stats name, the draft names and the tokenizer, the draft
+        router of ``auto`` requests (``router/draft_router.py``); None: they get ``default_draft``."""
         self.loaded = load_causal_lm(model, dtype=dtype)
         # Ray sets OMP_NUM_THREADS to num_cpus; the model thread sets torch's count itself.
         threads = torch_threads or torch.get_num_threads()
@@ -64,15 +67,18 @@ class TargetDeployment:
                 # caches of all its sessions (any replica would be correct, from the tokens).
                 resolved[name] = d.options(session_id=self.replica_id)
         target = Target(self.loaded.model, slots=max_batch + kv_sessions_idle)
+        self.stats_name = stats_name or Path(model).name.removesuffix(".gguf")
+        self.router = None if router is None else router(self.stats_name, list(drafts), self.loaded.tokenizer)
         self.scheduler = Scheduler(target, policy, self.loaded.eos_token_ids, prefill_chunk=prefill_chunk,
-                                   max_running=max_batch)
+                                   max_running=max_batch, router=self.router, default_draft=default_draft)
         self.loop = StepLoop(self.scheduler, resolved, self._worker)
         self._task: asyncio.Task | None = None
-        self.stats_name = stats_name or Path(model).name.removesuffix(".gguf")
         self.learning = learning(self.stats_name) if learning is not None else None
+        self._priors: dict[str, dict] = {}   # request id -> the warm start a routed request began from
         if self.learning is not None:
             self.scheduler.observers += self.learning.observers
-        self._background: list[asyncio.Task] = []
+            self.scheduler.on_draft.append(self._routed)
+        self._background: list[asyncio.Task] | None = None   # learning's tasks, once started
         logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s", model, self.loaded.model.device,
                     self.loaded.model.dtype, threads, max_batch, ", ".join(drafts) or "none")
 
@@ -80,15 +86,26 @@ class TargetDeployment:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self.loop.serve_forever())
-        if self.learning is not None and not self._background:
-            self._background = [loop.create_task(work) for work in self.learning.background()]
+        if self._background is None:
+            work = [*(self.learning.background() if self.learning is not None else ()),
+                    *(self.router.background() if self.router is not None else ())]
+            self._background = [loop.create_task(w) for w in work]
+
+    def _routed(self, state: RequestState, previous: str | None) -> None:
+        """A draft the router chose (or switched to): statistics count the request under it, and
+        a first choice starts from the cluster's prior for that draft."""
+        request, prior = self.learning.start(state.request)
+        if previous is None:
+            state.request = request
+            if prior is not None:
+                self._priors[state.id] = prior
 
     async def generate(self, request: SpecRequest) -> AsyncIterator[dict]:
         """Yields ``{"token_ids": [...]}`` per step; the last item also carries ``finish_reason``
-        and ``spec`` (the statistics summary)."""
+        and ``spec`` (the statistics summary, the router's decision, the warm start)."""
         self._ensure_loop()
         prior = None
-        if self.learning is not None:
+        if self.learning is not None and request.draft != AUTO_DRAFT:   # routed ones start in _routed
             request, prior = self.learning.start(request)
         queue: asyncio.Queue[dict] = asyncio.Queue()
         state = self.loop.add(request, queue.put_nowait)
@@ -100,16 +117,26 @@ class TargetDeployment:
                 if "spec" in item:
                     if hasattr(self.scheduler.policy, "name_for") and not request.speculation.plain:
                         item["spec"]["policy"] = self.scheduler.policy.name_for(state)
+                    prior = prior or self._priors.pop(state.id, None)
                     if prior is not None:
                         item["spec"]["prior"] = prior
+                    if state.routing is not None:
+                        item["spec"]["router"] = state.routing
                 yield item
                 if "finish_reason" in item:
                     return
         finally:
+            self._priors.pop(request.request_id, None)
             if self.learning is not None:
                 self.learning.finish(request.request_id)
             if not state.done:   # the caller left (a client hung up, a stop string, a deadline)
                 state.finish("abort")
+
+    async def recent_routes(self, count: int = 50) -> list[dict]:
+        """This replica's router's latest finished decisions with outcomes, oldest first."""
+        if self.router is None:
+            return []
+        return list(self.router.recent)[-count:]
 
     async def check_health(self) -> None:
         # Also starts the background tasks of a replica that has not served yet; never asks Redis.

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -146,10 +146,10 @@ class Ingress:
                 )
             max_tokens = max_tokens or room
         spec = req.spec
+        # "auto" goes to the target replica as it is: its draft router chooses after the prefill
+        # (or, with the router off, the configured default draft).
         draft = spec.draft if spec and spec.draft else AUTO_DRAFT
-        if draft == AUTO_DRAFT:
-            draft = self.config.default_draft   # the learned router replaces this choice
-        elif draft not in (NO_DRAFT, *self.config.draft_names):
+        if draft not in (AUTO_DRAFT, NO_DRAFT, *self.config.draft_names):
             raise OpenAIError(f"unknown draft {draft!r}; available: {', '.join([AUTO_DRAFT, NO_DRAFT, *self.config.draft_names])}",
                               param="spec.draft", code="draft_not_found")
         policy = spec.policy if spec else None
@@ -246,6 +246,26 @@ class Ingress:
                               status=503, type="server_error", code="policy_service_unavailable") from err
         return {"object": "policy_snapshot", "snapshot": snapshot, "service": status}
 
+    @api.get("/v1/routing/recent")
+    async def routing_recent(self, limit: int = Query(50, ge=1, le=1000)) -> dict:
+        """The draft router's latest decisions with their features and outcomes: the whole
+        cluster's (the Redis stream, through the policy service) when there is one, else one
+        target replica's own."""
+        source, routes = "cluster", None
+        if self.policy is not None:
+            try:
+                routes = await self.policy.recent_routes.remote(limit)
+            except Exception:  # noqa: BLE001 - fall back to a replica's own view
+                routes = None
+        if routes is None:
+            source = "replica"
+            try:
+                routes = await self.target.recent_routes.remote(limit)
+            except Exception as err:  # noqa: BLE001
+                raise OpenAIError(f"no target replica is answering ({type(err).__name__}); retry shortly",
+                                  status=503, type="server_error", code="target_unavailable") from err
+        return {"object": "list", "source": source, "data": routes}
+
     @api.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
         prepared = self._prepare(req)
@@ -328,6 +348,8 @@ class Ingress:
             if request.spec.HasField("tree"):
                 tree = request.spec.tree
                 spec["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "budget": tree.budget}
+            if request.spec.policy:
+                spec["policy"] = request.spec.policy
             body["spec"] = spec
         if request.HasField("max_tokens"):
             body["max_tokens"] = request.max_tokens
@@ -346,9 +368,14 @@ class Ingress:
     @staticmethod
     def _spec_pb(spec: dict | None) -> pb.SpecSummary:
         spec = spec or {}
+        router = spec.get("router")
+        decision = None if router is None else pb.RouterDecision(
+            choice=router["choice"], reason=router["reason"], predicted_alpha=router.get("predicted_alpha", {}),
+            switched_to=[s["to"] for s in router.get("switches", ())])
         return pb.SpecSummary(draft=spec.get("draft", ""), steps=spec.get("steps", 0),
                               mean_accepted_len=spec.get("mean_accepted_len", 0.0),
-                              acceptance_rate=spec.get("acceptance_rate", 0.0), windows=spec.get("windows", []))
+                              acceptance_rate=spec.get("acceptance_rate", 0.0), windows=spec.get("windows", []),
+                              router=decision)
 
     @staticmethod
     def _grpc_abort(grpc_context, err: OpenAIError) -> None:

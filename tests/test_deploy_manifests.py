@@ -419,3 +419,31 @@ def test_dockerfile_dequantises_the_reference_at_build_time():
 def test_dockerfile_stays_offline():
     env = " ".join(rest for instruction, rest in _dockerfile_instructions() if instruction == "ENV")
     assert re.search(r"\bHF_HUB_OFFLINE=1\b", env), "deploy/Dockerfile does not set ENV HF_HUB_OFFLINE=1"
+
+
+# ---- the Grafana dashboard ------------------------------------------------------------------
+
+
+def _defined_metrics() -> set[str]:
+    """Every metric name specserve registers (the first string argument of a ray.serve.metrics
+    Counter/Histogram/Gauge call in its sources)."""
+    root = DEPLOY.parent
+    names = set()
+    for path in [*root.glob("router/*.py"), *root.glob("policies/*.py")]:
+        names |= set(re.findall(r'metrics\.(?:Counter|Histogram|Gauge)\(\s*"([a-z_]+)"', path.read_text()))
+    return names
+
+
+def test_grafana_dashboard_reads_only_metrics_specserve_exports():
+    dashboard = json.loads((DEPLOY / "grafana" / "specserve-routing.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"ray_(specserve_[a-z_]+?)(?:_bucket|\(_total\)\?)", e)}
+    defined = _defined_metrics()
+    assert used and used <= defined, f"the dashboard reads metrics nobody exports: {sorted(used - defined)}"
+    # The router's decisions, switches, predicted vs realised acceptance, τ, windows, acceptance by
+    # position and speculation off: the panels issue 14 asks for.
+    for name in ("specserve_router_decisions", "specserve_router_switches", "specserve_router_predicted_alpha",
+                 "specserve_router_realised_alpha", "specserve_router_mean_accepted_len", "specserve_spec_decode_window",
+                 "specserve_spec_decode_num_accepted_tokens_per_pos", "specserve_spec_decode_speculation_off"):
+        assert name in used, f"no panel shows {name}"
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])

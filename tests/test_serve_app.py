@@ -134,6 +134,68 @@ def test_served_greedy_equals_in_process_target_only(client, expected, spec):
         assert accepted, f"{spec}: no step ever accepted a draft token, so the test proved nothing"
 
 
+def test_auto_requests_are_routed_and_the_decision_is_visible_everywhere(served, client, stub, expected):
+    """No spec.draft: the target replica's router picks the draft after the prefill. The output is
+    still the target's own; spec.router (HTTP and gRPC) says what was chosen and why;
+    GET /v1/routing/recent and `specserve routes` list the decisions with features and outcomes;
+    the router's metrics reach the Prometheus endpoint; and the JSON decision line comes back
+    through the Ray dashboard's log API, token authentication on."""
+    from specserve.cluster.local import auth_token
+
+    drafts = {"none", "prompt-lookup", DRAFT_LM, "lookup-in-target", HSR, "hsr-in-target"}
+    routed = []
+    for prompt, want in zip(PROMPTS, expected):
+        out = chat(client, prompt)
+        assert out.choices[0].model_extra["token_ids"] == want, f"routed output differs on {prompt!r}"
+        router = out.model_extra["spec"]["router"]
+        assert router["choice"] in drafts and router["reason"] in ("predicted", "explore", "no-gain")
+        assert set(router["predicted_alpha"]) == drafts - {"none"}
+        routed.append(router)
+    reply = stub.Complete(pb.CompletionRequest(model=MODEL, prompt=PROMPTS[2], max_tokens=8), timeout=120)
+    assert reply.spec.router.choice in drafts and reply.spec.router.reason
+
+    deadline, data = time.monotonic() + 60, []
+    while time.monotonic() < deadline:   # outcomes reach Redis within a flush (2 s)
+        body = httpx.get(served.http_url + "/v1/routing/recent", params={"limit": 50}, timeout=30).json()
+        data = [r for r in body["data"] if r["reason"] != "pinned"]
+        if len(data) >= len(PROMPTS) + 1:
+            break
+        time.sleep(1)
+    assert body["source"] == "cluster" and len(data) >= len(PROMPTS) + 1, body
+    assert {"features_named", "realised", "observations", "choice", "final_draft"} <= set(data[-1])
+    shown = subprocess.run([sys.executable, "-m", "specserve.cluster.cli", "routes", "--server", served.http_url],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "whole cluster" in shown.stdout and data[-1]["request_id"][:10] in shown.stdout, shown
+
+    names = ("ray_specserve_router_decisions", "ray_specserve_router_predicted_alpha_bucket",
+             "ray_specserve_router_realised_alpha_bucket", "ray_specserve_router_mean_accepted_len_bucket")
+    deadline, text = time.monotonic() + 90, ""
+    while time.monotonic() < deadline and not all(n in text for n in names):
+        text = httpx.get(served.metrics_url, timeout=30).text
+        time.sleep(2)
+    assert all(n in text for n in names), [n for n in names if n not in text]
+
+    headers = {"Authorization": f"Bearer {auth_token()}"}
+    nodes = httpx.get(served.dashboard_url + "/api/v0/nodes", headers=headers, timeout=30).json()
+    node = nodes["data"]["result"]["result"][0]["node_id"]
+    files = httpx.get(served.dashboard_url + "/api/v0/logs", headers=headers, timeout=30,
+                      params={"node_id": node, "glob": "serve/replica_specserve_target_*.log"}).json()
+    names = [f for group in files["data"]["result"].values() for f in group if f.endswith(".log")]
+    assert names, files
+    lines = []
+    for name in names:
+        log = httpx.get(served.dashboard_url + "/api/v0/logs/file", headers=headers, timeout=30,
+                        params={"node_id": node, "filename": name, "lines": 5000}).text
+        lines += [line for line in log.splitlines() if "specserve.routing " in line]
+    decisions = [json.loads(line.split("specserve.routing ", 1)[1]) for line in lines]
+    ours = [d for d in decisions if d["event"] == "decision" and d["request_id"] in {r["request_id"] for r in data}]
+    assert ours and {"features", "scores", "choice", "reason"} <= set(ours[0]), lines[-3:]
+    assert any(d["event"] == "outcome" for d in decisions)
+    without_token = httpx.get(served.dashboard_url + "/api/v0/logs", timeout=30,
+                              params={"node_id": node, "glob": "*replica*"})
+    assert without_token.status_code in (401, 403), "the dashboard's log API must ask for the token"
+
+
 def test_streaming_chat_equals_non_streaming(client):
     whole = chat(client, PROMPTS[0], {"draft": "prompt-lookup"})
     pieces, finish, usage, spec = [], None, None, None
