@@ -527,5 +527,32 @@ def bench_policies(
         fail(str(err))
 
 
+
+@bench_app.command("router")
+def bench_router(
+    json_path: Path = typer.Option(Path("bench-router.json"), "--json", help="Where to write the rows."),
+    plot_path: Path = typer.Option(Path("bench-router.png"), "--plot", help="Where to write the plot."),
+    prompts_per_category: int = typer.Option(6, "--prompts", help="Evaluation prompts per category."),
+    warmup_per_category: int = typer.Option(6, "--warmup", help="Warm-up prompts per category (other prompts)."),
+    max_tokens: int = typer.Option(128, help="New tokens per request."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated subset of code,chat,summarise,edit."),
+    explore: float = typer.Option(0.5, help="The router's exploration weight (LinUCB's beta)."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core)."),
+) -> None:
+    """In-process, reference target, greedy, a mix of code, chat, summarise and edit prompts: every
+    draft and no speculation on every prompt (the per-prompt oracle, best single draft, random choice
+    and paper 003's least squares), and the learned router after a warm-up on other prompts, side by
+    side in one run; JSON, a plot of tokens/s and of the router's regret as it learns."""
+    from specserve.cluster.bench_router import run_router_bench
+
+    set_threads(threads)
+    try:
+        run_router_bench(json_path, plot_path, prompts_per_category, warmup_per_category, max_tokens,
+                         categories.split(",") if categories else None, dtype, explore)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        fail(str(err))
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())

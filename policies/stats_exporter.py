@@ -30,8 +30,9 @@ class BatchFlusher:
     once per outage as ``what``."""
 
     def __init__(self, drain: Callable[[], Any], send: Callable[[str, int, Any], bool], what: str,
-                 url: str, flusher: str | None = None):
+                 url: str, flusher: str | None = None, interval_s: float = 2.0):
         self.drain = drain
+        self.interval_s = interval_s
         self.send = send
         self.what = what
         self.url = url
@@ -70,17 +71,17 @@ class BatchFlusher:
         return True
 
 
-class RedisExporter(BatchFlusher):
-    def __init__(self, collector: StatsCollector, store: RedisStats, interval_s: float = 2.0, flusher: str | None = None):
-        super().__init__(collector.drain, store.flush, "statistics", store.url, flusher)
-        self.collector = collector
-        self.store = store
-        self.interval_s = interval_s
-
     async def run_forever(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
                 await asyncio.to_thread(self.flush_once)
-            except Exception:  # noqa: BLE001 - statistics never take the replica down
-                logger.exception("statistics flush failed unexpectedly")
+            except Exception:  # noqa: BLE001 - learning never takes the replica down
+                logger.exception("%s flush failed unexpectedly", self.what)
+
+
+class RedisExporter(BatchFlusher):
+    def __init__(self, collector: StatsCollector, store: RedisStats, interval_s: float = 2.0, flusher: str | None = None):
+        super().__init__(collector.drain, store.flush, "statistics", store.url, flusher, interval_s)
+        self.collector = collector
+        self.store = store

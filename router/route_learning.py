@@ -39,10 +39,9 @@ class RouteLearning:
         self.router = router
         self.target = target
         self.store = store
-        self.interval_s = interval_s
         self._lock = threading.Lock()
         self._buffer: deque[dict] = deque(maxlen=buffer)
-        self.outcomes = BatchFlusher(self._drain, store.add_routes, "routing outcomes", store.url)
+        self.outcomes = BatchFlusher(self._drain, store.add_routes, "routing outcomes", store.url, interval_s=interval_s)
         self.weights = SnapshotCache(store, refresh_s=refresh_s, max_age_s=WEIGHTS_MAX_AGE_S, name="router")
         self.weights_version: int | None = None
         router.on_outcome.append(self.add)
@@ -71,14 +70,6 @@ class RouteLearning:
             self.router.load_weights(models)
         return bool(models)
 
-    async def _flush_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await asyncio.to_thread(self.flush_once)
-            except Exception:  # noqa: BLE001 - learning never takes the replica down
-                logger.exception("routing outcomes flush failed unexpectedly")
-
     async def _weights_forever(self) -> None:
         while True:
             try:
@@ -88,4 +79,4 @@ class RouteLearning:
             await asyncio.sleep(self.weights.refresh_s)
 
     def background(self) -> list[Coroutine]:
-        return [self._flush_forever(), self._weights_forever()]
+        return [self.outcomes.run_forever(), self._weights_forever()]
