@@ -210,7 +210,7 @@ class Bench:
 
 def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int = 6, warmup_per_category: int = 6,
                      max_tokens: int = 128, categories: Sequence[str] | None = None, dtype: str = "auto",
-                     explore: float = 0.5, engine: SpecEngine | None = None, progress: bool = True) -> dict:
+                     explore: float = 0.2, engine: SpecEngine | None = None, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     from specserve.replicas.model_store import zoo_dir, zoo_drafts

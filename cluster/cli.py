@@ -536,7 +536,7 @@ def bench_router(
     warmup_per_category: int = typer.Option(6, "--warmup", help="Warm-up prompts per category (other prompts)."),
     max_tokens: int = typer.Option(128, help="New tokens per request."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated subset of code,chat,summarise,edit."),
-    explore: float = typer.Option(0.5, help="The router's exploration weight (LinUCB's beta)."),
+    explore: float = typer.Option(0.2, help="The router's exploration weight (LinUCB's beta)."),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core)."),
 ) -> None:

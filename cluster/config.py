@@ -73,7 +73,7 @@ class AppConfig(BaseModel):
     default_draft: str = Field(PROMPT_LOOKUP, description="The draft for requests that name none (or 'auto') when the router is off: a draft name or 'none'.")
     router: bool = Field(True, description="Choose the draft of requests that name none (or 'auto') per request with the "
                          "learned draft router (specserve/router/draft_router.py); false: default_draft for all of them.")
-    router_explore: float = Field(0.5, ge=0.0, le=5.0, description="The router's exploration weight (LinUCB's β): "
+    router_explore: float = Field(0.2, ge=0.0, le=5.0, description="The router's exploration weight (LinUCB's β): "
                                   "how much an untried draft's uncertainty counts in its favour; 0: always the predicted best.")
     default_window: int = Field(4, ge=0, le=MAX_WINDOW, description="Window γ for requests that name none.")
     torch_threads: int | None = Field(

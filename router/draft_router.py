@@ -64,7 +64,7 @@ class Segment:
 
 class DraftRouter:
     def __init__(self, drafts: Sequence[str], basis: TopicBasis | None = None, topic_dims: int = 8,
-                 explore: float = 0.5, revisit_every: int = 8, switch_margin: float = 0.15,
+                 explore: float = 0.2, revisit_every: int = 8, switch_margin: float = 0.15,
                  max_switches: int = 1, prior_steps: int = 4, min_weight_steps: int = 16,
                  window_max: int = 8, alpha_max: float = 0.95, ridge: float = 1.0, log: bool = True,
                  clock: Callable[[], float] = time.time, recent: int = 256):

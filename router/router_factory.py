@@ -47,7 +47,7 @@ class RouterFactory:
     cluster (``route_learning.py``): its ``background()`` tasks send outcomes and load weights.
     ``metrics``: its decisions on Ray's metrics endpoint (``route_metrics.py``)."""
 
-    explore: float = 0.5
+    explore: float = 0.2
     corpus: Callable[[], Iterable[str]] | None = None
     topic_dims: int = 8
     redis_url: str | None = None
