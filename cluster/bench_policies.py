@@ -214,7 +214,7 @@ def start_window(prompt_ids: Sequence[int], draft: str, target: str, snapshot: d
     the target replica's own rule (``policies.priors.warm_start``), else the deployment's default."""
     from specserve.policies.priors import warm_start
 
-    start = warm_start(snapshot, target, draft, len(prompt_ids))
+    start = warm_start(snapshot, target, draft, len(prompt_ids), batch_size=1)   # one request at a time
     return (default_window, None) if start is None else (start["window"], start)
 
 

@@ -10,7 +10,9 @@ Per (target, draft, task bucket), from counters summed over time windows with ex
                      squares over the windows seen; flat when only one was seen)
     latency ratio    a / b(0): paper 003 §5's cost of a draft token relative to a target forward
     best window      argmax over γ of G(γ) = E(γ) / (γ·a + b(γ)), E(γ) = (1 − α^(γ+1)) / (1 − α)
-                     (paper 003 Eq. 1 with the cluster's measured costs)
+                     (paper 003 Eq. 1 with the cluster's measured costs), pooled and per load
+                     bucket of the batch size (``best_window_by_load``: a and b(γ) measured under
+                     that load only; warm starts pick the one of the load they start under)
     best tree        among the tree shapes (depth, top-k) requests asked for, the one whose steps
                      emitted the most tokens per ms of draft + verify time, measured (no model of
                      tree acceptance is assumed); only shapes with ``min_steps`` steps compete
@@ -25,7 +27,7 @@ import time
 from collections import Counter, defaultdict
 
 from specserve.policies.goodput import expected_emitted
-from specserve.policies.stats import StatsKey, task_bucket
+from specserve.policies.stats import LOAD_BUCKETS, StatsKey, load_bucket, task_bucket
 
 ALL_BUCKETS = "all"
 SNAPSHOT_FORMAT = 1
@@ -42,15 +44,13 @@ def _decayed(counts: dict[StatsKey, Counter], now: float, half_life_s: float) ->
     return sums
 
 
-def _verify_fit(c: dict[str, float]) -> tuple[float, float] | None:
-    """(b0, b1) of verify ms ≈ b0 + b1·γ, weighted by steps per window; b1 = 0 with one window."""
+def _verify_fit(c: dict[str, float], load: str | None = None) -> tuple[float, float] | None:
+    """(b0, b1) of verify ms ≈ b0 + b1·γ, weighted by steps per window; b1 = 0 with one window.
+    ``load``: from that load bucket's counters only (``stats.load_bucket``); None: every step."""
     points = []
-    for field, us in c.items():
-        if field.startswith("verify_us_w"):
-            gamma = int(field.removeprefix("verify_us_w"))
-            steps = c.get(f"window_{gamma}", 0.0)
-            if steps > 0:
-                points.append((gamma, us / steps / 1e3, steps))
+    for gamma, steps in _steps_by_window(c, load).items():
+        us = c.get(f"verify_us_w{gamma}" if load is None else f"load_{load}_verify_us_w{gamma}", 0.0)
+        points.append((gamma, us / steps / 1e3, steps))
     if not points:
         return None
     total = sum(w for _, _, w in points)
@@ -61,8 +61,30 @@ def _verify_fit(c: dict[str, float]) -> tuple[float, float] | None:
     return mean_v - slope * mean_g, slope
 
 
+def _steps_by_window(c: dict[str, float], load: str | None = None) -> dict[int, float]:
+    """Drafting steps per window γ: all of them, or those of one load bucket."""
+    prefix = "window_" if load is None else f"load_{load}_steps_w"
+    return {int(f.removeprefix(prefix)): n for f, n in c.items() if f.startswith(prefix) and n > 0}
+
+
 def _windows_seen(c: dict[str, float]) -> list[int]:
-    return [int(f.removeprefix("window_")) for f, n in c.items() if f.startswith("window_") and n > 0]
+    return list(_steps_by_window(c))
+
+
+def best_window_by_load(c: dict[str, float], alpha: float, pooled_a: float, window_max: int,
+                        min_steps: int) -> dict[str, int]:
+    """The best window under each load bucket with ``min_steps`` drafting steps: that bucket's own
+    verify fit and draft cost, capped at the largest window measured under it."""
+    out = {}
+    for load in LOAD_BUCKETS:
+        steps = _steps_by_window(c, load)
+        fit = _verify_fit(c, load)
+        if fit is None or sum(steps.values()) < min_steps:
+            continue
+        tokens = c.get(f"load_{load}_draft_tokens", 0.0)
+        a = c.get(f"load_{load}_draft_us", 0.0) / 1e3 / tokens if tokens else pooled_a
+        out[load] = best_window(alpha, a, *fit, min(window_max, max(steps)))
+    return out
 
 
 def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, window_max: int) -> int:
@@ -113,6 +135,7 @@ def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_ma
         # would always favour the longest window (bench serve: warm starts at γ = 8 from γ = 4 data
         # fed larger forwards than the verify cost allowed under load).
         "best_window": best_window(alpha, a, b0, b1, min(window_max, max(_windows_seen(c), default=window_max))),
+        "best_window_by_load": best_window_by_load(c, alpha, a, window_max, min_steps),
         "plain_share": round(c.get("plain_steps", 0.0) / (c.get("plain_steps", 0.0) + drafts), 4),
         "best_tree": best_tree,
     }
@@ -133,20 +156,32 @@ def compute_snapshot(counts: dict[StatsKey, Counter], now: float | None = None, 
             "priors": priors}
 
 
-def warm_start(snapshot: dict | None, target: str, draft: str, prompt_tokens: int) -> dict | None:
+def warm_start(snapshot: dict | None, target: str, draft: str, prompt_tokens: int, batch_size: int = 1) -> dict | None:
     """Where a request that did not pin its window starts, from the cluster's prior for its draft
-    and prompt-length bucket: ``{"version", "bucket", "alpha", "window"}``, or None (cold). The
-    target replica and ``bench policies`` both start requests through here.
+    and prompt-length bucket: ``{"version", "bucket", "load", "alpha", "window"}``, or None (cold).
+    The target replica and ``bench policies`` both start requests through here.
 
-    The window is the prior's best window, at least 1: a prior of γ = 0 still starts drafting,
-    because the per-step policy decides whether to switch speculation off and must see the draft
-    to learn; its α counts as pseudo-steps in that policy's estimate (``window.estimate_alpha``).
+    The window is the best one under the load the request starts in (``batch_size``, its
+    replica's running requests with it): that load bucket's when the prior has one, else the
+    nearest measured bucket (the lighter one on a tie), else the pooled best window. Priors learned
+    under load recommend small windows that would cost an idle replica's request speed (bench
+    policies: warm starts from pooled priors ran below cold ones on short requests).
+
+    The window is at least 1: a prior of γ = 0 still starts drafting, because the per-step policy
+    decides whether to switch speculation off and must see the draft to learn; its α counts as
+    pseudo-steps in that policy's estimate (``window.estimate_alpha``).
     """
     prior = find_prior(snapshot, target, draft, task_bucket(prompt_tokens))
     if prior is None:
         return None
-    return {"version": snapshot.get("version"), "bucket": prior["bucket"], "alpha": prior["alpha"],
-            "window": max(1, int(prior["best_window"]))}
+    load, window = None, prior["best_window"]
+    by_load = prior.get("best_window_by_load") or {}
+    if by_load:
+        wanted = LOAD_BUCKETS.index(load_bucket(batch_size))
+        load = min(by_load, key=lambda b: (abs(LOAD_BUCKETS.index(b) - wanted), LOAD_BUCKETS.index(b)))
+        window = by_load[load]
+    return {"version": snapshot.get("version"), "bucket": prior["bucket"], "load": load, "alpha": prior["alpha"],
+            "window": max(1, int(window))}
 
 
 def find_prior(snapshot: dict | None, target: str, draft: str, bucket: str) -> dict | None:

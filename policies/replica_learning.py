@@ -43,14 +43,14 @@ class ReplicaLearning:
             return []
         return [self.exporter.run_forever(), self.snapshots.run_forever()]
 
-    def start(self, request: SpecRequest) -> tuple[SpecRequest, dict | None]:
-        """Count the request, and start it from the cluster's prior (``priors.warm_start``) unless
-        the client pinned its window or tree or asked for no speculation; returns the request to
-        run and the prior it started from (None: cold)."""
+    def start(self, request: SpecRequest, batch_size: int = 1) -> tuple[SpecRequest, dict | None]:
+        """Count the request, and start it from the cluster's prior (``priors.warm_start``, at the
+        load of ``batch_size`` running requests) unless the client pinned its window or tree or
+        asked for no speculation; returns the request to run and the prior it started from (None: cold)."""
         start = None
         snapshot = None if self.snapshots is None else self.snapshots.current()
         if snapshot is not None and not (request.pinned or request.tree is not None or request.speculation.plain):
-            start = warm_start(snapshot, self.target, request.draft, len(request.prompt_ids))
+            start = warm_start(snapshot, self.target, request.draft, len(request.prompt_ids), batch_size)
             if start is not None:
                 request = replace(request, window=start["window"], prior_alpha=start["alpha"])
         self.collector.start(request.request_id, request.draft, len(request.prompt_ids))

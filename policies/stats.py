@@ -19,6 +19,11 @@ spec-decode counters where one exists:
     draft_us, verify_us   time of the steps those request-steps were part of (µs, summed per request-step)
     verify_us_w<γ>    verify time of the drafting steps with window γ (the cost model b(γ) of paper 003)
     requests          requests started
+    load_<L>_steps_w<γ>, load_<L>_verify_us_w<γ>, load_<L>_draft_us, load_<L>_draft_tokens
+                      the cost side again per load bucket L of the step's batch size (``load_bucket``:
+                      b1, b4, b8, b8+): verifying γ extra tokens costs almost nothing alone and
+                      several times a plain step in a batch of 16, so the best window depends on
+                      the load a request starts under (acceptance does not, and is not split)
     tree_<d>x<k>_steps, _emitted, _us   drafting steps that asked a tree of depth d and top-k k, the
                       tokens they emitted and their draft + verify time (which shape pays, measured)
 
@@ -41,6 +46,20 @@ from specserve.replicas.step import StepRecord
 # Prompt-length buckets (tokens): acceptance differs by task, and length is what every replica
 # knows before the first step. The router (issue 14) may refine buckets from its own features.
 BUCKET_EDGES = (64, 256, 1024)
+
+
+# Batch-size buckets: where the verify cost of extra draft tokens changes most on CPUs and GPUs.
+LOAD_EDGES = (1, 4, 8)
+
+
+def load_bucket(batch_size: int) -> str:
+    for edge in LOAD_EDGES:
+        if batch_size <= edge:
+            return f"b{edge}"
+    return f"b{LOAD_EDGES[-1]}+"
+
+
+LOAD_BUCKETS = tuple([f"b{e}" for e in LOAD_EDGES] + [f"b{LOAD_EDGES[-1]}+"])
 
 
 def task_bucket(prompt_tokens: int) -> str:
@@ -66,6 +85,7 @@ def counts_from_record(record: StepRecord) -> dict[str, Counter]:
     out: dict[str, Counter] = {}
     draft_us = round(record.draft_ms * 1e3)
     verify_us = round(record.verify_ms * 1e3)
+    load = f"load_{load_bucket(record.batch_size)}"
     for step in record.requests:
         c = out.setdefault(step.request_id, Counter())
         if step.max_depth > 0:
@@ -80,6 +100,10 @@ def counts_from_record(record: StepRecord) -> dict[str, Counter]:
             c[f"verify_us_w{step.max_depth}"] += verify_us
             c["draft_us"] += draft_us
             c["verify_us"] += verify_us
+            c[f"{load}_steps_w{step.max_depth}"] += 1
+            c[f"{load}_verify_us_w{step.max_depth}"] += verify_us
+            c[f"{load}_draft_us"] += draft_us
+            c[f"{load}_draft_tokens"] += step.proposed
             tree = step.asked.tree
             if tree is not None:
                 shape = f"tree_{tree.depth}x{tree.top_k}"

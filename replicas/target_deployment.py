@@ -94,7 +94,7 @@ class TargetDeployment:
     def _routed(self, state: RequestState, previous: str | None) -> None:
         """A draft the router chose (or switched to): statistics count the request under it, and
         a first choice starts from the cluster's prior for that draft."""
-        request, prior = self.learning.start(state.request)
+        request, prior = self.learning.start(state.request, len(self.scheduler.running))
         if previous is None:
             state.request = request
             if prior is not None:
@@ -106,7 +106,7 @@ class TargetDeployment:
         self._ensure_loop()
         prior = None
         if self.learning is not None and request.draft != AUTO_DRAFT:   # routed ones start in _routed
-            request, prior = self.learning.start(request)
+            request, prior = self.learning.start(request, len(self.scheduler.running) + 1)
         queue: asyncio.Queue[dict] = asyncio.Queue()
         state = self.loop.add(request, queue.put_nowait)
         try:

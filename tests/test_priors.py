@@ -64,3 +64,36 @@ def test_the_best_window_never_exceeds_the_largest_window_measured():
     p = find_prior(compute_snapshot({StatsKey("t", "pl", "p64", 0): counts(900, 100, draft_ms=0.0)}, now=0.0),
                    "t", "pl", "p64")
     assert p["best_window"] == 4
+
+
+def test_windows_are_best_per_load_and_warm_starts_pick_the_load_they_start_under():
+    """Literal steps: alone, verifying 8 drafts costs about as much as 1 (flat); in a batch of 16
+    every extra token costs (steep). The same α must then recommend a long window to a request
+    starting on an idle replica and a short one to a request joining a busy one."""
+    from specserve.policies.priors import warm_start
+    from specserve.policies.stats import StatsCollector
+    from specserve.replicas.step import RequestStep, Speculation, StepRecord
+
+    collector = StatsCollector("t")
+    collector.start("r", "pl", 10)
+    for gamma in (1, 2, 4, 8):
+        for _ in range(30):
+            # α ≈ 0.8: the chain breaks after 0.8 / 0.2 accepted tokens on average
+            accepted = min(gamma, 3)
+            step = RequestStep("r", "pl", Speculation(gamma), gamma, accepted, gamma, None)
+            collector.observe(StepRecord(1, 1 + gamma, 0, 0.1, 20.0 + 0.1 * gamma, 0.0, (step,)))
+            others = tuple(RequestStep(f"o{i}", "pl", Speculation(gamma), gamma, accepted, gamma, None) for i in range(15))
+            collector.observe(StepRecord(16, 16 * (1 + gamma), 0, 0.1, 40.0 + 25.0 * gamma, 0.0, (step, *others)))
+    snapshot = {**compute_snapshot(collector.drain(), now=0.0), "version": 3}
+    prior = find_prior(snapshot, "t", "pl", "p64")
+    by_load = prior["best_window_by_load"]
+    assert set(by_load) == {"b1", "b8+"} and by_load["b1"] == 8 and by_load["b8+"] < 4
+    idle, busy = (warm_start(snapshot, "t", "pl", 10, batch_size=b) for b in (1, 16))
+    assert (idle["load"], idle["window"]) == ("b1", 8) and (busy["load"], busy["window"]) == ("b8+", by_load["b8+"])
+    # A load never measured takes the nearest one measured (b4 -> b1, b8 -> b8+).
+    assert warm_start(snapshot, "t", "pl", 10, batch_size=3)["load"] == "b1"
+    assert warm_start(snapshot, "t", "pl", 10, batch_size=7)["load"] == "b8+"
+    # A snapshot from before load buckets: the pooled window, no load.
+    old = {**snapshot, "priors": [{k: v for k, v in p.items() if k != "best_window_by_load"} for p in snapshot["priors"]]}
+    start = warm_start(old, "t", "pl", 10, batch_size=16)
+    assert start["load"] is None and start["window"] == max(1, prior["best_window"])

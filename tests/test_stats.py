@@ -2,7 +2,7 @@
 
 from collections import Counter
 
-from specserve.policies.stats import StatsCollector, StatsKey, counts_from_record, task_bucket
+from specserve.policies.stats import StatsCollector, StatsKey, counts_from_record, load_bucket, task_bucket
 from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
 
 
@@ -26,7 +26,10 @@ class Clock:
 def test_counts_of_one_step_follow_eq2_and_vllm_names():
     counts = counts_from_record(record(step("a", accepted=2), step("b", accepted=4), step("c", proposed=0, accepted=0, max_depth=0)))
     assert counts["a"] == Counter(drafts=1, draft_tokens=4, accepted_tokens=2, accepted_pos_0=1, accepted_pos_1=1,
-                                  rejections=1, emitted=3, window_4=1, verify_us_w4=10000, draft_us=2000, verify_us=10000)
+                                  rejections=1, emitted=3, window_4=1, verify_us_w4=10000, draft_us=2000, verify_us=10000,
+                                  # the cost side again under this step's load (3 requests: bucket b4)
+                                  load_b4_steps_w4=1, load_b4_verify_us_w4=10000, load_b4_draft_us=2000,
+                                  load_b4_draft_tokens=4)
     assert counts["b"]["rejections"] == 0 and counts["b"]["accepted_pos_3"] == 1 and counts["b"]["emitted"] == 5
     # A request with a draft whose step went plain: speculation switched off, nothing drafted.
     assert counts["c"] == Counter(plain_steps=1)
@@ -71,3 +74,7 @@ def test_a_tree_step_counts_its_shape():
     counts = counts_from_record(record(tree_step, draft_ms=1.0, verify_ms=9.0))["a"]
     assert counts["tree_3x2_steps"] == 1 and counts["tree_3x2_emitted"] == 3 and counts["tree_3x2_us"] == 10_000
     assert counts["window_3"] == 1   # the longest path offered
+
+
+def test_load_buckets():
+    assert [load_bucket(b) for b in (1, 2, 4, 5, 8, 9, 64)] == ["b1", "b4", "b4", "b8", "b8", "b8+", "b8+"]
