@@ -71,10 +71,15 @@ def _windows_seen(c: dict[str, float]) -> list[int]:
     return list(_steps_by_window(c))
 
 
-def best_window_by_load(c: dict[str, float], alpha: float, pooled_a: float, window_max: int,
-                        min_steps: int) -> dict[str, int]:
-    """The best window under each load bucket with ``min_steps`` drafting steps: that bucket's own
-    verify fit and draft cost, capped at the largest window measured under it."""
+def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, window_max: int) -> int:
+    def goodput(gamma: int) -> float:
+        return expected_emitted(alpha, gamma) / (gamma * draft_ms_per_token + max(1e-6, b0 + b1 * gamma))
+    return max(range(window_max + 1), key=lambda g: (goodput(g), -g))
+
+
+def costs_by_load(c: dict[str, float], pooled_a: float, min_steps: int) -> dict[str, dict]:
+    """The cost side measured under each load bucket with ``min_steps`` drafting steps: draft ms
+    per token, the verify fit and the windows it was measured over."""
     out = {}
     for load in LOAD_BUCKETS:
         steps = _steps_by_window(c, load)
@@ -83,14 +88,20 @@ def best_window_by_load(c: dict[str, float], alpha: float, pooled_a: float, wind
             continue
         tokens = c.get(f"load_{load}_draft_tokens", 0.0)
         a = c.get(f"load_{load}_draft_us", 0.0) / 1e3 / tokens if tokens else pooled_a
-        out[load] = best_window(alpha, a, *fit, min(window_max, max(steps)))
+        out[load] = {"draft_ms_per_token": round(a, 4), "verify_ms": [round(fit[0], 4), round(fit[1], 4)],
+                     "windows": sorted(steps)}
     return out
 
 
-def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, window_max: int) -> int:
-    def goodput(gamma: int) -> float:
-        return expected_emitted(alpha, gamma) / (gamma * draft_ms_per_token + max(1e-6, b0 + b1 * gamma))
-    return max(range(window_max + 1), key=lambda g: (goodput(g), -g))
+def window_for(alpha: float, costs: dict, window_max: int) -> int:
+    """The best window at α for one load's measured costs. Beyond the largest window measured only
+    when the verify cost was fitted over two windows or more (a slope was measured, so extending the
+    line is a model, not a guess); with one window b(γ) would be taken flat, which always favours the
+    longest window (bench serve: warm starts at γ = 8 from γ = 4 data fed larger forwards than the
+    verify cost allowed under load)."""
+    windows = costs["windows"]
+    limit = window_max if len(windows) >= 2 else min(window_max, max(windows))
+    return best_window(alpha, costs["draft_ms_per_token"], *costs["verify_ms"], limit)
 
 
 def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_max: float, window_max: int,
@@ -135,7 +146,8 @@ def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_ma
         # would always favour the longest window (bench serve: warm starts at γ = 8 from γ = 4 data
         # fed larger forwards than the verify cost allowed under load).
         "best_window": best_window(alpha, a, b0, b1, min(window_max, max(_windows_seen(c), default=window_max))),
-        "best_window_by_load": best_window_by_load(c, alpha, a, window_max, min_steps),
+        "costs_by_load": (by_load := costs_by_load(c, a, min_steps)),
+        "best_window_by_load": {load: window_for(alpha, costs, window_max) for load, costs in by_load.items()},
         "plain_share": round(c.get("plain_steps", 0.0) / (c.get("plain_steps", 0.0) + drafts), 4),
         "best_tree": best_tree,
     }
@@ -162,8 +174,7 @@ def warm_start(snapshot: dict | None, target: str, draft: str, prompt_tokens: in
     The target replica and ``bench policies`` both start requests through here.
 
     The window is the best one under the load the request starts in (``batch_size``, its
-    replica's running requests with it): that load bucket's when the prior has one, else the
-    nearest measured bucket (the lighter one on a tie), else the pooled best window. Priors learned
+    replica's running requests with it; ``_load_window`` says where its costs come from). Priors learned
     under load recommend small windows that would cost an idle replica's request speed (bench
     policies: warm starts from pooled priors ran below cold ones on short requests).
 
@@ -174,14 +185,29 @@ def warm_start(snapshot: dict | None, target: str, draft: str, prompt_tokens: in
     prior = find_prior(snapshot, target, draft, task_bucket(prompt_tokens))
     if prior is None:
         return None
-    load, window = None, prior["best_window"]
-    by_load = prior.get("best_window_by_load") or {}
-    if by_load:
-        wanted = LOAD_BUCKETS.index(load_bucket(batch_size))
-        load = min(by_load, key=lambda b: (abs(LOAD_BUCKETS.index(b) - wanted), LOAD_BUCKETS.index(b)))
-        window = by_load[load]
+    load, window = _load_window(snapshot, prior, load_bucket(batch_size))
     return {"version": snapshot.get("version"), "bucket": prior["bucket"], "load": load, "alpha": prior["alpha"],
             "window": max(1, int(window))}
+
+
+def _load_window(snapshot: dict, prior: dict, wanted: str, window_max: int = 8) -> tuple[str | None, int]:
+    """(the load bucket whose costs priced the window, the window) for a request of ``prior``'s
+    task starting under load ``wanted``: that load measured for this task; else the costs measured
+    under that load for the draft's pooled bucket, priced at this task's α (acceptance depends on
+    the task, costs on the load); else the nearest load measured for this task (the lighter on a
+    tie); else the pooled window."""
+    by_load = prior.get("best_window_by_load") or {}
+    if wanted in by_load:
+        return wanted, by_load[wanted]
+    pooled = find_prior(snapshot, prior["target"], prior["draft"], ALL_BUCKETS) or {}
+    costs = (pooled.get("costs_by_load") or {}).get(wanted)
+    if costs is not None:
+        return wanted, window_for(prior["alpha"], costs, window_max)
+    if by_load:
+        index = LOAD_BUCKETS.index(wanted)
+        load = min(by_load, key=lambda b: (abs(LOAD_BUCKETS.index(b) - index), LOAD_BUCKETS.index(b)))
+        return load, by_load[load]
+    return None, prior["best_window"]
 
 
 def find_prior(snapshot: dict | None, target: str, draft: str, bucket: str) -> dict | None:

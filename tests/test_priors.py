@@ -94,6 +94,24 @@ def test_windows_are_best_per_load_and_warm_starts_pick_the_load_they_start_unde
     assert warm_start(snapshot, "t", "pl", 10, batch_size=3)["load"] == "b1"
     assert warm_start(snapshot, "t", "pl", 10, batch_size=7)["load"] == "b8+"
     # A snapshot from before load buckets: the pooled window, no load.
-    old = {**snapshot, "priors": [{k: v for k, v in p.items() if k != "best_window_by_load"} for p in snapshot["priors"]]}
+    old = {**snapshot, "priors": [{k: v for k, v in p.items() if k not in ("best_window_by_load", "costs_by_load")}
+                                  for p in snapshot["priors"]]}
     start = warm_start(old, "t", "pl", 10, batch_size=16)
     assert start["load"] is None and start["window"] == max(1, prior["best_window"])
+
+
+def test_a_load_this_task_never_saw_is_priced_with_the_pooled_costs_of_that_load_at_the_tasks_alpha():
+    from specserve.policies.priors import warm_start
+
+    flat = {"draft_ms_per_token": 0.05, "verify_ms": [20.0, 0.1], "windows": [1, 4]}
+    snapshot = {"version": 1, "priors": [
+        {"target": "t", "draft": "pl", "bucket": "p256", "alpha": 0.9, "best_window": 2, "best_window_by_load": {"b8+": 1}},
+        {"target": "t", "draft": "pl", "bucket": "all", "alpha": 0.4, "best_window": 2, "best_window_by_load": {"b1": 3},
+         "costs_by_load": {"b1": flat}}]}
+    start = warm_start(snapshot, "t", "pl", 200, batch_size=1)
+    # The task's α (0.9, not the pool's 0.4) on the idle replica's flat verify cost, extended past
+    # the largest window measured because two windows gave the slope.
+    assert (start["load"], start["window"]) == ("b1", 8)
+    one_window = {**flat, "windows": [4]}
+    snapshot["priors"][1]["costs_by_load"]["b1"] = one_window
+    assert warm_start(snapshot, "t", "pl", 200, batch_size=1)["window"] == 4   # no slope: no further than measured
