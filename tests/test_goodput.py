@@ -45,10 +45,15 @@ def test_it_speculates_until_it_has_measured_and_explores_periodically():
     for tokens in (16, 80):
         policy.observe(record(tokens, 10 + tokens, [outcome(0)] * 8))
     decisions = []
-    for _ in range(8):
+    for _ in range(16):
+        decisions.append(policy.pays("d", 4, batch_size=4))
+        policy.observe(record(16, 26))
+    assert decisions.count(True) == 4              # one step in four explores at batch 4 ...
+    decisions = []
+    for _ in range(16):
         decisions.append(policy.pays("d", 4, batch_size=16))
         policy.observe(record(16, 26))
-    assert decisions.count(True) == 2              # one step in four explores
+    assert decisions.count(True) == 1              # ... one in 16 at batch 16, each seeing 16 requests
 
 
 def test_a_request_that_pinned_its_window_keeps_it():
@@ -106,3 +111,24 @@ def test_the_clusters_prior_keeps_a_good_draft_on_after_a_replicas_unlucky_first
     # still beats 1 token in 11 ms; the prior fades as the replica's own steps pile up.
     assert cold.alpha("d") == 0.0 and not cold.pays("d", 4, batch_size=1)
     assert abs(warm.alpha("d") - 0.45) < 1e-9 and warm.pays("d", 4, batch_size=1)
+
+
+def test_the_cost_line_of_the_steps_load_bucket_prices_a_busy_step():
+    """Idle and half-busy steps cost 10 ms + 0.1 ms a token fed; at batch 16 the extra tokens cost
+    0.72 ms each. One line through all of them says speculating at batch 16 pays; the b8+ bucket's
+    own line says it does not."""
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1, margin=0.0)
+    for _ in range(8):
+        for batch, tokens, ms in ((1, 1, 10.1), (1, 5, 10.5), (4, 4, 10.4), (4, 20, 12.0), (8, 8, 10.8), (8, 40, 14.0)):
+            policy.observe(StepRecord(batch, tokens, 0, 0.0, ms, 0.0, (outcome(2),) * batch))
+    policy.observe(StepRecord(16, 16, 0, 0.0, 14.0, 0.0, (outcome(2),) * 16))
+    policy.observe(StepRecord(16, 80, 0, 0.0, 60.0, 0.0, (outcome(2),) * 16))
+    a, b = policy.cost_model(16)
+    assert abs(a - 2.5) < 1e-9 and abs(b - 0.71875) < 1e-9
+    # α̂ = 2 / (2 + 1): E(4) = 2.6 tokens a step.
+    assert abs(policy.alpha("d") - 2 / 3) < 1e-12
+    assert not policy.pays("d", 4, batch_size=16)   # 41.7 tokens in 60 ms < 16 in 14 ms
+    assert policy.pays("d", 4, batch_size=1)        # the b1 line: 2.6 tokens in 10.5 ms > 1 in 10.1 ms
+    # The pooled line (what the policy used before) prices the busy step as worth it.
+    a, b = policy.cost_model()
+    assert 16 * expected_emitted(2 / 3, 4) / (a + b * 80) > 16 / (a + b * 16)
