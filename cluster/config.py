@@ -96,6 +96,15 @@ class AppConfig(BaseModel):
                               description="Key prefix in Redis, one per application, so that applications can share a Redis.")
     policy: str = Field(DEFAULT_POLICY, description=f"How each request's window adapts per step: {', '.join(POLICIES)}. "
                         "A request that names its window or tree keeps it.")
+    api_keys_file: str | None = Field(
+        None, description="A file of API keys (one per line) the ingress requires, read by the ingress "
+        "replica itself, besides the comma-separated SPECSERVE_API_KEYS in its environment; with neither, "
+        "no key is needed. A configured file that cannot be read stops the ingress from starting.")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="The largest HTTP body accepted (413 beyond).")
+    resume_attempts: int = Field(3, ge=0, le=10, description="Times one request continues on another target "
+                                 "replica after its own failed (0: fail it with a retriable 503).")
+    resume_timeout_s: float = Field(60.0, gt=0, description="How long a continuation waits for a target replica "
+                                    "to take it before the request ends with a retriable 503.")
 
     @model_validator(mode="after")
     def _drafts_known(self) -> "AppConfig":
@@ -113,7 +122,9 @@ class AppConfig(BaseModel):
         return [d.name for d in self.drafts]
 
     def ingress_config(self) -> IngressConfig:
-        return IngressConfig(self.target, self.model_id, self.draft_names, self.default_draft, self.default_window)
+        return IngressConfig(self.target, self.model_id, self.draft_names, self.default_draft, self.default_window,
+                             api_keys_file=self.api_keys_file, max_body_bytes=self.max_body_bytes,
+                             resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s)
 
     @property
     def model_id(self) -> str:

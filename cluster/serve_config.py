@@ -40,6 +40,8 @@ TARGET_THREADS = 1
 TARGET_REPLICAS = 2
 DRAFT_MODEL_THREADS = 1   # a draft model: one thread (a small forward gains little from two)
 MODEL_FREE_CPUS = 0.1     # the ingress and prompt lookup: an event loop and no model
+TARGET_QUEUE = 32         # requests an ingress replica holds for the target beyond its replicas' slots
+REQUEST_TIMEOUT_S = 900   # a request past this is cancelled: it leaves its batch and frees its KV
 
 
 def _drafts(args: dict) -> list[dict]:
@@ -99,8 +101,10 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
             drafts.append(deployment(name, MODEL_FREE_CPUS, 64, 2, 32))
     return {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": http_port},
-        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        # A request still running after REQUEST_TIMEOUT_S is cancelled (and leaves its batch).
+        "http_options": {"host": "127.0.0.1", "port": http_port, "request_timeout_s": REQUEST_TIMEOUT_S},
+        "grpc_options": {"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER],
+                         "request_timeout_s": REQUEST_TIMEOUT_S},
         "applications": [{
             "name": APP_NAME,
             "route_prefix": "/",
@@ -108,7 +112,10 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
             "args": args,
             "deployments": [
                 deployment(INGRESS_DEPLOYMENT, MODEL_FREE_CPUS, 256, 2, 32),
-                deployment(TARGET_DEPLOYMENT, threads[TARGET_DEPLOYMENT], 16, target_replicas, 8, target_replicas),
+                {**deployment(TARGET_DEPLOYMENT, threads[TARGET_DEPLOYMENT], 16, target_replicas, 8, target_replicas),
+                 # Back-pressure: past this many requests waiting in one ingress replica for a
+                 # target slot, a new one is a 503 with Retry-After, not an unbounded queue.
+                 "max_queued_requests": TARGET_QUEUE},
                 *drafts,
             ],
         }],

@@ -44,6 +44,8 @@ class StepLoop:
         self._disabled: dict[str, str] = {}   # draft -> why it is not used
         self._wake = asyncio.Event()
         self._draft_ms: dict[str, float] = {}   # this step's time per draft (they run concurrently)
+        self.failures = 0                     # steps failed in a row (the replica's health reads it)
+        self.last_error: str | None = None
 
     def add(self, request: SpecRequest, emit: Callable[[dict], None] | None = None) -> RequestState:
         state = self.scheduler.add(request, emit)
@@ -150,9 +152,12 @@ class StepLoop:
                 self._wake.clear()
                 await self._wake.wait()
             try:
-                await self.step()
-            except Exception:  # noqa: BLE001 - a failed step fails its requests, not the replica
+                if await self.step() is not None:   # a step that ran (not one that only retired requests)
+                    self.failures = 0
+            except Exception as err:  # noqa: BLE001 - a failed step fails its requests, not the replica
                 logger.exception("step failed; its requests end with an error")
+                self.failures += 1
+                self.last_error = f"{type(err).__name__}: {err}"
                 for state in [*self.scheduler.running, *self.scheduler.waiting]:
                     state.finish("error")
 

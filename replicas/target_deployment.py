@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -38,6 +39,15 @@ from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 
 logger = logging.getLogger("ray.serve")
+
+
+# Steps that fail one after another (every request of each failing) mean the model cannot run.
+UNHEALTHY_AFTER_FAILED_STEPS = 3
+
+
+class StepFailed(RuntimeError):
+    """The replica's step failed for a request (its model raised): the ingress resumes the
+    request elsewhere from the tokens it already has."""
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16, health_check_period_s=10)
@@ -113,7 +123,7 @@ class TargetDeployment:
             while True:
                 item = await queue.get()
                 if item.get("finish_reason") == "error":
-                    raise RuntimeError("the target's step failed for this request; retry it")
+                    raise StepFailed("the target's step failed for this request")
                 if "spec" in item:
                     if hasattr(self.scheduler.policy, "name_for") and not request.speculation.plain:
                         item["spec"]["policy"] = self.scheduler.policy.name_for(state)
@@ -138,9 +148,43 @@ class TargetDeployment:
             return []
         return list(self.router.recent)[-count:]
 
+    async def load(self) -> dict:
+        """What the replica holds now: requests in the batch and waiting, the KV slots they hold
+        and the positions cached for them (what a finished, cancelled or timed-out request gives
+        back at the next step), and the KV buffers allocated (fixed once grown)."""
+        live = [s for s in self.scheduler.slots if s is not None and not s.done]
+        kv = self.scheduler.target.kv
+        allocated = sum(buf.numel() * buf.element_size() for layer in kv.cache.layers for buf in (layer.buffers or ()))
+        return {"replica_id": self.replica_id, "running": len(live), "waiting": len(self.scheduler.waiting),
+                "slots_in_use": len(live), "slots": kv.slots,
+                "kv_positions_in_use": sum(len(kv.tokens[s.slot]) for s in live if s.slot is not None),
+                "kv_bytes_allocated": allocated, "failed_steps_in_a_row": self.loop.failures}
+
+    def _probe(self) -> None:
+        """Two tokens through the forward that serves requests, on the last KV slot (free when
+        the replica is idle; its prefix cache is given up): what a replica must be able to do."""
+        target, token = self.scheduler.target, min(self.loaded.eos_token_ids, default=0)
+        slot = target.slots - 1
+        target.kv.reset(slot)
+        try:
+            done = target.prefill(slot, [token], 1, next_token=token, score_rows=1)
+        finally:
+            target.kv.reset(slot)
+        if not math.isfinite(done.nll):
+            raise RuntimeError("the model's output is not finite")
+
     async def check_health(self) -> None:
-        # Also starts the background tasks of a replica that has not served yet; never asks Redis.
-        self._ensure_loop()
+        """Healthy means the model runs: a stuck forward, a dead step loop, steps failing in a row
+        or an idle model that cannot run one token make the replica unhealthy (Serve replaces it).
+        Never asks Redis or a draft: their outages cost speed, not the replica."""
+        self._ensure_loop()   # also starts the background tasks of a replica that has not served yet
         self._worker.check()
         if self._task is not None and self._task.done() and not self._task.cancelled() and self._task.exception():
             raise RuntimeError(f"the step loop died: {self._task.exception()!r}")
+        if self.loop.failures >= UNHEALTHY_AFTER_FAILED_STEPS:
+            raise RuntimeError(f"{self.loop.failures} steps failed in a row, the last with {self.loop.last_error}")
+        if not self.scheduler.has_work:   # busy: the steps themselves show that the model runs
+            try:
+                await self._worker.run(self._probe)
+            except Exception as err:  # noqa: BLE001 - any failure of the model is ill health
+                raise RuntimeError(f"the model cannot run one token: {type(err).__name__}: {err}") from err

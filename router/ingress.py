@@ -7,6 +7,19 @@ OpenAI's error body, or gRPC ``INVALID_ARGUMENT``. Both protocols share one path
     body --(pydantic)--> _prepare --> SpecRequest --> target.generate (stream) --> TextStream --> events
 
 HTTP formats the events as OpenAI JSON or Server-Sent Events; gRPC as protobuf messages.
+
+What the ingress does when things break (issue 15, DESIGN.md §7):
+- a target replica that dies mid-generation (or whose step fails) does not end the request: it
+  resumes on a target replica from the tokens already produced (the prompt plus those tokens is
+  the new prompt, the tokens left the new ``max_tokens``), so a stream continues where it stopped;
+  greedy output is unchanged, a sampled one keeps the target's distribution (the continuation
+  draws from a fresh seed derived from the request's). If no replica takes the continuation
+  within ``resume_timeout_s`` the request ends with a retriable error (503 + ``Retry-After``,
+  gRPC ``UNAVAILABLE``) instead of hanging;
+- a full target (Serve's ``max_queued_requests`` reached) is a 503 with ``Retry-After`` at once,
+  not an unbounded queue;
+- with API keys configured (``router/auth.py``) every route but ``/health`` needs one (401 /
+  ``UNAUTHENTICATED``); bodies over ``max_body_bytes`` are a 413 before anything parses them.
 """
 
 from __future__ import annotations
@@ -17,7 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from fastapi import FastAPI, Query, Request
@@ -37,6 +50,10 @@ from specserve.router import specserve_pb2 as pb
 from specserve.router.openai_api import AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.router.prompt_ids import encode_chat, encode_text
 from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.target_deployment import StepFailed
+from specserve.router import guard
+from specserve.router.auth import ApiKeys
+from specserve.router.guard import Guard
 from specserve.router.text_stream import TextStream
 
 logger = logging.getLogger("ray.serve")
@@ -53,6 +70,11 @@ class IngressConfig:
     draft_names: list[str]
     default_draft: str
     default_window: int
+    api_keys_file: str | None = None     # besides SPECSERVE_API_KEYS in the ingress's environment
+    max_body_bytes: int = 4 << 20
+    resume_attempts: int = 3             # continuations of one request after its target replica failed
+    resume_timeout_s: float = 60.0       # how long a continuation may wait for a replica to take it
+    retry_after_s: int = 5               # what a 503 tells the client to wait
 
 
 @dataclass
@@ -88,7 +110,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 @api.exception_handler(OpenAIError)
 async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
 @api.exception_handler(RequestValidationError)
@@ -107,8 +129,20 @@ async def _unexpected(_: Request, err: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=500)
 
 
-_GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-               503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+_GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+               404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+               429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+               504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+# A target replica that died (or is being replaced) under a request, or whose step failed: the
+# request continues elsewhere from what it has produced.
+_RESUMABLE = (RayActorError, StepFailed)
+# No target replica can take a request right now (all full, or none running): retry shortly.
+_BUSY = (BackPressureError, DeploymentUnavailableError)
+
+
+# Every HTTP route passes the API key and body-size checks first (router/guard.py).
+api.add_middleware(Guard)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256, health_check_period_s=10)
@@ -124,6 +158,10 @@ class Ingress:
         self.vocab_size = getattr(model_config, "vocab_size", None)
         self.model_id = config.model_id
         self.created = int(time.time())
+        self.api_keys = ApiKeys.load(config.api_keys_file)
+        guard.configure(self.api_keys, config.max_body_bytes)
+        logger.info("ingress for %s: API keys %s", self.model_id,
+                    f"required ({len(self.api_keys)} configured)" if self.api_keys.enabled else "off")
 
     # ---- the shared path -------------------------------------------------------------------
 
@@ -184,33 +222,92 @@ class Ingress:
             raise OpenAIError(f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
         return list(req.prompt)
 
+    def _unavailable(self, why: str) -> OpenAIError:
+        return OpenAIError(f"{why}; retry in {self.config.retry_after_s} s", status=503, type="server_error",
+                           code="unavailable", retry_after=self.config.retry_after_s)
+
     async def _events(self, prepared: Prepared) -> AsyncIterator[Event]:
         text = TextStream(self.tokenizer, prepared.stop)
         prompt_tokens = len(prepared.spec_request.prompt_ids)
-        stream = self.target.options(stream=True).generate.remote(prepared.spec_request)
-        try:
-            async for item in stream:
-                delta = text.push(item["token_ids"])
-                finish, spec = item.get("finish_reason"), item.get("spec")
-                if text.stopped:
-                    finish = "stop"
-                    if spec is None:   # ended early by a stop string: the target is still going
-                        stream.cancel()
-                        spec = {}
-                elif finish is not None:
-                    delta += text.flush()
-                if delta or finish is not None:
-                    usage = {}
+        request, resumed, deadline = prepared.spec_request, 0, None
+        while True:
+            stream = self.target.options(stream=True).generate.remote(request)
+            try:
+                async for item in self._items(stream, deadline):
+                    deadline = None
+                    delta = text.push(item["token_ids"])
+                    finish, spec = item.get("finish_reason"), item.get("spec")
+                    if text.stopped:
+                        finish = "stop"
+                        if spec is None:   # ended early by a stop string: the target is still going
+                            stream.cancel()
+                            spec = {}
+                    elif finish is not None:
+                        delta += text.flush()
+                    if finish is not None and resumed:
+                        spec = {**(spec or {}), "resumed": resumed}
+                    if delta or finish is not None:
+                        usage = {}
+                        if finish is not None:
+                            done = len(text.token_ids)
+                            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                     "total_tokens": prompt_tokens + done}
+                        yield Event(delta, item["token_ids"], finish, spec, usage)
                     if finish is not None:
-                        done = len(text.token_ids)
-                        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                                 "total_tokens": prompt_tokens + done}
-                    yield Event(delta, item["token_ids"], finish, spec, usage)
-                if finish is not None:
-                    return
-        except (BackPressureError, DeploymentUnavailableError, RayActorError) as err:
-            raise OpenAIError(f"no target replica could take the request ({type(err).__name__}); retry shortly",
-                              status=503, type="server_error", code="unavailable") from err
+                        return
+                # The stream ended without a finish: the replica went away between two items.
+                err: BaseException = StepFailed("the target's stream ended early")
+            except _RESUMABLE as caught:
+                err = caught
+            except _BUSY as caught:
+                if deadline is None:   # not taken at all: the client retries
+                    raise self._unavailable(f"every target replica is busy or restarting ({type(caught).__name__})") from caught
+                err = caught           # a continuation waits (until its deadline) for a replica
+            stream.cancel()
+            if resumed >= self.config.resume_attempts:
+                raise self._unavailable(f"the request failed on {resumed + 1} target replicas ({type(err).__name__})") from err
+            resumed += 1
+            done = len(text.token_ids)
+            if done >= prepared.spec_request.max_tokens:   # it failed after its last token
+                text_tail = text.flush()
+                yield Event(text_tail, [], "length", {"resumed": resumed},
+                            {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done})
+                return
+            logger.warning("request %s: its target replica failed after %d tokens (%s); resuming (attempt %d)",
+                           prepared.id, done, type(err).__name__, resumed)
+            request = self._continuation(prepared.spec_request, text.token_ids, resumed)
+            deadline = deadline or time.monotonic() + self.config.resume_timeout_s
+            if isinstance(err, _BUSY):
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    @staticmethod
+    def _continuation(original: SpecRequest, produced: list[int], attempt: int) -> SpecRequest:
+        """The rest of ``original`` after ``produced``: the target recomputes the KV of the prompt
+        and those tokens (greedy output is the same token for token). A seeded sampled request
+        draws its continuation from a seed derived from its own, so it does not replay the random
+        numbers its first tokens used."""
+        params = original.params
+        if params.seed is not None:
+            params = replace(params, seed=(params.seed + attempt * 0x9E3779B97F4A7C15) % 2**63)
+        return replace(original, prompt_ids=[*original.prompt_ids, *produced],
+                       max_tokens=original.max_tokens - len(produced), params=params,
+                       request_id=f"{original.request_id}-r{attempt}")
+
+    async def _items(self, stream, deadline: float | None) -> AsyncIterator[dict]:
+        """The stream's items; the first one within ``deadline`` (a continuation must be taken by
+        a replica in time, or the request ends with a retriable error instead of hanging)."""
+        iterator = stream.__aiter__()
+        if deadline is not None:
+            try:
+                first = await asyncio.wait_for(iterator.__anext__(), max(0.0, deadline - time.monotonic()))
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                stream.cancel()
+                raise self._unavailable("no target replica took the rest of the request in time") from None
+            yield first
+        async for item in iterator:
+            yield item
 
     async def _generate(self, prepared: Prepared) -> tuple[str, list[int], Event]:
         pieces, ids, last = [], [], None
@@ -316,6 +413,8 @@ class Ingress:
                     yield sse({**base, "choices": [choice(None, None, role=True)]})
                 async for event in self._events(prepared):
                     chunk = {**base, "choices": [choice(event.text, event.finish_reason)]}
+                    if req.return_token_ids:   # vLLM's extension: each chunk's new token ids
+                        chunk["choices"][0]["token_ids"] = event.token_ids
                     if event.finish_reason is not None:
                         chunk["spec"] = event.spec
                     yield sse(chunk)
@@ -381,10 +480,18 @@ class Ingress:
     def _grpc_abort(grpc_context, err: OpenAIError) -> None:
         grpc_context.set_code(_GRPC_CODES.get(err.status, grpc.StatusCode.INTERNAL))
         grpc_context.set_details(err.message)
+        if err.retry_after is not None:
+            grpc_context.set_trailing_metadata([("retry-after", str(err.retry_after))])
+
+    def _grpc_prepare(self, request: pb.CompletionRequest, grpc_context) -> Prepared:
+        if self.api_keys.enabled and not self.api_keys.allows_metadata(grpc_context.invocation_metadata()):
+            raise OpenAIError("missing or invalid API key: send metadata `authorization: Bearer <key>`",
+                              status=401, code="invalid_api_key")
+        return self._prepare(self._from_pb(request))
 
     async def Complete(self, request: pb.CompletionRequest, grpc_context) -> pb.CompletionResponse:
         try:
-            prepared = self._prepare(self._from_pb(request))
+            prepared = self._grpc_prepare(request, grpc_context)
             text, ids, last = await self._generate(prepared)
         except OpenAIError as err:
             self._grpc_abort(grpc_context, err)
@@ -396,7 +503,7 @@ class Ingress:
 
     async def CompleteStream(self, request: pb.CompletionRequest, grpc_context) -> AsyncIterator[pb.CompletionChunk]:
         try:
-            prepared = self._prepare(self._from_pb(request))
+            prepared = self._grpc_prepare(request, grpc_context)
             async for event in self._events(prepared):
                 chunk = pb.CompletionChunk(id=prepared.id, text=event.text, token_ids=event.token_ids)
                 if event.finish_reason is not None:

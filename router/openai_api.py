@@ -14,25 +14,31 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT   # spec.draft: "auto", the router decides; "none", no speculation
 
-__all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET"]
+__all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET", "MAX_STOP_CHARS"]
 
 # Request limits: beyond these a step costs more than any draft can save, and an unbounded
 # window or tree is a cheap way to make a replica allocate without end.
 MAX_WINDOW = 16
 MAX_TREE_DEPTH = 16
 MAX_TREE_BUDGET = 64
+# A stop string is matched against the decoded text's tail on every streamed piece.
+MAX_STOP_CHARS = 256
 
 
 class OpenAIError(Exception):
     """An error answered with OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error"):
+                 code: str | None = None, type: str = "invalid_request_error", retry_after: int | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+        self.retry_after = retry_after   # seconds, for a retriable error (503): the Retry-After header
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
 
 class TreeOptions(BaseModel):
@@ -66,8 +72,8 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="Top-k filter; 0 or -1 = off (vLLM's extension).")
-    seed: int | None = None
-    stop: str | list[str] | None = Field(None, validate_default=True, description="Up to 4 strings that end the text (not included).")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="Seeds the sampling (a 64-bit integer).")
+    stop: str | list[str] | None = Field(None, validate_default=True, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters that end the text (not included).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = Field(1, description="Only one choice per request.")
@@ -86,6 +92,8 @@ class _Common(BaseModel):
             raise ValueError(f"at most 4 stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("logit_bias")
