@@ -14,6 +14,7 @@ import requests
 
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
+from specserve.router.auth import client_headers, client_metadata
 
 
 @dataclass
@@ -45,7 +46,8 @@ def _spec(req: RemoteRequest) -> dict:
 
 def _http(base: str, req: RemoteRequest, timeout_s: float) -> dict:
     base = base.rstrip("/").removesuffix("/v1")
-    model = req.model or requests.get(f"{base}/v1/models", timeout=timeout_s).json()["data"][0]["id"]
+    headers = client_headers()
+    model = req.model or requests.get(f"{base}/v1/models", headers=headers, timeout=timeout_s).json()["data"][0]["id"]
     body = {"model": model, "max_tokens": req.max_tokens, "temperature": req.params.temperature,
             "top_p": req.params.top_p, "top_k": req.params.top_k, "seed": req.params.seed,
             "spec": _spec(req), "return_token_ids": True}
@@ -55,7 +57,7 @@ def _http(base: str, req: RemoteRequest, timeout_s: float) -> dict:
     else:
         body["prompt"] = req.prompt
         url = f"{base}/v1/completions"
-    response = requests.post(url, json=body, timeout=timeout_s)
+    response = requests.post(url, json=body, headers=headers, timeout=timeout_s)
     out = response.json()
     if response.status_code != 200:
         raise ServerError(f"HTTP {response.status_code}: {out.get('error', {}).get('message', out)}")
@@ -87,7 +89,7 @@ def _grpc(address: str, req: RemoteRequest, timeout_s: float) -> dict:
     with grpc.insecure_channel(address) as channel:
         stub = specserve_pb2_grpc.SpecServeStub(channel)
         try:
-            out = stub.Complete(message, timeout=timeout_s, metadata=(("application", "specserve"),))
+            out = stub.Complete(message, timeout=timeout_s, metadata=(("application", "specserve"), *client_metadata()))
         except grpc.RpcError as err:
             raise ServerError(f"gRPC {err.code().name}: {err.details()}") from err
     return {"text": out.text, "token_ids": list(out.token_ids), "finish_reason": out.finish_reason,

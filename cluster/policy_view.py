@@ -6,10 +6,12 @@ import time
 
 import requests
 
+from specserve.router.auth import client_headers
+
 
 def get_json(server: str, path: str, params: dict | None = None, timeout_s: float = 30.0) -> dict:
     """``GET path`` of a running deployment; the OpenAI error body's message when it refuses."""
-    response = requests.get(f"{server.rstrip('/')}{path}", params=params, timeout=timeout_s)
+    response = requests.get(f"{server.rstrip('/')}{path}", params=params, headers=client_headers(), timeout=timeout_s)
     if response.status_code != 200:
         try:
             message = response.json()["error"]["message"]
