@@ -44,6 +44,7 @@ import httpx
 from specserve.cluster.bench_engine import machine_info
 from specserve.cluster.config import PROMPT_LOOKUP
 from specserve.cluster.prompts import load_prompts
+from specserve.router.auth import client_headers
 
 BENCH_CATEGORY = "chat"   # ShareGPT first turns: the serving-benchmark standard
 NO_DRAFT = "none"
@@ -164,10 +165,11 @@ def local_stack_config(dtype: str, drafts: list[str] | None) -> dict:
     return app_serve_config(args, target_replicas=TARGET_REPLICAS)
 
 
-def served_model(url: str) -> dict:
-    """The first model a server lists (an OpenAI server lists the one it serves first)."""
+def served_model(url: str, headers: dict | None = None) -> dict:
+    """The first model a server lists (an OpenAI server lists the one it serves first).
+    ``headers``: specserve's API key for its own servers (a peer never gets it)."""
     try:
-        response = httpx.get(f"{url}/v1/models", timeout=60)
+        response = httpx.get(f"{url}/v1/models", headers=headers or {}, timeout=60)
         response.raise_for_status()
         return response.json()["data"][0]
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as err:
@@ -269,7 +271,9 @@ async def load_run(prompts: list[str], config: ServeBenchConfig, concurrency: in
     gate = asyncio.Semaphore(concurrency)
     records = [RequestRecord(config.name, concurrency, rate, i) for i in range(len(prompts))]
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+    # A peer gets no key of ours: SPECSERVE_API_KEY is specserve's.
+    headers = client_headers() if config.backend == "serve" else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits, headers=headers) as client:
 
         async def one(i: int) -> None:
             async with gate:
@@ -375,7 +379,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         print("bringing the local stack up (specserve up)...", flush=True)
         server = local.up(serve_config).http_url
     try:
-        listed = served_model(server)
+        listed = served_model(server, client_headers())
         model = listed["id"]
         chosen = resolve_drafts(drafts, listed.get("drafts", []))
         configs = configs_for(server, model, chosen, window, in_process, peer_rows)

@@ -554,5 +554,32 @@ def bench_router(
         fail(str(err))
 
 
+@bench_app.command("soak")
+def bench_soak(
+    json_path: Path = typer.Option(Path("bench-soak.json"), "--json", help="Where to write the report."),
+    plot_path: Path = typer.Option(Path("bench-soak.png"), "--plot", help="Where to write the plot."),
+    minutes: float = typer.Option(10.0, help="How long requests keep arriving; then the run waits for those in flight."),
+    rate: float = typer.Option(1.0, help="Requests per second (Poisson arrivals, open loop)."),
+    max_tokens: int = typer.Option(64, help="New tokens per request."),
+    server: Optional[str] = typer.Option(None, help="A running deployment's URL; default: bring the local stack up (and down after)."),
+    window_s: float = typer.Option(30.0, "--window-s", help="Seconds per reporting window."),
+    sample_s: float = typer.Option(5.0, "--sample-s", help="Seconds between replica memory samples."),
+    drain_s: float = typer.Option(300.0, "--drain-s", help="How long to wait for requests in flight after the load stops."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16 (the local stack only)."),
+) -> None:
+    """A bounded, self-stopping load at a fixed rate against the local cluster (or --server): failed
+    requests, latency percentiles per window over time, each replica's memory over time and its
+    growth after warm-up; JSON and a plot. Issue 15's aims: zero failed, memory growth under 5%."""
+    from specserve.cluster.bench_soak import run_soak_bench
+
+    try:
+        report = run_soak_bench(json_path, plot_path, server, minutes, rate, max_tokens, window_s, sample_s,
+                                drain_s, dtype)
+    except (ValueError, RuntimeError) as err:
+        fail(str(err))
+    if not report["aims"]["zero_failed"]:
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(app())
