@@ -192,44 +192,54 @@ def request_body(config: ServeBenchConfig, prompt: str, max_tokens: int) -> dict
     return body
 
 
+class StreamError(Exception):
+    """A streamed completion the server refused (not 200) or ended with an in-band error."""
+
+
+async def chat_chunks(client: httpx.AsyncClient, url: str, body: dict):
+    """The JSON chunks of one streamed chat completion (SSE ``data:`` lines up to ``[DONE]``)."""
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise StreamError(f"in-band {chunk['error'].get('code')}: {chunk['error'].get('message')}")
+            yield chunk
+
+
 async def http_request(client: httpx.AsyncClient, config: ServeBenchConfig, prompt: str, max_tokens: int,
                        record: RequestRecord) -> None:
     body = request_body(config, prompt, max_tokens)
     start = last = time.perf_counter()
     record.start_s = start
     try:
-        async with client.stream("POST", f"{config.url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    record.error = chunk["error"]["message"]
-                    return
-                now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                    if not record.ttft_s:
-                        record.ttft_s = now - start
-                    else:
-                        record.chunk_gaps_s.append(now - last)
-                    last = now
-                # A peer's steps stay unknown even if it speaks specserve's extension: its rows
-                # must read the same whatever server stands behind them.
-                spec = chunk.get("spec") if config.backend == "serve" else None
-                if spec:
-                    record.steps = spec["steps"]
-                    record.mean_accepted_len = spec["mean_accepted_len"]
-                    record.draft_s = spec["draft_ms_per_step"] * spec["steps"] / 1e3
-                    record.verify_s = spec["verify_ms_per_step"] * spec["steps"] / 1e3
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
+        async for chunk in chat_chunks(client, config.url, body):
+            now = time.perf_counter()
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                if not record.ttft_s:
+                    record.ttft_s = now - start
+                else:
+                    record.chunk_gaps_s.append(now - last)
+                last = now
+            # A peer's steps stay unknown even if it speaks specserve's extension: its rows
+            # must read the same whatever server stands behind them.
+            spec = chunk.get("spec") if config.backend == "serve" else None
+            if spec:
+                record.steps = spec["steps"]
+                record.mean_accepted_len = spec["mean_accepted_len"]
+                record.draft_s = spec["draft_ms_per_step"] * spec["steps"] / 1e3
+                record.verify_s = spec["verify_ms_per_step"] * spec["steps"] / 1e3
+            if chunk.get("usage"):
+                record.output_tokens = chunk["usage"]["completion_tokens"]
         record.latency_s = time.perf_counter() - start
         record.ok = record.output_tokens > 0
         if not record.ok:
             record.error = "no usage in the stream: the server ignored stream_options.include_usage or sent no tokens"
+    except StreamError as err:
+        record.error = str(err)
     except httpx.HTTPError as err:
         record.error = f"{type(err).__name__}: {err}"
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from specserve.cluster.bench_engine import machine_info
-from specserve.cluster.bench_serve import served_model
+from specserve.cluster.bench_serve import StreamError, chat_chunks, served_model
 from specserve.cluster.config import PROMPT_LOOKUP
 from specserve.cluster.prompts import CATEGORIES, load_prompts
 from specserve.router.auth import client_headers
@@ -127,28 +127,20 @@ def body_for(model: str, prompt: str, spec: dict | None, sampled: bool, seed: in
     return body
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict, record: SoakRecord, t0: float) -> None:
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, record: SoakRecord) -> None:
     start = time.perf_counter()
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    record.error = f"in-band {chunk['error'].get('code')}: {chunk['error'].get('message')}"
-                    return
-                if not record.ttft_s and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                    record.ttft_s = time.perf_counter() - start
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
+        async for chunk in chat_chunks(client, url, body):
+            if not record.ttft_s and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                record.ttft_s = time.perf_counter() - start
+            if chunk.get("usage"):
+                record.output_tokens = chunk["usage"]["completion_tokens"]
         record.latency_s = time.perf_counter() - start
         record.ok = record.output_tokens > 0
         if not record.ok:
             record.error = "the stream ended without tokens or usage"
+    except StreamError as err:
+        record.error = str(err)
     except (httpx.HTTPError, ValueError) as err:
         record.error = f"{type(err).__name__}: {err}"
 
@@ -208,7 +200,7 @@ async def soak(url: str, model: str, prompts: list[tuple[str, str]], minutes: fl
             record = SoakRecord(len(records), time.perf_counter() - t0, category, label, sampled)
             records.append(record)
             tasks.append(asyncio.create_task(one_request(
-                client, url, body_for(model, prompt, spec, sampled, rng.randrange(2**31), max_tokens), record, t0)))
+                client, url, body_for(model, prompt, spec, sampled, rng.randrange(2**31), max_tokens), record)))
             if bar is not None:
                 bar.n = min(duration, round(time.perf_counter() - t0, 1))
                 bar.set_postfix_str(f"{len(records)} sent, {sum(1 for r in records if r.error)} failed")

@@ -48,3 +48,15 @@ def local_stack(config: dict, home: Path, timeout_s: float = 900):
             os.environ.pop("SPECSERVE_HOME", None)
         else:
             os.environ["SPECSERVE_HOME"] = previous
+
+
+def first_layers_draft(engine, folder: Path, layers: int = 2) -> Path:
+    """A real-weights draft LM saved to ``folder``: the reference target's first ``layers`` layers
+    (with its embeddings, norm and head) and its tokenizer."""
+    full = engine.loaded.model
+    config = full.config.__class__.from_dict({**full.config.to_dict(), "num_hidden_layers": layers})
+    small = type(full)(config).eval()
+    small.load_state_dict(full.state_dict(), strict=False)
+    small.save_pretrained(folder)
+    engine.tokenizer.save_pretrained(folder)
+    return folder

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import local_stack
+from conftest import first_layers_draft, local_stack
 from specserve.cluster import local
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
 from specserve.replicas.sampling import SamplingParams
@@ -71,12 +71,7 @@ def engine():
 @pytest.fixture(scope="module")
 def served(engine, tmp_path_factory):
     home = tmp_path_factory.mktemp("specserve-faults")
-    full = engine.loaded.model
-    config = full.config.__class__.from_dict({**full.config.to_dict(), "num_hidden_layers": 2})
-    small = type(full)(config).eval()
-    small.load_state_dict(full.state_dict(), strict=False)
-    small.save_pretrained(home / DRAFT_LM)
-    engine.tokenizer.save_pretrained(home / DRAFT_LM)
+    first_layers_draft(engine, home / DRAFT_LM)
     keys = home / "api-keys"
     keys.write_text(f"# test keys\n{KEY}\n")
     with local_stack(_config(str(home / DRAFT_LM), str(keys)), home) as state:

@@ -20,7 +20,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import local_stack
+from conftest import first_layers_draft, local_stack
 from specserve.cluster import local
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
 from specserve.replicas.sampling import SamplingParams
@@ -68,13 +68,7 @@ def engine():
 def served(engine, tmp_path_factory):
     """The whole stack, once for the module; `down` stops exactly what `up` started."""
     home = tmp_path_factory.mktemp("specserve-home")
-    full = engine.loaded.model
-    config = full.config.__class__.from_dict({**full.config.to_dict(), "num_hidden_layers": 2})
-    small = type(full)(config).eval()
-    small.load_state_dict(full.state_dict(), strict=False)
-    draft_path = home / DRAFT_LM
-    small.save_pretrained(draft_path)
-    engine.tokenizer.save_pretrained(draft_path)
+    draft_path = first_layers_draft(engine, home / DRAFT_LM)
     with local_stack(_test_config(str(draft_path)), home) as state:
         yield state
 
