@@ -48,7 +48,7 @@ def build_app(args: AppConfig) -> Application:
         config.model_id,
         router=RouterFactory(config.router_explore, topic_corpus, redis_url=config.redis_url,
                              redis_prefix=config.redis_prefix) if config.router else None,
-        default_draft=config.default_draft,
+        default_draft=config.default_draft, max_model_len=config.max_model_len,
     )
     policy = None
     if config.redis_url:

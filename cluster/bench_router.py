@@ -28,6 +28,7 @@ evaluation), as the bandit learns.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -62,6 +63,7 @@ class Generation:
     predicted_alpha: dict | None = None
     realised_alpha: float | None = None   # of the (last) draft segment, paper 003 Eq. 2
     features: list | None = None          # the router's feature vector of the prompt
+    timings: list | None = None           # seconds of each repeat (``seconds`` is their median)
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,13 +154,15 @@ def regret(generations: Sequence[Generation]) -> list[dict]:
 
 
 class Bench:
-    def __init__(self, engine: SpecEngine, candidates: list[str], max_tokens: int, explore: float, basis):
+    def __init__(self, engine: SpecEngine, candidates: list[str], max_tokens: int, explore: float, basis,
+                 repeats: int = 1):
         from specserve.policies.registry import DEFAULT_POLICY, build_policy
 
         drafts = [c for c in candidates if c != NO_DRAFT]
         self.engine = engine
         self.candidates = candidates
         self.max_tokens = max_tokens
+        self.repeats = repeats
         # Two routers: the bandit under test sees only its own choices; the recorder sees the
         # pinned full-information runs (features and realised α per draft, for least squares).
         self.bandit = DraftRouter(drafts, basis, explore=explore, log=False)
@@ -166,13 +170,19 @@ class Bench:
         self.policies = {name: build_policy(DEFAULT_POLICY) for name in [*candidates, AUTO]}
 
     def run(self, phase: str, prompt: int, category: str, ids: list[int], draft: str) -> Generation:
+        """One generation; in the evaluation, ``repeats`` of them back to back, timed by their
+        median (single timings here scatter by ±15% with identical choices and α, which is
+        the size of the aims). The router learns from each repeat, as it would from a resend."""
         self.engine.router = self.bandit if draft == AUTO else self.recorder
         request = GenerateRequest("", self.max_tokens, draft, 0 if draft == NO_DRAFT else WINDOW)
-        self.engine.reset_caches()
-        start = time.perf_counter()
-        gen = self.engine.generate_batch_ids([ids], [request], policy=self.policies[draft])[0]
-        seconds = time.perf_counter() - start
-        out = Generation(phase, prompt, category, draft, len(gen.token_ids), seconds)
+        timings = []
+        for _ in range(self.repeats if phase == "eval" else 1):
+            self.engine.reset_caches()
+            start = time.perf_counter()
+            gen = self.engine.generate_batch_ids([ids], [request], policy=self.policies[draft])[0]
+            timings.append(time.perf_counter() - start)
+        out = Generation(phase, prompt, category, draft, len(gen.token_ids), statistics.median(timings))
+        out.timings = [round(t, 4) for t in timings]
         outcome = self.engine.router.recent[-1]
         out.features, out.realised_alpha = outcome["features"], (outcome["observed"] or {}).get("alpha")
         if draft == AUTO:
@@ -210,13 +220,14 @@ class Bench:
 
 def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int = 6, warmup_per_category: int = 6,
                      max_tokens: int = 128, categories: Sequence[str] | None = None, dtype: str = "auto",
-                     explore: float = 0.2, engine: SpecEngine | None = None, progress: bool = True) -> dict:
+                     explore: float = 0.2, engine: SpecEngine | None = None, progress: bool = True,
+                     repeats: int = 1) -> dict:
     from tqdm import tqdm
 
     from specserve.replicas.model_store import zoo_dir, zoo_drafts
 
-    if prompts_per_category < 1 or warmup_per_category < 1 or max_tokens < 1:
-        raise ValueError("--prompts, --warmup and --max-tokens must be >= 1")
+    if prompts_per_category < 1 or warmup_per_category < 1 or max_tokens < 1 or repeats < 1:
+        raise ValueError("--prompts, --warmup, --max-tokens and --repeats must be >= 1")
     categories = list(CATEGORIES if categories is None else categories)
     unknown = [c for c in categories if c not in CATEGORIES]
     if unknown:
@@ -232,7 +243,7 @@ def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int
     encoded = {c: [engine.encode(t) for t in ts] for c, ts in texts.items()}
     evaluation = [(c, encoded[c][i]) for i in range(prompts_per_category) for c in categories]
     warmup = [(c, encoded[c][prompts_per_category + i]) for i in range(warmup_per_category) for c in categories]
-    bench = Bench(engine, candidates, max_tokens, explore, basis)
+    bench = Bench(engine, candidates, max_tokens, explore, basis, repeats)
 
     total = (len(warmup) + len(evaluation)) * (len(candidates) + 1) + 1
     generations: list[Generation] = []
@@ -252,7 +263,7 @@ def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int
         "target": engine.loaded.name, "dtype": str(engine.loaded.model.dtype).removeprefix("torch."),
         "candidates": candidates, "max_tokens": max_tokens, "start_window": WINDOW,
         "prompts_per_category": prompts_per_category, "warmup_per_category": warmup_per_category,
-        "categories": categories, "explore": explore, "topic_basis": bench.bandit.basis_id,
+        "categories": categories, "explore": explore, "repeats": repeats, "topic_basis": bench.bandit.basis_id,
         "least_squares_fitted_on": {d: m.observations for d, m in models.items()}, "machine": machine_before,
         "load_avg_1m_after": machine_info()["load_avg_1m"],
     }

@@ -100,6 +100,10 @@ class AppConfig(BaseModel):
         None, description="A file of API keys (one per line) the ingress requires, read by the ingress "
         "replica itself, besides the comma-separated SPECSERVE_API_KEYS in its environment; with neither, "
         "no key is needed. A configured file that cannot be read stops the ingress from starting.")
+    max_model_len: int | None = Field(
+        None, ge=64, description="The longest prompt + completion a request may have (400 beyond). Each target "
+        "replica allocates its KV cache for (max_batch + kv_sessions_idle) sequences of this length when it starts, "
+        "so its memory does not grow under load. None: the model's context, the cache growing as sequences do.")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="The largest HTTP body accepted (413 beyond).")
     resume_attempts: int = Field(3, ge=0, le=10, description="Times one request continues on another target "
                                  "replica after its own failed (0: fail it with a retriable 503).")
@@ -123,7 +127,7 @@ class AppConfig(BaseModel):
 
     def ingress_config(self) -> IngressConfig:
         return IngressConfig(self.target, self.model_id, self.draft_names, self.default_draft, self.default_window,
-                             api_keys_file=self.api_keys_file, max_body_bytes=self.max_body_bytes,
+                             api_keys_file=self.api_keys_file, max_model_len=self.max_model_len, max_body_bytes=self.max_body_bytes,
                              resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s)
 
     @property

@@ -245,6 +245,11 @@ def down() -> list[str]:
         ray.shutdown()
     if state.ray_started:
         _ray("stop", "--force")
+        # `ray stop` can return while the GCS still answers: an `up` right after would take the
+        # dying cluster for one to join (seen in the test suite: a new app found 0.7 free CPUs).
+        deadline = time.monotonic() + 60
+        while _ray_running() and time.monotonic() < deadline:
+            time.sleep(1)
         stopped.append("ray (started by specserve)")
     elif _ray_running():
         from ray import serve

@@ -40,6 +40,9 @@ TARGET_THREADS = 1
 TARGET_REPLICAS = 2
 DRAFT_MODEL_THREADS = 1   # a draft model: one thread (a small forward gains little from two)
 MODEL_FREE_CPUS = 0.1     # the ingress and prompt lookup: an event loop and no model
+# Prompt + completion at most on the local stack: each target replica's KV cache for its 20 slots
+# is allocated for this many positions at start (0.9 GB in bfloat16), so memory stays flat.
+LOCAL_MAX_MODEL_LEN = 2048
 TARGET_QUEUE = 32         # requests an ingress replica holds for the target beyond its replicas' slots
 REQUEST_TIMEOUT_S = 900   # a request past this is cancelled: it leaves its batch and frees its KV
 
@@ -129,6 +132,7 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
     the local Ray cluster is sized for it."""
     return app_serve_config({
         "dtype": "auto", "torch_threads": TARGET_THREADS, "default_draft": PROMPT_LOOKUP, "default_window": 4,
+        "max_model_len": LOCAL_MAX_MODEL_LEN,
         "drafts": [{"name": PROMPT_LOOKUP},
                    *({"name": name, "model": name, "torch_threads": DRAFT_MODEL_THREADS} for name in ZOO_DRAFTS)],
     }, http_port, grpc_port, TARGET_REPLICAS)

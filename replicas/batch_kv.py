@@ -105,12 +105,15 @@ class SlotLayer(DynamicLayer):
 class BatchKV:
     """``slots`` KV caches of ``model`` that one forward can feed together."""
 
-    def __init__(self, model, slots: int, capacity: int = 512):
+    def __init__(self, model, slots: int, capacity: int = 512, max_len: int | None = None):
+        """``max_len``: positions a slot may hold (default: the model's context)."""
         if slots < 1:
             raise ValueError(f"a batch cache needs at least one slot, got {slots}")
         self.model = model
         self.slots = slots
         self.max_len = getattr(model.config, "max_position_embeddings", None) or 1 << 20
+        if max_len is not None:
+            self.max_len = min(self.max_len, max_len)
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
         self._plan = _Plan()
         self.cache = DynamicCache(config=model.config)
@@ -169,9 +172,19 @@ class BatchKV:
 
     # ---- the batched forward ------------------------------------------------------------------
 
+    def reserve(self) -> None:
+        """Every slot's capacity at ``max_len`` from now on (allocated by the next forward), so the
+        cache never grows under load: what a replica holds is known when it starts."""
+        for layer in self.cache.layers:
+            layer.grow(self.max_len)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for layer in self.cache.layers for buf in (layer.buffers or ()))
+
     def _ensure_capacity(self, needed: int) -> None:
         if needed > self.max_len:
-            raise ValueError(f"{needed} positions exceed the model's context of {self.max_len}")
+            raise ValueError(f"{needed} positions exceed the cache's limit of {self.max_len} (max_model_len or the model's context)")
         if needed > self.capacity:
             capacity = min(self.max_len, max(needed, 2 * self.capacity))
             for layer in self.cache.layers:

@@ -235,6 +235,11 @@ class Scheduler:
     # ---- requests in and out ------------------------------------------------------------------
 
     def add(self, request: SpecRequest, emit: Callable[[dict], None] | None = None) -> RequestState:
+        limit = self.target.kv.max_len
+        if len(request.prompt_ids) + request.max_tokens > limit:
+            # Checked here too (the ingress checks first): admitted, it would fail every step it is in.
+            raise ValueError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) "
+                             f"exceed this replica's limit of {limit} tokens; shorten the prompt or lower max_tokens")
         state = RequestState(request, self.eos_token_ids, self.target.model.device, emit)
         self.waiting.append(state)
         return state

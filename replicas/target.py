@@ -123,9 +123,9 @@ class Prefilled(NamedTuple):
 
 
 class Target:
-    def __init__(self, model, slots: int = 1):
+    def __init__(self, model, slots: int = 1, max_len: int | None = None):
         self.model = model
-        self.kv = BatchKV(model, slots)
+        self.kv = BatchKV(model, slots, max_len=max_len)
         self.vocab = vocab_size(model)
         self._tap = feature_tap(model)
         self._features = [_Features() for _ in range(slots)]

@@ -71,6 +71,7 @@ class IngressConfig:
     default_draft: str
     default_window: int
     api_keys_file: str | None = None     # besides SPECSERVE_API_KEYS in the ingress's environment
+    max_model_len: int | None = None     # prompt + completion at most (default: the model's context)
     max_body_bytes: int = 4 << 20
     resume_attempts: int = 3             # continuations of one request after its target replica failed
     resume_timeout_s: float = 60.0       # how long a continuation may wait for a replica to take it
@@ -155,6 +156,8 @@ class Ingress:
         self.config = config
         self.tokenizer, model_config = load_tokenizer_and_config(config.target)
         self.max_context = getattr(model_config, "max_position_embeddings", None)
+        if config.max_model_len is not None:
+            self.max_context = min(self.max_context or config.max_model_len, config.max_model_len)
         self.vocab_size = getattr(model_config, "vocab_size", None)
         self.model_id = config.model_id
         self.created = int(time.time())

@@ -190,6 +190,15 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(served):
     assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
 
 
+def test_max_model_len_bounds_prompt_plus_completion(served):
+    response = httpx.post(served.http_url + "/v1/chat/completions", json={**chat_body(0), "max_tokens": 2040},
+                          headers=headers(), timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded" and "2048" in error["message"]
+    listed = httpx.get(served.http_url + "/v1/models", headers=headers(), timeout=60).json()["data"][0]
+    assert listed["max_model_len"] == 2048
+
+
 def test_a_full_target_answers_503_with_retry_after_and_serves_the_rest(served):
     """2 replicas x 4 slots + 8 queued: of 28 requests at once, the ones beyond are turned away
     at once with Retry-After; every accepted one is served; nothing fails otherwise."""

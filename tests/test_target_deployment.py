@@ -82,3 +82,23 @@ def test_a_request_that_leaves_gives_its_slot_and_kv_back_at_the_next_step(repli
         assert idle["running"] == 0 and idle["kv_positions_in_use"] == 0 and idle["waiting"] == 0
 
     asyncio.run(scenario())
+
+
+def test_max_model_len_allocates_the_whole_cache_at_start_and_refuses_longer_requests():
+    replica = Replica(REFERENCE_TARGET, drafts={}, policy=StaticPolicy(), dtype="float32", max_batch=2,
+                      kv_sessions_idle=1, max_model_len=256)
+    config = replica.loaded.model.config
+    per_position = (config.num_hidden_layers * 2 * config.num_key_value_heads
+                    * (config.hidden_size // config.num_attention_heads) * 4)   # K and V, float32
+
+    async def scenario():
+        start = await replica.load()
+        assert start["kv_max_len"] == 256 and start["kv_bytes_allocated"] == 3 * 256 * per_position
+        async for _ in replica.generate(SpecRequest(prompt(replica, "Name three rivers."), 24, request_id="a")):
+            pass
+        assert (await replica.load())["kv_bytes_allocated"] == start["kv_bytes_allocated"]
+        with pytest.raises(ValueError, match="limit of 256 tokens"):
+            async for _ in replica.generate(SpecRequest(prompt(replica, "Hi"), 250, request_id="b")):
+                pass
+
+    asyncio.run(scenario())
