@@ -53,7 +53,7 @@ def test_regret_is_measured_against_each_prompts_oracle():
 @pytest.mark.reference
 def test_a_tiny_real_run_writes_every_strategy(tmp_path):
     report = run_router_bench(tmp_path / "r.json", tmp_path / "r.png", prompts_per_category=1, warmup_per_category=1,
-                              max_tokens=8, categories=["code", "edit"], progress=False)
+                              max_tokens=8, categories=["code", "edit"], progress=False, repeats=3)
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["rows"] == report["rows"] and (tmp_path / "r.png").stat().st_size > 0
     assert {(r["strategy"], r["category"]) for r in saved["rows"]} == {(s, c) for s in STRATEGIES for c in ("code", "edit", "all")}
@@ -68,4 +68,8 @@ def test_a_tiny_real_run_writes_every_strategy(tmp_path):
         assert all(by(saved["rows"], s, category) <= oracle + 1e-6 for s in (BEST_SINGLE, RANDOM, LEAST_SQUARES))
     routed = [g for g in saved["requests"] if g["draft"] == AUTO]
     assert routed and all(g["choice"] in candidates and g["reason"] for g in routed)
+    # Evaluation generations are timed three times, by the median; warm-up ones once.
+    for g in saved["requests"]:
+        assert len(g["timings"]) == (3 if g["phase"] == "eval" else 1)
+        assert g["seconds"] == pytest.approx(sorted(g["timings"])[len(g["timings"]) // 2], abs=1e-3)
     assert len(saved["regret"]) == len(routed)
