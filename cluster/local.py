@@ -221,12 +221,24 @@ def status() -> dict:
     }
 
 
-def _forget_serve_controller() -> None:
-    """Drop Serve's cached handle to the controller before leaving a cluster. Serve keys that
-    cache by the driver's job id, and the first job on the next cluster this process joins (a
-    later ``up``) has the same id: Serve would call the controller of the stopped cluster."""
+def _leave_serve() -> None:
+    """Before this process leaves a cluster: shut down the deployment handles it made and drop
+    Serve's cached controller client.
+
+    A handle's router keeps pushing autoscaling metrics from a background thread; after
+    ``ray.shutdown`` its next ``ray.wait`` makes Ray auto-start a fresh local cluster inside
+    this process, which a later ``up`` then takes for a cluster to join (with the wrong CPUs)
+    and whose ``ray stop`` kills this process (the test suite died that way, exit 1 mid-run).
+    The client cache is keyed by the driver's job id, which the first job on the next cluster
+    reuses: Serve would call the stopped cluster's controller."""
     from ray.serve import context
 
+    client = getattr(context, "_global_client", None)   # private in Ray 2.60
+    if client is not None:
+        try:
+            client.shutdown_cached_handles()
+        except Exception:  # noqa: BLE001 - the cluster may already be gone; the handles go with us
+            pass
     disconnect = getattr(context, "_disconnect", None)   # private in Ray 2.60
     if disconnect is not None:
         disconnect()
@@ -241,7 +253,7 @@ def down() -> list[str]:
     import ray
 
     if ray.is_initialized():   # leave the cluster before stopping it, or its raylet dies under us
-        _forget_serve_controller()
+        _leave_serve()
         ray.shutdown()
     if state.ray_started:
         _ray("stop", "--force")
@@ -256,7 +268,7 @@ def down() -> list[str]:
 
         connect()
         serve.delete(state.app_name)
-        _forget_serve_controller()
+        _leave_serve()
         ray.shutdown()
         stopped.append(f"serve application {state.app_name}")
     if state.redis_pid:
