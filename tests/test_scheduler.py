@@ -133,3 +133,35 @@ def test_a_model_free_draft_keeps_proposing_after_other_sessions_end():
     gens = run_batch(Target(model, slots=2), servers(model), requests)
     assert all(max(g.stats.windows) > 0 for g in gens), [g.stats.windows for g in gens]
     assert sum(g.stats.accepted for g in gens) > 0
+
+
+def test_the_loop_awaits_on_idle_when_work_runs_out_and_still_serves_a_request_added_meanwhile():
+    """The replica gives memory back in ``on_idle``; a request that arrives while it does must not
+    be left waiting for a wake-up that already happened."""
+    model = tiny_model("llama", seed=0)
+    scheduler = Scheduler(Target(model, slots=2), StaticPolicy())
+    loop = StepLoop(scheduler, {}, InlineWorker())
+    idles, added = [], []
+
+    async def on_idle():
+        idles.append(len(scheduler.records))
+        if len(idles) == 1:
+            added.append(loop.add(SpecRequest(PROMPTS[1], 5, GREEDY, request_id="b")))
+            await asyncio.sleep(0)
+
+    loop.on_idle = on_idle
+
+    async def run():
+        first = loop.add(SpecRequest(PROMPTS[0], 5, GREEDY, request_id="a"))
+        task = asyncio.create_task(loop.serve_forever())
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if len(idles) == 2:
+                break
+        task.cancel()
+        return first
+
+    first = asyncio.run(run())
+    assert len(idles) == 2 and idles[1] > idles[0], idles   # idle after each request's steps
+    assert first.done and added[0].done
+    assert added[0].out == alone(model, PROMPTS[1])[:5]
