@@ -152,7 +152,10 @@ class StepLoop:
             if not self.scheduler.has_work:
                 self._wake.clear()          # before on_idle: a request added meanwhile still wakes us
                 if self.on_idle is not None:
-                    await self.on_idle()
+                    try:
+                        await self.on_idle()
+                    except Exception:  # noqa: BLE001 - idle housekeeping never stops the loop
+                        logger.exception("the step loop's on_idle failed")
                 await self._wake.wait()
             try:
                 if await self.step() is not None:   # a step that ran (not one that only retired requests)
