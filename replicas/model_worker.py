@@ -39,7 +39,12 @@ class ModelWorker:
             torch.set_num_threads(self.threads)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, args)
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
+        """Start ``fn(*args)`` on the model thread now; the caller awaits the future when it
+        needs the result (the step loop streams the previous step's tokens meanwhile)."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, args)
 
     def _timed(self, fn: Callable[..., T], args: tuple) -> T:
         self._busy_since = self._clock()
@@ -64,6 +69,14 @@ class InlineWorker:
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         return fn(*args)
+
+    def submit(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
+        future = asyncio.get_running_loop().create_future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as err:  # noqa: BLE001 - raised where the caller awaits, as with a thread
+            future.set_exception(err)
+        return future
 
     def check(self) -> None:
         pass

@@ -71,6 +71,10 @@ class SpecRequest:
     # The cluster's acceptance rate for this request's draft and task bucket (the policy service's
     # snapshot), which adaptive policies start from instead of cold; None: no prior.
     prior_alpha: float | None = None
+    # A served request's tokens go to the ingress in items of at least this many (the first and
+    # the last excepted): every item is a message through Ray, which under load costs more than it
+    # seems (vLLM's ``--stream-interval``, in tokens). 1: every step's tokens as they come.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -79,6 +83,8 @@ class SpecRequest:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
     @property
     def speculation(self) -> Speculation:

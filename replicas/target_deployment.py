@@ -54,6 +54,17 @@ class StepFailed(RuntimeError):
     request elsewhere from the tokens it already has."""
 
 
+def merged(item: dict, queue: asyncio.Queue) -> dict:
+    """``item`` and the items queued behind it as one: each item the replica yields is a message
+    to the ingress, so a stream that fell behind catches up in one message, not one per step."""
+    while "finish_reason" not in item and not queue.empty():
+        more = queue.get_nowait()
+        if more.get("finish_reason") == "error":
+            return more
+        item = {**more, "token_ids": item["token_ids"] + more["token_ids"]}
+    return item
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16, health_check_period_s=10)
 class TargetDeployment:
     def __init__(self, model: str, drafts: dict[str, DeploymentHandle | dict], policy, dtype: str = "auto",
@@ -132,7 +143,8 @@ class TargetDeployment:
                 self._priors[state.id] = prior
 
     async def generate(self, request: SpecRequest) -> AsyncIterator[dict]:
-        """Yields ``{"token_ids": [...]}`` per step; the last item also carries ``finish_reason``
+        """Yields ``{"token_ids": [...]}`` as steps verify them (the first step's at once, then at
+        least ``request.stream_interval`` at a time); the last item also carries ``finish_reason``
         and ``spec`` (the statistics summary, the router's decision, the warm start)."""
         self._ensure_loop()
         prior = None
@@ -140,11 +152,19 @@ class TargetDeployment:
             request, prior = self.learning.start(request, len(self.scheduler.running) + 1)
         queue: asyncio.Queue[dict] = asyncio.Queue()
         state = self.loop.add(request, queue.put_nowait)
+        held: list[int] = []   # tokens not yet sent (``request.stream_interval``)
+        sent = False
         try:
             while True:
-                item = await queue.get()
+                item = merged(await queue.get(), queue)
                 if item.get("finish_reason") == "error":
                     raise StepFailed("the target's step failed for this request")
+                if held:
+                    item = {**item, "token_ids": held + item["token_ids"]}
+                    held = []
+                if "finish_reason" not in item and sent and len(item["token_ids"]) < request.stream_interval:
+                    held = item["token_ids"]
+                    continue
                 if "spec" in item:
                     if hasattr(self.scheduler.policy, "name_for") and not request.speculation.plain:
                         item["spec"]["policy"] = self.scheduler.policy.name_for(state)
@@ -153,6 +173,7 @@ class TargetDeployment:
                         item["spec"]["prior"] = prior
                     if state.routing is not None:
                         item["spec"]["router"] = state.routing
+                sent = True
                 yield item
                 if "finish_reason" in item:
                     return

@@ -73,6 +73,7 @@ class IngressConfig:
     api_keys_file: str | None = None     # besides SPECSERVE_API_KEYS in the ingress's environment
     max_model_len: int | None = None     # prompt + completion at most (default: the model's context)
     max_body_bytes: int = 4 << 20
+    stream_interval: int = 1             # tokens per streamed piece at least (the first piece excepted)
     resume_attempts: int = 3             # continuations of one request after its target replica failed
     resume_timeout_s: float = 60.0       # how long a continuation may wait for a replica to take it
     retry_after_s: int = 5               # what a 503 tells the client to wait
@@ -135,6 +136,9 @@ _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUT
                429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
                504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
+# Tokens per piece of a non-streamed answer (with no stop strings): few messages, and a
+# continuation after a replica failure recomputes at most this many.
+WHOLE_ANSWER_INTERVAL = 64
 # A target replica that died (or is being replaced) under a request, or whose step failed: the
 # request continues elsewhere from what it has produced.
 _RESUMABLE = (RayActorError, StepFailed)
@@ -205,7 +209,7 @@ class Ingress:
             id=request_id,
             spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id,
                                      pinned=bool(spec and (spec.window is not None or spec.tree is not None)),
-                                     policy=policy),
+                                     policy=policy, stream_interval=self.config.stream_interval),
             stop=req.stop,
         )
 
@@ -313,6 +317,10 @@ class Ingress:
             yield item
 
     async def _generate(self, prepared: Prepared) -> tuple[str, list[int], Event]:
+        """The whole answer at once: the target sends its tokens in large pieces (each piece is a
+        message; a continuation after a replica failure starts from the last piece received)."""
+        if not prepared.stop:   # stop strings are found in the text as it comes: keep pieces small then
+            prepared.spec_request = replace(prepared.spec_request, stream_interval=WHOLE_ANSWER_INTERVAL)
         pieces, ids, last = [], [], None
         async for event in self._events(prepared):
             pieces.append(event.text)

@@ -165,3 +165,34 @@ def test_the_loop_awaits_on_idle_when_work_runs_out_and_still_serves_a_request_a
     assert len(idles) == 2 and idles[1] > idles[0], idles   # idle after each request's steps
     assert first.done and added[0].done
     assert added[0].out == alone(model, PROMPTS[1])[:5]
+
+
+def test_tokens_reach_their_requests_on_the_event_loops_thread_in_order():
+    """The model runs on its own thread; ``asyncio`` queues are not thread-safe, so every item must
+    be handed over on the loop's thread (a served replica's streams wait on such queues), and the
+    concatenated items must be the request's whole output."""
+    import threading
+
+    from specserve.replicas.model_worker import ModelWorker
+
+    model = tiny_model("llama", seed=0)
+    scheduler = Scheduler(Target(model, slots=4), StaticPolicy())
+    loop = StepLoop(scheduler, {}, ModelWorker("t"))
+    threads, items = set(), {}
+
+    async def run():
+        loop_thread = threading.get_ident()
+        states = []
+        for i, prompt in enumerate(PROMPTS[:3]):
+            def emit(item, i=i):
+                threads.add(threading.get_ident())
+                items.setdefault(i, []).append(item)
+            states.append(loop.add(SpecRequest(prompt, 9, GREEDY, request_id=f"r{i}"), emit))
+        await loop.run_until_idle()
+        return loop_thread, states
+
+    loop_thread, states = asyncio.run(run())
+    assert threads == {loop_thread}
+    for i, state in enumerate(states):
+        assert [t for item in items[i] for t in item["token_ids"]] == state.out == alone(model, PROMPTS[i])[:9]
+        assert "finish_reason" in items[i][-1] and all("finish_reason" not in it for it in items[i][:-1])

@@ -102,3 +102,15 @@ def test_max_model_len_allocates_the_whole_cache_at_start_and_refuses_longer_req
                 pass
 
     asyncio.run(scenario())
+
+
+def test_stream_interval_sends_the_first_step_at_once_then_pieces_of_at_least_that_many(replica):
+    async def pieces(interval: int) -> list[list[int]]:
+        request = SpecRequest(prompt(replica, "Name five rivers."), 13, request_id=f"i{interval}", stream_interval=interval)
+        return [item["token_ids"] async for item in replica.generate(request)]
+
+    every = asyncio.run(pieces(1))
+    grouped = asyncio.run(pieces(4))
+    assert len(every) == 13 and all(len(p) == 1 for p in every[:-1])   # plain decoding: a token a step
+    assert sum(grouped, []) == sum(every, [])                            # the same tokens, fewer items
+    assert len(grouped[0]) == 1 and all(len(p) >= 4 for p in grouped[1:-1]) and len(grouped) <= 5
