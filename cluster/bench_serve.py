@@ -141,7 +141,7 @@ def configs_for(url: str, model: str, drafts: list[str], window: int, in_process
     ]
 
 
-def local_stack_config(dtype: str, drafts: list[str] | None) -> dict:
+def local_stack_config(dtype: str, drafts: list[str] | None, stream_interval: int = 1) -> dict:
     """The default application (deploy/serve.yaml) plus prompt lookup colocated in the target
     replica, restricted to ``drafts`` when given: every draft model deployed costs start-up time
     and memory that a run measuring only prompt lookup need not pay."""
@@ -149,6 +149,7 @@ def local_stack_config(dtype: str, drafts: list[str] | None) -> dict:
 
     args = local_serve_config()["applications"][0]["args"]
     args["dtype"] = dtype
+    args["stream_interval"] = stream_interval
     available = [*args["drafts"], {"name": colocated_name(PROMPT_LOOKUP), "colocated": True}]
     if drafts is not None:
         names = [d["name"] for d in available]
@@ -357,11 +358,15 @@ def row(config: ServeBenchConfig, concurrency: int, rate: float, summary: dict) 
 
 def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompts_n: int, max_tokens: int,
                     concurrencies: list[int], rates: list[float], drafts: list[str] | None, window: int,
-                    in_process: str | None, peers: list[tuple[str, str]], dtype: str) -> dict:
+                    in_process: str | None, peers: list[tuple[str, str]], dtype: str, repeats: int = 1,
+                    stream_interval: int = 1) -> dict:
     """``drafts`` None: every draft the deployment serves; ``in_process`` None: no in-process row;
-    ``peers``: (name, url) from ``parse_peers``."""
-    if prompts_n < 1 or max_tokens < 1:
-        raise ValueError(f"--prompts and --max-tokens must be >= 1, got {prompts_n}, {max_tokens}")
+    ``peers``: (name, url) from ``parse_peers``. ``repeats``: rounds of the loaded runs, the rows
+    taking turns in each (one run each of a few seconds differs by +-10% on a shared 2-core
+    machine). ``stream_interval``: the local stack's (peers must be started with the same)."""
+    if prompts_n < 1 or max_tokens < 1 or repeats < 1 or stream_interval < 1:
+        raise ValueError(f"--prompts, --max-tokens, --repeats and --stream-interval must be >= 1, "
+                         f"got {prompts_n}, {max_tokens}, {repeats}, {stream_interval}")
     if not concurrencies or min(concurrencies) < 1:
         raise ValueError(f"--concurrency needs integers >= 1, got {concurrencies}")
     if not rates or min(rates) <= 0:
@@ -385,7 +390,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
     if server is not None:
         server = server.rstrip("/").removesuffix("/v1")
     if started:
-        serve_config = local_stack_config(dtype, drafts)
+        serve_config = local_stack_config(dtype, drafts, stream_interval)
         print("bringing the local stack up (specserve up)...", flush=True)
         server = local.up(serve_config).http_url
     try:
@@ -431,16 +436,24 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                 records += turn[config.name]
                 runs.append(row(config, 1, math.inf, summarise(turn[config.name], busy_s[config.name])))
 
+        loaded = [c for c in configs if c.backend != "in-process"]
         for concurrency in [c for c in concurrencies if c > 1]:
             for rate in rates:
-                for config in configs:
-                    if config.backend == "in-process":
-                        continue
-                    print(f"{config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests",
-                          flush=True)
-                    recs, duration = asyncio.run(load_run(prompts, config, concurrency, rate, max_tokens))
-                    records += recs
-                    runs.append(row(config, concurrency, rate, summarise(recs, duration)))
+                got: dict[str, list[tuple[list[RequestRecord], float]]] = {c.name: [] for c in loaded}
+                for r in range(repeats):
+                    for k in range(len(loaded)):
+                        config = loaded[(r + k) % len(loaded)]
+                        print(f"{config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"
+                              + (f" (round {r + 1} of {repeats})" if repeats > 1 else ""), flush=True)
+                        recs, duration = asyncio.run(load_run(prompts, config, concurrency, rate, max_tokens))
+                        records += recs
+                        got[config.name].append((recs, duration))
+                for config in loaded:
+                    rounds = got[config.name]
+                    summary = summarise([rec for recs, _ in rounds for rec in recs], sum(d for _, d in rounds))
+                    if repeats > 1:
+                        summary["output_tokens_per_s_rounds"] = [summarise(recs, d)["output_tokens_per_s"] for recs, d in rounds]
+                    runs.append(row(config, concurrency, rate, summary))
     finally:
         if started:
             local.down()
@@ -453,7 +466,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                     and c.draft in (inproc.draft, colocated_name(inproc.draft))}
     result = {
         "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "category": BENCH_CATEGORY,
-                 "max_tokens": max_tokens, "window": window, "drafts": chosen, "in_process": in_process,
+                 "max_tokens": max_tokens, "window": window, "repeats": repeats, "stream_interval": stream_interval, "drafts": chosen, "in_process": in_process,
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},
                  "concurrencies": concurrencies, "rates": [_rate(r) for r in rates], "machine": machine,
                  "load_avg_1m_after": machine_info()["load_avg_1m"]},

@@ -451,6 +451,8 @@ def bench_serve(
     window: int = typer.Option(4, help="The pinned window γ of the serve-spec and in-process rows."),
     dtype: str = typer.Option("auto", help="dtype of the in-process engine and of the local stack it brings up."),
     threads: Optional[int] = typer.Option(None, help="torch threads of the in-process engine."),
+    repeats: int = typer.Option(1, help="Rounds of the loaded runs (concurrency > 1), the rows taking turns; each row's figures are over all rounds, its tok/s per round in the JSON."),
+    stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed piece of the local stack (its stream_interval); start peers with the same (vLLM: --stream-interval)."),
 ) -> None:
     """Load generator (Poisson arrivals, concurrency limits): target-only, the deployment's default and
     each draft pinned, beside the in-process engine and any OpenAI-compatible peers, in one run.
@@ -467,7 +469,8 @@ def bench_serve(
         fail(f"--concurrency takes integers and --rates numbers or inf, got {concurrency!r} and {rates!r}")
     try:
         run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, parse_drafts(drafts),
-                        window, None if in_process == "none" else in_process, parse_peers(peer), dtype)
+                        window, None if in_process == "none" else in_process, parse_peers(peer), dtype,
+                        repeats, stream_interval)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
         fail(str(err))
 

@@ -158,3 +158,14 @@ def test_the_local_stack_serves_every_draft_plus_prompt_lookup_colocated_or_only
         AppConfig(**app["args"])
     with pytest.raises(ValueError, match="not nope"):
         local_stack_config("auto", ["nope"])
+
+
+def test_the_local_stacks_stream_interval_reaches_the_application_and_bad_counts_are_refused(tmp_path):
+    from specserve.cluster.bench_serve import run_serve_bench
+
+    args = local_stack_config("auto", ["prompt-lookup-colocated"], stream_interval=8)["applications"][0]["args"]
+    assert AppConfig(**args).ingress_config().stream_interval == 8
+    for repeats, interval in ((0, 1), (1, 0)):   # refused before anything starts
+        with pytest.raises(ValueError, match="--repeats and --stream-interval must be >= 1"):
+            run_serve_bench(tmp_path / "b.json", tmp_path / "b.png", None, 4, 8, [1], [math.inf], None, 4, None, [],
+                            "auto", repeats=repeats, stream_interval=interval)
