@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specserve.replicas import cpu_attention
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 STANDARD_FORWARDS = ("LlamaForCausalLM.forward", "MistralForCausalLM.forward", "Qwen2ForCausalLM.forward")
 # Rotary variants whose frequencies change with the sequence length: a table built once would be wrong.
@@ -189,6 +191,12 @@ class LlamaForward:
         cos = cos_t[positions][:, :, None]                      # [B, S, 1, D]
         sin = sin_t[positions][:, :, None]
         half = D // 2
+        # A verify step on the CPU: attention in the C kernel (cpu_attention.py says why), with
+        # what it needs of the mask computed once for all layers.
+        kernel = cpu_attention.usable(h.device, h.dtype, S, nq, nkv, D)
+        if kernel:
+            lengths = cpu_attention.sequence_lengths(mask)
+            mask_f32 = mask[:, 0].float().contiguous()
         for index, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.norm1, layer.eps1)
             qkv = layer.qkv(x).view(B, S, nq + 2 * nkv, D)
@@ -200,7 +208,11 @@ class LlamaForward:
             k = qk[:, :, nq:].transpose(1, 2)                  # [B, nkv, S, D]
             v = qkv[:, :, nq + nkv:].transpose(1, 2)
             keys, values = cache_layers[index].update(k, v)    # [B, nkv, kv_len, D] views
-            attn = _attention(q, keys, values, mask).transpose(1, 2).reshape(B, S, nq * D)
+            if kernel:
+                attn = cpu_attention.attention(q, keys, values, lengths, mask_f32)
+            else:
+                attn = _attention(q, keys, values, mask)
+            attn = attn.transpose(1, 2).reshape(B, S, nq * D)
             h = h + layer.o(attn)
             x = _rms_norm(h, layer.norm2, layer.eps2)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)

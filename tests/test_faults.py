@@ -223,6 +223,27 @@ def test_a_full_target_answers_503_with_retry_after_and_serves_the_rest(served):
     assert one(0).status_code == 200
 
 
+def test_a_full_target_answers_grpc_unavailable_with_a_retry_after_trailer(served, stub):
+    request = pb.CompletionRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content=PROMPTS[2])],
+                                   max_tokens=24, temperature=0, spec=pb.SpecOptions(draft="none"))
+
+    def one(_):
+        try:
+            stub.Complete(request, timeout=300, metadata=(("authorization", f"Bearer {KEY}"),))
+            return None
+        except grpc.RpcError as err:
+            return err
+
+    with concurrent.futures.ThreadPoolExecutor(28) as pool:
+        errors = [e for e in pool.map(one, range(28)) if e is not None]
+    assert errors, "28 at once must exceed 2 x 4 slots + 8 queued"
+    assert len(errors) <= 28 - 2 * TARGET_SLOTS, [e.code() for e in errors]
+    for err in errors:
+        trailer = dict(err.trailing_metadata() or ())
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and int(trailer["retry-after"]) > 0, (err.code(), trailer)
+        assert "retry in" in err.details()
+
+
 # ---- bad input, generated -----------------------------------------------------------------------
 
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),

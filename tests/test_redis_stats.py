@@ -148,3 +148,31 @@ def test_the_snapshot_cache_keeps_the_last_snapshot_through_an_outage_until_stal
     assert cache.current()["version"] == published["version"]
     clock.t += 601
     assert cache.current() is None                                   # too old: back to defaults
+
+
+def test_a_rediss_url_with_a_password_speaks_tls_and_checks_the_servers_certificate(server, tmp_path):
+    """``redis_url`` may be ``rediss://:password@host:port/db?ssl_ca_certs=...``: the statistics go
+    through TLS, verified against the given CA, with the password; a client that cannot verify the
+    server's certificate does not fall back to plain text."""
+    from urllib.parse import urlparse
+
+    from specserve.policies.redis_stats import connect
+    from tls_relay import TlsRelay, self_signed_cert
+
+    redis.Redis.from_url(server.url).config_set("requirepass", "s3cret")
+    cert, key = self_signed_cert(tmp_path)
+    relay = TlsRelay(urlparse(server.url).port, cert, key)
+    try:
+        url = f"rediss://:s3cret@127.0.0.1:{relay.port}/0?ssl_ca_certs={cert}"
+        store = RedisStats(url, "tls")
+        counts = {StatsKey("t", "pl", "p64", 60): Counter(drafts=2, accepted_tokens=3)}
+        assert store.flush("replica-1", 1, counts)
+        assert store.read() == counts
+        assert relay.handshakes >= 1
+
+        with pytest.raises(redis.ConnectionError, match="(?i)certificate"):   # the CA not given: refused
+            connect(f"rediss://:s3cret@127.0.0.1:{relay.port}/0", timeout_s=2).ping()
+        with pytest.raises(redis.AuthenticationError):
+            connect(f"rediss://:wrong@127.0.0.1:{relay.port}/0?ssl_ca_certs={cert}", timeout_s=2).ping()
+    finally:
+        relay.close()
