@@ -73,8 +73,14 @@ def _ray_cli() -> str:
     return str(beside) if beside.exists() else (shutil.which("ray") or "ray")
 
 
+# Serve's proxy forwards each request (and each streamed piece) to the ingress over gRPC instead of
+# Ray actor calls: measured with 16 streams at once on 2 cores, the proxy and ingress took
+# 11% and 14% of a core before, 7.5% and 10.5% after. An explicit value in the environment wins.
+CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+
+
 def _ray(*args: str, timeout_s: float = 120, check: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env = {**CLUSTER_ENV, **os.environ, "RAY_AUTH_MODE": "token"}
     return subprocess.run([_ray_cli(), *args], capture_output=True, text=True, timeout=timeout_s, env=env, check=check)
 
 
