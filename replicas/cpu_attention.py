@@ -15,9 +15,9 @@ in float32. Each row is computed on its own, so a request's numbers do not depen
 is in the batch.
 
 The library is compiled once per machine with the C compiler found on PATH (``cc``), into
-``~/.cache/specserve/kernels`` (named by the source's hash and the CPU's flags, since it is built
-for the CPU it runs on). Without a compiler, or on another device, ``attention`` returns None and
-the caller keeps torch's path.
+``~/.cache/specserve/kernels`` (``SPECSERVE_KERNEL_CACHE`` to change it), named by the source's
+hash and the CPU's flags, since it is built for the CPU it runs on. Without a compiler, or on
+another device, ``usable`` says no and the caller keeps torch's path.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ MAX_HEAD_DIM = 256     # the kernel's per-thread buffers (kernels/decode_attenti
 MAX_ROWS = 256         # query rows per kv head: (query heads per kv head) x new tokens
 # Longer queries (prefill chunks) are matrix products torch does well.
 MAX_NEW_TOKENS = 16
-CACHE_DIR = Path(os.environ.get("SPECSERVE_HOME", Path.home() / ".cache" / "specserve")) / "kernels"
+CACHE_DIR = Path(os.environ.get("SPECSERVE_KERNEL_CACHE", Path.home() / ".cache" / "specserve" / "kernels")).expanduser()
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
