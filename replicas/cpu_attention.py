@@ -6,8 +6,10 @@ bfloat16, 16 ShareGPT prompts of 48-407 tokens, 128 new tokens; torch profiler):
 products of 3-row query blocks (9 query heads over 3 kv heads, one new token) with the slot cache's
 views run far below memory speed, they need a copy of every view first (strided bfloat16 views are
 4-9x slower still), and every sequence is padded to the batch's longest. Micro-benchmark, 30
-layers, 16 sequences x 426 cached positions, one thread: 45 ms torch (of which 10 ms copies) vs
-the kernel's figures in the README.
+layers, one thread, bfloat16, torch vs this kernel: 16 sequences of the real mix (mean 177 cached
+positions, longest 467) 28.6 vs 14.5 ms; the same with 5 new tokens each 61.9 vs 44.7; 16 x 426
+equal lengths 32.3 vs 27.4; one sequence of 300 4.5 vs 1.8. In-process generation, 16 at once,
+one thread: 123.3 -> 163.6 tok/s.
 
 The kernel computes the scores (scaled q.k plus the additive mask, float32); torch's softmax runs
 between its two calls, so the probabilities are torch's; the weighted sum of values accumulates
