@@ -108,7 +108,8 @@ class AppConfig(BaseModel):
         1, ge=1, le=256, description="A streamed response's tokens are sent at least this many at a time (the first "
         "at once): each piece is a message from the target replica through the ingress and the proxy, which "
         "costs CPU the model would use (measured: 16 streams at once on 2 cores, 170 tok/s at 1, 186 at 4, 198 "
-        "at 8). vLLM's --stream-interval. Non-streamed responses are sent whole, whatever this says.")
+        "at 8). vLLM's --stream-interval. Non-streamed responses travel in 64-token pieces whatever this says "
+        "(with stop strings: in pieces of this size, since the ingress looks for them as text arrives).")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="The largest HTTP body accepted (413 beyond).")
     resume_attempts: int = Field(3, ge=0, le=10, description="Times one request continues on another target "
                                  "replica after its own failed (0: fail it with a retriable 503).")

@@ -322,7 +322,7 @@ class Ingress:
         """The whole answer at once: the target sends its tokens in large pieces (each piece is a
         message; a continuation after a replica failure starts from the last piece received)."""
         if not prepared.stop:   # stop strings are found in the text as it comes: keep pieces small then
-            prepared.spec_request = replace(prepared.spec_request, stream_interval=WHOLE_ANSWER_INTERVAL)
+            prepared = replace(prepared, spec_request=replace(prepared.spec_request, stream_interval=WHOLE_ANSWER_INTERVAL))
         pieces, ids, last = [], [], None
         async for event in self._events(prepared):
             pieces.append(event.text)
