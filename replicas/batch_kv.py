@@ -162,13 +162,17 @@ class BatchKV:
         self.tokens[slot] = list(tokens)
 
     @torch.inference_mode()
-    def copy(self, src: int, dst: int, length: int | None = None) -> None:
-        """Slot ``dst`` takes the first ``length`` cached positions of ``src`` (all by default)."""
-        n = len(self.tokens[src]) if length is None else length
-        for layer in self.cache.layers:
-            for buf in layer.buffers or ():
-                buf[dst, :, :n] = buf[src, :, :n]
-        self.tokens[dst] = self.tokens[src][:n]
+    def swap(self, a: int, b: int) -> None:
+        """Slots ``a`` and ``b`` exchange their caches. Moving a request to keep busy slots dense
+        must not overwrite the slot it lands on: that slot's cache is a finished request's prefix
+        cache, which the next request with that prompt would find."""
+        n = max(len(self.tokens[a]), len(self.tokens[b]))
+        if a != b and n:
+            pair, swapped = [a, b], [b, a]
+            for layer in self.cache.layers:
+                for buf in layer.buffers or ():
+                    buf[pair, :, :n] = buf[swapped, :, :n]   # the right side is gathered first: a copy
+        self.tokens[a], self.tokens[b] = self.tokens[b], self.tokens[a]
 
     # ---- the batched forward ------------------------------------------------------------------
 

@@ -322,7 +322,7 @@ class Scheduler:
             self._move(busy[-1], free[0])
 
     def _move(self, src: int, dst: int) -> None:
-        self.target.move(src, dst)
+        self.target.swap(src, dst)
         self.slots[dst], self.slots[src] = self.slots[src], None
         self.slots[dst].slot = dst
 
@@ -333,11 +333,12 @@ class Scheduler:
                 return
             state = self.waiting.popleft()
             # The free slot whose cache shares the longest prefix with the prompt is a prefix
-            # cache (a follow-up turn); bring it to the lowest free slot so busy slots stay dense.
+            # cache (a follow-up turn, a repeated prompt, a shared system prompt); bring it to the
+            # lowest free slot so busy slots stay dense, the cache there going where it was.
             tokens = self.target.kv.tokens
             best = max(free, key=lambda i: (common_prefix_len(tokens[i], state.context), -i))
             if best != free[0] and common_prefix_len(tokens[best], state.context) > 0:
-                self.target.move(best, free[0])
+                self.target.swap(best, free[0])
             state.slot = free[0]
             self.slots[free[0]] = state
 

@@ -154,10 +154,11 @@ class Target:
             fed = self._tap.last[feed.slot - lo, width - len(feed.tokens):]   # [n, H], padding dropped
             self._features[feed.slot].put(firsts[i], fed if keep is None else fed[keep[i]])
 
-    def move(self, src: int, dst: int) -> None:
-        """Slot ``dst`` takes over ``src``'s cache and hidden states (the scheduler keeps busy slots dense)."""
-        self.kv.copy(src, dst)
-        self._features[src], self._features[dst] = self._features[dst], self._features[src]
+    def swap(self, a: int, b: int) -> None:
+        """Slots ``a`` and ``b`` exchange caches and hidden states (the scheduler keeps busy slots
+        dense, and the cache a request displaces stays as a prefix cache)."""
+        self.kv.swap(a, b)
+        self._features[a], self._features[b] = self._features[b], self._features[a]
 
     def prefill(self, slot: int, tokens: list[int], chunk: int, next_token: int | None = None,
                 score_rows: int = 0) -> Prefilled:

@@ -196,3 +196,24 @@ def test_tokens_reach_their_requests_on_the_event_loops_thread_in_order():
     for i, state in enumerate(states):
         assert [t for item in items[i] for t in item["token_ids"]] == state.out == alone(model, PROMPTS[i])[:9]
         assert "finish_reason" in items[i][-1] and all("finish_reason" not in it for it in items[i][:-1])
+
+
+def test_finished_requests_caches_survive_compaction_and_serve_the_same_prompts_again():
+    # The short request ends first, so the long one moves down into its slot: the move must not
+    # overwrite the short one's cache. Then every prompt, asked again, finds its whole prefix.
+    model = tiny_model("llama", seed=0)
+    target = Target(model, slots=4)
+    scheduler = Scheduler(target, StaticPolicy(), prefill_chunk=64)
+    loop = StepLoop(scheduler, servers(model), InlineWorker())
+    prompts, lengths = PROMPTS[:3], [20, 3, 10]
+
+    def run(tag: str) -> list[list[int]]:
+        states = [loop.add(SpecRequest(p, n, GREEDY, "none", 0, None, f"{tag}{i}")) for i, (p, n) in enumerate(zip(prompts, lengths))]
+        asyncio.run(loop.run_until_idle())
+        return [s.out for s in states]
+
+    first = run("a")
+    prefilled_before = sum(r.prefill_tokens for r in scheduler.records)
+    assert prefilled_before == sum(len(p) - 1 for p in prompts)
+    assert run("b") == first
+    assert sum(r.prefill_tokens for r in scheduler.records) == prefilled_before, "a prompt was prefilled again"
