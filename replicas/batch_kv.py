@@ -123,6 +123,8 @@ class BatchKV:
                     f"batched KV caches need full-attention layers; {type(model).__name__} has {type(layer).__name__}"
                 )
         self.cache.layers = [SlotLayer(self._plan, slots, min(capacity, self.max_len)) for _ in self.cache.layers]
+        # transformers' ``model.dtype`` walks the parameters: 1.7 ms a step at batch 16, measured.
+        self._dtype = model.dtype
         # Llama-family models run our own forward (fewer, larger operations); others run theirs.
         self._fast = llama_forward.for_model(model) if llama_forward.supports(model) else None
 
@@ -243,7 +245,7 @@ class BatchKV:
                 block = ancestor_matrix(feed.parents)
             positions[r, pad:] = cached + depth - 1
             allowed[r, pad:, cached:cached + n] = block
-        dtype = self.model.dtype
+        dtype = self._dtype
         mask = torch.zeros(rows, 1, width, kv_len, dtype=dtype)
         mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
         plan = self._plan

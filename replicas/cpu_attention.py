@@ -16,91 +16,32 @@ between its two calls, so the probabilities are torch's; the weighted sum of val
 in float32. Each row is computed on its own, so a request's numbers do not depend on what else
 is in the batch.
 
-The library is compiled once per machine with the C compiler found on PATH (``cc``), into
-``~/.cache/specserve/kernels`` (``SPECSERVE_KERNEL_CACHE`` to change it), named by the source's
-hash and the CPU's flags, since it is built for the CPU it runs on. Without a compiler, or on
+The library is compiled once per machine (``native_kernels.py``); without a compiler, or on
 another device, ``usable`` says no and the caller keeps torch's path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger("ray.serve")
+from specserve.replicas import native_kernels
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
 MAX_HEAD_DIM = 256     # the kernel's per-thread buffers (kernels/decode_attention.c)
 MAX_ROWS = 256         # query rows per kv head: (query heads per kv head) x new tokens
 # Longer queries (prefill chunks) are matrix products torch does well.
 MAX_NEW_TOKENS = 16
-CACHE_DIR = Path(os.environ.get("SPECSERVE_KERNEL_CACHE", Path.home() / ".cache" / "specserve" / "kernels")).expanduser()
-
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failed: str | None = None
 
 _I64, _INT, _FLOAT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SCORES = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT]
 _MIX = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, _INT, _INT]
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build() -> ctypes.CDLL:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
-    path = CACHE_DIR / f"decode_attention-{key}.so"
-    if not path.exists():
-        compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-        if compiler is None:
-            raise RuntimeError("no C compiler (cc or gcc) on PATH")
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        # Built beside the target and renamed: replicas starting together never load half a file.
-        with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
-            partial = Path(tmp) / path.name
-            subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(partial), str(SOURCE)],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(partial, path)
-    library = ctypes.CDLL(str(path))
-    for suffix in ("bf16", "f32"):
-        getattr(library, f"scores_{suffix}").argtypes = _SCORES
-        getattr(library, f"mix_{suffix}").argtypes = _MIX
-    return library
-
-
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (logged once) where it cannot be built."""
-    global _library, _failed
-    if _library is None and _failed is None:
-        with _lock:
-            if _library is None and _failed is None:
-                try:
-                    _library = _build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-                    detail = getattr(err, "stderr", b"") or b""
-                    _failed = f"{type(err).__name__}: {err} {detail.decode(errors='replace')[:500]}"
-                    logger.warning("the CPU attention kernel is not available (%s); attention uses torch's "
-                                   "products", _failed)
-    return _library
+    signatures = {f"{op}_{suffix}": args for op, args in (("scores", _SCORES), ("mix", _MIX)) for suffix in ("bf16", "f32")}
+    return native_kernels.load("decode_attention", signatures, "attention uses torch's products")
 
 
 def usable(device: torch.device, dtype: torch.dtype, new_tokens: int, heads: int, kv_heads: int, head_dim: int) -> bool:

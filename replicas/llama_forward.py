@@ -7,7 +7,8 @@ matrix products per layer (q, k, v, o, gate, up, down) plus modules, hooks and m
 around them. Here:
 
 - q, k and v are one product (their weights stacked), and gate and up another: four per layer;
-- RMSNorm is one fused kernel (computed in float32, as Hugging Face does, then cast back);
+- RMSNorm is one fused kernel (computed in float32, as Hugging Face does, then cast back); on
+  the CPU one C pass with the residual add before it (``cpu_row_ops``);
 - rotary embeddings come from a table built once (the values Hugging Face computes per call:
   float32 ``position * inv_freq``, cos/sin, times ``attention_scaling``, cast to the model's
   dtype), applied to q and k in one go;
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import cpu_attention
+from specserve.replicas import cpu_attention, cpu_row_ops
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 STANDARD_FORWARDS = ("LlamaForCausalLM.forward", "MistralForCausalLM.forward", "Qwen2ForCausalLM.forward")
@@ -123,6 +124,17 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def _add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, its RMSNorm): in one C pass on the CPU (``cpu_row_ops``; h updated in place),
+    else torch's ops."""
+    if kernel:
+        return h, cpu_row_ops.add_rms_norm(h, delta, weight, eps)
+    if delta is not None:
+        h = h + delta
+    return h, _rms_norm(h, weight, eps)
+
+
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention, softmax in float32 (Hugging Face's eager recipe).
 
@@ -197,8 +209,9 @@ class LlamaForward:
         if kernel:
             lengths = cpu_attention.sequence_lengths(mask)
             mask_f32 = mask[:, 0].float().contiguous()
+        rows = cpu_row_ops.usable(h) and not torch.is_grad_enabled()
         for index, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer.norm1, layer.eps1)
+            h, x = _add_rms_norm(h, None, layer.norm1, layer.eps1, rows)
             qkv = layer.qkv(x).view(B, S, nq + 2 * nkv, D)
             qk = qkv[:, :, : nq + nkv]
             # Rotary on q and k together: x*cos + rotate_half(x)*sin.
@@ -213,11 +226,11 @@ class LlamaForward:
             else:
                 attn = _attention(q, keys, values, mask)
             attn = attn.transpose(1, 2).reshape(B, S, nq * D)
-            h = h + layer.o(attn)
-            x = _rms_norm(h, layer.norm2, layer.eps2)
+            h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, rows)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
             if tap is not None and tap.layer is layer.module:
-                tap.last = h
-        logits = self.lm_head(_rms_norm(h[:, -keep:], self.norm, self.eps))
+                tap.last = h.clone() if rows else h   # the next layer adds to h in place
+        _, x = _add_rms_norm(h[:, -keep:].contiguous(), None, self.norm, self.eps, rows)
+        logits = self.lm_head(x)
         return logits if self.to_full_vocab is None else self.to_full_vocab(logits)
