@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specserve.replicas import llama_forward
+from specserve.replicas import cpu_attention, llama_forward
 from specserve.replicas.kv_session import TREE_NODE, common_prefix_len
 from specserve.replicas.tree_attention import ancestor_matrix, node_depths
 
@@ -81,9 +81,12 @@ class SlotLayer(DynamicLayer):
             self.buffers = (key_states.new_zeros(shape), value_states.new_zeros(shape[:3] + value_states.shape[-1:]))
             self.is_initialized = True
         keys, values = self.buffers
-        # Advanced indices around a slice: the indexed view is [B, S, H, D].
-        keys[plan.rows, :, plan.columns] = key_states.transpose(1, 2)
-        values[plan.rows, :, plan.columns] = value_states.transpose(1, 2)
+        # On the CPU one C copy per layer (cpu_attention.write); else torch's indexed assignment
+        # (advanced indices around a slice: the indexed view is [B, S, H, D]).
+        if not (cpu_attention.write(keys, key_states, plan.lo, plan.columns)
+                and cpu_attention.write(values, value_states, plan.lo, plan.columns)):
+            keys[plan.rows, :, plan.columns] = key_states.transpose(1, 2)
+            values[plan.rows, :, plan.columns] = value_states.transpose(1, 2)
         self.keys = keys[plan.lo:plan.hi, :, : plan.kv_len]
         self.values = values[plan.lo:plan.hi, :, : plan.kv_len]
         return self.keys, self.values

@@ -36,11 +36,13 @@ MAX_NEW_TOKENS = 16
 _I64, _INT, _FLOAT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _SCORES = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT]
 _MIX = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, _INT, _INT]
+_WRITE = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _INT, _INT, _INT, _INT]
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (logged once) where it cannot be built."""
     signatures = {f"{op}_{suffix}": args for op, args in (("scores", _SCORES), ("mix", _MIX)) for suffix in ("bf16", "f32")}
+    signatures["kv_write"] = _WRITE
     return native_kernels.load("decode_attention", signatures, "attention uses torch's products")
 
 
@@ -84,3 +86,19 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     getattr(lib, f"mix_{suffix}")(probs.data_ptr(), values.data_ptr(), values.stride(0), values.stride(1),
                                   values.stride(2), lengths.data_ptr(), out.data_ptr(), B, nq, nkv, S, D, L, threads)
     return out
+
+
+def write(cache: torch.Tensor, states: torch.Tensor, first_slot: int, columns: torch.Tensor) -> bool:
+    """cache[first_slot + b, :, columns[b, s]] = states[b, :, s] for cache [slots, H, capacity, D]
+    and states [B, H, S, D] on the CPU (``columns`` [B, S] int64, contiguous). False (nothing
+    written) where the kernel cannot take it: the caller assigns with torch."""
+    lib = library()
+    if (lib is None or cache.device.type != "cpu" or states.dtype != cache.dtype or cache.stride(-1) != 1
+            or states.stride(-1) != 1 or not cache.is_contiguous() or columns.dtype != torch.int64
+            or not columns.is_contiguous()):
+        return False
+    B, H, S, D = states.shape
+    lib.kv_write(cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), states.data_ptr(),
+                 states.stride(0), states.stride(1), states.stride(2), first_slot, columns.data_ptr(),
+                 B, H, S, D, cache.element_size())
+    return True

@@ -92,3 +92,17 @@ def test_without_a_compiler_torchs_path_is_kept(tmp_path):
     env = {**os.environ, "CC": "no-such-compiler", "PATH": str(tmp_path), "SPECSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "False"], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_puts_each_rows_states_at_its_columns_like_torchs_indexed_assignment(dtype):
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(6, 3, 40, 64, generator=g).to(dtype)
+    # [B, H, S, D] with the layout the forward hands over: a transposed view of [B, S, H, D].
+    states = torch.randn(3, 4, 3, 64, generator=g).to(dtype).transpose(1, 2)
+    columns = torch.tensor([[5, 6, 7, 8], [0, 1, 2, 3], [30, 31, 32, 39]])
+    want = cache.clone()
+    want[torch.arange(2, 5)[:, None].expand(3, 4), :, columns] = states.transpose(1, 2)
+    assert cpu_attention.write(cache, states, 2, columns)
+    assert torch.equal(cache, want)
+    assert not cpu_attention.write(cache[:, :, :20], states, 2, columns)   # not the buffer itself: torch's turn

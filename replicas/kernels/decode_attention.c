@@ -13,6 +13,10 @@
  * q, o: [B, nq, S, D] contiguous; k, v: [B, nkv, L, D] with any strides but a contiguous last
  * dimension (views of the slot cache); mask: [B, S, L] float32 contiguous; s, p: [B, nq, S, L]
  * float32 contiguous. Element type: bfloat16 (uint16 bits) or float32, one function each.
+ *
+ * kv_write(): the step's new keys (or values) into the slot cache: states [B, H, S, D] (any
+ *           strides, contiguous last dimension) to cache[first_slot + b, h, col[b, s]], for any
+ *           element size. torch's indexed assignment took ~20 us a call at decode sizes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -110,6 +114,18 @@ void mix_##SUFFIX(const float *p, const T *v, int64_t vb, int64_t vh, int64_t vt
                 for (int d = 0; d < D; d++) dst[d] = STORE(acc[g * S + r][d]);                        \
             }                                                                                         \
     }                                                                                                 \
+}
+
+void kv_write(char *cache, int64_t c0, int64_t c1, int64_t c2, const char *src, int64_t s0, int64_t s1,
+              int64_t s2, int64_t first_slot, const int64_t *col, int B, int H, int S, int D, int elem) {
+    /* strides in elements */
+    for (int b = 0; b < B; b++)
+        for (int s = 0; s < S; s++) {
+            int64_t c = col[(int64_t)b * S + s];
+            for (int h = 0; h < H; h++)
+                memcpy(cache + ((first_slot + b) * c0 + h * c1 + c * c2) * elem,
+                       src + ((int64_t)b * s0 + h * s1 + (int64_t)s * s2) * elem, (size_t)D * elem);
+        }
 }
 
 #define ID(x) (x)
