@@ -115,6 +115,7 @@ class RequestState:
         self.stats = SpecStats(draft=request.draft)
         self.slot: int | None = None
         self.prefilled = False
+        self.cached_tokens: int | None = None   # context tokens found in the slot's cache at admission
         self.speculating = not request.speculation.plain
         params = request.params
         self.generator = None if params.greedy else params.generator(device)
@@ -386,6 +387,8 @@ class Scheduler:
             done = self.target.prefill(state.slot, state.context[:-1], chunk, state.context[-1],
                                        0 if self.router is None else PERPLEXITY_ROWS)
             prefilled += done.fed
+            if state.cached_tokens is None:   # the first chunk: what the slot already held
+                state.cached_tokens = len(state.context) - 1 - done.fed - done.left
             state.prompt_nll += done.nll
             state.prompt_scored += done.scored
             state.prefilled = done.left == 0
@@ -410,7 +413,8 @@ class Scheduler:
             new = state.advance(result)
             item_out = {"token_ids": new}
             if state.done:
-                item_out.update(finish_reason=state.finish_reason, spec=state.stats.summary())
+                item_out.update(finish_reason=state.finish_reason, spec=state.stats.summary(),
+                                cached_tokens=state.cached_tokens or 0)
             state.send(item_out)
             steps.append(RequestStep(
                 request_id=state.id, draft=state.request.draft, asked=plan.speculation.get(state.id, PLAIN),

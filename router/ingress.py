@@ -150,6 +150,11 @@ _BUSY = (BackPressureError, DeploymentUnavailableError)
 api.add_middleware(Guard)
 
 
+
+def _usage_pb(usage: dict) -> pb.Usage:
+    """The gRPC Usage of an OpenAI usage object (the proto has the three counts, not the details)."""
+    return pb.Usage(**{k: v for k, v in usage.items() if k in ("prompt_tokens", "completion_tokens", "total_tokens")})
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256, health_check_period_s=10)
 @serve.ingress(api)
 class Ingress:
@@ -260,7 +265,9 @@ class Ingress:
                         if finish is not None:
                             done = len(text.token_ids)
                             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
-                                     "total_tokens": prompt_tokens + done}
+                                     "total_tokens": prompt_tokens + done,
+                                     # OpenAI's field: prompt tokens whose KV the replica already held.
+                                     "prompt_tokens_details": {"cached_tokens": min(prompt_tokens, item.get("cached_tokens", 0))}}
                         yield Event(delta, item["token_ids"], finish, spec, usage)
                     if finish is not None:
                         return
@@ -511,7 +518,7 @@ class Ingress:
             return pb.CompletionResponse()
         return pb.CompletionResponse(
             id=prepared.id, model=self.model_id, text=text, token_ids=ids, finish_reason=last.finish_reason,
-            usage=pb.Usage(**last.usage), spec=self._spec_pb(last.spec),
+            usage=_usage_pb(last.usage), spec=self._spec_pb(last.spec),
         )
 
     async def CompleteStream(self, request: pb.CompletionRequest, grpc_context) -> AsyncIterator[pb.CompletionChunk]:
@@ -521,7 +528,7 @@ class Ingress:
                 chunk = pb.CompletionChunk(id=prepared.id, text=event.text, token_ids=event.token_ids)
                 if event.finish_reason is not None:
                     chunk.finish_reason = event.finish_reason
-                    chunk.usage.CopyFrom(pb.Usage(**event.usage))
+                    chunk.usage.CopyFrom(_usage_pb(event.usage))
                     chunk.spec.CopyFrom(self._spec_pb(event.spec))
                 yield chunk
         except OpenAIError as err:

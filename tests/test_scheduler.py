@@ -207,13 +207,18 @@ def test_finished_requests_caches_survive_compaction_and_serve_the_same_prompts_
     loop = StepLoop(scheduler, servers(model), InlineWorker())
     prompts, lengths = PROMPTS[:3], [20, 3, 10]
 
-    def run(tag: str) -> list[list[int]]:
+    def run(tag: str):
         states = [loop.add(SpecRequest(p, n, GREEDY, "none", 0, None, f"{tag}{i}")) for i, (p, n) in enumerate(zip(prompts, lengths))]
         asyncio.run(loop.run_until_idle())
-        return [s.out for s in states]
+        return states
 
     first = run("a")
     prefilled_before = sum(r.prefill_tokens for r in scheduler.records)
     assert prefilled_before == sum(len(p) - 1 for p in prompts)
-    assert run("b") == first
+    assert [s.cached_tokens for s in first] == [0, 0, 0]
+    again = run("b")
+    assert [s.out for s in again] == [s.out for s in first]
     assert sum(r.prefill_tokens for r in scheduler.records) == prefilled_before, "a prompt was prefilled again"
+    # What the response's usage reports (OpenAI's prompt_tokens_details.cached_tokens): all but
+    # the last prompt token, which every request feeds as its first step's root.
+    assert [s.cached_tokens for s in again] == [len(p) - 1 for p in prompts]
