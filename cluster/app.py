@@ -21,6 +21,7 @@ from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
 from specserve.router.ingress import Ingress
+from specserve.router.prefix_affinity import ROUTER_CLASS as PREFIX_AFFINITY_ROUTER
 from specserve.router.retrain import retrain
 from specserve.router.router_factory import RouterFactory
 
@@ -31,6 +32,9 @@ from specserve.router.router_factory import RouterFactory
 SESSION_AFFINITY = RequestRouterConfig(
     request_router_class="ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 )
+# A request should reach the target replica whose free KV slots hold its prompt's prefix (a
+# repeated prompt, a chat's next turn, a shared system prompt), while the load allows.
+PREFIX_AFFINITY = RequestRouterConfig(request_router_class=PREFIX_AFFINITY_ROUTER)
 
 
 def build_app(args: AppConfig) -> Application:
@@ -42,7 +46,7 @@ def build_app(args: AppConfig) -> Application:
         ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle)
         for spec in config.drafts
     }
-    target = TargetDeployment.options(name=TARGET_DEPLOYMENT).bind(
+    target = TargetDeployment.options(name=TARGET_DEPLOYMENT, request_router_config=PREFIX_AFFINITY).bind(
         config.target, drafts, PolicyByRequest(config.policy), config.dtype, config.torch_threads, config.kv_sessions_idle,
         config.max_batch, config.prefill_chunk, ReplicaLearningFactory(config.redis_url, config.redis_prefix),
         config.model_id,

@@ -484,3 +484,19 @@ def test_the_policy_service_killed_costs_nothing_and_counts_arrive_once(served, 
         time.sleep(1)
     assert steps() == before_steps + served_steps       # every step once: none lost, none twice
     assert version() > before_version                   # the restarted service publishes again
+
+
+def test_a_repeated_prompt_goes_to_the_replica_that_holds_its_prefix(served):
+    # Two target replicas: by chance alone, four repeats would all land on the first one's replica
+    # with probability 1/16. The prefix-affinity router sends them there, and the usage says so.
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content":
+            "Affinity check: " + " ".join(f"item {i} is {i * i};" for i in range(30))}]}
+    usages = []
+    for _ in range(5):
+        response = httpx.post(served.http_url + "/v1/chat/completions", json=body, headers=headers(), timeout=300)
+        assert response.status_code == 200, response.text
+        usages.append(response.json()["usage"])
+    prompt_tokens = usages[0]["prompt_tokens"]
+    assert prompt_tokens > 64
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert cached[0] < prompt_tokens // 2 and cached[1:] == [prompt_tokens - 1] * 4, cached

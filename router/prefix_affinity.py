@@ -1,0 +1,125 @@
+"""Which target replica serves a request: the one that last took a prompt with the same start,
+while the load allows (a Ray Serve request router, set on the target deployment in
+``cluster/app.py``).
+
+A target replica keeps finished requests' KV caches in its free slots (``replicas/scheduler.py``):
+a repeated prompt, the next turn of a chat or a long shared system prompt finds its prefix there
+and skips that much prefill. Serve's default router (power of two choices) sends a request to
+either of two random replicas, so with n replicas only about 1/n of such requests land where
+their prefix is. Like Ray Serve LLM's ``PrefixCacheAffinityRouter`` (which keeps a prefix tree of
+text in a shared actor), this router remembers which replica last received each prompt prefix,
+but of token ids, in blocks, in the ingress's own process: the ingress is the target's only
+caller, and a routing decision costs no remote call.
+
+Per request: the prompt's whole blocks of ``block_tokens`` ids are hashed as a chain (a block's
+key covers everything before it), and the request goes to the replica that owns the longest chain
+of its blocks, if that covers at least ``min_match`` of the prompt and that replica has at most
+``max_imbalance`` more requests in flight (from this router) than the least loaded candidate.
+Otherwise two random candidates, the less loaded first, as power of two choices does. A replica
+that is full (``max_ongoing_requests``) is passed over by Serve itself, which then tries the next
+rank. Either way the chosen replica becomes the owner of the request's blocks.
+
+What the router remembers is a hint, never a promise (DESIGN.md §7): a replica that has dropped
+the cache recomputes it from the tokens, so affinity only ever saves prefill.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, OrderedDict
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+ROUTER_CLASS = "specserve.router.prefix_affinity:PrefixAffinityRouter"
+
+
+def prompt_ids(request: PendingRequest | None) -> list[int] | None:
+    """The prompt token ids of a target request (its ``SpecRequest`` argument), if any."""
+    if request is None:
+        return None
+    for arg in [*request.args, *request.kwargs.values()]:
+        ids = getattr(arg, "prompt_ids", None)
+        if isinstance(ids, list):
+            return ids
+    return None
+
+
+def block_keys(ids: list[int], block_tokens: int) -> list[int]:
+    """One key per whole block of ``ids``; key i stands for ``ids[: (i + 1) * block_tokens]``."""
+    keys: list[int] = []
+    key = 0
+    for start in range(0, len(ids) - block_tokens + 1, block_tokens):
+        key = hash((key, tuple(ids[start:start + block_tokens])))
+        keys.append(key)
+    return keys
+
+
+class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, block_tokens: int = 32, max_blocks: int = 200_000, max_imbalance: int = 2,
+                         min_match: float = 0.25, **_: Any) -> None:
+        """``max_blocks``: block keys remembered (least recently routed forgotten first): 200k
+        keys of ~100 bytes is ~20 MB in the ingress for ~6M prompt tokens."""
+        self.block_tokens = block_tokens
+        self.max_blocks = max_blocks
+        self.max_imbalance = max_imbalance
+        self.min_match = min_match
+        self._owner: OrderedDict[int, ReplicaID] = OrderedDict()
+        self._in_flight: Counter[ReplicaID] = Counter()
+        self._routed: dict[str, ReplicaID] = {}
+        self.affinity_hits = 0   # requests sent where their prefix was (for tests and logs)
+
+    def _two_choices(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        two = random.sample(candidates, min(2, len(candidates)))
+        return sorted(two, key=lambda r: self._in_flight[r.replica_id])
+
+    def prefix_owner(self, ids: list[int], candidates: list[RunningReplica]) -> tuple[RunningReplica | None, int]:
+        """The candidate that owns the longest chain of ``ids``'s blocks, and how many tokens it covers."""
+        by_id = {r.replica_id: r for r in candidates}
+        keys = block_keys(ids, self.block_tokens)
+        for i in range(len(keys) - 1, -1, -1):
+            owner = self._owner.get(keys[i])
+            if owner in by_id:
+                return by_id[owner], (i + 1) * self.block_tokens
+        return None, 0
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        fallback = self._two_choices(candidate_replicas)
+        ids = prompt_ids(pending_request)
+        if not ids:
+            return [fallback]
+        owner, matched = self.prefix_owner(ids, candidate_replicas)
+        if owner is None or matched < self.min_match * len(ids):
+            return [fallback]
+        least = min(self._in_flight[r.replica_id] for r in candidate_replicas)
+        if self._in_flight[owner.replica_id] - least > self.max_imbalance:
+            return [fallback]
+        self.affinity_hits += 1
+        return [[owner], [r for r in fallback if r is not owner]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        request_id = pending_request.metadata.internal_request_id
+        if request_id not in self._routed:
+            self._routed[request_id] = replica_id
+            self._in_flight[replica_id] += 1
+        for key in block_keys(prompt_ids(pending_request) or [], self.block_tokens):
+            self._owner[key] = replica_id
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.max_blocks:
+            self._owner.popitem(last=False)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        routed = self._routed.pop(internal_request_id, None)
+        if routed is not None:
+            self._in_flight[routed] -= 1
+            if self._in_flight[routed] <= 0:
+                del self._in_flight[routed]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._in_flight.pop(replica_id, None)
+        for key in [k for k, owner in self._owner.items() if owner == replica_id]:
+            del self._owner[key]
