@@ -30,6 +30,7 @@ prompts, minus one (the price of the distributed path per step).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -179,6 +180,14 @@ def served_model(url: str, headers: dict | None = None) -> dict:
 
 
 # --- one request ---------------------------------------------------------------------------
+
+
+def tagged(prompts: list[str], *labels) -> list[str]:
+    """The prompts, each opened by a tag unique to ``labels`` and its index: no server finds any of
+    them in a prefix cache (beyond the chat template's shared system prompt), while the work stays
+    that of the plain prompts (the tag is a few tokens)."""
+    key = hashlib.sha1(repr(labels).encode()).hexdigest()[:8]
+    return [f"[{key}-{i}] {p}" for i, p in enumerate(prompts)]
 
 
 def request_body(config: ServeBenchConfig, prompt: str, max_tokens: int) -> dict:
@@ -359,11 +368,15 @@ def row(config: ServeBenchConfig, concurrency: int, rate: float, summary: dict) 
 def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompts_n: int, max_tokens: int,
                     concurrencies: list[int], rates: list[float], drafts: list[str] | None, window: int,
                     in_process: str | None, peers: list[tuple[str, str]], dtype: str, repeats: int = 1,
-                    stream_interval: int = 1) -> dict:
+                    stream_interval: int = 1, unique_prompts: bool = False) -> dict:
     """``drafts`` None: every draft the deployment serves; ``in_process`` None: no in-process row;
     ``peers``: (name, url) from ``parse_peers``. ``repeats``: rounds of the loaded runs, the rows
     taking turns in each (one run each of a few seconds differs by +-10% on a shared 2-core
-    machine). ``stream_interval``: the local stack's (peers must be started with the same)."""
+    machine). ``stream_interval``: the local stack's (peers must be started with the same).
+    ``unique_prompts``: every row, round and concurrency sends its own tagged copy of the prompts
+    (``tagged``), so that no row is served from a prefix cache another row or round filled: the
+    engines' throughput, not their caches. Without it the same prompts repeat, as a chat service's
+    system prompts and follow-ups do, and prefix caches count."""
     if prompts_n < 1 or max_tokens < 1 or repeats < 1 or stream_interval < 1:
         raise ValueError(f"--prompts, --max-tokens, --repeats and --stream-interval must be >= 1, "
                          f"got {prompts_n}, {max_tokens}, {repeats}, {stream_interval}")
@@ -411,7 +424,8 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                 rec = RequestRecord(config.name, 1, math.inf, i)
                 in_process_request(engine, prompt_ids[i], config, tokens, rec)
                 return rec
-            rec = asyncio.run(load_run([prompts[i]], config, 1, math.inf, tokens))[0][0]
+            prompt = tagged(prompts, config.name, 1)[i] if unique_prompts else prompts[i]
+            rec = asyncio.run(load_run([prompt], config, 1, math.inf, tokens))[0][0]
             rec.prompt_index = i
             return rec
 
@@ -445,7 +459,8 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                         config = loaded[(r + k) % len(loaded)]
                         print(f"{config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"
                               + (f" (round {r + 1} of {repeats})" if repeats > 1 else ""), flush=True)
-                        recs, duration = asyncio.run(load_run(prompts, config, concurrency, rate, max_tokens))
+                        sent = tagged(prompts, config.name, concurrency, rate, r) if unique_prompts else prompts
+                        recs, duration = asyncio.run(load_run(sent, config, concurrency, rate, max_tokens))
                         records += recs
                         got[config.name].append((recs, duration))
                 for config in loaded:
@@ -466,7 +481,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                     and c.draft in (inproc.draft, colocated_name(inproc.draft))}
     result = {
         "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "category": BENCH_CATEGORY,
-                 "max_tokens": max_tokens, "window": window, "repeats": repeats, "stream_interval": stream_interval, "drafts": chosen, "in_process": in_process,
+                 "max_tokens": max_tokens, "window": window, "repeats": repeats, "stream_interval": stream_interval, "unique_prompts": unique_prompts, "drafts": chosen, "in_process": in_process,
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},
                  "concurrencies": concurrencies, "rates": [_rate(r) for r in rates], "machine": machine,
                  "load_avg_1m_after": machine_info()["load_avg_1m"]},

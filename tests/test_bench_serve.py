@@ -19,6 +19,7 @@ from specserve.cluster.bench_serve import (
     resolve_drafts,
     row,
     summarise,
+    tagged,
 )
 
 URL = "http://127.0.0.1:8000"
@@ -169,3 +170,13 @@ def test_the_local_stacks_stream_interval_reaches_the_application_and_bad_counts
         with pytest.raises(ValueError, match="--repeats and --stream-interval must be >= 1"):
             run_serve_bench(tmp_path / "b.json", tmp_path / "b.png", None, 4, 8, [1], [math.inf], None, 4, None, [],
                             "auto", repeats=repeats, stream_interval=interval)
+
+
+def test_unique_prompts_differ_by_row_and_round_and_keep_the_prompt():
+    prompts = ["Name two planets.", "What is 2 + 2?"]
+    first = tagged(prompts, "serve-target-only", 16, math.inf, 0)
+    assert all(t.endswith(p) for t, p in zip(first, prompts))
+    assert first == tagged(prompts, "serve-target-only", 16, math.inf, 0)          # deterministic
+    others = [tagged(prompts, "serve-target-only", 16, math.inf, 1), tagged(prompts, "peer[vllm]", 16, math.inf, 0)]
+    assert all(a[:12] != b[:12] for other in others for a, b in zip(first, other))  # no shared opening
+    assert first[0][:12] != first[1][:12]
