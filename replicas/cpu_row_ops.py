@@ -1,5 +1,6 @@
 """Per-row operations of a decode step in one C pass each (``kernels/row_ops.c``): the greedy
-argmax over the vocabulary, and RMSNorm fused with the residual add before it.
+argmax over the vocabulary, RMSNorm fused with the residual add before it, and the rotary
+embedding of q and k.
 
 Why: at decode sizes (1-16 rows) torch runs each of these as several passes with temporaries
 and a dispatch each, and its bfloat16 argmax is a scalar loop. Measured on the 2-core AMD EPYC
@@ -30,6 +31,7 @@ _I64, _INT, _FLOAT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.
 _SIGNATURES = {
     **{f"argmax_{s}": [_PTR, _I64, _INT, _I64, _PTR] for s in ("bf16", "f32")},
     **{f"add_rms_norm_{s}": [_PTR, _PTR, _PTR, _PTR, _INT, _INT, _FLOAT] for s in ("bf16", "f32")},
+    **{f"rope_{s}": [_PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT] for s in ("bf16", "f32")},
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
@@ -71,3 +73,15 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         h.numel() // n, n, eps)
     return y
 
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nq: int, nkv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k from the stacked projection's output ``qkv`` [B, S, nq + 2 nkv, D]
+    with ``cos``/``sin`` [B, S, D] (each position's row): q [B, nq, S, D] and k [B, nkv, S, D],
+    contiguous, rounded as Hugging Face's ``q * cos + rotate_half(q) * sin``."""
+    B, S, heads, D = qkv.shape
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    q = qkv.new_empty(B, nq, S, D)
+    k = qkv.new_empty(B, nkv, S, D)
+    getattr(library(), f"rope_{_SUFFIX[qkv.dtype]}")(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(),
+                                                     k.data_ptr(), B, S, nq, nkv, D)
+    return q, k

@@ -210,15 +210,20 @@ class LlamaForward:
             lengths = cpu_attention.sequence_lengths(mask)
             mask_f32 = mask[:, 0].float().contiguous()
         rows = cpu_row_ops.usable(h) and not torch.is_grad_enabled()
+        if rows:
+            cos_rows, sin_rows = cos[:, :, 0].contiguous(), sin[:, :, 0].contiguous()   # [B, S, D]
         for index, layer in enumerate(self.layers):
             h, x = _add_rms_norm(h, None, layer.norm1, layer.eps1, rows)
             qkv = layer.qkv(x).view(B, S, nq + 2 * nkv, D)
-            qk = qkv[:, :, : nq + nkv]
-            # Rotary on q and k together: x*cos + rotate_half(x)*sin.
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
-            q = qk[:, :, :nq].transpose(1, 2)                  # [B, nq, S, D]
-            k = qk[:, :, nq:].transpose(1, 2)                  # [B, nkv, S, D]
+            if rows:   # one C pass, q and k written in the layout attention and the cache take
+                q, k = cpu_row_ops.rope(qkv, cos_rows, sin_rows, nq, nkv)
+            else:
+                qk = qkv[:, :, : nq + nkv]
+                # Rotary on q and k together: x*cos + rotate_half(x)*sin.
+                rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+                qk = qk * cos + rotated * sin
+                q = qk[:, :, :nq].transpose(1, 2)              # [B, nq, S, D]
+                k = qk[:, :, nq:].transpose(1, 2)              # [B, nkv, S, D]
             v = qkv[:, :, nq + nkv:].transpose(1, 2)
             keys, values = cache_layers[index].update(k, v)    # [B, nkv, kv_len, D] views
             if kernel:

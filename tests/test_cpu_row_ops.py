@@ -1,5 +1,6 @@
 """The per-row C kernels against torch: the greedy argmax (ties, infinities, NaN, strided rows),
 residual add + RMSNorm in Hugging Face's order (bit-equal in bfloat16, within float32 rounding),
+the rotary embedding (bit-equal),
 rows independent of the batch, the forward and the greedy verifier using them; without a C
 compiler torch's ops are kept."""
 
@@ -68,6 +69,20 @@ def test_add_rms_norm_is_hugging_faces_order(dtype):
     assert torch.equal(alone, got[2:3]), "a row's norm depends on the rest of the batch"
     plain = cpu_row_ops.add_rms_norm(h.clone(), None, weight, 1e-5)
     torch.testing.assert_close(plain, weight * F.rms_norm(h.float(), (576,), eps=1e-5).to(dtype), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rounds_as_hugging_faces_three_ops_and_lays_q_and_k_out_for_attention(dtype):
+    g = torch.Generator().manual_seed(2)
+    B, S, nq, nkv, D = 4, 3, 9, 3, 64
+    qkv = torch.randn(B, S, nq + 2 * nkv, D, generator=g).to(dtype)
+    cos, sin = torch.randn(B, S, D, generator=g).to(dtype), torch.randn(B, S, D, generator=g).to(dtype)
+    qk = qkv[:, :, :nq + nkv]
+    rotated = torch.cat((-qk[..., D // 2:], qk[..., :D // 2]), dim=-1)
+    want = qk * cos[:, :, None] + rotated * sin[:, :, None]
+    q, k = cpu_row_ops.rope(qkv, cos, sin, nq, nkv)
+    assert torch.equal(q, want[:, :, :nq].transpose(1, 2)) and torch.equal(k, want[:, :, nq:].transpose(1, 2))
+    assert q.is_contiguous() and k.is_contiguous()
 
 
 def test_greedy_verification_follows_the_kernels_argmax():

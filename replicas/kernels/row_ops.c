@@ -8,6 +8,10 @@
  * add_rms_norm(): h[r] += d[r] (rounded to T; skipped when d is NULL), then
  *                 y[r] = w * T(h[r] / sqrt(mean(h[r]^2) + eps)) with the norm in float32:
  *                 Hugging Face's Llama RMSNorm order (normalise in float32, cast, then scale).
+ * rope():         rotary embedding of a step's q and k heads (qkv [B, S, nq + 2 nkv, D] as the stacked
+ *                 projection returns it; cos, sin [B, S, D] per position): x*cos + rotate_half(x)*sin
+ *                 with each product and the sum rounded to T, as torch's three ops round them,
+ *                 written as q [B, nq, S, D] and k [B, nkv, S, D], contiguous.
  * Element type T: bfloat16 (uint16 bits) or float32, one function each; arithmetic in float32,
  * every intermediate rounded to T where torch's eager ops round it.
  */
@@ -94,6 +98,26 @@ void add_rms_norm_##SUFFIX(T *h, const T *d, const T *w, T *y, int rows, int n, 
         for (int j = 0; j < n; j++) yr[j] = STORE(LOAD(w[j]) * ROUND(f[j] * rstd));               \
     }                                                                                             \
 }                                                                                                 \
+                                                                                                  \
+/* Products rounded on their own, as torch's separate ops round them: no fused multiply-add. */ \
+__attribute__((optimize("fp-contract=off")))                                                    \
+void rope_##SUFFIX(const T *qkv, const T *cos, const T *sin, T *q, T *k, int B, int S, int nq,    \
+                   int nkv, int D) {                                                              \
+    int half = D / 2, heads = nq + 2 * nkv;                                                       \
+    for (int b = 0; b < B; b++)                                                                   \
+        for (int s = 0; s < S; s++) {                                                             \
+            const T *c = cos + ((int64_t)b * S + s) * D, *sn = sin + ((int64_t)b * S + s) * D;   \
+            for (int h = 0; h < nq + nkv; h++) {                                                  \
+                const T *x = qkv + (((int64_t)b * S + s) * heads + h) * D;                        \
+                T *out = h < nq ? q + (((int64_t)b * nq + h) * S + s) * D                         \
+                                : k + (((int64_t)b * nkv + h - nq) * S + s) * D;                  \
+                for (int d = 0; d < D; d++) {                                                     \
+                    float rot = d < half ? -LOAD(x[d + half]) : LOAD(x[d - half]);                \
+                    out[d] = STORE(ROUND(LOAD(x[d]) * LOAD(c[d])) + ROUND(rot * LOAD(sn[d])));    \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+}
 
 /* A float's bits as a signed integer that orders as the float does: negative floats have their
  * magnitude bits flipped. +0 -> 0, -0 -> -1; +inf -> 0x7f80..., NaN above it (or below -inf's). */
