@@ -182,20 +182,22 @@ def served_model(url: str, headers: dict | None = None) -> dict:
 # --- one request ---------------------------------------------------------------------------
 
 
-def tagged(prompts: list[str], *labels) -> list[str]:
-    """The prompts, each opened by a tag unique to ``labels`` and its index: no server finds any of
-    them in a prefix cache (beyond the chat template's shared system prompt), while the work stays
-    that of the plain prompts (the tag is a few tokens)."""
-    key = hashlib.sha1(repr(labels).encode()).hexdigest()[:8]
-    return [f"[{key}-{i}] {p}" for i, p in enumerate(prompts)]
+def salt_for(*labels) -> str:
+    """A ``cache_salt`` of its own for one row's round: its requests reuse no KV another row or
+    round left (specserve's and vLLM's prefix caches both key on it), while the prompts, and so
+    the work, stay the same for every row."""
+    return hashlib.sha1(repr(labels).encode()).hexdigest()[:16]
 
 
-def request_body(config: ServeBenchConfig, prompt: str, max_tokens: int) -> dict:
+def request_body(config: ServeBenchConfig, prompt: str, max_tokens: int, cache_salt: str | None = None) -> dict:
     """The OpenAI chat request every row sends: greedy, streamed, usage in the last chunk. Only
     specserve rows carry ``spec``: a peer gets nothing it does not know (vLLM rejects no extra
-    field, but another server may, and the request must be the same a plain client sends)."""
+    field, but another server may, and the request must be the same a plain client sends), but
+    for ``cache_salt`` when the run asks for it (``--no-prefix-reuse``: vLLM's field too)."""
     body = {"model": config.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     spec = {key: value for key, value in (("draft", config.draft), ("window", config.window)) if value is not None}
     if config.backend == "serve" and spec:
         body["spec"] = spec
@@ -221,8 +223,8 @@ async def chat_chunks(client: httpx.AsyncClient, url: str, body: dict):
 
 
 async def http_request(client: httpx.AsyncClient, config: ServeBenchConfig, prompt: str, max_tokens: int,
-                       record: RequestRecord) -> None:
-    body = request_body(config, prompt, max_tokens)
+                       record: RequestRecord, cache_salt: str | None = None) -> None:
+    body = request_body(config, prompt, max_tokens, cache_salt)
     start = last = time.perf_counter()
     record.start_s = start
     try:
@@ -284,7 +286,7 @@ def in_process_request(engine, prompt_ids: list[int], config: ServeBenchConfig, 
 
 
 async def load_run(prompts: list[str], config: ServeBenchConfig, concurrency: int, rate: float, max_tokens: int,
-                   seed: int = 0) -> tuple[list[RequestRecord], float]:
+                   seed: int = 0, cache_salt: str | None = None) -> tuple[list[RequestRecord], float]:
     """All prompts to the row's server, Poisson arrivals at ``rate``, at most ``concurrency`` in flight.
     The seed is the same for every row, so every row sees the same arrival times."""
     rng = random.Random(seed)
@@ -297,7 +299,7 @@ async def load_run(prompts: list[str], config: ServeBenchConfig, concurrency: in
 
         async def one(i: int) -> None:
             async with gate:
-                await http_request(client, config, prompts[i], max_tokens, records[i])
+                await http_request(client, config, prompts[i], max_tokens, records[i], cache_salt)
 
         start = time.perf_counter()
         tasks = []
@@ -368,15 +370,16 @@ def row(config: ServeBenchConfig, concurrency: int, rate: float, summary: dict) 
 def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompts_n: int, max_tokens: int,
                     concurrencies: list[int], rates: list[float], drafts: list[str] | None, window: int,
                     in_process: str | None, peers: list[tuple[str, str]], dtype: str, repeats: int = 1,
-                    stream_interval: int = 1, unique_prompts: bool = False) -> dict:
+                    stream_interval: int = 1, no_prefix_reuse: bool = False) -> dict:
     """``drafts`` None: every draft the deployment serves; ``in_process`` None: no in-process row;
     ``peers``: (name, url) from ``parse_peers``. ``repeats``: rounds of the loaded runs, the rows
     taking turns in each (one run each of a few seconds differs by +-10% on a shared 2-core
     machine). ``stream_interval``: the local stack's (peers must be started with the same).
-    ``unique_prompts``: every row, round and concurrency sends its own tagged copy of the prompts
-    (``tagged``), so that no row is served from a prefix cache another row or round filled: the
-    engines' throughput, not their caches. Without it the same prompts repeat, as a chat service's
-    system prompts and follow-ups do, and prefix caches count."""
+    ``no_prefix_reuse``: every row, round and concurrency sends its requests with a ``cache_salt``
+    of its own (``salt_for``), so that no row is served from a prefix cache another row or round
+    filled: the engines' throughput, not their caches (peers must know vLLM's ``cache_salt``).
+    Without it the same prompts repeat, as a chat service's system prompts and follow-ups do, and
+    prefix caches count."""
     if prompts_n < 1 or max_tokens < 1 or repeats < 1 or stream_interval < 1:
         raise ValueError(f"--prompts, --max-tokens, --repeats and --stream-interval must be >= 1, "
                          f"got {prompts_n}, {max_tokens}, {repeats}, {stream_interval}")
@@ -424,8 +427,8 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                 rec = RequestRecord(config.name, 1, math.inf, i)
                 in_process_request(engine, prompt_ids[i], config, tokens, rec)
                 return rec
-            prompt = tagged(prompts, config.name, 1)[i] if unique_prompts else prompts[i]
-            rec = asyncio.run(load_run([prompt], config, 1, math.inf, tokens))[0][0]
+            salt = salt_for(config.name, 1, i) if no_prefix_reuse else None
+            rec = asyncio.run(load_run([prompts[i]], config, 1, math.inf, tokens, cache_salt=salt))[0][0]
             rec.prompt_index = i
             return rec
 
@@ -459,8 +462,9 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                         config = loaded[(r + k) % len(loaded)]
                         print(f"{config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"
                               + (f" (round {r + 1} of {repeats})" if repeats > 1 else ""), flush=True)
-                        sent = tagged(prompts, config.name, concurrency, rate, r) if unique_prompts else prompts
-                        recs, duration = asyncio.run(load_run(sent, config, concurrency, rate, max_tokens))
+                        salt = salt_for(config.name, concurrency, rate, r) if no_prefix_reuse else None
+                        recs, duration = asyncio.run(load_run(prompts, config, concurrency, rate, max_tokens,
+                                                              cache_salt=salt))
                         records += recs
                         got[config.name].append((recs, duration))
                 for config in loaded:
@@ -481,7 +485,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                     and c.draft in (inproc.draft, colocated_name(inproc.draft))}
     result = {
         "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "category": BENCH_CATEGORY,
-                 "max_tokens": max_tokens, "window": window, "repeats": repeats, "stream_interval": stream_interval, "unique_prompts": unique_prompts, "drafts": chosen, "in_process": in_process,
+                 "max_tokens": max_tokens, "window": window, "repeats": repeats, "stream_interval": stream_interval, "no_prefix_reuse": no_prefix_reuse, "drafts": chosen, "in_process": in_process,
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},
                  "concurrencies": concurrencies, "rates": [_rate(r) for r in rates], "machine": machine,
                  "load_avg_1m_after": machine_info()["load_avg_1m"]},

@@ -453,7 +453,7 @@ def bench_serve(
     threads: Optional[int] = typer.Option(None, help="torch threads of the in-process engine."),
     repeats: int = typer.Option(1, help="Rounds of the loaded runs (concurrency > 1), the rows taking turns; each row's figures are over all rounds, its tok/s per round in the JSON."),
     stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed piece of the local stack (its stream_interval); start peers with the same (vLLM: --stream-interval)."),
-    unique_prompts: bool = typer.Option(False, "--unique-prompts", help="Open every row's and round's prompts with a tag of their own, so that no server serves them from a prefix cache (engine throughput, not cache hits); by default prompts repeat across rows and rounds, as a chat service's do."),
+    no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="Send every row's and round's requests with a cache_salt of their own (vLLM's field, specserve's too), so that no server answers from a prefix cache another row or round filled: engine throughput, not cache hits. Peers must accept cache_salt. By default the same prompts repeat across rows and rounds, as a chat service's do."),
 ) -> None:
     """Load generator (Poisson arrivals, concurrency limits): target-only, the deployment's default and
     each draft pinned, beside the in-process engine and any OpenAI-compatible peers, in one run.
@@ -471,7 +471,7 @@ def bench_serve(
     try:
         run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, parse_drafts(drafts),
                         window, None if in_process == "none" else in_process, parse_peers(peer), dtype,
-                        repeats, stream_interval, unique_prompts)
+                        repeats, stream_interval, no_prefix_reuse)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
         fail(str(err))
 

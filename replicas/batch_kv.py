@@ -118,6 +118,7 @@ class BatchKV:
         if max_len is not None:
             self.max_len = min(self.max_len, max_len)
         self.tokens: list[list[int]] = [[] for _ in range(slots)]
+        self.salts: list[str | None] = [None] * slots   # each slot's cache_salt (the scheduler's)
         self._plan = _Plan()
         self.cache = DynamicCache(config=model.config)
         for layer in self.cache.layers:
@@ -178,6 +179,7 @@ class BatchKV:
                 for buf in layer.buffers or ():
                     buf[pair, :, :n] = buf[swapped, :, :n]   # the right side is gathered first: a copy
         self.tokens[a], self.tokens[b] = self.tokens[b], self.tokens[a]
+        self.salts[a], self.salts[b] = self.salts[b], self.salts[a]
 
     # ---- the batched forward ------------------------------------------------------------------
 

@@ -75,6 +75,9 @@ class SpecRequest:
     # the last excepted): every item is a message through Ray, which under load costs more than it
     # seems (vLLM's ``--stream-interval``, in tokens). 1: every step's tokens as they come.
     stream_interval: int = 1
+    # Prefix-cache isolation (the API's ``cache_salt``): KV is reused only between requests with
+    # the same salt (None is a salt too: the default tenant).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -336,10 +339,20 @@ class Scheduler:
             # The free slot whose cache shares the longest prefix with the prompt is a prefix
             # cache (a follow-up turn, a repeated prompt, a shared system prompt); bring it to the
             # lowest free slot so busy slots stay dense, the cache there going where it was.
-            tokens = self.target.kv.tokens
-            best = max(free, key=lambda i: (common_prefix_len(tokens[i], state.context), -i))
-            if best != free[0] and common_prefix_len(tokens[best], state.context) > 0:
+            # Only a cache of the same salt counts; another salt's is cleared, never read. With
+            # nothing shared, the slot holding least is given up (an empty one first), so that a
+            # new prompt does not push out a longer cache.
+            kv, salt = self.target.kv, state.request.cache_salt
+
+            def shared(i: int) -> int:
+                return common_prefix_len(kv.tokens[i], state.context) if kv.salts[i] == salt else 0
+
+            best = max(free, key=lambda i: (shared(i), -len(kv.tokens[i]), -i))
+            if best != free[0]:
                 self.target.swap(best, free[0])
+            if kv.salts[free[0]] != salt:
+                kv.reset(free[0])
+                kv.salts[free[0]] = salt
             state.slot = free[0]
             self.slots[free[0]] = state
 

@@ -214,7 +214,8 @@ class Ingress:
             id=request_id,
             spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id,
                                      pinned=bool(spec and (spec.window is not None or spec.tree is not None)),
-                                     policy=policy, stream_interval=self.config.stream_interval),
+                                     policy=policy, stream_interval=self.config.stream_interval,
+                                     cache_salt=req.cache_salt),
             stop=req.stop,
         )
 

@@ -45,10 +45,18 @@ def prompt_ids(request: PendingRequest | None) -> list[int] | None:
     return None
 
 
-def block_keys(ids: list[int], block_tokens: int) -> list[int]:
-    """One key per whole block of ``ids``; key i stands for ``ids[: (i + 1) * block_tokens]``."""
+def cache_salt(request: PendingRequest | None) -> str | None:
+    for arg in [*request.args, *request.kwargs.values()] if request is not None else []:
+        if hasattr(arg, "prompt_ids"):
+            return getattr(arg, "cache_salt", None)
+    return None
+
+
+def block_keys(ids: list[int], block_tokens: int, salt: str | None = None) -> list[int]:
+    """One key per whole block of ``ids``; key i stands for ``ids[: (i + 1) * block_tokens]`` (and
+    the request's cache salt: a replica holds a prefix for that salt only)."""
     keys: list[int] = []
-    key = 0
+    key = hash(salt)
     for start in range(0, len(ids) - block_tokens + 1, block_tokens):
         key = hash((key, tuple(ids[start:start + block_tokens])))
         keys.append(key)
@@ -73,10 +81,11 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         two = random.sample(candidates, min(2, len(candidates)))
         return sorted(two, key=lambda r: self._in_flight[r.replica_id])
 
-    def prefix_owner(self, ids: list[int], candidates: list[RunningReplica]) -> tuple[RunningReplica | None, int]:
+    def prefix_owner(self, ids: list[int], candidates: list[RunningReplica],
+                     salt: str | None = None) -> tuple[RunningReplica | None, int]:
         """The candidate that owns the longest chain of ``ids``'s blocks, and how many tokens it covers."""
         by_id = {r.replica_id: r for r in candidates}
-        keys = block_keys(ids, self.block_tokens)
+        keys = block_keys(ids, self.block_tokens, salt)
         for i in range(len(keys) - 1, -1, -1):
             owner = self._owner.get(keys[i])
             if owner in by_id:
@@ -91,7 +100,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         ids = prompt_ids(pending_request)
         if not ids:
             return [fallback]
-        owner, matched = self.prefix_owner(ids, candidate_replicas)
+        owner, matched = self.prefix_owner(ids, candidate_replicas, cache_salt(pending_request))
         if owner is None or matched < self.min_match * len(ids):
             return [fallback]
         least = min(self._in_flight[r.replica_id] for r in candidate_replicas)
@@ -105,7 +114,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         if request_id not in self._routed:
             self._routed[request_id] = replica_id
             self._in_flight[replica_id] += 1
-        for key in block_keys(prompt_ids(pending_request) or [], self.block_tokens):
+        for key in block_keys(prompt_ids(pending_request) or [], self.block_tokens, cache_salt(pending_request)):
             self._owner[key] = replica_id
             self._owner.move_to_end(key)
         while len(self._owner) > self.max_blocks:

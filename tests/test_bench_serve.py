@@ -19,7 +19,7 @@ from specserve.cluster.bench_serve import (
     resolve_drafts,
     row,
     summarise,
-    tagged,
+    salt_for,
 )
 
 URL = "http://127.0.0.1:8000"
@@ -172,11 +172,11 @@ def test_the_local_stacks_stream_interval_reaches_the_application_and_bad_counts
                             "auto", repeats=repeats, stream_interval=interval)
 
 
-def test_unique_prompts_differ_by_row_and_round_and_keep_the_prompt():
-    prompts = ["Name two planets.", "What is 2 + 2?"]
-    first = tagged(prompts, "serve-target-only", 16, math.inf, 0)
-    assert all(t.endswith(p) for t, p in zip(first, prompts))
-    assert first == tagged(prompts, "serve-target-only", 16, math.inf, 0)          # deterministic
-    others = [tagged(prompts, "serve-target-only", 16, math.inf, 1), tagged(prompts, "peer[vllm]", 16, math.inf, 0)]
-    assert all(a[:12] != b[:12] for other in others for a, b in zip(first, other))  # no shared opening
-    assert first[0][:12] != first[1][:12]
+def test_no_prefix_reuse_salts_each_row_and_round_and_sends_the_same_prompt():
+    salts = {salt_for("serve-target-only", 16, math.inf, 0), salt_for("serve-target-only", 16, math.inf, 1),
+             salt_for("peer[vllm]", 16, math.inf, 0)}
+    assert len(salts) == 3 and salt_for("peer[vllm]", 16, math.inf, 0) in salts   # deterministic
+    peer = ServeBenchConfig("peer[vllm]", "peer", URL, "m")
+    salted = request_body(peer, "Name two planets.", 16, cache_salt="abc")
+    assert salted["cache_salt"] == "abc" and salted["messages"] == request_body(peer, "Name two planets.", 16)["messages"]
+    assert "cache_salt" not in request_body(peer, "Name two planets.", 16)

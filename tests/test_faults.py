@@ -500,3 +500,7 @@ def test_a_repeated_prompt_goes_to_the_replica_that_holds_its_prefix(served):
     assert prompt_tokens > 64
     cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
     assert cached[0] < prompt_tokens // 2 and cached[1:] == [prompt_tokens - 1] * 4, cached
+    # Another tenant's salt reuses none of it (vLLM's cache_salt).
+    salted = httpx.post(served.http_url + "/v1/chat/completions", json={**body, "cache_salt": "tenant-b"},
+                        headers=headers(), timeout=300)
+    assert salted.status_code == 200 and salted.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -35,6 +35,8 @@ def test_openai_defaults():
     ({"spec": {"tree": {"depth": 3, "top_k": 2}}}, "spec"),
     ({"spec": {"draft": "x", "unknown": 1}}, "spec"),
     ({"no_such_field": 1}, "no_such_field"),
+    ({"cache_salt": ""}, "cache_salt"),
+    ({"cache_salt": "x" * 257}, "cache_salt"),
 ])
 def test_bad_fields_are_refused_by_name(fields, param):
     with pytest.raises(ValidationError) as err:

@@ -222,3 +222,23 @@ def test_finished_requests_caches_survive_compaction_and_serve_the_same_prompts_
     # What the response's usage reports (OpenAI's prompt_tokens_details.cached_tokens): all but
     # the last prompt token, which every request feeds as its first step's root.
     assert [s.cached_tokens for s in again] == [len(p) - 1 for p in prompts]
+
+
+def test_a_cache_salt_reuses_only_its_own_salts_caches():
+    model = tiny_model("llama", seed=0)
+    target = Target(model, slots=3)
+    scheduler = Scheduler(target, StaticPolicy(), prefill_chunk=64)
+    loop = StepLoop(scheduler, servers(model), InlineWorker())
+    prompt = PROMPTS[2]
+
+    def once(i: int, salt: str | None):
+        state = loop.add(SpecRequest(prompt, 4, GREEDY, "none", 0, None, f"r{i}", cache_salt=salt))
+        asyncio.run(loop.run_until_idle())
+        return state
+
+    first = once(0, "tenant-a")
+    assert once(1, "tenant-b").cached_tokens == 0           # another tenant's cache is never read
+    assert once(2, None).cached_tokens == 0
+    again = once(3, "tenant-a")
+    assert again.cached_tokens == len(prompt) - 1           # its own tenant's cache is
+    assert again.out == first.out
