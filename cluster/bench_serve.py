@@ -37,6 +37,7 @@ import random
 import re
 import statistics
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -183,8 +184,8 @@ def served_model(url: str, headers: dict | None = None) -> dict:
 
 
 def salt_for(*labels) -> str:
-    """A ``cache_salt`` of its own for one row's round: its requests reuse no KV another row or
-    round left (specserve's and vLLM's prefix caches both key on it), while the prompts, and so
+    """A ``cache_salt`` of its own for one row's round (of one run): its requests reuse no KV another
+    row, round or run left (specserve's and vLLM's prefix caches both key on it), while the prompts, and so
     the work, stay the same for every row."""
     return hashlib.sha1(repr(labels).encode()).hexdigest()[:16]
 
@@ -419,6 +420,8 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
             engine = SpecEngine.load(dtype=dtype, draft_models=[] if in_process == PROMPT_LOOKUP else [in_process])
             prompt_ids = [engine.encode(p) for p in prompts]
         machine = machine_info()
+        # In every salt: a peer's prefix cache outlives a run, and the next run must not hit it.
+        run_id = uuid.uuid4().hex[:8]
         records: list[RequestRecord] = []
         runs: list[dict] = []
 
@@ -427,7 +430,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                 rec = RequestRecord(config.name, 1, math.inf, i)
                 in_process_request(engine, prompt_ids[i], config, tokens, rec)
                 return rec
-            salt = salt_for(config.name, 1, i) if no_prefix_reuse else None
+            salt = salt_for(run_id, config.name, 1, i) if no_prefix_reuse else None
             rec = asyncio.run(load_run([prompts[i]], config, 1, math.inf, tokens, cache_salt=salt))[0][0]
             rec.prompt_index = i
             return rec
@@ -462,7 +465,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                         config = loaded[(r + k) % len(loaded)]
                         print(f"{config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"
                               + (f" (round {r + 1} of {repeats})" if repeats > 1 else ""), flush=True)
-                        salt = salt_for(config.name, concurrency, rate, r) if no_prefix_reuse else None
+                        salt = salt_for(run_id, config.name, concurrency, rate, r) if no_prefix_reuse else None
                         recs, duration = asyncio.run(load_run(prompts, config, concurrency, rate, max_tokens,
                                                               cache_salt=salt))
                         records += recs

@@ -15,9 +15,11 @@ Per request: the prompt's whole blocks of ``block_tokens`` ids are hashed as a c
 key covers everything before it), and the request goes to the replica that owns the longest chain
 of its blocks, if that covers at least ``min_match`` of the prompt and that replica has at most
 ``max_imbalance`` more requests in flight (from this router) than the least loaded candidate.
-Otherwise two random candidates, the less loaded first, as power of two choices does. A replica
-that is full (``max_ongoing_requests``) is passed over by Serve itself, which then tries the next
-rank. Either way the chosen replica becomes the owner of the request's blocks.
+Otherwise the candidate with the fewest requests in flight from this router: with one ingress
+replica that is exact join-the-shortest-queue, where power of two choices probes queue lengths
+that a burst arriving at once has not raised yet, and can split it unevenly. A replica that is full (``max_ongoing_requests``) is passed over by Serve
+itself, which then tries the next rank. Either way the chosen replica becomes the owner of the
+request's blocks.
 
 What the router remembers is a hint, never a promise (DESIGN.md §7): a replica that has dropped
 the cache recomputes it from the tokens, so affinity only ever saves prefill.
@@ -77,9 +79,12 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self._routed: dict[str, ReplicaID] = {}
         self.affinity_hits = 0   # requests sent where their prefix was (for tests and logs)
 
-    def _two_choices(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
-        two = random.sample(candidates, min(2, len(candidates)))
-        return sorted(two, key=lambda r: self._in_flight[r.replica_id])
+    def _least_loaded(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+        """The candidate with the fewest requests in flight from this router (ties at random),
+        then the others: Serve takes the first that has room."""
+        shuffled = random.sample(candidates, len(candidates))
+        ranked = sorted(shuffled, key=lambda r: self._in_flight[r.replica_id])
+        return [ranked[:1], ranked[1:]]
 
     def prefix_owner(self, ids: list[int], candidates: list[RunningReplica],
                      salt: str | None = None) -> tuple[RunningReplica | None, int]:
@@ -96,18 +101,18 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        fallback = self._two_choices(candidate_replicas)
+        fallback = self._least_loaded(candidate_replicas)
         ids = prompt_ids(pending_request)
         if not ids:
-            return [fallback]
+            return fallback
         owner, matched = self.prefix_owner(ids, candidate_replicas, cache_salt(pending_request))
         if owner is None or matched < self.min_match * len(ids):
-            return [fallback]
+            return fallback
         least = min(self._in_flight[r.replica_id] for r in candidate_replicas)
         if self._in_flight[owner.replica_id] - least > self.max_imbalance:
-            return [fallback]
+            return fallback
         self.affinity_hits += 1
-        return [[owner], [r for r in fallback if r is not owner]]
+        return [[owner], [r for r in candidate_replicas if r is not owner]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request_id = pending_request.metadata.internal_request_id
