@@ -41,7 +41,8 @@ def _cpu_flags() -> str:
 
 def _build(name: str, signatures: dict[str, list]) -> ctypes.CDLL:
     source_path = SOURCES / f"{name}.c"
-    source = source_path.read_bytes()
+    # The headers it may include count too: a changed header must rebuild every kernel.
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))
     key = hashlib.sha256(source + _cpu_flags().encode() + platform.machine().encode()).hexdigest()[:16]
     path = CACHE_DIR / f"{name}-{key}.so"
     if not path.exists():
