@@ -572,7 +572,8 @@ def plot(runs: list[dict], meta: dict, path: Path) -> list[str]:
     legend = fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.78, 0.5), fontsize=7, frameon=False)
     machine = meta["machine"]
     fig.suptitle(f"{meta['model']} {meta['dtype']}, greedy, {meta['prompts']} ShareGPT prompts, {meta['max_tokens']} "
-                 f"tokens, serve-spec γ={meta['window']}; {machine['cpu_count']} CPUs, load {machine['load_avg_1m']}",
+                 f"tokens, serve-spec γ={meta['window']}{', no prefix reuse' if meta.get('no_prefix_reuse') else ''}; "
+                 f"{machine.get('cpu_model', 'CPU')}, {machine['cpu_count']} CPUs, load {machine['load_avg_1m']}",
                  fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.78, 1))   # the right margin holds the legend
     path.parent.mkdir(parents=True, exist_ok=True)
