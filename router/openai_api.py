@@ -84,8 +84,8 @@ class _Common(BaseModel):
     spec: SpecOptions | None = None
     return_token_ids: bool = Field(False, description="Add the generated token ids to the choice (vLLM's extension).")
     cache_salt: str | None = Field(None, min_length=1, max_length=256, description=(
-        "Prefix-cache isolation (vLLM's extension): a request reuses cached KV only of requests "
-        "with the same salt, so tenants cannot time each other's prompts."))
+        "Prefix-cache isolation (vLLM's extension): a request reuses the target's cached KV only "
+        "of requests with the same salt (draft model replicas' idle caches do not look at it yet)."))
 
     @field_validator("stop")
     @classmethod

@@ -16,8 +16,9 @@ key covers everything before it), and the request goes to the replica that owns 
 of its blocks, if that covers at least ``min_match`` of the prompt and that replica has at most
 ``max_imbalance`` more requests in flight (from this router) than the least loaded candidate.
 Otherwise the candidate with the fewest requests in flight from this router: with one ingress
-replica that is exact join-the-shortest-queue, where power of two choices probes queue lengths
-that a burst arriving at once has not raised yet, and can split it unevenly. A replica that is full (``max_ongoing_requests``) is passed over by Serve
+replica that is join-the-shortest-queue (a request counts from the moment it is chosen, so a burst's
+choices see each other), where power of two choices probes queue lengths that a burst arriving
+at once has not raised yet, and can split it unevenly. A replica that is full (``max_ongoing_requests``) is passed over by Serve
 itself, which then tries the next rank. Either way the chosen replica becomes the owner of the
 request's blocks.
 
@@ -28,10 +29,11 @@ the cache recomputes it from the tokens, so affinity only ever saves prefill.
 from __future__ import annotations
 
 import random
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 ROUTER_CLASS = "specserve.router.prefix_affinity:PrefixAffinityRouter"
 
@@ -65,7 +67,10 @@ def block_keys(ids: list[int], block_tokens: int, salt: str | None = None) -> li
     return keys
 
 
-class PrefixAffinityRouter(FIFOMixin, RequestRouter):
+class PrefixAffinityRouter(RequestRouter):
+    # No FIFOMixin: it hands a chosen replica to the oldest pending request, and the choice here
+    # is for one request's prefix (Ray's own prefix router leaves it out for the same reason).
+
     def initialize_state(self, block_tokens: int = 32, max_blocks: int = 200_000, max_imbalance: int = 2,
                          min_match: float = 0.25, **_: Any) -> None:
         """``max_blocks``: block keys remembered (least recently routed forgotten first): 200k
@@ -75,8 +80,16 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.max_imbalance = max_imbalance
         self.min_match = min_match
         self._owner: OrderedDict[int, ReplicaID] = OrderedDict()
+        # Requests in flight per replica, counted when chosen (a burst's choices see each other;
+        # Serve reports the routing only after the replica accepted) and moved if Serve sent the
+        # request elsewhere. A choice Serve never reports (the caller gave up before dispatch) is
+        # dropped after ``unconfirmed_s``; completions that overtake their routing report are
+        # remembered a while, so a late report cannot count a finished request forever.
+        self.unconfirmed_s = 30.0
         self._in_flight: Counter[ReplicaID] = Counter()
-        self._routed: dict[str, ReplicaID] = {}
+        self._routed: dict[str, tuple[ReplicaID, bool]] = {}   # request -> (replica, reported by Serve)
+        self._unconfirmed: deque[tuple[float, str]] = deque()
+        self._completed: OrderedDict[str, None] = OrderedDict()
         self.affinity_hits = 0   # requests sent where their prefix was (for tests and logs)
 
     def _least_loaded(self, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
@@ -99,6 +112,14 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        self._drop_unconfirmed()
+        ranks = self._choose(candidate_replicas, pending_request)
+        if pending_request is not None and ranks and ranks[0]:
+            self._count(pending_request.metadata.internal_request_id, ranks[0][0].replica_id, reported=False)
+        return ranks
+
+    def _choose(self, candidate_replicas: list[RunningReplica],
+                pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         fallback = self._least_loaded(candidate_replicas)
@@ -114,11 +135,34 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         self.affinity_hits += 1
         return [[owner], [r for r in candidate_replicas if r is not owner]]
 
+    def _count(self, request_id: str, replica_id: ReplicaID, reported: bool) -> None:
+        """``request_id`` is in flight on ``replica_id`` (moved there if counted elsewhere)."""
+        if request_id in self._completed:
+            return
+        previous = self._routed.get(request_id)
+        if previous is not None:
+            self._uncount(previous[0])
+        self._routed[request_id] = (replica_id, reported)
+        self._in_flight[replica_id] += 1
+        if not reported:
+            self._unconfirmed.append((time.monotonic(), request_id))
+
+    def _drop_unconfirmed(self) -> None:
+        deadline = time.monotonic() - self.unconfirmed_s
+        while self._unconfirmed and self._unconfirmed[0][0] < deadline:
+            _, request_id = self._unconfirmed.popleft()
+            entry = self._routed.get(request_id)
+            if entry is not None and not entry[1]:
+                del self._routed[request_id]
+                self._uncount(entry[0])
+
+    def _uncount(self, replica_id: ReplicaID) -> None:
+        self._in_flight[replica_id] -= 1
+        if self._in_flight[replica_id] <= 0:
+            del self._in_flight[replica_id]
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        request_id = pending_request.metadata.internal_request_id
-        if request_id not in self._routed:
-            self._routed[request_id] = replica_id
-            self._in_flight[replica_id] += 1
+        self._count(pending_request.metadata.internal_request_id, replica_id, reported=True)
         for key in block_keys(prompt_ids(pending_request) or [], self.block_tokens, cache_salt(pending_request)):
             self._owner[key] = replica_id
             self._owner.move_to_end(key)
@@ -128,12 +172,13 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         routed = self._routed.pop(internal_request_id, None)
         if routed is not None:
-            self._in_flight[routed] -= 1
-            if self._in_flight[routed] <= 0:
-                del self._in_flight[routed]
+            self._uncount(routed[0])
+        self._completed[internal_request_id] = None
+        while len(self._completed) > 4096:
+            self._completed.popitem(last=False)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        # Its block keys stay until overwritten or forgotten: prefix_owner only answers with a
+        # current candidate, and a scan of every key here would stall the router's loop.
         super().on_replica_actor_died(replica_id)
         self._in_flight.pop(replica_id, None)
-        for key in [k for k, owner in self._owner.items() if owner == replica_id]:
-            del self._owner[key]
