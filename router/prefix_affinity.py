@@ -38,22 +38,13 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 ROUTER_CLASS = "specserve.router.prefix_affinity:PrefixAffinityRouter"
 
 
-def prompt_ids(request: PendingRequest | None) -> list[int] | None:
-    """The prompt token ids of a target request (its ``SpecRequest`` argument), if any."""
-    if request is None:
-        return None
-    for arg in [*request.args, *request.kwargs.values()]:
+def prompt_and_salt(request: PendingRequest | None) -> tuple[list[int] | None, str | None]:
+    """The prompt token ids and cache salt of a target request (its ``SpecRequest`` argument)."""
+    for arg in [*request.args, *request.kwargs.values()] if request is not None else []:
         ids = getattr(arg, "prompt_ids", None)
         if isinstance(ids, list):
-            return ids
-    return None
-
-
-def cache_salt(request: PendingRequest | None) -> str | None:
-    for arg in [*request.args, *request.kwargs.values()] if request is not None else []:
-        if hasattr(arg, "prompt_ids"):
-            return getattr(arg, "cache_salt", None)
-    return None
+            return ids, getattr(arg, "cache_salt", None)
+    return None, None
 
 
 def block_keys(ids: list[int], block_tokens: int, salt: str | None = None) -> list[int]:
@@ -123,10 +114,10 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         fallback = self._least_loaded(candidate_replicas)
-        ids = prompt_ids(pending_request)
+        ids, salt = prompt_and_salt(pending_request)
         if not ids:
             return fallback
-        owner, matched = self.prefix_owner(ids, candidate_replicas, cache_salt(pending_request))
+        owner, matched = self.prefix_owner(ids, candidate_replicas, salt)
         if owner is None or matched < self.min_match * len(ids):
             return fallback
         least = min(self._in_flight[r.replica_id] for r in candidate_replicas)
@@ -163,7 +154,8 @@ class PrefixAffinityRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self._count(pending_request.metadata.internal_request_id, replica_id, reported=True)
-        for key in block_keys(prompt_ids(pending_request) or [], self.block_tokens, cache_salt(pending_request)):
+        ids, salt = prompt_and_salt(pending_request)
+        for key in block_keys(ids or [], self.block_tokens, salt):
             self._owner[key] = replica_id
             self._owner.move_to_end(key)
         while len(self._owner) > self.max_blocks:

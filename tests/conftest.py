@@ -1,5 +1,6 @@
 import contextlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,3 +61,12 @@ def first_layers_draft(engine, folder: Path, layers: int = 2) -> Path:
     small.save_pretrained(folder)
     engine.tokenizer.save_pretrained(folder)
     return folder
+
+
+def run_without_a_compiler(code: str, tmp_path: Path) -> list[str]:
+    """What ``code`` prints, run in a fresh interpreter that finds no C compiler and an empty
+    kernel cache (the C kernels' fallback to torch)."""
+    env = {**os.environ, "CC": "no-such-compiler", "PATH": str(tmp_path), "SPECSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()

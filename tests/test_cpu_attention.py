@@ -2,12 +2,10 @@
 query heads, strided cache views, sequences of different lengths, tree masks; a row's result does
 not depend on the rest of the batch; without a C compiler torch's path is kept."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+
+from conftest import run_without_a_compiler
 
 from specserve.replicas import cpu_attention
 
@@ -89,9 +87,7 @@ def test_the_forward_uses_it_only_for_cpu_verify_steps():
 def test_without_a_compiler_torchs_path_is_kept(tmp_path):
     code = ("import torch; from specserve.replicas import cpu_attention as c; torch.set_grad_enabled(False); "
             "print(c.library() is None, c.usable(torch.device('cpu'), torch.float32, 1, 9, 3, 64))")
-    env = {**os.environ, "CC": "no-such-compiler", "PATH": str(tmp_path), "SPECSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["True", "False"], out.stderr[-2000:]
+    assert run_without_a_compiler(code, tmp_path) == ["True", "False"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -4,13 +4,11 @@ the rotary embedding (bit-equal),
 rows independent of the batch, the forward and the greedy verifier using them; without a C
 compiler torch's ops are kept."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
+
+from conftest import run_without_a_compiler
 
 from specserve.replicas import cpu_row_ops
 from specserve.replicas.rejection_sampler import verify
@@ -96,6 +94,4 @@ def test_greedy_verification_follows_the_kernels_argmax():
 def test_without_a_compiler_torchs_ops_are_kept(tmp_path):
     code = ("import torch; from specserve.replicas import cpu_row_ops as c; "
             "print(c.library() is None, c.usable(torch.zeros(2, 4)))")
-    env = {**os.environ, "CC": "no-such-compiler", "PATH": str(tmp_path), "SPECSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["True", "False"], out.stderr[-2000:]
+    assert run_without_a_compiler(code, tmp_path) == ["True", "False"]
