@@ -11,10 +11,13 @@ positions, longest 467) 28.6 vs 14.5 ms; the same with 5 new tokens each 61.9 vs
 equal lengths 32.3 vs 27.4; one sequence of 300 4.5 vs 1.8. In-process generation, 16 at once,
 one thread: 123.3 -> 163.6 tok/s.
 
-The kernel computes the scores (scaled q.k plus the additive mask, float32); torch's softmax runs
-between its two calls, so the probabilities are torch's; the weighted sum of values accumulates
-in float32. Each row is computed on its own, so a request's numbers do not depend on what else
-is in the batch.
+The step is flat (``batch_kv``: each sequence's new tokens one after another, no padding): each
+sequence has its slot, its first token in the step, its token count and its cached length, and
+the mask is only the block among its own new tokens (every cached position is visible). The
+kernel computes the scores (scaled q.k plus that mask, float32); torch's softmax runs between its
+two calls, so the probabilities are torch's; the weighted sum of values accumulates in float32
+and is written as the output projection takes it ([tokens, heads x head_dim]). Each sequence is
+computed on its own, so a request's numbers do not depend on what else is in the step.
 
 The library is compiled once per machine (``native_kernels.py``); without a compiler, or on
 another device, ``usable`` says no and the caller keeps torch's path.
@@ -34,9 +37,9 @@ MAX_ROWS = 256         # query rows per kv head: (query heads per kv head) x new
 MAX_NEW_TOKENS = 16
 
 _I64, _INT, _FLOAT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_SCORES = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT]
-_MIX = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, _INT, _INT]
-_WRITE = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _INT, _INT, _INT, _INT, _INT]
+_SCORES = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _INT, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT]
+_MIX = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT, _INT]
+_WRITE = [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT, _INT, _INT, _INT, _INT]
 
 
 def library() -> ctypes.CDLL | None:
@@ -47,58 +50,54 @@ def library() -> ctypes.CDLL | None:
 
 
 def usable(device: torch.device, dtype: torch.dtype, new_tokens: int, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether ``attention`` takes a forward of this shape: a CPU verify step (few new tokens) in
-    bfloat16 or float32, with no gradient wanted, and a kernel that could be built."""
+    """Whether ``attention`` takes a forward whose sequences get at most ``new_tokens`` each: a CPU
+    verify step in bfloat16 or float32, with no gradient wanted, and a kernel that could be built."""
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and new_tokens <= MAX_NEW_TOKENS
             and head_dim <= MAX_HEAD_DIM and (heads // kv_heads) * new_tokens <= MAX_ROWS
             and not torch.is_grad_enabled() and library() is not None)
 
 
-def sequence_lengths(mask: torch.Tensor) -> torch.Tensor:
-    """Per sequence, one past the last position any of its queries may see (mask [B, 1, S, L],
-    additive: 0 where seen). Everything after it is masked for all of the sequence's queries, so
-    the kernel need not read it."""
-    seen = (mask[:, 0] == 0).any(dim=1)                                 # [B, L]
-    L = seen.shape[-1]
-    last = L - torch.flip(seen, dims=[-1]).to(torch.int8).argmax(dim=-1)
-    return torch.where(seen.any(dim=-1), last, torch.zeros_like(last)).to(torch.int64).contiguous()
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sequences: torch.Tensor,
+              mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Attention of a flat (ragged) step's tokens, each over its own sequence's cache.
 
-
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              lengths: torch.Tensor, mask_f32: torch.Tensor) -> torch.Tensor:
-    """q [B, nq, S, D]; keys, values [B, nkv, L, D] (views); ``mask_f32`` [B, S, L] (float32,
-    contiguous) and ``lengths`` [B] (``sequence_lengths``), computed once per forward. Returns
-    [B, nq, S, D] in q's dtype. Call only where ``usable`` said yes."""
+    q [nq, T, D] (the T tokens of the step, sequences one after another); keys, values: the slot
+    buffers [slots, nkv, capacity, D], this step's keys already written; ``sequences`` int64
+    [N, 4] of (slot, first token, tokens, cached positions) per sequence; ``mask`` [T, W] float32:
+    0 where token j may see the step's c-th token of its own sequence, -inf elsewhere; ``length``:
+    the longest sequence's cached + new positions. Returns [T, nq * D] in q's dtype, the output
+    projection's input. Call only where ``usable`` said yes."""
     lib = library()
-    B, nq, S, D = q.shape
-    nkv, L = keys.shape[1], keys.shape[2]
+    nq, T, D = q.shape
+    nkv = keys.shape[1]
     if keys.stride(-1) != 1 or values.stride(-1) != 1:   # the kernel walks the last dimension densely
-        keys, values = keys.contiguous(), values.contiguous()
+        raise ValueError("the slot buffers must have a contiguous last dimension")
     q = q.contiguous()
     suffix = "bf16" if q.dtype == torch.bfloat16 else "f32"
     threads = torch.get_num_threads()
-    scores = torch.empty(B, nq, S, L, dtype=torch.float32)
+    scores = torch.empty(T, nq, length, dtype=torch.float32)
     getattr(lib, f"scores_{suffix}")(q.data_ptr(), keys.data_ptr(), keys.stride(0), keys.stride(1), keys.stride(2),
-                                     mask_f32.data_ptr(), lengths.data_ptr(), scores.data_ptr(),
-                                     B, nq, nkv, S, D, L, D ** -0.5, threads)
+                                     mask.data_ptr(), mask.shape[1], sequences.data_ptr(), scores.data_ptr(),
+                                     len(sequences), nq, nkv, T, D, length, D ** -0.5, threads)
     probs = torch.softmax(scores, dim=-1)
-    out = torch.empty(B, nq, S, D, dtype=q.dtype)
+    out = torch.empty(T, nq * D, dtype=q.dtype)
     getattr(lib, f"mix_{suffix}")(probs.data_ptr(), values.data_ptr(), values.stride(0), values.stride(1),
-                                  values.stride(2), lengths.data_ptr(), out.data_ptr(), B, nq, nkv, S, D, L, threads)
+                                  values.stride(2), sequences.data_ptr(), out.data_ptr(), len(sequences), nq, nkv,
+                                  D, length, threads)
     return out
 
 
-def write(cache: torch.Tensor, states: torch.Tensor, first_slot: int, columns: torch.Tensor) -> bool:
-    """cache[first_slot + b, :, columns[b, s]] = states[b, :, s] for cache [slots, H, capacity, D]
-    and states [B, H, S, D] on the CPU (``columns`` [B, S] int64, contiguous). False (nothing
-    written) where the kernel cannot take it: the caller assigns with torch."""
+def write(cache: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, columns: torch.Tensor) -> bool:
+    """cache[slots[b, s], :, columns[b, s]] = states[b, :, s] for cache [slots, H, capacity, D]
+    and states [B, H, S, D] on the CPU (``slots``, ``columns`` [B, S] int64, contiguous). False
+    (nothing written) where the kernel cannot take it: the caller assigns with torch."""
     lib = library()
     if (lib is None or cache.device.type != "cpu" or states.dtype != cache.dtype or cache.stride(-1) != 1
             or states.stride(-1) != 1 or not cache.is_contiguous() or columns.dtype != torch.int64
-            or not columns.is_contiguous()):
+            or not columns.is_contiguous() or slots.dtype != torch.int64 or not slots.is_contiguous()):
         return False
     B, H, S, D = states.shape
     lib.kv_write(cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), states.data_ptr(),
-                 states.stride(0), states.stride(1), states.stride(2), first_slot, columns.data_ptr(),
+                 states.stride(0), states.stride(1), states.stride(2), slots.data_ptr(), columns.data_ptr(),
                  B, H, S, D, cache.element_size())
     return True

@@ -12,8 +12,9 @@ around them. Here:
 - rotary embeddings come from a table built once (the values Hugging Face computes per call:
   float32 ``position * inv_freq``, cos/sin, times ``attention_scaling``, cast to the model's
   dtype), applied to q and k in one go;
-- attention is ``scaled_dot_product_attention`` with grouped-query heads (no repeat of k/v),
-  reading the slot buffers of ``BatchKV`` directly.
+- attention reads the slot buffers of ``BatchKV`` directly, with grouped-query heads (no repeat
+  of k/v): on the CPU a verify step runs ``flat`` (no padding; the C kernels of ``cpu_attention``
+  and ``cpu_row_ops``), elsewhere ``__call__`` runs rows padded to the longest feed.
 
 The Hugging Face module keeps working: the stacked weights are the storage and the original
 ``q_proj``/``k_proj``/... parameters become views into them, so memory is not doubled and the eager
@@ -25,10 +26,15 @@ q/k norms. Anything else takes the Hugging Face path in ``BatchKV``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from specserve.replicas import cpu_attention, cpu_row_ops
+
+if TYPE_CHECKING:
+    from specserve.replicas.batch_kv import FlatStep
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 STANDARD_FORWARDS = ("LlamaForCausalLM.forward", "MistralForCausalLM.forward", "Qwen2ForCausalLM.forward")
@@ -203,12 +209,6 @@ class LlamaForward:
         cos = cos_t[positions][:, :, None]                      # [B, S, 1, D]
         sin = sin_t[positions][:, :, None]
         half = D // 2
-        # A verify step on the CPU: attention in the C kernel (cpu_attention.py says why), with
-        # what it needs of the mask computed once for all layers.
-        kernel = cpu_attention.usable(h.device, h.dtype, S, nq, nkv, D)
-        if kernel:
-            lengths = cpu_attention.sequence_lengths(mask)
-            mask_f32 = mask[:, 0].float().contiguous()
         rows = cpu_row_ops.usable(h) and not torch.is_grad_enabled()
         if rows:
             cos_rows, sin_rows = cos[:, :, 0].contiguous(), sin[:, :, 0].contiguous()   # [B, S, D]
@@ -226,16 +226,52 @@ class LlamaForward:
                 k = qk[:, :, nq:].transpose(1, 2)              # [B, nkv, S, D]
             v = qkv[:, :, nq + nkv:].transpose(1, 2)
             keys, values = cache_layers[index].update(k, v)    # [B, nkv, kv_len, D] views
-            if kernel:
-                attn = cpu_attention.attention(q, keys, values, lengths, mask_f32)
-            else:
-                attn = _attention(q, keys, values, mask)
-            attn = attn.transpose(1, 2).reshape(B, S, nq * D)
+            attn = _attention(q, keys, values, mask).transpose(1, 2).reshape(B, S, nq * D)
             h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, rows)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
             if tap is not None and tap.layer is layer.module:
                 tap.last = h.clone() if rows else h   # the next layer adds to h in place
         _, x = _add_rms_norm(h[:, -keep:].contiguous(), None, self.norm, self.eps, rows)
+        logits = self.lm_head(x)
+        return logits if self.to_full_vocab is None else self.to_full_vocab(logits)
+
+    def flat_usable(self, new_tokens: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether a step whose feeds have at most ``new_tokens`` tokens each can run ``flat``: on
+        the CPU with both C kernels (a prefill chunk, a GPU or no compiler take the padded path)."""
+        return (cpu_attention.usable(device, dtype, new_tokens, self.heads, self.kv_heads, self.head_dim)
+                and device.type == "cpu" and cpu_row_ops.library() is not None)
+
+    def flat(self, ids: torch.Tensor, positions: torch.Tensor, step: FlatStep, buffers, keep: torch.Tensor,
+             tap=None) -> torch.Tensor:
+        """A verify step on the CPU with the step's tokens flat (ragged): ids, positions [T], the
+        sequences one after another; ``step`` says where each sequence's tokens are and what they
+        see (``batch_kv.FlatStep``); ``buffers[i]`` = layer i's (keys, values) slot buffers, into
+        which this step's keys and values are written; ``keep`` [R]: the tokens whose logits come
+        back ([R, V]). Only ``cpu_attention.usable`` steps come here.
+
+        Why flat: padded to the longest feed, one request verifying 5 tokens made every row of a
+        batch of 16 five tokens wide (80 tokens through every linear instead of 20). Here every
+        linear, norm and rotary runs over exactly the tokens fed. ``tap.last`` is [1, T, hidden]."""
+        T = ids.shape[0]
+        nq, nkv, D = self.heads, self.kv_heads, self.head_dim
+        h = F.embedding(ids, self.embed)                       # [T, hidden]
+        cos_t, sin_t = self._rope_table(step.length, h.device, h.dtype)
+        cos, sin = cos_t[positions][None], sin_t[positions][None]   # [1, T, D]
+        for index, layer in enumerate(self.layers):
+            h, x = _add_rms_norm(h, None, layer.norm1, layer.eps1, True)
+            qkv = layer.qkv(x).view(1, T, nq + 2 * nkv, D)
+            q, k = cpu_row_ops.rope(qkv, cos, sin, nq, nkv)    # [1, nq, T, D], [1, nkv, T, D]
+            v = qkv[:, :, nq + nkv:].transpose(1, 2)           # [1, nkv, T, D] view
+            keys, values = buffers[index]
+            cpu_attention.write(keys, k, step.token_slots, step.columns)
+            cpu_attention.write(values, v, step.token_slots, step.columns)
+            attn = cpu_attention.attention(q[0], keys, values, step.sequences, step.mask, step.length)
+            h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, True)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+            if tap is not None and tap.layer is layer.module:
+                tap.last = h[None].clone()   # the next layer adds to h in place
+        _, x = _add_rms_norm(h[keep], None, self.norm, self.eps, True)
         logits = self.lm_head(x)
         return logits if self.to_full_vocab is None else self.to_full_vocab(logits)

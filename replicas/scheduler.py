@@ -16,9 +16,10 @@ the served replica (``replicas/step_loop.py`` drives it):
   running request, acceptance per request, tokens streamed to each request, a ``StepRecord``
   handed to the policy.
 
-Prefill chunks run as their own forward rather than as rows of the verify forward: rows are
-padded to the longest, so a 256-token chunk beside twelve 5-token verify rows would make the
-forward compute 13 x 256 positions instead of 316. A decoding request waits at most one chunk.
+Prefill chunks run as their own forward rather than as rows of the verify forward: the verify
+step is flat (no padding) only for feeds of up to ``cpu_attention.MAX_NEW_TOKENS`` tokens; a
+256-token chunk takes the padded layout, where beside twelve 5-token verify rows it would make
+the forward compute 13 x 256 positions instead of 316. A decoding request waits at most one chunk.
 """
 
 from __future__ import annotations

@@ -148,10 +148,8 @@ class Target:
         """After a forward: each feed's tapped rows (``keep[i]``: which of its tokens) at ``firsts[i]``."""
         if self._tap is None or self._tap.last is None:
             return
-        lo = min(f.slot for f in feeds)
-        width = self._tap.last.shape[1]
         for i, feed in enumerate(feeds):
-            fed = self._tap.last[feed.slot - lo, width - len(feed.tokens):]   # [n, H], padding dropped
+            fed = self.kv.fed_rows(self._tap.last, i)   # [n, H], padding dropped
             self._features[feed.slot].put(firsts[i], fed if keep is None else fed[keep[i]])
 
     def swap(self, a: int, b: int) -> None:

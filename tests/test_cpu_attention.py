@@ -1,6 +1,7 @@
 """The CPU attention kernel against attention computed in float64: bfloat16 and float32, grouped
-query heads, strided cache views, sequences of different lengths, tree masks; a row's result does
-not depend on the rest of the batch; without a C compiler torch's path is kept."""
+query heads, flat steps of sequences with different new-token counts and cache lengths, tree
+masks; a sequence's result does not depend on the rest of the step; without a C compiler torch's
+path is kept."""
 
 import pytest
 import torch
@@ -13,65 +14,71 @@ pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C co
 
 
 def reference(q, keys, values, mask):
-    """float64 attention, grouped heads expanded."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
+    """float64 attention of one sequence, grouped heads expanded: q [nq, S, D], keys/values
+    [nkv, n, D], mask [S, n] additive."""
+    group = q.shape[0] // keys.shape[0]
+    k = keys.double().repeat_interleave(group, dim=0)
+    v = values.double().repeat_interleave(group, dim=0)
     scores = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + mask.double()
-    return torch.softmax(scores, dim=-1) @ v
+    return torch.softmax(scores, dim=-1) @ v            # [nq, S, D]
 
 
-def case(B, S, lengths, nq=9, nkv=3, D=64, dtype=torch.bfloat16, tree=False, seed=0):
-    """Views of a slot cache (capacity 256, slots 2..), and a mask: each sequence sees its cached
-    prefix and, among its S new tokens, itself and earlier ones (or a random tree's ancestors)."""
+def case(counts, cached, nq=9, nkv=3, D=64, dtype=torch.bfloat16, tree=False, seed=0):
+    """A flat step over a slot cache (capacity 256; sequence i in slot 2 + 2i, so slots are not
+    the batch rows): sequence i has ``cached[i]`` positions and ``counts[i]`` new tokens that see
+    the cached prefix and themselves and earlier ones (or a random tree's ancestors)."""
     g = torch.Generator().manual_seed(seed)
-    L = max(lengths)
-    K = torch.randn(B + 4, nkv, 256, D, generator=g).to(dtype)
-    V = torch.randn(B + 4, nkv, 256, D, generator=g).to(dtype)
-    q = torch.randn(B, nq, S, D, generator=g).to(dtype)
-    mask = torch.full((B, 1, S, L), torch.finfo(dtype).min, dtype=dtype)
-    for b, n in enumerate(lengths):
-        start = n - S
-        mask[b, 0, :, :start] = 0
-        parents = [i - 1 for i in range(S)] if not tree else [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, S)]
-        for s in range(S):
+    N = len(counts)
+    K = torch.randn(2 * N + 3, nkv, 256, D, generator=g).to(dtype)
+    V = torch.randn(2 * N + 3, nkv, 256, D, generator=g).to(dtype)
+    T, W = sum(counts), max(counts)
+    q = torch.randn(nq, T, D, generator=g).to(dtype)
+    mask = torch.full((T, W), float("-inf"))
+    sequences, start = [], 0
+    for n, c in zip(counts, cached):
+        parents = [i - 1 for i in range(n)] if not tree else [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n)]
+        for s in range(n):
             node = s
             while node >= 0:
-                mask[b, 0, s, start + node] = 0
+                mask[start + s, node] = 0
                 node = parents[node]
-    return q, K[2:2 + B, :, :L], V[2:2 + B, :, :L], mask
+        sequences.append((2 + 2 * len(sequences), start, n, c))
+        start += n
+    length = max(c + n for c, n in zip(cached, counts))
+    return q, K, V, torch.tensor(sequences), mask, length
 
 
-def kernel(q, keys, values, mask):
-    return cpu_attention.attention(q, keys, values, cpu_attention.sequence_lengths(mask), mask[:, 0].float().contiguous())
+def expected(q, K, V, sequences, mask):
+    """Each sequence's attention alone, in float64: [T, nq, D]."""
+    out = torch.zeros(q.shape[1], q.shape[0], q.shape[2], dtype=torch.float64)
+    for slot, start, n, c in sequences.tolist():
+        full = torch.cat([torch.zeros(n, c), mask[start:start + n, :n]], dim=1)
+        out[start:start + n] = reference(q[:, start:start + n], K[slot, :, :c + n], V[slot, :, :c + n], full).transpose(0, 1)
+    return out
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("B,S,lengths,tree", [(1, 1, [7], False), (3, 1, [5, 130, 37], False),
-                                              (4, 5, [20, 64, 9, 200], False), (2, 16, [40, 17], True),
-                                              (3, 8, [8, 90, 33], True)])
-def test_the_kernel_matches_float64_attention(dtype, tolerance, B, S, lengths, tree):
-    q, keys, values, mask = case(B, S, lengths, dtype=dtype, tree=tree)
+@pytest.mark.parametrize("counts,cached,tree", [([1], [6], False), ([1, 1, 1], [4, 129, 36], False),
+                                                ([5, 5, 5, 5], [15, 59, 4, 195], False),
+                                                ([1, 5, 1, 3], [40, 17, 200, 0], False),   # ragged
+                                                ([16, 7], [24, 10], True), ([8, 2, 5], [0, 88, 28], True)])
+def test_the_kernel_matches_float64_attention(dtype, tolerance, counts, cached, tree):
+    q, K, V, sequences, mask, length = case(counts, cached, dtype=dtype, tree=tree)
     with torch.no_grad():
-        got = kernel(q, keys, values, mask)
-    assert got.dtype == dtype and got.shape == q.shape
-    assert (got.double() - reference(q, keys, values, mask)).abs().max().item() < tolerance
+        got = cpu_attention.attention(q, K, V, sequences, mask, length)
+    assert got.dtype == dtype and got.shape == (sum(counts), q.shape[0] * q.shape[2])
+    want = expected(q, K, V, sequences, mask).reshape(got.shape)
+    assert (got.double() - want).abs().max().item() < tolerance
 
 
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch():
-    q, keys, values, mask = case(4, 3, [30, 200, 12, 77])
+def test_a_sequences_result_does_not_depend_on_the_rest_of_the_step():
+    q, K, V, sequences, mask, length = case([3, 1, 5, 2], [30, 200, 12, 77])
     with torch.no_grad():
-        together = kernel(q, keys, values, mask)
-        for b in range(4):
-            n = int(cpu_attention.sequence_lengths(mask[b:b + 1])[0])
-            alone = kernel(q[b:b + 1], keys[b:b + 1, :, :n], values[b:b + 1, :, :n], mask[b:b + 1, :, :, :n])
-            assert torch.equal(alone[0], together[b])
-
-
-def test_sequence_lengths_end_after_the_last_position_any_query_sees():
-    m = torch.finfo(torch.float32).min
-    mask = torch.tensor([[[[0, 0, m, m], [0, 0, 0, m]]], [[[0, 0, 0, 0], [0, m, 0, 0]]], [[[m, 0, m, m], [m, m, m, m]]]])
-    assert cpu_attention.sequence_lengths(mask).tolist() == [3, 4, 2]
+        together = cpu_attention.attention(q, K, V, sequences, mask, length)
+        for slot, start, n, c in sequences.tolist():
+            alone = cpu_attention.attention(q[:, start:start + n], K, V, torch.tensor([(slot, 0, n, c)]),
+                                            mask[start:start + n, :n].contiguous(), c + n)
+            assert torch.equal(alone, together[start:start + n])
 
 
 def test_the_forward_uses_it_only_for_cpu_verify_steps():
@@ -97,8 +104,9 @@ def test_write_puts_each_rows_states_at_its_columns_like_torchs_indexed_assignme
     # [B, H, S, D] with the layout the forward hands over: a transposed view of [B, S, H, D].
     states = torch.randn(3, 4, 3, 64, generator=g).to(dtype).transpose(1, 2)
     columns = torch.tensor([[5, 6, 7, 8], [0, 1, 2, 3], [30, 31, 32, 39]])
+    slots = torch.tensor([[2, 2, 2, 2], [5, 5, 5, 5], [3, 3, 0, 0]])   # a flat step mixes slots in a row
     want = cache.clone()
-    want[torch.arange(2, 5)[:, None].expand(3, 4), :, columns] = states.transpose(1, 2)
-    assert cpu_attention.write(cache, states, 2, columns)
+    want[slots, :, columns] = states.transpose(1, 2)
+    assert cpu_attention.write(cache, states, slots, columns)
     assert torch.equal(cache, want)
-    assert not cpu_attention.write(cache[:, :, :20], states, 2, columns)   # not the buffer itself: torch's turn
+    assert not cpu_attention.write(cache[:, :, :20], states, slots, columns)   # not the buffer itself: torch's turn

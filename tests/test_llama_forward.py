@@ -40,6 +40,24 @@ def test_chain_and_tree_feeds_match_hugging_face(arch):
         torch.testing.assert_close(got[1][node], want, rtol=0, atol=1e-4)
 
 
+def test_a_ragged_step_feeds_each_request_only_its_own_tokens_and_matches_hugging_face():
+    """One feed of 1 token, one chain of 5, one tree of 4 in one forward: on the CPU the step is
+    flat (no feed is padded to the longest), and every feed's logits are Hugging Face's."""
+    model = tiny_model("llama", seed=9, layers=3)
+    kv = BatchKV(model, slots=4)
+    with torch.inference_mode():   # as BatchKV.forward runs
+        assert kv._fast.flat_usable(5, kv.device, kv._dtype)
+    kv.forward([Feed(0, PREFIX), Feed(1, PREFIX[:6]), Feed(3, PREFIX[:3])])
+    tree, parents = [20, 21, 22, 23], [-1, 0, 0, 1]
+    got = kv.forward([Feed(3, tree, 4, parents), Feed(0, [9]), Feed(1, [4, 77, 5, 6, 1], 5)])
+    assert [start for _, start, _ in kv._fed_rows] == [0, 4, 5]   # flat: one after another
+    torch.testing.assert_close(got[1], hf_logits(model, PREFIX + [9])[-1:], rtol=0, atol=1e-4)
+    torch.testing.assert_close(got[2], hf_logits(model, PREFIX[:6] + [4, 77, 5, 6, 1])[-5:], rtol=0, atol=1e-4)
+    for node, path in ((0, [20]), (1, [20, 21]), (2, [20, 22]), (3, [20, 21, 23])):
+        torch.testing.assert_close(got[0][node], hf_logits(model, PREFIX[:3] + path)[-1], rtol=0, atol=1e-4)
+    assert kv.tokens[0] == PREFIX + [9] and len(kv.tokens[3]) == 3 + 4
+
+
 def test_the_hugging_face_module_still_computes_the_same_after_stacking():
     model = tiny_model("llama", seed=1)
     before = hf_logits(model, PREFIX)
