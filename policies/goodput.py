@@ -2,15 +2,25 @@
 
 At batch 1 a CPU verifies 5 tokens for about the price of 1, so drafting is nearly free; at
 batch 12 the forward feeds 60 tokens instead of 12 and costs several times more, while a draft
-with α ≈ 0.3 adds only ~0.4 tokens per request per step. This policy wraps another one and turns
-speculation off for a step when the measured cost model says plain decoding emits more tokens
-per second for the batch:
+with α ≈ 0.3 adds only ~0.4 tokens per request per step. This policy wraps another one and, per request and step, shrinks its
+window to the one that pays most at the replica's load, or to none:
 
     cost model     verify_ms ≈ a + b · forward_tokens      (least squares over recent steps of the
                                                              same load bucket, else over all of them)
                    d̂ = the draft's ms per step when it proposed (recent mean; 0 for prompt lookup, ~)
     acceptance     α̂ per draft, paper 003 Eq. 2 over the last steps: Σn / (Σn + Σ1[n < γ])
-    speculate iff  E(γ) / (d̂ + a + b·B·(1 + γ))  >  1 / (a + b·B),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
+    net(γ)         E(γ) − 1 − (1 + margin) · B / (a + b·B) · (b·γ + d̂ / B),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
+    window         argmax over γ in 1..γ_asked of net(γ) if it is positive, else plain decoding
+
+net(γ) is what one request's γ draft tokens add to the step: the tokens it emits beyond a plain
+step's one, minus what the extra forward time (its γ tokens, its share of the draft's step)
+would have emitted decoding plainly at the step's rate. The verify forward is flat (each
+request feeds only its own tokens, ``batch_kv``), so one request's window costs b·γ and the
+others' rows are untouched; with every request speculating at γ it is the whole-batch rule
+E(γ)·B / (d̂ + a + b·B·(1 + γ)) > B / (a + b·B) (without the margin). A busy step prices every
+token at the step's high rate, so windows shrink with load: at batch 16 on this CPU a γ = 1 pays
+from α ≈ 0.25, a γ = 4 only from α ≈ 0.6. A tree is kept whole (priced at its node budget) or
+dropped.
 
 A request whose client pinned its window or tree keeps it. Until both are measured it speculates
 (α̂ counts as measured after ``min_steps`` drafting steps of the draft, or at once when requests
@@ -29,6 +39,7 @@ size at which the CPU's matrix products stop being flat. Within a bucket the lin
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from specserve.policies.stats import load_bucket
 from specserve.policies.window import estimate_alpha, fit_verify_ms
@@ -83,19 +94,33 @@ class GoodputPolicy:
                 return local
         return fit_verify_ms(self._costs)
 
-    def pays(self, draft: str, window: int, batch_size: int) -> bool:
+    def window_for(self, draft: str, window: int, batch_size: int, fed: int | None = None) -> int:
+        """The chain window in 0..``window`` that pays most for one request of a step of
+        ``batch_size`` (0: decode plainly); ``fed``: the tokens a window of ``window`` feeds
+        (a tree's node budget; a chain's window)."""
         alpha, model = self.alpha(draft), self.cost_model(batch_size)
         # An exploring step at batch B observes B requests' α at once (and costs B requests'
         # speculation), so a busy replica explores proportionally less often: the same samples
         # per step as at batch 4, not B/4 times the cost (0.97x -> 0.99x of target-only at 16).
         if alpha is None or model is None or self._steps % (self.explore_every * max(1, batch_size // 4)) == 0:
-            return True
+            return window
         a, b = model
         draft_ms = self._draft_ms.get(draft)
         d = sum(draft_ms) / len(draft_ms) if draft_ms else 0.0
-        spec_tokens_per_ms = batch_size * expected_emitted(alpha, window) / (d + a + b * batch_size * (1 + window))
-        plain_tokens_per_ms = batch_size / (a + b * batch_size)
-        return spec_tokens_per_ms > (1.0 + self.margin) * plain_tokens_per_ms
+        step_rate = batch_size / (a + b * batch_size)     # tokens/ms of the step decoding plainly
+        per_window_token = (fed or window) / window        # tokens fed per window position
+
+        def net(g: int) -> float:
+            # Tokens this request gains over a plain step, minus what its extra forward time
+            # (g tokens fed, its share of the draft's step) would emit decoding plainly.
+            extra_ms = b * g * per_window_token + d / batch_size
+            return expected_emitted(alpha, g) - 1.0 - (1.0 + self.margin) * step_rate * extra_ms
+
+        best = max(range(1, window + 1), key=lambda g: (net(g), -g))
+        return best if net(best) > 0 else 0
+
+    def pays(self, draft: str, window: int, batch_size: int) -> bool:
+        return self.window_for(draft, window, batch_size) > 0
 
     def choose(self, state: RequestState, batch_size: int) -> Speculation:
         spec = self.base.choose(state, batch_size)
@@ -103,8 +128,11 @@ class GoodputPolicy:
             return spec
         if state.request.prior_alpha is not None:
             self._prior[state.request.draft] = state.request.prior_alpha
-        window = spec.window if spec.tree is None else spec.tree.depth
-        return spec if self.pays(state.request.draft, window, batch_size) else PLAIN
+        if spec.tree is not None:   # a tree is kept whole or dropped
+            shape = spec.tree
+            return spec if self.window_for(state.request.draft, shape.depth, batch_size, shape.budget) == shape.depth else PLAIN
+        window = self.window_for(state.request.draft, spec.window, batch_size)
+        return PLAIN if window == 0 else replace(spec, window=window)
 
     def observe(self, record: StepRecord) -> None:
         self._steps += 1

@@ -30,13 +30,36 @@ def test_speculation_pays_alone_and_not_in_a_large_batch_at_low_acceptance():
     # α̂ = Σn / (Σn + Σ1[n < γ]) = 3 / (3 + 7) = 0.3: one step accepted 3 of γ = 4, six none.
     policy.observe(record(5, 15, [outcome(3)] + [outcome(0)] * 6))
     assert abs(policy.alpha("d") - 0.3) < 1e-12
-    # Batch 1: E(4) = 1.43 tokens in 15 ms beats 1 token in 11 ms.
+    # Batch 1: E(4) = 1.43 tokens in 15 ms beats 1 token in 11 ms ...
     assert policy.pays("d", 4, batch_size=1)
-    # Batch 12: 12 x 1.43 tokens in 70 ms lose to 12 tokens in 22 ms.
+    # ... but a shorter window pays more: net(γ) = E(γ) - 1 - γ/11 is 0.209 at γ = 1, 0.208 at 2,
+    # 0.061 at 4 (each draft token costs 1 ms, worth 1/11 token of plain decoding).
+    assert policy.window_for("d", 4, batch_size=1) == 1
+    # Batch 12: a plain step emits 12 tokens in 22 ms; one request's extra 0.3 tokens for 1 ms
+    # more (0.545 tokens' worth) do not pay, at any window.
     assert not policy.pays("d", 4, batch_size=12)
-    # With the default 10% margin the batch-1 case (0.0953 vs 0.0909 tokens/ms: +4.8%) is too close to call.
-    policy.margin = 0.1
+    assert policy.window_for("d", 4, batch_size=12) == 0
+    # The margin prices the extra time higher: at 250% even batch 1's best window stops paying.
+    policy.margin = 2.5
     assert not policy.pays("d", 4, batch_size=1)
+
+
+def test_a_good_draft_keeps_a_longer_window_and_shrinks_it_with_load():
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1, margin=0.0)
+    for tokens in (5, 60) * 4:
+        policy.observe(record(tokens, 10 + 0.5 * tokens))   # 10 ms + 0.5 ms a token
+    policy.observe(record(5, 15, [outcome(4)] * 8 + [outcome(3)] * 2))   # α̂ = 38 / 40 -> 0.95
+    windows = [policy.window_for("d", 8, batch_size=b) for b in (1, 4, 16, 64)]
+    assert windows[0] == 8 and windows == sorted(windows, reverse=True) and windows[-1] < 8
+    # The chosen window is what the request's next step asks for; a pinned one is left alone.
+    import torch
+    from specserve.replicas.sampling import SamplingParams
+    from specserve.replicas.scheduler import RequestState, SpecRequest
+
+    free, pinned = (RequestState(SpecRequest([1, 2], 8, SamplingParams(), "d", 8, pinned=p), frozenset(),
+                                 torch.device("cpu")) for p in (False, True))
+    assert policy.choose(free, batch_size=64) == Speculation(windows[-1])
+    assert policy.choose(pinned, batch_size=64) == Speculation(8)
 
 
 def test_it_speculates_until_it_has_measured_and_explores_periodically():
