@@ -12,7 +12,8 @@ streamed, so that every row's TTFT and ITL are measured the same way:
   replica (no handle call per step); the local stack the benchmark brings up serves
   ``prompt-lookup-colocated`` beside the drafts of ``deploy/serve.yaml``;
 - ``in-process-spec[<draft>]``: the in-process engine with one draft and γ, one stream (it is the
-  floor of what the served path can cost, so it runs at concurrency 1 only);
+  floor of what the served path can cost, so it runs at concurrency 1 only), with as many torch
+  threads as a served target replica when the benchmark brings the local stack up;
 - ``peer[<name>]``: the same OpenAI chat requests to a foreign server (``--peer NAME=URL``),
   model id from its ``/v1/models``, no specserve field; steps and τ are unknown there (null).
 
@@ -401,6 +402,8 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
     peer_rows = [(name, url, served_model(url)["id"]) for name, url in peers]
 
     from specserve.cluster import local
+    import torch
+
     from specserve.router.engine import SpecEngine
 
     started = server is None
@@ -416,9 +419,15 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         chosen = resolve_drafts(drafts, listed.get("drafts", []))
         configs = configs_for(server, model, chosen, window, in_process, peer_rows)
         engine = None
+        in_process_threads = None
         if in_process is not None:
             engine = SpecEngine.load(dtype=dtype, draft_models=[] if in_process == PROMPT_LOOKUP else [in_process])
             prompt_ids = [engine.encode(p) for p in prompts]
+            if started:
+                # The same torch threads as a served target replica, so that the per-step
+                # comparison prices the serving path, not a second thread (it runs on this thread).
+                in_process_threads = serve_config["applications"][0]["args"]["torch_threads"]
+                torch.set_num_threads(in_process_threads)
         machine = machine_info()
         # In every salt: a peer's prefix cache outlives a run, and the next run must not hit it.
         run_id = uuid.uuid4().hex[:8]
@@ -489,6 +498,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
     result = {
         "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "category": BENCH_CATEGORY,
                  "max_tokens": max_tokens, "window": window, "repeats": repeats, "stream_interval": stream_interval, "no_prefix_reuse": no_prefix_reuse, "drafts": chosen, "in_process": in_process,
+                 "in_process_threads": in_process_threads or torch.get_num_threads(),
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},
                  "concurrencies": concurrencies, "rates": [_rate(r) for r in rates], "machine": machine,
                  "load_avg_1m_after": machine_info()["load_avg_1m"]},
