@@ -141,7 +141,48 @@ def _add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     return h, _rms_norm(h, weight, eps)
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+# Bytes of float32 scores one block of query rows may take (see ``_attention``).
+SCORES_BLOCK_BYTES = 1 << 21
+
+
+def query_blocks(mask: torch.Tensor, heads: int) -> list[tuple[int, int, int]]:
+    """How ``_attention`` splits a forward's query rows: (first row, end row, keys seen) per
+    block, computed once per forward from the additive mask [B, 1, S, L] (the same for every
+    layer).
+
+    A block's float32 scores stay within ``SCORES_BLOCK_BYTES``: a prefill chunk's [heads, S, L]
+    scores in one piece leave the CPU's caches (495 new tokens, 9 heads: 8.8 MB), and the softmax
+    and both products then run from memory. And a block reads only the keys up to the last one
+    any of its rows may see: under a causal mask, the later keys are masked for all its rows, and
+    their products need not be computed (about half of a fresh prompt's). Measured on the 2-core
+    AMD EPYC, one thread, bfloat16, a layer's attention: 495 new tokens 16-19 -> 7.0 ms (torch's
+    scaled_dot_product_attention: 9.4) before trimming the keys; 512 after 512 cached 37 -> 13 ms;
+    256 after 300 and 200 alone unchanged (4.1, 1.1 ms)."""
+    B, _, S, L = mask.shape
+    rows = max(16, SCORES_BLOCK_BYTES // (4 * B * heads * L))
+    if rows >= S:
+        return [(0, S, L)]
+    seen = mask[:, 0] == 0                                   # [B, S, L]
+    blocks = []
+    for s0 in range(0, S, rows):
+        s1 = min(S, s0 + rows)
+        cols = seen[:, s0:s1].any(dim=1).any(dim=0)          # [L]: keys any row of the block sees
+        end = L - int(torch.flip(cols, dims=[0]).to(torch.int8).argmax()) if bool(cols.any()) else L
+        blocks.append((s0, s1, end))
+    return blocks
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+               blocks: list[tuple[int, int, int]]) -> torch.Tensor:
+    """``_attention_block`` over the ``query_blocks``; each row is computed on its own, so blocking
+    changes nothing, and a key a row cannot see has a probability of exactly 0."""
+    if len(blocks) == 1 and blocks[0][2] == keys.shape[2]:
+        return _attention_block(q, keys, values, mask)
+    return torch.cat([_attention_block(q[:, :, s0:s1], keys[:, :, :end], values[:, :, :end], mask[:, :, s0:s1, :end])
+                      for s0, s1, end in blocks], dim=2)
+
+
+def _attention_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Grouped-query attention, softmax in float32 (Hugging Face's eager recipe).
 
     q: [B, nq, S, D]; keys, values: [B, nkv, L, D]; mask: [B, 1, S, L] additive -> [B, nq, S, D].
@@ -210,6 +251,7 @@ class LlamaForward:
         sin = sin_t[positions][:, :, None]
         half = D // 2
         rows = cpu_row_ops.usable(h) and not torch.is_grad_enabled()
+        blocks = query_blocks(mask, nq)
         if rows:
             cos_rows, sin_rows = cos[:, :, 0].contiguous(), sin[:, :, 0].contiguous()   # [B, S, D]
         for index, layer in enumerate(self.layers):
@@ -226,7 +268,7 @@ class LlamaForward:
                 k = qk[:, :, nq:].transpose(1, 2)              # [B, nkv, S, D]
             v = qkv[:, :, nq + nkv:].transpose(1, 2)
             keys, values = cache_layers[index].update(k, v)    # [B, nkv, kv_len, D] views
-            attn = _attention(q, keys, values, mask).transpose(1, 2).reshape(B, S, nq * D)
+            attn = _attention(q, keys, values, mask, blocks).transpose(1, 2).reshape(B, S, nq * D)
             h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, rows)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
