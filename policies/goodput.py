@@ -94,30 +94,36 @@ class GoodputPolicy:
                 return local
         return fit_verify_ms(self._costs)
 
-    def window_for(self, draft: str, window: int, batch_size: int, fed: int | None = None) -> int:
-        """The chain window in 0..``window`` that pays most for one request of a step of
-        ``batch_size`` (0: decode plainly); ``fed``: the tokens a window of ``window`` feeds
-        (a tree's node budget; a chain's window)."""
+    def gains(self, draft: str, window: int, batch_size: int, fed: int | None = None) -> list[float] | None:
+        """net(γ) for γ = 1..``window`` (index γ - 1) for one request of a step of ``batch_size``;
+        ``fed``: the tokens a window of ``window`` feeds (a tree's node budget; a chain's window).
+        None while the policy has not measured α and the costs, or when this step explores."""
         alpha, model = self.alpha(draft), self.cost_model(batch_size)
         # An exploring step at batch B observes B requests' α at once (and costs B requests'
         # speculation), so a busy replica explores proportionally less often: the same samples
         # per step as at batch 4, not B/4 times the cost (0.97x -> 0.99x of target-only at 16).
         if alpha is None or model is None or self._steps % (self.explore_every * max(1, batch_size // 4)) == 0:
-            return window
+            return None
         a, b = model
         draft_ms = self._draft_ms.get(draft)
         d = sum(draft_ms) / len(draft_ms) if draft_ms else 0.0
         step_rate = batch_size / (a + b * batch_size)     # tokens/ms of the step decoding plainly
         per_window_token = (fed or window) / window        # tokens fed per window position
+        # Tokens this request gains over a plain step, minus what its extra forward time (g tokens
+        # fed, its share of the draft's step) would emit decoding plainly. The draft's step is
+        # shared as if every request of the step drafted with it (the whole-batch rule's
+        # assumption); a lone drafting request is charged less than its draft call costs, which
+        # is ~0 for prompt lookup.
+        return [expected_emitted(alpha, g) - 1.0 - (1.0 + self.margin) * step_rate * (b * g * per_window_token + d / batch_size)
+                for g in range(1, window + 1)]
 
-        def net(g: int) -> float:
-            # Tokens this request gains over a plain step, minus what its extra forward time
-            # (g tokens fed, its share of the draft's step) would emit decoding plainly.
-            extra_ms = b * g * per_window_token + d / batch_size
-            return expected_emitted(alpha, g) - 1.0 - (1.0 + self.margin) * step_rate * extra_ms
-
-        best = max(range(1, window + 1), key=lambda g: (net(g), -g))
-        return best if net(best) > 0 else 0
+    def window_for(self, draft: str, window: int, batch_size: int) -> int:
+        """The chain window in 0..``window`` that pays most for one request (0: decode plainly)."""
+        net = self.gains(draft, window, batch_size)
+        if net is None:
+            return window
+        best = max(range(1, window + 1), key=lambda g: (net[g - 1], -g))
+        return best if net[best - 1] > 0 else 0
 
     def pays(self, draft: str, window: int, batch_size: int) -> bool:
         return self.window_for(draft, window, batch_size) > 0
@@ -128,9 +134,10 @@ class GoodputPolicy:
             return spec
         if state.request.prior_alpha is not None:
             self._prior[state.request.draft] = state.request.prior_alpha
-        if spec.tree is not None:   # a tree is kept whole or dropped
+        if spec.tree is not None:   # a tree is not shrunk here: kept whole if it pays, else dropped
             shape = spec.tree
-            return spec if self.window_for(state.request.draft, shape.depth, batch_size, shape.budget) == shape.depth else PLAIN
+            net = self.gains(state.request.draft, shape.depth, batch_size, shape.budget)
+            return spec if net is None or net[-1] > 0 else PLAIN
         window = self.window_for(state.request.draft, spec.window, batch_size)
         return PLAIN if window == 0 else replace(spec, window=window)
 

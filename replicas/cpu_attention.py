@@ -20,7 +20,7 @@ and is written as the output projection takes it ([tokens, heads x head_dim]). E
 computed on its own, so a request's numbers do not depend on what else is in the step.
 
 The library is compiled once per machine (``native_kernels.py``); without a compiler, or on
-another device, ``usable`` says no and the caller keeps torch's path.
+another device, ``usable`` says no and the caller takes the padded layout with torch's products.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def usable(device: torch.device, dtype: torch.dtype, new_tokens: int, heads: int
     """Whether ``attention`` takes a forward whose sequences get at most ``new_tokens`` each: a CPU
     verify step in bfloat16 or float32, with no gradient wanted, and a kernel that could be built."""
     return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and new_tokens <= MAX_NEW_TOKENS
-            and head_dim <= MAX_HEAD_DIM and (heads // kv_heads) * new_tokens <= MAX_ROWS
+            and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0 and (heads // kv_heads) * new_tokens <= MAX_ROWS
             and not torch.is_grad_enabled() and library() is not None)
 
 

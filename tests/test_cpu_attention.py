@@ -86,6 +86,7 @@ def test_the_forward_uses_it_only_for_cpu_verify_steps():
         assert cpu_attention.usable(torch.device("cpu"), torch.bfloat16, 5, 9, 3, 64)
         assert not cpu_attention.usable(torch.device("cpu"), torch.bfloat16, 64, 9, 3, 64)   # a prefill chunk
         assert not cpu_attention.usable(torch.device("cpu"), torch.float16, 1, 9, 3, 64)
+        assert not cpu_attention.usable(torch.device("cpu"), torch.bfloat16, 1, 9, 3, 40)   # 16-lane loops over D
         assert not cpu_attention.usable(torch.device("meta"), torch.float32, 1, 9, 3, 64)
     with torch.enable_grad():
         assert not cpu_attention.usable(torch.device("cpu"), torch.float32, 1, 9, 3, 64)

@@ -155,3 +155,23 @@ def test_the_cost_line_of_the_steps_load_bucket_prices_a_busy_step():
     # The pooled line (what the policy used before) prices the busy step as worth it.
     a, b = policy.cost_model()
     assert 16 * expected_emitted(2 / 3, 4) / (a + b * 80) > 16 / (a + b * 16)
+
+
+def test_a_tree_that_pays_is_kept_even_when_a_shorter_chain_would_pay_more():
+    """Trees are not shrunk: kept whole when their depth (priced at the node budget) pays."""
+    import torch
+    from specserve.replicas.sampling import SamplingParams
+    from specserve.replicas.scheduler import RequestState, SpecRequest
+    from specserve.replicas.step import TreeShape
+
+    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1, margin=0.0)
+    for tokens in (5, 60) * 4:
+        policy.observe(record(tokens, 10 + 2 * tokens))     # 10 ms + 2 ms a token
+    policy.observe(record(5, 15, [outcome(3)] * 2 + [outcome(0)] * 2))   # α̂ = 6 / (6 + 4) = 0.6
+    tree = TreeShape(4, 2, 6)
+    net = policy.gains("d", 4, 1, tree.budget)
+    assert net[-1] > 0 and max(net) > net[-1]          # pays at depth 4, a depth of 3 would pay more
+    state = RequestState(SpecRequest([1, 2], 8, SamplingParams(), "d", 0, tree), frozenset(), torch.device("cpu"))
+    assert policy.choose(state, batch_size=1) == Speculation(0, tree)
+    assert policy.choose(state, batch_size=64).plain   # a busy step prices its 6 nodes too high
+

@@ -74,11 +74,11 @@ void scores_##SUFFIX(const T *q, const T *k, int64_t kb, int64_t kh, int64_t kt,
                 }                                                                                     \
                 int64_t token = start + row % count;                                                  \
                 float *dst = s + (token * nq + h * group + row / count) * L + t0;                     \
-                const float *m = mask + token * W - cached;   /* m[t] for t >= cached */              \
+                const float *m = mask + token * W;   /* m[t - cached] for t >= cached */             \
                 for (int i = 0; i < tb; i++) {                                                        \
                     float acc = 0.f;                                                                  \
                     for (int l = 0; l < 16; l++) acc += part[i][l];                                   \
-                    dst[i] = acc + (t0 + i < cached ? 0.f : m[t0 + i]);                               \
+                    dst[i] = acc + (t0 + i < cached ? 0.f : m[t0 + i - cached]);                      \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
