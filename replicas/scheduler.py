@@ -17,7 +17,7 @@ the served replica (``replicas/step_loop.py`` drives it):
   handed to the policy.
 
 Prefill chunks run as their own forward rather than as rows of the verify forward: the verify
-step is flat (no padding) only for feeds of up to ``cpu_attention.MAX_NEW_TOKENS`` tokens; a
+step is flat (no padding) only for feeds of up to ``cpu_attention.MAX_NEW_TOKENS`` (64) tokens; a
 256-token chunk takes the padded layout, where beside twelve 5-token verify rows it would make
 the forward compute 13 x 256 positions instead of 316. A decoding request waits at most one chunk.
 """

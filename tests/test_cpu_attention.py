@@ -84,7 +84,8 @@ def test_a_sequences_result_does_not_depend_on_the_rest_of_the_step():
 def test_the_forward_uses_it_only_for_cpu_verify_steps():
     with torch.no_grad():
         assert cpu_attention.usable(torch.device("cpu"), torch.bfloat16, 5, 9, 3, 64)
-        assert not cpu_attention.usable(torch.device("cpu"), torch.bfloat16, 64, 9, 3, 64)   # a prefill chunk
+        assert cpu_attention.usable(torch.device("cpu"), torch.bfloat16, 31, 9, 3, 64)       # a tree of 31 nodes
+        assert not cpu_attention.usable(torch.device("cpu"), torch.bfloat16, 256, 9, 3, 64)  # a prefill chunk
         assert not cpu_attention.usable(torch.device("cpu"), torch.float16, 1, 9, 3, 64)
         assert not cpu_attention.usable(torch.device("cpu"), torch.bfloat16, 1, 9, 3, 40)   # 16-lane loops over D
         assert not cpu_attention.usable(torch.device("meta"), torch.float32, 1, 9, 3, 64)

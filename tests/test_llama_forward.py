@@ -59,20 +59,20 @@ def test_a_ragged_step_feeds_each_request_only_its_own_tokens_and_matches_huggin
 
 
 def test_long_feeds_attend_in_blocks_of_query_rows_that_read_only_the_keys_they_see(monkeypatch):
-    """A prefill chunk's attention runs in blocks of query rows (their scores fit in the CPU's
+    """A prefill chunk's attention (longer than a flat feed) runs in blocks of query rows (their scores fit in the CPU's
     caches), each over the keys up to the last one its rows may see; the logits are Hugging
     Face's, with a cached prefix or without."""
     model = tiny_model("llama", seed=5, layers=2)
-    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(40)]
+    prompt = [(7 * i + 3) % model.config.vocab_size for i in range(80)]   # longer than a flat feed
     heads = model.config.num_attention_heads
-    monkeypatch.setattr(llama_forward, "SCORES_BLOCK_BYTES", 16 * 4 * heads * 40)   # 16 rows a block
-    causal = torch.zeros(1, 1, 40, 40).masked_fill_(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
-    assert llama_forward.query_blocks(causal, heads) == [(0, 16, 16), (16, 32, 32), (32, 40, 40)]
+    monkeypatch.setattr(llama_forward, "SCORES_BLOCK_BYTES", 16 * 4 * heads * 80)   # 16 rows a block
+    causal = torch.zeros(1, 1, 80, 80).masked_fill_(~torch.ones(80, 80, dtype=torch.bool).tril(), float("-inf"))
+    assert llama_forward.query_blocks(causal, heads) == [(s, s + 16, s + 16) for s in range(0, 80, 16)]
     kv = BatchKV(model, slots=2)
-    whole = kv.forward([Feed(0, prompt, 40)])[0]
+    whole = kv.forward([Feed(0, prompt, 80)])[0]
     torch.testing.assert_close(whole, hf_logits(model, prompt), rtol=0, atol=1e-4)
     kv.forward([Feed(1, prompt[:12])])
-    rest = kv.forward([Feed(1, prompt[12:], 28)])[0]   # 28 new rows after 12 cached
+    rest = kv.forward([Feed(1, prompt[12:], 68)])[0]   # 68 new rows after 12 cached
     torch.testing.assert_close(rest, whole[12:], rtol=0, atol=1e-5)
 
 
