@@ -282,14 +282,15 @@ class LlamaForward:
 
     def flat_usable(self, new_tokens: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a step whose feeds have at most ``new_tokens`` tokens each can run ``flat``: on
-        the CPU with both C kernels (a prefill chunk, a GPU or no compiler take the padded path)."""
+        the CPU with both C kernels (a feed longer than ``cpu_attention.MAX_NEW_TOKENS``, a GPU or
+        no compiler take the padded path)."""
         return (cpu_attention.usable(device, dtype, new_tokens, self.heads, self.kv_heads, self.head_dim)
                 and device.type == "cpu" and cpu_row_ops.library() is not None)
 
     def flat(self, ids: torch.Tensor, positions: torch.Tensor, step: FlatStep, buffers, keep: torch.Tensor,
              tap=None) -> torch.Tensor:
-        """A verify step on the CPU with the step's tokens flat (ragged): ids, positions [T], the
-        sequences one after another; ``step`` says where each sequence's tokens are and what they
+        """A step on the CPU (a verification or a short prefill) with its tokens flat (ragged):
+        ids, positions [T], the sequences one after another; ``step`` says where each sequence's tokens are and what they
         see (``batch_kv.FlatStep``); ``buffers[i]`` = layer i's (keys, values) slot buffers, into
         which this step's keys and values are written; ``keep`` [R]: the tokens whose logits come
         back ([R, V]). Only ``cpu_attention.usable`` steps come here.
