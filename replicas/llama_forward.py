@@ -290,9 +290,9 @@ class LlamaForward:
     def flat(self, ids: torch.Tensor, positions: torch.Tensor, step: FlatStep, buffers, keep: torch.Tensor,
              tap=None) -> torch.Tensor:
         """A step on the CPU (a verification or a short prefill) with its tokens flat (ragged):
-        ids, positions [T], the sequences one after another; ``step`` says where each sequence's tokens are and what they
-        see (``batch_kv.FlatStep``); ``buffers[i]`` = layer i's (keys, values) slot buffers, into
-        which this step's keys and values are written; ``keep`` [R]: the tokens whose logits come
+        ids, positions [T], the sequences one after another; ``step`` says where each sequence's
+        tokens are and what they see (``batch_kv.FlatStep``); ``buffers[i]`` = layer i's (keys,
+        values) slot buffers, into which this step's keys and values are written; ``keep`` [R]: the tokens whose logits come
         back ([R, V]). Only ``cpu_attention.usable`` steps come here.
 
         Why flat: padded to the longest feed, one request verifying 5 tokens made every row of a
