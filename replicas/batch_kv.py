@@ -75,6 +75,16 @@ class FlatStep:
     length: int
 
 
+def _structure(feed: Feed) -> tuple[list[int], torch.Tensor]:
+    """Each of the feed's tokens' depth below the cached prefix (1 = right after it) and which of
+    the feed's tokens it sees ([n, n] bool): a chain sees itself and the tokens before it, a tree
+    node itself and its ancestors."""
+    n = len(feed.tokens)
+    if feed.parents is None:
+        return list(range(1, n + 1)), torch.ones(n, n, dtype=torch.bool).tril()
+    return node_depths(feed.parents), ancestor_matrix(feed.parents)
+
+
 class _Plan:
     """Where this forward's keys go; shared by every layer of one cache."""
 
@@ -248,7 +258,7 @@ class BatchKV:
                 raise ValueError(f"slot {f.slot}: logits_rows must be in 1..{len(f.tokens)} (its tokens), got {f.logits_rows}")
         width = max(len(f.tokens) for f in feeds)
         if self._fast is not None and self._fast.flat_usable(width, self.device, self._dtype):
-            logits = self._forward_flat(feeds)
+            logits = self._forward_flat(feeds, width)
         else:
             logits = self._forward_padded(feeds, width)
         for f in feeds:
@@ -263,23 +273,19 @@ class BatchKV:
         row, start, end = self._fed_rows[index]
         return states[row, start:end]
 
-    def _forward_flat(self, feeds: list[Feed]) -> list[torch.Tensor]:
+    def _forward_flat(self, feeds: list[Feed], width: int) -> list[torch.Tensor]:
         """The feeds' tokens one after another (``LlamaForward.flat``): no padding anywhere."""
         cached = [len(self.tokens[f.slot]) for f in feeds]
         length = max(c + len(f.tokens) for c, f in zip(cached, feeds))
         self._ensure_capacity(length)
-        total, width = sum(len(f.tokens) for f in feeds), max(len(f.tokens) for f in feeds)
+        total = sum(len(f.tokens) for f in feeds)
         ids, positions, token_slots, columns, sequences, keep, rows = [], [], [], [], [], [], []
         mask = torch.full((total, width), float("-inf"))
         start = 0
         for f, c in zip(feeds, cached):
             n = len(f.tokens)
-            if f.parents is None:
-                depths = range(1, n + 1)
-                mask[start:start + n, :n].masked_fill_(torch.ones(n, n, dtype=torch.bool).tril(), 0.0)
-            else:
-                depths = node_depths(f.parents)
-                mask[start:start + n, :n].masked_fill_(ancestor_matrix(f.parents), 0.0)
+            depths, block = _structure(f)
+            mask[start:start + n, :n].masked_fill_(block, 0.0)
             ids += f.tokens
             positions += [c + d - 1 for d in depths]
             token_slots += [f.slot] * n
@@ -331,13 +337,8 @@ class BatchKV:
             ids[r, pad:] = torch.tensor(feed.tokens)
             columns[r, pad:] = torch.arange(cached, cached + n)
             allowed[r, pad:, :cached] = True
-            if feed.parents is None:
-                depth = torch.arange(1, n + 1)
-                block = torch.ones(n, n, dtype=torch.bool).tril()
-            else:
-                depth = torch.tensor(node_depths(feed.parents))
-                block = ancestor_matrix(feed.parents)
-            positions[r, pad:] = cached + depth - 1
+            depths, block = _structure(feed)
+            positions[r, pad:] = cached + torch.tensor(depths) - 1
             allowed[r, pad:, cached:cached + n] = block
         dtype = self._dtype
         mask = torch.zeros(rows, 1, width, kv_len, dtype=dtype)

@@ -172,6 +172,14 @@ def query_blocks(mask: torch.Tensor, heads: int) -> list[tuple[int, int, int]]:
     return blocks
 
 
+def _mlp(layer: _Layer, h: torch.Tensor, attn: torch.Tensor, rows: bool) -> torch.Tensor:
+    """The rest of a decoder layer after attention (both layouts): output projection, residual,
+    norm, SiLU MLP, residual."""
+    h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, rows)
+    gate, up = layer.gate_up(x).chunk(2, dim=-1)
+    return h + layer.down(F.silu(gate) * up)
+
+
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                blocks: list[tuple[int, int, int]]) -> torch.Tensor:
     """``_attention_block`` over the ``query_blocks``. Each row is computed on its own and a key a
@@ -271,9 +279,7 @@ class LlamaForward:
             v = qkv[:, :, nq + nkv:].transpose(1, 2)
             keys, values = cache_layers[index].update(k, v)    # [B, nkv, kv_len, D] views
             attn = _attention(q, keys, values, mask, blocks).transpose(1, 2).reshape(B, S, nq * D)
-            h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, rows)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = _mlp(layer, h, attn, rows)
             if tap is not None and tap.layer is layer.module:
                 tap.last = h.clone() if rows else h   # the next layer adds to h in place
         _, x = _add_rms_norm(h[:, -keep:].contiguous(), None, self.norm, self.eps, rows)
@@ -313,9 +319,7 @@ class LlamaForward:
                     and cpu_attention.write(values, v, step.token_slots, step.columns)):
                 raise RuntimeError("the flat step could not write its keys and values into the slot cache")
             attn = cpu_attention.attention(q[0], keys, values, step.sequences, step.mask, step.length)
-            h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, True)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = _mlp(layer, h, attn, True)
             if tap is not None and tap.layer is layer.module:
                 tap.last = h[None].clone()   # the next layer adds to h in place
         _, x = _add_rms_norm(h[keep], None, self.norm, self.eps, True)
