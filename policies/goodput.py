@@ -24,11 +24,17 @@ dropped.
 
 A request whose client pinned its window or tree keeps it. Until both are measured it speculates
 (α̂ counts as measured after ``min_steps`` drafting steps of the draft, or at once when requests
-bring the cluster's prior: one empty first step of prompt lookup must not switch it off for
-``explore_every`` steps, which ended short requests plain in ``bench policies``), and every
-``explore_every`` steps it speculates anyway so
-that α̂ keeps being observed. The adaptive window policies (next issue) replace the all-or-nothing
-choice with the best γ.
+bring the cluster's prior: one empty first step of prompt lookup must not switch it off, which
+ended short requests plain in ``bench policies``).
+
+Exploring: once speculation is off, α̂ is no longer observed, and a draft that started to pay
+(the workload changed) would stay off. So a request that decodes plainly earns credit,
+``explore_share`` of its share of each step's time, and speculates at its asked window when the
+credit covers that window's price (b·tokens fed + its share of the draft's step): at most that
+share of the verify time goes to exploring, spread over the requests one at a time. Exploring
+every request of one step in 32·B/4 (what this replaced) cost 3% of the verify time at batch 8
+and made that step several times slower than its neighbours (in-process, 8 chat prompts at once:
+146-148 tok/s with it, 151-152 without exploring).
 
 Why a line per load bucket (b1, b4, b8, b8+ requests in the step, ``stats.load_bucket``): one line
 through steps of every batch size underestimated what the extra tokens cost at batch 16 on two
@@ -38,6 +44,7 @@ size at which the CPU's matrix products stop being flat. Within a bucket the lin
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import replace
 
@@ -55,8 +62,8 @@ def expected_emitted(alpha: float, window: int) -> float:
 
 
 class GoodputPolicy:
-    def __init__(self, base, history_steps: int = 64, explore_every: int = 32, alpha_max: float = 0.95,
-                 min_steps: int = 8, margin: float = 0.1):
+    def __init__(self, base, history_steps: int = 64, explore_share: float = 0.01, alpha_max: float = 0.95,
+                 min_steps: int = 8, margin: float = 0.1, rng: random.Random | None = None):
         self.base = base
         # Speculate only when the model predicts ``margin`` more tokens/s than plain decoding: its
         # cost model leaves out what grows with the tokens fed besides the forward (acceptance,
@@ -64,17 +71,23 @@ class GoodputPolicy:
         # serve, 16 at once: 192 vs 213 tok/s at τ = 1.28 without a margin).
         self.margin = margin
         self.min_steps = min_steps
-        self.explore_every = explore_every
+        if not 0.0 <= explore_share < 1.0:
+            raise ValueError(f"explore_share is a fraction of the verify time in [0, 1), got {explore_share}")
+        self.explore_share = explore_share
+        self._credit: dict[str, float] = {}   # request id -> exploring credit (ms) of a plainly decoding request
         self.alpha_max = alpha_max
         self._costs: deque[tuple[int, float]] = deque(maxlen=history_steps)   # (forward tokens, verify ms)
         self._costs_by_load: dict[str, deque[tuple[int, float]]] = {}        # the same, per load bucket
         self._outcomes: dict[str, deque[tuple[int, int]]] = {}                 # draft -> (n, γ) per step
         self._draft_ms: dict[str, deque[float]] = {}                            # draft -> ms of steps it proposed in
         self._history = history_steps
-        self._steps = 0
+        self._last_fit: tuple[float, float] | None = None
+        # A request's first credit is a random part of its window's price, so that requests that
+        # arrived together do not all explore in the same step.
+        self.rng = rng if rng is not None else random.Random()
         # The cluster's α per draft (from requests that came with the policy service's prior),
         # counted as ``prior_steps`` pseudo-steps: a replica's first unlucky steps do not switch
-        # a good draft off for ``explore_every`` steps.
+        # a good draft off.
         self._prior: dict[str, float] = {}
         self.prior_steps = 8
 
@@ -87,26 +100,29 @@ class GoodputPolicy:
 
     def cost_model(self, batch_size: int | None = None) -> tuple[float, float] | None:
         """(a, b) of verify_ms ≈ a + b · tokens: from the steps of ``batch_size``'s load bucket
-        when they span two sizes, else from all recent steps; None until those span two sizes."""
+        when they span two sizes, else from all recent steps, else the last line that did; None
+        until recent steps have spanned two sizes."""
         if batch_size is not None:
             local = fit_verify_ms(self._costs_by_load.get(load_bucket(batch_size), ()))
             if local is not None:
                 return local
-        return fit_verify_ms(self._costs)
+        # A steady batch decoding plainly feeds the same tokens every step and fits no line; the
+        # last line measured still prices a window (without it every request would speculate
+        # again, unmeasured, once such steps filled the history).
+        pooled = fit_verify_ms(self._costs)
+        if pooled is not None:
+            self._last_fit = pooled
+        return self._last_fit
 
     def gains(self, draft: str, window: int, batch_size: int, fed: int | None = None) -> list[float] | None:
         """net(γ) for γ = 1..``window`` (index γ - 1) for one request of a step of ``batch_size``;
         ``fed``: the tokens a window of ``window`` feeds (a tree's node budget; a chain's window).
-        None while the policy has not measured α and the costs, or when this step explores."""
+        None while the policy has not measured α and the costs."""
         alpha, model = self.alpha(draft), self.cost_model(batch_size)
-        # An exploring step at batch B observes B requests' α at once (and costs B requests'
-        # speculation), so a busy replica explores proportionally less often: the same samples
-        # per step as at batch 4, not B/4 times the cost (0.97x -> 0.99x of target-only at 16).
-        if alpha is None or model is None or self._steps % (self.explore_every * max(1, batch_size // 4)) == 0:
+        if alpha is None or model is None:
             return None
         a, b = model
-        draft_ms = self._draft_ms.get(draft)
-        d = sum(draft_ms) / len(draft_ms) if draft_ms else 0.0
+        d = self._draft_step_ms(draft)
         step_rate = batch_size / (a + b * batch_size)     # tokens/ms of the step decoding plainly
         per_window_token = (fed or window) / window        # tokens fed per window position
         # Tokens this request gains over a plain step, minus what its extra forward time (g tokens
@@ -116,6 +132,22 @@ class GoodputPolicy:
         # is ~0 for prompt lookup.
         return [expected_emitted(alpha, g) - 1.0 - (1.0 + self.margin) * step_rate * (b * g * per_window_token + d / batch_size)
                 for g in range(1, window + 1)]
+
+    def _draft_step_ms(self, draft: str) -> float:
+        measured = self._draft_ms.get(draft)
+        return sum(measured) / len(measured) if measured else 0.0
+
+    def explores(self, request_id: str, draft: str, fed: int, batch_size: int) -> bool:
+        """Whether a request the costs switched off speculates this step anyway (it earns
+        ``explore_share`` of its share of the step each time it is asked; a window of ``fed``
+        tokens costs b·fed + its share of the draft's step)."""
+        a, b = self.cost_model(batch_size) or (0.0, 0.0)
+        price = b * fed + self._draft_step_ms(draft) / batch_size
+        credit = self._credit[request_id] if request_id in self._credit else self.rng.random() * price
+        credit += self.explore_share * (a + b * batch_size) / batch_size
+        explore = self.explore_share > 0 and credit >= price
+        self._credit[request_id] = credit - price if explore else credit
+        return explore
 
     def window_for(self, draft: str, window: int, batch_size: int) -> int:
         """The chain window in 0..``window`` that pays most for one request (0: decode plainly)."""
@@ -134,20 +166,29 @@ class GoodputPolicy:
             return spec
         if state.request.prior_alpha is not None:
             self._prior[state.request.draft] = state.request.prior_alpha
+        draft = state.request.draft
         if spec.tree is not None:   # a tree is not shrunk here: kept whole if it pays, else dropped
             shape = spec.tree
-            net = self.gains(state.request.draft, shape.depth, batch_size, shape.budget)
-            return spec if net is None or net[-1] > 0 else PLAIN
-        window = self.window_for(state.request.draft, spec.window, batch_size)
-        return PLAIN if window == 0 else replace(spec, window=window)
+            net = self.gains(draft, shape.depth, batch_size, shape.budget)
+            if net is None or net[-1] > 0:
+                return spec
+            fed = shape.budget
+        else:
+            window = self.window_for(draft, spec.window, batch_size)
+            if window > 0:
+                return replace(spec, window=window)
+            fed = spec.window
+        return spec if self.explores(state.id, draft, fed, batch_size) else PLAIN
 
     def observe(self, record: StepRecord) -> None:
-        self._steps += 1
         self.base.observe(record)
         if record.batch_size:
             cost = (record.forward_tokens, record.verify_ms)
             self._costs.append(cost)
             self._costs_by_load.setdefault(load_bucket(record.batch_size), deque(maxlen=self._history)).append(cost)
+        # Credit belongs to requests still in the batch (a running request is in every step's record).
+        running = {step.request_id for step in record.requests}
+        self._credit = {i: c for i, c in self._credit.items() if i in running}
         for step in record.requests:
             if step.max_depth > 0:
                 self._outcomes.setdefault(step.draft, deque(maxlen=self._history)).append((step.accepted, step.max_depth))

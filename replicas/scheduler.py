@@ -49,6 +49,12 @@ NO_DRAFT = "none"
 AUTO_DRAFT = "auto"
 # Prompt positions whose next token each prefill chunk scores, for that perplexity (``Target.prefill``).
 PERPLEXITY_ROWS = 64
+# A replica with this many requests in its batch (prefilling or decoding, the scored one
+# included) scores none, and the router sees the perplexity as missing (a feature of its own):
+# the output layer over 64 rows is ~25 ms of a one-thread prefill that every running request
+# waits for (in-process, 8 chat prompts at once: 3.5% of the run), and under load the goodput
+# policy switches most speculation off whatever the router chose.
+PERPLEXITY_BUSY = 4
 
 
 @dataclass(frozen=True)
@@ -399,8 +405,10 @@ class Scheduler:
             if state.done:
                 continue
             # The router's perplexity feature costs an output layer over PERPLEXITY_ROWS rows
-            # (~20 ms of a one-thread prefill here); a request that asked for no draft needs none.
-            scored = 0 if self.router is None or state.request.draft == NO_DRAFT else PERPLEXITY_ROWS
+            # (~25 ms of a one-thread prefill here); a request that asked for no draft needs none,
+            # and a busy replica scores none.
+            wanted = self.router is not None and state.request.draft != NO_DRAFT and len(self.running) < PERPLEXITY_BUSY
+            scored = PERPLEXITY_ROWS if wanted else 0
             done = self.target.prefill(state.slot, state.context[:-1], chunk, state.context[-1], scored)
             prefilled += done.fed
             if state.cached_tokens is None:   # the first chunk: what the slot already held

@@ -176,6 +176,39 @@ def test_routed_and_switched_requests_equal_the_target_alone():
     assert all(outcome["features"] is not None for outcome in router.recent)
 
 
+def test_a_busy_replica_scores_no_perplexity_rows():
+    """The prompt's perplexity costs an output layer over PERPLEXITY_ROWS rows in the prefill:
+    scored on an idle replica, left out (the router sees it missing) once PERPLEXITY_BUSY
+    requests are in the batch."""
+    import asyncio
+
+    from specserve.policies.static import StaticPolicy
+    from specserve.replicas.scheduler import PERPLEXITY_BUSY, Scheduler
+    from specserve.replicas.step_loop import StepLoop
+
+    model = tiny_model("llama", seed=0)
+    router = DraftRouter(["prompt-lookup"], log=False)
+    scheduler = Scheduler(Target(model, slots=8), StaticPolicy(), router=router)
+    loop = StepLoop(scheduler, servers(model), InlineWorker())
+    idle = loop.add(SpecRequest(PROMPTS[2], 24, GREEDY, AUTO_DRAFT, 3, request_id="idle"))
+
+    async def run():
+        while not idle.prefilled:
+            await loop.step()
+        for i in range(PERPLEXITY_BUSY - 2):
+            loop.add(SpecRequest(PROMPTS[i], 24, GREEDY, NO_DRAFT, 0, request_id=f"plain{i}"))
+        # The batch holds PERPLEXITY_BUSY requests with this one.
+        busy = loop.add(SpecRequest(PROMPTS[2], 24, GREEDY, AUTO_DRAFT, 3, request_id="busy"))
+        while not busy.prefilled:
+            await loop.step()
+        return busy
+
+    busy = asyncio.run(run())
+    assert idle.prompt_scored > 0 and router.features(idle).perplexity is not None
+    assert busy.prompt_scored == 0 and router.features(busy).perplexity is None
+    assert router.features(busy).vector()[3] == 1.0   # the "perplexity_missing" indicator
+
+
 def test_a_failing_router_costs_the_choice_not_the_request():
     class Broken(DraftRouter):
         def route(self, state, batch_size):

@@ -3,7 +3,7 @@ emits more tokens per second for the batch."""
 
 from specserve.policies.goodput import GoodputPolicy, expected_emitted
 from specserve.policies.static import StaticPolicy
-from specserve.replicas.step import RequestStep, Speculation, StepRecord
+from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
 
 
 def record(forward_tokens: int, verify_ms: float, steps=()) -> StepRecord:
@@ -22,7 +22,7 @@ def test_expected_emitted():
 
 
 def test_speculation_pays_alone_and_not_in_a_large_batch_at_low_acceptance():
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1, margin=0.0)
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1, margin=0.0)
     # Verify costs 10 ms + 1 ms per token fed (literal, two sizes so the fit is exact).
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + tokens))
@@ -45,7 +45,7 @@ def test_speculation_pays_alone_and_not_in_a_large_batch_at_low_acceptance():
 
 
 def test_a_good_draft_keeps_a_longer_window_and_shrinks_it_with_load():
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1, margin=0.0)
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1, margin=0.0)
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + 0.5 * tokens))   # 10 ms + 0.5 ms a token
     policy.observe(record(5, 15, [outcome(4)] * 8 + [outcome(3)] * 2))   # α̂ = 38 / 40 -> 0.95
@@ -62,21 +62,42 @@ def test_a_good_draft_keeps_a_longer_window_and_shrinks_it_with_load():
     assert policy.choose(pinned, batch_size=64) == Speculation(8)
 
 
-def test_it_speculates_until_it_has_measured_and_explores_periodically():
-    policy = GoodputPolicy(StaticPolicy(), explore_every=4)
+def test_it_speculates_until_it_has_measured_then_explores_within_its_share():
+    import random
+
+    import torch
+    from specserve.replicas.sampling import SamplingParams
+    from specserve.replicas.scheduler import RequestState, SpecRequest
+
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.05, rng=random.Random(7))
     assert policy.pays("d", 4, batch_size=16)      # nothing measured yet
     for tokens in (16, 80):
-        policy.observe(record(tokens, 10 + tokens, [outcome(0)] * 8))
-    decisions = []
-    for _ in range(16):
-        decisions.append(policy.pays("d", 4, batch_size=4))
-        policy.observe(record(16, 26))
-    assert decisions.count(True) == 4              # one step in four explores at batch 4 ...
-    decisions = []
-    for _ in range(16):
-        decisions.append(policy.pays("d", 4, batch_size=16))
-        policy.observe(record(16, 26))
-    assert decisions.count(True) == 1              # ... one in 16 at batch 16, each seeing 16 requests
+        policy.observe(record(tokens, 10 + tokens, [outcome(0)] * 8))   # α̂ = 0; 10 ms + 1 ms a token
+    assert not policy.pays("d", 4, batch_size=4)
+    states = [RequestState(SpecRequest([1, 2], 1000, SamplingParams(), "d", 4, request_id=f"r{i}"), frozenset(),
+                           torch.device("cpu")) for i in range(4)]
+    # Batch 4: a plain step costs 14 ms, so each request earns 0.05 * 14 / 4 = 0.175 ms a step, and
+    # its γ = 4 costs 4 ms (4 tokens at 1 ms): one exploring step in ~23 of its own.
+    explored: dict[str, list[int]] = {s.id: [] for s in states}
+    steps = 230
+    for step in range(steps):
+        for state in states:
+            spec = policy.choose(state, batch_size=4)
+            assert spec.plain or spec == Speculation(4)   # explores at the asked window, or not at all
+            if not spec.plain:
+                explored[state.id].append(step)
+        policy.observe(record(4, 14, [RequestStep(s.id, "d", PLAIN, 0, 0, 0, None) for s in states]))
+    # The history now holds only steps of 4 tokens, which fit no line: the last line stands.
+    assert policy.cost_model(4) == (10.0, 1.0)
+    counts = [len(v) for v in explored.values()]
+    # The whole spend is the share of the verify time (plus each request's random first credit).
+    assert sum(counts) * 4.0 <= 0.05 * 14 * steps + 4 * 4.0
+    assert all(9 <= c <= 11 for c in counts), counts
+    # Spread over the requests: they do not all explore in the same steps.
+    assert len({s for v in explored.values() for s in v}) > max(counts)
+    # A request that leaves takes its credit with it.
+    policy.observe(record(4, 14, [RequestStep("r0", "d", PLAIN, 0, 0, 0, None)]))
+    assert set(policy._credit) == {"r0"}
 
 
 def test_a_request_that_pinned_its_window_keeps_it():
@@ -84,7 +105,7 @@ def test_a_request_that_pinned_its_window_keeps_it():
     from specserve.replicas.sampling import SamplingParams
     import torch
 
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6)
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0)
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + tokens, [outcome(0)] * 4))   # α̂ = 0: never pays
     free, pinned = (RequestState(SpecRequest([1, 2], 8, SamplingParams(), "d", 4, pinned=p), frozenset(),
@@ -96,7 +117,7 @@ def test_a_request_that_pinned_its_window_keeps_it():
 def test_the_drafts_own_time_counts():
     # Same costs and α̂ = 0.3 as above, where batch 1 speculation paid (1.43 tokens in 15 ms);
     # a draft that takes 10 ms a step makes it 1.43 tokens in 25 ms, against 1 token in 11 ms.
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1)
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1)
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + tokens))
     slow = StepRecord(1, 5, 0, 10.0, 15.0, 0.0, tuple([outcome(3)] + [outcome(0)] * 6))
@@ -111,7 +132,7 @@ def test_the_clusters_prior_keeps_a_good_draft_on_after_a_replicas_unlucky_first
     import torch
 
     def fresh():
-        policy = GoodputPolicy(StaticPolicy(), explore_every=10**6)
+        policy = GoodputPolicy(StaticPolicy(), explore_share=0.0)
         for tokens in (5, 60) * 4:
             policy.observe(record(tokens, 10 + tokens))     # 10 ms + 1 ms per token fed
         return policy
@@ -140,7 +161,7 @@ def test_the_cost_line_of_the_steps_load_bucket_prices_a_busy_step():
     """Idle and half-busy steps cost 10 ms + 0.1 ms a token fed; at batch 16 the extra tokens cost
     0.72 ms each. One line through all of them says speculating at batch 16 pays; the b8+ bucket's
     own line says it does not."""
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1, margin=0.0)
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1, margin=0.0)
     for _ in range(8):
         for batch, tokens, ms in ((1, 1, 10.1), (1, 5, 10.5), (4, 4, 10.4), (4, 20, 12.0), (8, 8, 10.8), (8, 40, 14.0)):
             policy.observe(StepRecord(batch, tokens, 0, 0.0, ms, 0.0, (outcome(2),) * batch))
@@ -164,7 +185,7 @@ def test_a_tree_that_pays_is_kept_even_when_a_shorter_chain_would_pay_more():
     from specserve.replicas.scheduler import RequestState, SpecRequest
     from specserve.replicas.step import TreeShape
 
-    policy = GoodputPolicy(StaticPolicy(), explore_every=10**6, min_steps=1, margin=0.0)
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1, margin=0.0)
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + 2 * tokens))     # 10 ms + 2 ms a token
     policy.observe(record(5, 15, [outcome(3)] * 2 + [outcome(0)] * 2))   # α̂ = 6 / (6 + 4) = 0.6
