@@ -7,17 +7,20 @@ window to the one that pays most at the replica's load, or to none:
 
     cost model     verify_ms ≈ a + b · forward_tokens      (least squares over recent steps of the
                                                              same load bucket, else over all of them)
-                   d̂ = the draft's ms per step when it proposed (recent mean; 0 for prompt lookup, ~)
+                   d̂ = the draft's call per request that drafted with it (recent steps' mean of its
+                       ms / its requests in the step; ~0 for prompt lookup)
     acceptance     α̂ per draft, paper 003 Eq. 2 over the last steps: Σn / (Σn + Σ1[n < γ])
-    net(γ)         E(γ) − 1 − (1 + margin) · B / (a + b·B) · (b·γ + d̂ / B),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
+    net(γ)         E(γ) − 1 − (1 + margin) · B / (a + b·B) · (b·γ + d̂),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
     window         argmax over γ in 1..γ_asked of net(γ) if it is positive, else plain decoding
 
 net(γ) is what one request's γ draft tokens add to the step: the tokens it emits beyond a plain
-step's one, minus what the extra forward time (its γ tokens, its share of the draft's step)
-would have emitted decoding plainly at the step's rate. The verify forward is flat (each
+step's one, minus what the extra time (its γ tokens in the forward, its share of the draft's
+call, which the whole step waits for) would have emitted decoding plainly at the step's rate. The verify forward is flat (each
 request feeds only its own tokens, ``batch_kv``), so one request's window costs b·γ and the
-others' rows are untouched; with every request speculating at γ it is the whole-batch rule
-E(γ)·B / (d̂ + a + b·B·(1 + γ)) > B / (a + b·B) (without the margin). A busy step prices every
+others' rows are untouched; with every request speculating at γ with one draft of call time d
+(d̂ = d / B) it is the whole-batch rule E(γ)·B / (d + a + b·B·(1 + γ)) > B / (a + b·B) (without
+the margin). A request alone with a draft model pays the whole call (an earlier d / B charged a
+lone request at batch 8 an eighth of the call it made the whole step wait for). A busy step prices every
 token at the step's high rate, so windows shrink with load: at batch 16 on this CPU a γ = 1 pays
 from α ≈ 0.25, a γ = 4 only from α ≈ 0.6. A tree is kept whole (priced at its node budget) or
 dropped.
@@ -45,7 +48,7 @@ size at which the CPU's matrix products stop being flat. Within a bucket the lin
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 
 from specserve.policies.stats import load_bucket
@@ -79,7 +82,7 @@ class GoodputPolicy:
         self._costs: deque[tuple[int, float]] = deque(maxlen=history_steps)   # (forward tokens, verify ms)
         self._costs_by_load: dict[str, deque[tuple[int, float]]] = {}        # the same, per load bucket
         self._outcomes: dict[str, deque[tuple[int, int]]] = {}                 # draft -> (n, γ) per step
-        self._draft_ms: dict[str, deque[float]] = {}                            # draft -> ms of steps it proposed in
+        self._draft_share: dict[str, deque[float]] = {}   # draft -> its call's ms per request that drafted with it, per step
         self._history = history_steps
         self._last_fit: tuple[float, float] | None = None
         # A request's first credit is a random part of its window's price, so that requests that
@@ -122,27 +125,25 @@ class GoodputPolicy:
         if alpha is None or model is None:
             return None
         a, b = model
-        d = self._draft_step_ms(draft)
+        d = self.draft_share_ms(draft)
         step_rate = batch_size / (a + b * batch_size)     # tokens/ms of the step decoding plainly
         per_window_token = (fed or window) / window        # tokens fed per window position
-        # Tokens this request gains over a plain step, minus what its extra forward time (g tokens
-        # fed, its share of the draft's step) would emit decoding plainly. The draft's step is
-        # shared as if every request of the step drafted with it (the whole-batch rule's
-        # assumption); a lone drafting request is charged less than its draft call costs, which
-        # is ~0 for prompt lookup.
-        return [expected_emitted(alpha, g) - 1.0 - (1.0 + self.margin) * step_rate * (b * g * per_window_token + d / batch_size)
+        # Tokens this request gains over a plain step, minus what its extra time (g tokens fed,
+        # its share of the draft's call) would emit decoding plainly.
+        return [expected_emitted(alpha, g) - 1.0 - (1.0 + self.margin) * step_rate * (b * g * per_window_token + d)
                 for g in range(1, window + 1)]
 
-    def _draft_step_ms(self, draft: str) -> float:
-        measured = self._draft_ms.get(draft)
+    def draft_share_ms(self, draft: str) -> float:
+        """d̂: the ms of ``draft``'s call per request that drafted with it (recent steps' mean)."""
+        measured = self._draft_share.get(draft)
         return sum(measured) / len(measured) if measured else 0.0
 
     def explores(self, request_id: str, draft: str, fed: int, batch_size: int) -> bool:
         """Whether a request the costs switched off speculates this step anyway (it earns
         ``explore_share`` of its share of the step each time it is asked; a window of ``fed``
-        tokens costs b·fed + its share of the draft's step)."""
+        tokens costs b·fed + its share of the draft's call)."""
         a, b = self.cost_model(batch_size) or (0.0, 0.0)
-        price = b * fed + self._draft_step_ms(draft) / batch_size
+        price = b * fed + self.draft_share_ms(draft)
         credit = self._credit[request_id] if request_id in self._credit else self.rng.random() * price
         credit += self.explore_share * (a + b * batch_size) / batch_size
         explore = self.explore_share > 0 and credit >= price
@@ -192,6 +193,10 @@ class GoodputPolicy:
         for step in record.requests:
             if step.max_depth > 0:
                 self._outcomes.setdefault(step.draft, deque(maxlen=self._history)).append((step.accepted, step.max_depth))
-        # A step's drafts propose concurrently: each draft that proposed is charged the step's draft time.
-        for draft in {s.draft for s in record.requests if s.max_depth > 0}:
-            self._draft_ms.setdefault(draft, deque(maxlen=self._history)).append(record.draft_ms)
+        # Each draft's call (its own time when the record has it; a step's drafts propose
+        # concurrently, so else the step's) shared by the requests that drafted with it.
+        own = dict(record.draft_ms_by)
+        users = Counter(s.draft for s in record.requests if s.max_depth > 0)
+        for draft, n in users.items():
+            ms = own.get(draft, record.draft_ms)
+            self._draft_share.setdefault(draft, deque(maxlen=self._history)).append(ms / n)

@@ -120,10 +120,32 @@ def test_the_drafts_own_time_counts():
     policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1)
     for tokens in (5, 60) * 4:
         policy.observe(record(tokens, 10 + tokens))
-    slow = StepRecord(1, 5, 0, 10.0, 15.0, 0.0, tuple([outcome(3)] + [outcome(0)] * 6))
-    policy.observe(slow)
-    assert abs(policy.alpha("d") - 0.3) < 1e-12
+    for accepted in (3, 0, 0, 0, 0, 0, 0):
+        policy.observe(StepRecord(1, 5, 0, 10.0, 15.0, 0.0, (outcome(accepted),)))
+    assert abs(policy.alpha("d") - 0.3) < 1e-12 and policy.draft_share_ms("d") == 10.0
     assert not policy.pays("d", 4, batch_size=1)
+
+
+def test_a_request_alone_with_a_draft_model_pays_its_whole_call():
+    """Batch 8, verify 10 ms + 0.1 ms a token, α̂ = 0.95, the draft's call 10 ms. Shared by all
+    eight requests (1.25 ms each), γ = 4 pays; one request drafting alone makes the whole step
+    wait 10 ms for its 3.5 extra tokens, which plain decoding would have beaten (7.7 tokens)."""
+
+    def policy_seeing(users: int) -> GoodputPolicy:
+        policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1, margin=0.0)
+        for tokens in (8, 40) * 4:
+            policy.observe(record(tokens, 10 + 0.1 * tokens))
+        steps = tuple(RequestStep(f"r{i}", "d", Speculation(4) if i < users else PLAIN, 4 if i < users else 0,
+                                  4 if i < users else 0, 4 if i < users else 0, None) for i in range(8))
+        for _ in range(4):
+            policy.observe(StepRecord(8, 8 + 4 * users, 0, 10.0, 10 + 0.1 * (8 + 4 * users), 0.0, steps,
+                                      draft_ms_by=(("d", 10.0),)))
+        return policy
+
+    shared, alone = policy_seeing(8), policy_seeing(1)
+    assert shared.draft_share_ms("d") == 1.25 and alone.draft_share_ms("d") == 10.0
+    assert shared.window_for("d", 4, batch_size=8) == 4
+    assert alone.window_for("d", 4, batch_size=8) == 0
 
 
 def test_the_clusters_prior_keeps_a_good_draft_on_after_a_replicas_unlucky_first_steps():
