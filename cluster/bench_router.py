@@ -18,6 +18,12 @@ requests as a replica keeps it), so only the draft choice differs.
    least-squares fit of α on the warm-up prompts' features, then the candidate the same
    objective prefers; its tokens/s is the table's for that candidate, not a separate run).
 
+A **feature ablation** from the same table, no extra run: the least-squares baseline refitted on
+the warm-up with one feature group left out at a time (length, perplexity, repetition, topics),
+each fit's α error on the evaluation prompts' pinned runs and the tokens/s of its choices; what a
+feature is worth decides whether its cost is (the perplexity costs an output layer over 64 rows
+of every prefill).
+
 Rows ``{strategy, category, tokens_per_s}`` (Σ tokens / Σ seconds over the category's prompts,
 and ``all`` over the mix), ratios to the oracle and to best-single, issue 14's aims on ``all``,
 every generation in ``requests``, and a plot: tokens/s per strategy and category, and the
@@ -40,6 +46,7 @@ from specserve.cluster.prompts import CATEGORIES, load_prompts, topic_corpus
 from specserve.router.acceptance import LinearAcceptance
 from specserve.router.draft_router import DraftRouter
 from specserve.router.engine import NO_DRAFT, GenerateRequest, SpecEngine
+from specserve.router.features import PromptFeatures
 from specserve.router.router_factory import topic_basis
 
 ORACLE, ROUTER, BEST_SINGLE, RANDOM, LEAST_SQUARES = "oracle", "router", "best-single", "random", "least-squares"
@@ -150,6 +157,43 @@ def regret(generations: Sequence[Generation]) -> list[dict]:
     return out
 
 
+# --- feature ablation (pure) ---------------------------------------------------------------
+
+
+def feature_groups(dims: int) -> dict[str, tuple[int, ...]]:
+    """Columns of ``PromptFeatures.vector`` per feature group (the bias, column 0, stays in every fit)."""
+    names = PromptFeatures.names(dims)
+    return {"length": (names.index("log_length"),),
+            "perplexity": (names.index("log_perplexity"), names.index("perplexity_missing")),
+            "repeat_rate": (names.index("repeat_rate"),),
+            "topics": tuple(i for i, n in enumerate(names) if n.startswith("topic_"))}
+
+
+def without(x: Sequence[float], columns: Sequence[int]) -> list[float]:
+    """``x`` with ``columns`` zeroed: to a least-squares fit, a feature that is not there."""
+    return [0.0 if i in columns else v for i, v in enumerate(x)]
+
+
+def ablation(generations: Sequence[Generation], choose, dims: int) -> list[dict]:
+    """Least squares on all features, then without each group: the mean absolute error of α on the
+    evaluation prompts' pinned runs, and the tokens/s of the candidates it then picks (read from
+    the table). ``choose(models, x)``: the candidate the objective prefers for features ``x``."""
+    table = table_of(generations, "eval")
+    pinned = [g for g in generations if g.phase == "eval" and g.draft not in (AUTO, NO_DRAFT)
+              and g.features is not None and g.realised_alpha is not None]
+    features = {g.prompt: g.features for g in generations if g.phase == "eval" and g.features is not None}
+    rows = []
+    for name, columns in [("all", ()), *((f"-{group}", cols) for group, cols in feature_groups(dims).items())]:
+        models = Bench.least_squares(generations, columns)
+        errors = [abs(models[g.draft].predict(without(g.features, columns)) - g.realised_alpha)
+                  for g in pinned if g.draft in models]
+        picks = {p: choose(models, without(x, columns)) for p, x in features.items() if p in table}
+        rows.append({"features": name, "alpha_mae": round(statistics.mean(errors), 4) if errors else None,
+                     "tokens_per_s": totals([(table[p][c].tokens, table[p][c].seconds) for p, c in picks.items()]),
+                     "choices": {c: sum(1 for v in picks.values() if v == c) for c in sorted(set(picks.values()))}})
+    return rows
+
+
 # --- the run --------------------------------------------------------------------------------
 
 
@@ -202,13 +246,14 @@ class Bench:
         return out
 
     @staticmethod
-    def least_squares(generations: Sequence[Generation]) -> dict[str, LinearAcceptance]:
-        """Paper 003's estimate per draft from the warm-up's pinned runs."""
+    def least_squares(generations: Sequence[Generation], drop: Sequence[int] = ()) -> dict[str, LinearAcceptance]:
+        """Paper 003's estimate per draft from the warm-up's pinned runs (``drop``: feature
+        columns left out, for the ablation)."""
         data: dict[str, tuple[list, list]] = {}
         for g in generations:
             if g.phase == "warmup" and g.draft not in (AUTO, NO_DRAFT) and g.realised_alpha is not None:
                 xs, alphas = data.setdefault(g.draft, ([], []))
-                xs.append(g.features)
+                xs.append(without(g.features, drop))
                 alphas.append(g.realised_alpha)
         return {d: LinearAcceptance.fit(xs, a) for d, (xs, a) in data.items()}
 
@@ -257,6 +302,7 @@ def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int
     features = {g.prompt: g.features for g in generations if g.phase == "eval" and g.features is not None}
     ls_choice = {i: bench.ls_choice(models, x) for i, x in features.items()}
     rows = strategy_rows(generations, ls_choice, categories)
+    ablated = ablation(generations, bench.ls_choice, bench.recorder.topic_dims)
     report_aims = aims(rows)
     regrets = regret(generations)
     meta = {
@@ -270,7 +316,7 @@ def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int
     notes = ["oracle, best-single, random and least-squares are read from the pinned runs of the same prompts in "
              "the same run (best-single and oracle are chosen after the fact); router is its own live run",
              "the least-squares baseline never explores and never updates: it is fitted once on the warm-up table"]
-    report = {"meta": meta, "notes": notes, "aims": report_aims, "rows": rows, "regret": regrets,
+    report = {"meta": meta, "notes": notes, "aims": report_aims, "rows": rows, "regret": regrets, "ablation": ablated,
               "router_choices": {c: sum(1 for g in generations if g.phase == "eval" and g.choice == c) for c in candidates},
               "least_squares_choices": {c: sum(1 for v in ls_choice.values() if v == c) for c in candidates},
               "requests": [asdict(g) | {"tokens_per_s": round(g.tokens_per_s, 3)} for g in generations]}
@@ -278,6 +324,9 @@ def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, regrets, categories, meta, plot_path)
     print(format_table(rows))
+    print("\nleast squares without each feature group (α error on the evaluation's pinned runs, tokens/s of its choices):")
+    for r in ablated:
+        print(f"  {r['features']:14s} alpha MAE {r['alpha_mae']}  {r['tokens_per_s']} tok/s  {r['choices']}")
     for name, aim in report_aims.items():
         print(f"aim {name}: {aim['value']} ({aim['aim']}: {'met' if aim['met'] else 'not met'})")
     print(f"\nwrote {json_path} and {plot_path}")

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from specserve.cluster.bench_router import (
-    AUTO, BEST_SINGLE, LEAST_SQUARES, ORACLE, RANDOM, ROUTER, STRATEGIES, Generation, aims, best_single_choice,
-    regret, run_router_bench, strategy_rows, table_of,
+    AUTO, BEST_SINGLE, LEAST_SQUARES, ORACLE, RANDOM, ROUTER, STRATEGIES, Generation, ablation, aims,
+    best_single_choice, feature_groups, regret, run_router_bench, strategy_rows, table_of,
 )
 
 
@@ -48,6 +48,39 @@ def test_regret_is_measured_against_each_prompts_oracle():
     out = regret(TABLE + router)
     assert [r["oracle"] for r in out] == ["lm", "lookup"]
     assert out[0]["seconds_lost"] == pytest.approx(1.0) and out[1]["seconds_lost"] == pytest.approx(0.0)
+
+
+def test_the_ablation_shows_which_feature_carries_alpha():
+    """Prompt lookup's α is the prompt's repeat rate here, the other features noise: left out,
+    repetition makes least squares miss α and pick the slow candidate; the others cost nothing."""
+    import random
+
+    rng = random.Random(0)
+
+    def features(repeat):   # bias, log_length, log_perplexity, perplexity_missing, repeat_rate, 1 topic
+        return [1.0, rng.uniform(0.3, 0.9), rng.uniform(0.2, 0.8), 0.0, repeat, rng.uniform(-1, 1)]
+
+    generations = []
+    for i, repeat in enumerate(0.9 * k / 23 for k in range(24)):   # α from 0 to 0.9, mean 0.45
+        g = gen(i, "edit", "lookup", 100, 1.0, phase="warmup")
+        g.features, g.realised_alpha = features(repeat), repeat
+        generations.append(g)
+    for i, repeat in enumerate([0.85, 0.05]):   # eval: lookup is fast on prompt 0 and slow on prompt 1
+        for draft, seconds in (("lookup", 1.0 if repeat > 0.5 else 3.0), ("none", 2.0)):
+            g = gen(i, "edit", draft, 100, seconds)
+            g.features, g.realised_alpha = features(repeat), repeat if draft == "lookup" else None
+            generations.append(g)
+
+    def choose(models, x):
+        return "lookup" if models["lookup"].predict(x) > 0.6 else "none"
+
+    rows = {r["features"]: r for r in ablation(generations, choose, dims=1)}
+    assert set(rows) == {"all", *(f"-{g}" for g in feature_groups(1))}
+    assert rows["all"]["alpha_mae"] < 0.05 and rows["all"]["tokens_per_s"] == approx(200 / 3.0)   # both right
+    # Without it every prediction is about the mean α (0.45): "none" for both, 200 tokens in 4 s.
+    assert rows["-repeat_rate"]["alpha_mae"] > 0.2 and rows["-repeat_rate"]["tokens_per_s"] == approx(50.0)
+    for group in ("length", "perplexity", "topics"):
+        assert rows[f"-{group}"]["alpha_mae"] < 0.1 and rows[f"-{group}"]["tokens_per_s"] == approx(200 / 3.0)
 
 
 @pytest.mark.reference
