@@ -15,15 +15,15 @@ window to the one that pays most at the replica's load, or to none:
 
 net(γ) is what one request's γ draft tokens add to the step: the tokens it emits beyond a plain
 step's one, minus what the extra time (its γ tokens in the forward, its share of the draft's
-call, which the whole step waits for) would have emitted decoding plainly at the step's rate. The verify forward is flat (each
-request feeds only its own tokens, ``batch_kv``), so one request's window costs b·γ and the
-others' rows are untouched; with every request speculating at γ with one draft of call time d
-(d̂ = d / B) it is the whole-batch rule E(γ)·B / (d + a + b·B·(1 + γ)) > B / (a + b·B) (without
-the margin). A request alone with a draft model pays the whole call (an earlier d / B charged a
-lone request at batch 8 an eighth of the call it made the whole step wait for). A busy step prices every
-token at the step's high rate, so windows shrink with load: at batch 16 on this CPU a γ = 1 pays
-from α ≈ 0.25, a γ = 4 only from α ≈ 0.6. A tree is kept whole (priced at its node budget) or
-dropped.
+call, which the whole step waits for) would have emitted decoding plainly at the step's rate.
+The verify forward is flat (each request feeds only its own tokens, ``batch_kv``), so one
+request's window costs b·γ and the others' rows are untouched; with every request speculating
+at γ with one draft of call time d (d̂ = d / B) it is the whole-batch rule
+E(γ)·B / (d + a + b·B·(1 + γ)) > B / (a + b·B) (without the margin). A request alone with a draft
+model pays the whole call (an earlier d / B charged a lone request at batch 8 an eighth of the
+call it made the whole step wait for). A busy step prices every token at the step's high rate,
+so windows shrink with load: at batch 16 on this CPU a γ = 1 pays from α ≈ 0.25, a γ = 4 only
+from α ≈ 0.6. A tree is kept whole (priced at its node budget) or dropped.
 
 A request whose client pinned its window or tree keeps it. Until both are measured it speculates
 (α̂ counts as measured after ``min_steps`` drafting steps of the draft, or at once when requests
@@ -33,7 +33,7 @@ ended short requests plain in ``bench policies``).
 Exploring: once speculation is off, α̂ is no longer observed, and a draft that started to pay
 (the workload changed) would stay off. So a request that decodes plainly earns credit,
 ``explore_share`` of its share of each step's time, and speculates at its asked window when the
-credit covers that window's price (b·tokens fed + its share of the draft's step): at most that
+credit covers that window's price (b·tokens fed + its share of the draft's call): at most that
 share of the verify time goes to exploring, spread over the requests one at a time. Exploring
 every request of one step in 32·B/4 (what this replaced) cost 3% of the verify time at batch 8
 and made that step several times slower than its neighbours (in-process, 8 chat prompts at once:
@@ -77,12 +77,13 @@ class GoodputPolicy:
         if not 0.0 <= explore_share < 1.0:
             raise ValueError(f"explore_share is a fraction of the verify time in [0, 1), got {explore_share}")
         self.explore_share = explore_share
-        self._credit: dict[str, float] = {}   # request id -> exploring credit (ms) of a plainly decoding request
+        self._credit: dict[str, float] = {}   # request id -> exploring credit (ms), plainly decoding requests
         self.alpha_max = alpha_max
         self._costs: deque[tuple[int, float]] = deque(maxlen=history_steps)   # (forward tokens, verify ms)
         self._costs_by_load: dict[str, deque[tuple[int, float]]] = {}        # the same, per load bucket
         self._outcomes: dict[str, deque[tuple[int, int]]] = {}                 # draft -> (n, γ) per step
-        self._draft_share: dict[str, deque[float]] = {}   # draft -> its call's ms per request that drafted with it, per step
+        # draft -> per step, its call's ms per request that drafted with it
+        self._draft_share: dict[str, deque[float]] = {}
         self._history = history_steps
         self._last_fit: tuple[float, float] | None = None
         # A request's first credit is a random part of its window's price, so that requests that
