@@ -86,6 +86,9 @@ class GoodputPolicy:
         self._draft_share: dict[str, deque[float]] = {}
         self._history = history_steps
         self._last_fit: tuple[float, float] | None = None
+        # cost_model's answer per load bucket until the next step is observed: it is asked for
+        # every request of a step, and each fit is a least squares over the history.
+        self._fits: dict[str | None, tuple[float, float] | None] = {}
         # A request's first credit is a random part of its window's price, so that requests that
         # arrived together do not all explore in the same step.
         self.rng = rng if rng is not None else random.Random()
@@ -106,6 +109,12 @@ class GoodputPolicy:
         """(a, b) of verify_ms ≈ a + b · tokens: from the steps of ``batch_size``'s load bucket
         when they span two sizes, else from all recent steps, else the last line that did; None
         until recent steps have spanned two sizes."""
+        key = None if batch_size is None else load_bucket(batch_size)
+        if key not in self._fits:
+            self._fits[key] = self._fit(batch_size)
+        return self._fits[key]
+
+    def _fit(self, batch_size: int | None) -> tuple[float, float] | None:
         if batch_size is not None:
             local = fit_verify_ms(self._costs_by_load.get(load_bucket(batch_size), ()))
             if local is not None:
@@ -187,6 +196,7 @@ class GoodputPolicy:
         if record.batch_size:
             cost = (record.forward_tokens, record.verify_ms)
             self._costs.append(cost)
+            self._fits.clear()
             self._costs_by_load.setdefault(load_bucket(record.batch_size), deque(maxlen=self._history)).append(cost)
         # Credit belongs to requests still in the batch (a running request is in every step's record).
         running = {step.request_id for step in record.requests}

@@ -7,8 +7,9 @@ head_dim]``, filled to its own length (``tokens[s]``: the tokens whose keys it h
 its slot's cached prefix and its ancestors among the new tokens (a chain: the tokens before it;
 a tree: its path), nothing of other slots. Two layouts:
 
-- **flat** (Llama-family models on the CPU when no feed has more than ``cpu_attention.MAX_NEW_TOKENS``
-  tokens: verify steps, unless a window, tree or uncached tail is longer): the feeds' tokens one after another, no padding (``LlamaForward.flat``). A request
+- **flat** (Llama-family models on the CPU when no feed has more than
+  ``cpu_attention.MAX_NEW_TOKENS`` tokens: verify steps, unless a window, tree or uncached tail
+  is longer): the feeds' tokens one after another, no padding (``LlamaForward.flat``). A request
   verifying 5 tokens beside fifteen decoding 1 makes a forward of 20 tokens. Measured in-process, 16
   ShareGPT chat prompts at once, one thread, bfloat16, 128 tokens: 4 of the 16 speculating with
   γ = 4, 97 -> 174 tok/s; all 16 at γ = 4, 113 -> 144; none, ~190 either way (2-core AMD EPYC,

@@ -298,8 +298,8 @@ class LlamaForward:
         """A step on the CPU (a verification or a short prefill) with its tokens flat (ragged):
         ids, positions [T], the sequences one after another; ``step`` says where each sequence's
         tokens are and what they see (``batch_kv.FlatStep``); ``buffers[i]`` = layer i's (keys,
-        values) slot buffers, into which this step's keys and values are written; ``keep`` [R]: the tokens whose logits come
-        back ([R, V]). Only ``cpu_attention.usable`` steps come here.
+        values) slot buffers, into which this step's keys and values are written; ``keep`` [R]:
+        the tokens whose logits come back ([R, V]). Only ``cpu_attention.usable`` steps come here.
 
         Why flat: padded to the longest feed, one request verifying 5 tokens made every row of a
         batch of 16 five tokens wide (80 tokens through every linear instead of 20). Here every

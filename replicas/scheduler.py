@@ -401,14 +401,13 @@ class Scheduler:
         request's new tokens and hands the step's record to the policy."""
         t0 = self._clock()
         prefilled = 0
+        # The router's perplexity feature costs an output layer over PERPLEXITY_ROWS rows (~25 ms
+        # of a one-thread prefill here): a busy replica scores none.
+        score_rows = PERPLEXITY_ROWS if self.router is not None and len(self.running) < PERPLEXITY_BUSY else 0
         for state, chunk in plan.prefill:
             if state.done:
                 continue
-            # The router's perplexity feature costs an output layer over PERPLEXITY_ROWS rows
-            # (~25 ms of a one-thread prefill here); a request that asked for no draft needs none,
-            # and a busy replica scores none.
-            wanted = self.router is not None and state.request.draft != NO_DRAFT and len(self.running) < PERPLEXITY_BUSY
-            scored = PERPLEXITY_ROWS if wanted else 0
+            scored = 0 if state.request.draft == NO_DRAFT else score_rows   # no draft: no router choice to feed
             done = self.target.prefill(state.slot, state.context[:-1], chunk, state.context[-1], scored)
             prefilled += done.fed
             if state.cached_tokens is None:   # the first chunk: what the slot already held
