@@ -23,16 +23,23 @@ on these shared machines slows all of them alike (DESIGN.md §6). Four sections:
   request (``start_window``, the hook, mirrors the target replica's warm start); and
   ``static-1`` .. ``static-8`` with their ``oracle-static`` on the same short requests: the gap
   that warm start should close. ``warm`` rows need ``--snapshot``.
-- ``load`` (the mix of all categories, ``load_requests`` requests): at each concurrency c the
-  requests go in waves of c at once through one scheduler (``generate_batch_ids``, batched in
-  every step as a replica batches them): ``load-aware`` (``build_policy("load-aware")``, one
-  object per concurrency across its waves) against ``target-only`` (no draft).
+- ``load`` (the mix of all categories, ``load_requests`` requests): ``load-aware``
+  (``build_policy("load-aware")``, one object per concurrency, kept across its rounds as a replica
+  keeps it) against ``target-only`` (no draft), batched in every step as a replica batches them.
+  ``steady`` (the default): at each concurrency c, every request goes through one scheduler per
+  row that holds at most c at once (the next enters as one finishes), and the two rows' schedulers
+  take turns step by step in one thread (``SpecEngine.generate_side_by_side``), each row's time
+  the sum of its own steps; ``load_rounds`` rounds. ``waves``: the requests in waves of c at once,
+  the rows alternating per wave. Why steady and step by step: a wave's makespan is its slowest
+  request (the speculating ones finish first, the others end the wave), and whole runs of the same
+  code 25 s apart differed by ±8% on these shared machines, while rows taking turns per step (~40
+  ms) agreed within ±1% (session 16, 16 at once, target-only 223-229 tok/s over four rounds).
 
 Per row (policy × section × category, plus an ``all`` row over the categories; the load rows are
 ``all``): ``tokens_per_s`` = Σ tokens / Σ seconds over the requests, ``mean_accepted_len`` τ =
 Σ emitted tokens / Σ steps (per request-step), and ``ratio`` = tokens_per_s over the section's
 reference row (``ratio_to``: oracle-static, static-tree, oracle-static, target-only at the same
-concurrency). ``requests`` in the JSON has every timed generation (or wave) with its numbers; the
+concurrency). ``requests`` in the JSON has every timed generation (wave, or steady round) with its numbers; the
 ``aims`` are issue 13's, computed on the ``all`` rows. A policy the registry does not have yet is
 absent, and ``notes`` says so.
 """
@@ -70,7 +77,9 @@ STATIC_TREES = (TreeShape(2, 2, 4), START_TREE, TreeShape(6, 2, 12))
 # Issue 13: cold vs warm start on short requests, where the first steps weigh most.
 SHORT_TOKENS = 32
 CONCURRENCY = (1, 4, 16)
-LOAD_REQUESTS = 16
+LOAD_REQUESTS = 32
+LOAD_MODES = ("steady", "waves")
+LOAD_ROUNDS = 2
 WARMUP_TOKENS = 16
 # The policy names issue 13 asks for: the ones the registry lacks are reported absent, not failed.
 WINDOW_POLICIES_EXPECTED = ("online", "fsm", "cache-fsm", "q-learning", "hf-heuristic")
@@ -223,12 +232,12 @@ def start_window(prompt_ids: Sequence[int], draft: str, target: str, snapshot: d
 
 @dataclass
 class Sample:
-    """One timed generation (or, in the load section, one wave of requests at once)."""
+    """One timed generation (or, in the load section, one wave or one steady round of requests)."""
 
     policy: str
     section: str
     category: str
-    request: int               # index into the run's prompts (the first request of a wave)
+    request: int               # index into the run's prompts (the first request of a wave; a steady round's number)
     max_tokens: int
     concurrency: int
     tokens: int
@@ -286,8 +295,9 @@ def timed(run: Run, row: Row, prompts: list[list[int]], max_tokens: int, policy)
 
 
 def measure(run: Run, rows: list[Row], prompts: list[tuple[str, list[int]]], load_prompts_: list[list[int]],
-            max_tokens: int, concurrency: Sequence[int], bar=None) -> list[Sample]:
-    """Warm every row up once, then time each (prompt, row) in rotating order, then the load waves."""
+            max_tokens: int, concurrency: Sequence[int], bar=None, load_mode: str = "steady",
+            load_rounds: int = LOAD_ROUNDS) -> list[Sample]:
+    """Warm every row up once, then time each (prompt, row) in rotating order, then the load rows."""
     short = min(SHORT_TOKENS, max_tokens)
     single = [r for r in rows if r.section != "load"]
     load = [r for r in rows if r.section == "load"]
@@ -306,6 +316,9 @@ def measure(run: Run, rows: list[Row], prompts: list[tuple[str, list[int]]], loa
                                   gens[0].stats.steps, gens[0].stats.emitted, *starts[0]))
             if bar is not None:
                 bar.update()
+    if load and load_mode == "steady":
+        samples += steady(run, load, load_prompts_, max_tokens, concurrency, load_rounds, bar)
+        return samples
     for c in concurrency if load else ():
         for w, first in enumerate(range(0, len(load_prompts_), c)):
             wave = load_prompts_[first:first + c]
@@ -320,9 +333,34 @@ def measure(run: Run, rows: list[Row], prompts: list[tuple[str, list[int]]], loa
     return samples
 
 
-def count_generations(rows: list[Row], prompts: int, load_requests: int, concurrency: Sequence[int]) -> int:
+def steady(run: Run, rows: list[Row], load_prompts_: list[list[int]], max_tokens: int, concurrency: Sequence[int],
+           rounds: int, bar=None) -> list[Sample]:
+    """Per concurrency c and round, every load row decodes all of ``load_prompts_`` with at most c
+    at once, the rows' steps taking turns; a sample per (row, round)."""
+    samples = []
+    for c in concurrency:
+        for k in range(rounds):
+            if bar is not None:
+                bar.set_postfix_str(f"{' and '.join(r.name for r in rows)} at {c}, steady, round {k + 1}")
+            runs = []
+            for row in rows:
+                requests, _ = zip(*(row_request(run, row, ids, max_tokens) for ids in load_prompts_))
+                runs.append((list(requests), run.policy(row, str(c))))
+            out = run.engine.generate_side_by_side(load_prompts_, runs, max_running=c)
+            for row, (gens, seconds) in zip(rows, out):
+                samples.append(Sample(row.name, "load", ALL, k, max_tokens, c, sum(len(g.token_ids) for g in gens),
+                                      seconds, sum(g.stats.steps for g in gens), sum(g.stats.emitted for g in gens)))
+            if bar is not None:
+                bar.update(len(rows))
+    return samples
+
+
+def count_generations(rows: list[Row], prompts: int, load_requests: int, concurrency: Sequence[int],
+                      load_mode: str = "steady", load_rounds: int = LOAD_ROUNDS) -> int:
     single = sum(r.section != "load" for r in rows)
     load = sum(r.section == "load" for r in rows)
+    if load_mode == "steady":
+        return prompts * single + load * load_rounds * len(concurrency)
     return prompts * single + load * sum(-(-load_requests // c) for c in concurrency)
 
 
@@ -485,7 +523,9 @@ def plot(rows: list[dict], categories: Sequence[str], meta: dict, path: Path) ->
         ax.set_xticks(range(len(levels)), [str(c) for c in levels])
         ax.set_xlabel("requests at once")
         ax.set_ylabel("tokens / s (all requests)")
-        ax.set_title(f"load: {meta['load_requests']} requests of the mix, in waves", fontsize=10)
+        how = (f"at most c at once, rows taking turns per step, {meta['load_rounds']} rounds"
+               if meta["load_mode"] == "steady" else "in waves of c")
+        ax.set_title(f"load: {meta['load_requests']} requests of the mix, {how}", fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     for ax in flat[count:]:
@@ -552,6 +592,8 @@ def run_policies_bench(
     start_policy: str | None = None,
     engine: SpecEngine | None = None,
     progress: bool = True,
+    load_mode: str = "steady",
+    load_rounds: int = LOAD_ROUNDS,
 ) -> dict:
     """Run every row on the same prompts; write JSON and plot, print a table; return the JSON."""
     from specserve.policies.registry import DEFAULT_POLICY
@@ -564,6 +606,10 @@ def run_policies_bench(
         raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
     if load_requests < 1 or not concurrency or min(concurrency) < 1:
         raise ValueError(f"--load-requests and every --concurrency must be >= 1, got {load_requests} and {list(concurrency)}")
+    if load_mode not in LOAD_MODES:
+        raise ValueError(f"--load-mode: choose from {', '.join(LOAD_MODES)}, got {load_mode!r}")
+    if load_rounds < 1:
+        raise ValueError(f"--load-rounds must be >= 1, got {load_rounds}")
     categories = list(CATEGORIES if categories is None else dict.fromkeys(c.strip() for c in categories if c.strip()))
     unknown = [c for c in categories if c not in CATEGORIES]
     if unknown or not categories:
@@ -593,9 +639,9 @@ def run_policies_bench(
     mix = [encoded[c][i] for i in range(per_category) for c in categories][:load_requests]
 
     run = Run(engine, draft_name, snapshot)
-    total = count_generations(rows_run, len(prompts), load_requests, concurrency)
+    total = count_generations(rows_run, len(prompts), load_requests, concurrency, load_mode, load_rounds)
     with tqdm(total=total, desc="bench policies", unit="gen", disable=not progress) as bar, quiet_draft_servers():
-        samples = measure(run, rows_run, prompts, mix, max_tokens, concurrency, bar)
+        samples = measure(run, rows_run, prompts, mix, max_tokens, concurrency, bar, load_mode, load_rounds)
     samples += oracle_samples(samples)
     order = [*dict.fromkeys(r.name for r in rows_run)]
     order.insert(order.index(static_name(8)) + 1 if static_name(8) in order else 0, ORACLE)
@@ -618,6 +664,8 @@ def run_policies_bench(
         "prompt_tokens": {c: [len(ids) for cat, ids in prompts if cat == c] for c in categories},
         "concurrency": list(concurrency),
         "load_requests": load_requests,
+        "load_mode": load_mode,
+        "load_rounds": load_rounds if load_mode == "steady" else None,
         "start_window": START_WINDOW,
         "start_tree": asdict(START_TREE),
         "static_trees": {tree_name(s): asdict(s) for s in STATIC_TREES},

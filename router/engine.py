@@ -8,6 +8,7 @@ with the drafts in-process and model work in the caller's thread: ``specserve ge
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,11 +63,13 @@ def in_process_server(name: str, draft: Draft) -> DraftServer:
 def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[SpecRequest],
               eos_token_ids: frozenset[int] | set[int] = frozenset(), policy=None,
               on_tokens: Callable[[int, list[int]], None] | None = None, prefill_chunk: int = 512,
-              router: DraftRouter | None = None) -> list[Generation]:
-    """Every request through one scheduler (batched as the target's slots allow), in-process.
+              router: DraftRouter | None = None, max_running: int | None = None) -> list[Generation]:
+    """Every request through one scheduler (batched as the target's slots allow, or at most
+    ``max_running`` at once: the next waiting request enters as one finishes), in-process.
     ``on_tokens(i, tokens)`` sees request i's tokens as each step verifies them. ``router``
     chooses the draft of ``AUTO_DRAFT`` requests (and learns from every request)."""
-    scheduler = Scheduler(target, policy or StaticPolicy(), eos_token_ids, prefill_chunk=prefill_chunk, router=router)
+    scheduler = Scheduler(target, policy or StaticPolicy(), eos_token_ids, prefill_chunk=prefill_chunk,
+                          max_running=max_running, router=router)
     loop = StepLoop(scheduler, drafts, InlineWorker())
     states = []
     for i, request in enumerate(requests):
@@ -74,6 +77,37 @@ def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[Spe
         states.append(loop.add(request, emit))
     asyncio.run(loop.run_until_idle())
     return [Generation(s.out, s.finish_reason or "length", s.stats, s.routing) for s in states]
+
+
+def run_side_by_side(targets: list[Target], drafts: dict[str, DraftServer],
+                     runs: list[tuple[list[SpecRequest], object]], eos_token_ids: frozenset[int] | set[int] = frozenset(),
+                     max_running: int | None = None) -> list[tuple[list[Generation], float]]:
+    """Several runs of requests (each with its policy, its own scheduler and target) in one
+    thread, their steps taking turns: each run's seconds are the sum of its own steps. A noisy
+    neighbour on a shared machine slows whatever step is running, so two runs compared this way
+    see the same machine to within a step (~40 ms) instead of within a run (~25 s, where rounds of
+    the same code differ by ±8%)."""
+    if len(targets) != len(runs):
+        raise ValueError(f"one target per run: {len(targets)} targets for {len(runs)} runs")
+    loops = [StepLoop(Scheduler(target, policy or StaticPolicy(), eos_token_ids, max_running=max_running),
+                      drafts, InlineWorker()) for target, (_, policy) in zip(targets, runs)]
+    states = [[loop.add(request) for request in requests] for loop, (requests, _) in zip(loops, runs)]
+    seconds = [0.0] * len(loops)
+
+    async def take_turns() -> None:
+        turn = 0
+        while any(loop.scheduler.has_work for loop in loops):
+            # The first to step changes every step, so no run always follows the same other one.
+            for i in [*range(turn % len(loops), len(loops)), *range(turn % len(loops))]:
+                if loops[i].scheduler.has_work:
+                    start = time.perf_counter()
+                    await loops[i].step()
+                    seconds[i] += time.perf_counter() - start
+            turn += 1
+
+    asyncio.run(take_turns())
+    return [([Generation(s.out, s.finish_reason or "length", s.stats, s.routing) for s in mine], sec)
+            for mine, sec in zip(states, seconds)]
 
 
 def speculative_generate(
@@ -165,11 +199,23 @@ class SpecEngine:
                                        None if on_tokens is None else (lambda _, t: on_tokens(t)))[0]
 
     def generate_batch_ids(self, prompt_ids: list[list[int]], requests: list[GenerateRequest],
-                           on_tokens: Callable[[int, list[int]], None] | None = None, policy=None) -> list[Generation]:
-        """Several requests at once, batched in every step as a served replica batches them."""
+                           on_tokens: Callable[[int, list[int]], None] | None = None, policy=None,
+                           max_running: int | None = None) -> list[Generation]:
+        """Several requests at once, batched in every step as a served replica batches them
+        (``max_running``: at most that many in the batch, the others wait their turn)."""
         spec_requests = [self._spec_request(ids, r) for ids, r in zip(prompt_ids, requests)]
         return run_batch(self.target, self.servers, spec_requests, self.loaded.eos_token_ids, policy, on_tokens,
-                         router=self.router)
+                         router=self.router, max_running=max_running)
+
+    def generate_side_by_side(self, prompt_ids: list[list[int]], runs: list[tuple[list[GenerateRequest], object]],
+                              max_running: int | None = None) -> list[tuple[list[Generation], float]]:
+        """The same prompts once per run (its requests and policy), each run on a fresh target of
+        its own over the shared model, their steps taking turns (``run_side_by_side``): per run,
+        its generations and the seconds of its own steps."""
+        targets = [Target(self.loaded.model, self.target.slots) for _ in runs]
+        spec_runs = [([self._spec_request(ids, r) for ids, r in zip(prompt_ids, requests)], policy)
+                     for requests, policy in runs]
+        return run_side_by_side(targets, self.servers, spec_runs, self.loaded.eos_token_ids, max_running)
 
     def generate(self, request: GenerateRequest) -> dict:
         """The ``--json`` object: ``{text, token_ids, finish_reason, usage, spec}``."""

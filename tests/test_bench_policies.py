@@ -146,6 +146,8 @@ def test_a_snapshot_is_read_from_the_policy_endpoints_body_or_as_itself():
     (["--concurrency", "1,x"], "--concurrency takes comma-separated integers"),
     (["--draft", "none"], "--draft none cannot speculate"),
     (["--start-policy", "nope"], "start policy 'nope' is not registered"),
+    (["--load-mode", "bursts"], "--load-mode: choose from steady, waves"),
+    (["--load-rounds", "0"], "--load-rounds must be >= 1"),
 ])
 def test_bad_arguments_fail_before_the_model_loads(args, message, tmp_path):
     result = subprocess.run([sys.executable, "-m", "specserve.cluster.cli", "bench", "policies", *args,
@@ -193,6 +195,11 @@ def test_a_tiny_run_writes_the_rows_issue_13_asks_for(engine, tmp_path):
     assert expected <= got, expected - got
     assert {(r["policy"], r["concurrency"]) for r in rows if r["section"] == "load"} == {
         (p, c) for p in ("load-aware", TARGET_ONLY) for c in (1, 2)}
+    # Steady load (the default): a sample per row, concurrency and round, every request in each.
+    steady = [s for s in report["requests"] if s["section"] == "load"]
+    assert sorted((s["policy"], s["concurrency"], s["request"]) for s in steady) == sorted(
+        (p, c, k) for p in ("load-aware", TARGET_ONLY) for c in (1, 2) for k in range(2))
+    assert all(s["tokens"] == 2 * 6 for s in steady if s["policy"] == TARGET_ONLY)   # two requests of 6 tokens
     assert all(r["mean_accepted_len"] == 1.0 for r in rows if r["policy"] == TARGET_ONLY)
     # sage: a row when registered, else a note saying it is absent.
     assert ("tree", "sage") in got or any("'sage' is not registered" in n for n in report["notes"])
@@ -212,3 +219,17 @@ def test_a_tiny_run_writes_the_rows_issue_13_asks_for(engine, tmp_path):
     assert set(report["aims"]) >= {"online_vs_oracle", "warm_share_of_cold_to_oracle_gap_closed",
                                    "load_aware_vs_target_only_lowest"}
     assert report["meta"]["machine"]["cpu_model"]
+
+
+@pytest.mark.reference
+def test_load_rows_in_waves(engine, tmp_path):
+    report = run_policies_bench(
+        tmp_path / "p.json", tmp_path / "p.png", prompts_per_category=1, max_tokens=4, categories=["chat"],
+        policies=["load-aware"], concurrency=[2], load_requests=3, dtype="float32", engine=engine,
+        progress=False, load_mode="waves",
+    )
+    waves = [s for s in report["requests"] if s["section"] == "load"]
+    # Waves of two: requests 0-1, then 2, each wave once per row.
+    assert sorted((s["policy"], s["request"], s["tokens"]) for s in waves) == sorted(
+        (p, first, n) for p in ("load-aware", TARGET_ONLY) for first, n in ((0, 8), (2, 4)))
+    assert report["meta"]["load_mode"] == "waves" and report["meta"]["load_rounds"] is None

@@ -17,7 +17,7 @@ from specserve.replicas.scheduler import Scheduler, SpecRequest, draft_seed
 from specserve.replicas.step import Proposal, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
-from specserve.router.engine import run_batch, speculative_generate
+from specserve.router.engine import run_batch, run_side_by_side, speculative_generate
 from test_greedy_equality import perturbed
 from tiny_models import ARCHITECTURES, tiny_model
 
@@ -242,3 +242,34 @@ def test_a_cache_salt_reuses_only_its_own_salts_caches():
     again = once(3, "tenant-a")
     assert again.cached_tokens == len(prompt) - 1           # its own tenant's cache is
     assert again.out == first.out
+
+
+class BatchSizes(StaticPolicy):
+    """The static policy, recording every step's batch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def observe(self, record):
+        super().observe(record)
+        self.sizes.append(record.batch_size)
+
+
+def test_runs_side_by_side_take_turns_and_each_equals_its_requests_alone():
+    model = tiny_model("llama", seed=0)
+    speculating = [SpecRequest(p, NEW_TOKENS, GREEDY, d, w, t, f"s{i}") for i, (p, (d, w, t)) in enumerate(zip(PROMPTS, ASKS))]
+    plain = [SpecRequest(p, NEW_TOKENS, GREEDY, "none", 0, None, f"p{i}") for i, p in enumerate(PROMPTS)]
+    policies = [BatchSizes(), BatchSizes()]
+    out = run_side_by_side([Target(model, slots=8), Target(model, slots=8)], servers(model),
+                           [(speculating, policies[0]), (plain, policies[1])], max_running=2)
+    for gens, seconds in out:
+        assert seconds > 0
+        for prompt, gen in zip(PROMPTS, gens):
+            assert gen.token_ids == alone(model, prompt)
+    # At most two at once (the others waited their turn).
+    for policy in policies:
+        assert max(policy.sizes) == 2 and policy.sizes.count(2) > NEW_TOKENS
+    assert sum(g.stats.accepted for g in out[0][0]) > 10 and sum(g.stats.accepted for g in out[1][0]) == 0
+    with pytest.raises(ValueError, match="one target per run"):
+        run_side_by_side([Target(model, slots=2)], servers(model), [(plain, None), (plain, None)])
