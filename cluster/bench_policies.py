@@ -1,9 +1,9 @@
 """Policy benchmark: every window and tree policy beside static speculation and its oracle, by category.
 
 In-process, the reference target, greedy, one draft (prompt lookup unless ``--draft``), prompts
-rendered with the chat template; every row decodes the same prompts in the same run and the rows
-take turns on each prompt (the starting row rotates from prompt to prompt), so a noisy neighbour
-on these shared machines slows all of them alike (DESIGN.md §6). Four sections:
+rendered with the chat template; every row decodes the same prompts in the same run, the rows'
+steps taking turns (below), so a noisy neighbour on these shared machines slows all of them alike
+(DESIGN.md §6). Four sections:
 
 - ``window`` (one stream, ``max_tokens``): ``static-1`` .. ``static-8`` (the static policy, that
   window every step); ``oracle-static``, per request the static window that was fastest on it,
@@ -22,7 +22,12 @@ on these shared machines slows all of them alike (DESIGN.md §6). Four sections:
   default window; ``warm``, the same from the window the cluster snapshot's prior gives the
   request (``start_window``, the hook, mirrors the target replica's warm start); and
   ``static-1`` .. ``static-8`` with their ``oracle-static`` on the same short requests: the gap
-  that warm start should close. ``warm`` rows need ``--snapshot``.
+  that warm start should close. ``warm`` rows need ``--snapshot``, or ``--learn-snapshot N``:
+  one learned in-process from N other prompts (``learn_snapshot``).
+In ``window``, ``tree`` and ``start`` every row of one length decodes the prompt side by side
+with the others, their steps taking turns in one thread (``SpecEngine.generate_side_by_side``), each
+row's time the sum of its own steps: rows measured minutes apart on these shared machines differ by
+more than the few percent the aims are about, rows taking turns per step see the same machine.
 - ``load`` (the mix of all categories, ``load_requests`` requests): ``load-aware``
   (``build_policy("load-aware")``, one object per concurrency, kept across its rounds as a replica
   keeps it) against ``target-only`` (no draft), batched in every step as a replica batches them.
@@ -80,6 +85,10 @@ CONCURRENCY = (1, 4, 16)
 LOAD_REQUESTS = 32
 LOAD_MODES = ("steady", "waves")
 LOAD_ROUNDS = 2
+# ``--learn-snapshot``: the learning requests' new tokens and how many run at once (a warm row
+# starts alone, so the costs of a request alone must be measured; 4 at once adds the b4 bucket).
+LEARN_TOKENS = 64
+LEARN_LEVELS = (1, 4)
 WARMUP_TOKENS = 16
 # The policy names issue 13 asks for: the ones the registry lacks are reported absent, not failed.
 WINDOW_POLICIES_EXPECTED = ("online", "fsm", "cache-fsm", "q-learning", "hf-heuristic")
@@ -227,6 +236,42 @@ def start_window(prompt_ids: Sequence[int], draft: str, target: str, snapshot: d
     return (default_window, None) if start is None else (start["window"], start)
 
 
+class Collecting:
+    """A policy that also counts every step in a replica's statistics collector, as a target
+    replica does (``ReplicaLearning``: ``start`` per request, ``observe`` per step)."""
+
+    def __init__(self, policy, collector):
+        self.policy, self.collector = policy, collector
+        self._started: set[str] = set()
+
+    def choose(self, state, batch_size: int):
+        if state.id not in self._started:
+            self._started.add(state.id)
+            self.collector.start(state.id, state.request.draft, len(state.request.prompt_ids))
+        return self.policy.choose(state, batch_size)
+
+    def observe(self, record) -> None:
+        self.collector.observe(record)
+        self.policy.observe(record)
+
+
+def learn_snapshot(engine: SpecEngine, draft: str, prompts: list[list[int]], policy: str,
+                   max_tokens: int = LEARN_TOKENS, levels: Sequence[int] = LEARN_LEVELS) -> dict:
+    """A snapshot learned in-process from ``prompts`` (none of the measured ones): they are decoded
+    with ``policy`` from the default window at each of ``levels`` requests at once, counted by a
+    replica's ``StatsCollector`` and priced by the policy service's ``compute_snapshot``: the
+    counters and the maths of the cluster's snapshot, without Redis or a cluster."""
+    from specserve.policies.priors import compute_snapshot
+    from specserve.policies.stats import StatsCollector
+
+    collector = StatsCollector(engine.loaded.name)
+    for c in levels:
+        engine.reset_caches()
+        requests = [GenerateRequest("", max_tokens, draft, START_WINDOW) for _ in prompts]
+        engine.generate_batch_ids(prompts, requests, policy=Collecting(build_policy(policy), collector), max_running=c)
+    return compute_snapshot(collector.drain())
+
+
 # --- the run -------------------------------------------------------------------------------
 
 
@@ -306,16 +351,19 @@ def measure(run: Run, rows: list[Row], prompts: list[tuple[str, list[int]]], loa
         timed(run, row, [prompts[0][1]], min(max_tokens, WARMUP_TOKENS), build_policy(row.policy))
     samples: list[Sample] = []
     for i, (category, ids) in enumerate(prompts):
-        shift = i % len(single) if single else 0
-        for row in single[shift:] + single[:shift]:
-            tokens = short if row.section == "start" else max_tokens
+        # The rows of one length decode this prompt side by side, their steps taking turns.
+        for tokens in sorted({short if r.section == "start" else max_tokens for r in single}):
+            mine = [r for r in single if (short if r.section == "start" else max_tokens) == tokens]
             if bar is not None:
-                bar.set_postfix_str(f"{category} {row.name} ({row.section})")
-            gens, seconds, starts = timed(run, row, [ids], tokens, run.policy(row, category))
-            samples.append(Sample(row.name, row.section, category, i, tokens, 1, len(gens[0].token_ids), seconds,
-                                  gens[0].stats.steps, gens[0].stats.emitted, *starts[0]))
+                bar.set_postfix_str(f"{category} prompt {i + 1}, {len(mine)} rows side by side ({tokens} tokens)")
+            asks = [row_request(run, row, ids, tokens) for row in mine]
+            out = run.engine.generate_side_by_side(
+                [ids], [([request], run.policy(row, category)) for row, (request, _) in zip(mine, asks)], max_running=1)
+            for row, (_, start), ((gen,), seconds) in zip(mine, asks, out):
+                samples.append(Sample(row.name, row.section, category, i, tokens, 1, len(gen.token_ids), seconds,
+                                      gen.stats.steps, gen.stats.emitted, *start))
             if bar is not None:
-                bar.update()
+                bar.update(len(mine))
     if load and load_mode == "steady":
         samples += steady(run, load, load_prompts_, max_tokens, concurrency, load_rounds, bar)
         return samples
@@ -594,6 +642,7 @@ def run_policies_bench(
     progress: bool = True,
     load_mode: str = "steady",
     load_rounds: int = LOAD_ROUNDS,
+    learn_snapshot_requests: int = 0,
 ) -> dict:
     """Run every row on the same prompts; write JSON and plot, print a table; return the JSON."""
     from specserve.policies.registry import DEFAULT_POLICY
@@ -614,18 +663,22 @@ def run_policies_bench(
     unknown = [c for c in categories if c not in CATEGORIES]
     if unknown or not categories:
         raise ValueError(f"--categories: choose from {', '.join(CATEGORIES)}, got {', '.join(unknown) or 'none'}")
+    if learn_snapshot_requests < 0 or (learn_snapshot_requests and snapshot is not None):
+        raise ValueError("--learn-snapshot takes a number of requests >= 1 and replaces --snapshot: give one of them")
     start_policy = start_policy or DEFAULT_POLICY
     if snapshot is not None:
         snapshot = read_snapshot(snapshot)
+    learning = bool(learn_snapshot_requests)
     draft_name, draft_models = resolve_draft(draft)
     window_policies, tree_policies, registered = registered_policies()
     if start_policy not in registered:
         raise ValueError(f"start policy {start_policy!r} is not registered; choose from {', '.join(sorted(registered))}")
-    plan_rows(policies, window_policies, tree_policies, True, snapshot is not None, start_policy)   # names, before the load
+    plan_rows(policies, window_policies, tree_policies, True, snapshot is not None or learning, start_policy)   # names, before the load
     # Load prompts (the first per category are the single-stream requests; the load rows take the
     # mix round robin, as many distinct prompts as they need).
     per_category = max(prompts_per_category, -(-load_requests // len(categories)))
-    texts = {c: load_prompts(c, per_category) for c in categories}
+    learn_per_category = -(-learn_snapshot_requests // len(categories))
+    texts = {c: load_prompts(c, per_category + learn_per_category) for c in categories}
 
     machine_before = machine_info()
     if engine is None:
@@ -633,10 +686,22 @@ def run_policies_bench(
     if draft_name not in engine.drafts:
         raise ValueError(f"the engine has no draft {draft_name!r}; it has {', '.join(engine.drafts)}")
     trees_ok = callable(getattr(engine.drafts[draft_name], "propose_tree", None))
-    rows_run, notes = plan_rows(policies, window_policies, tree_policies, trees_ok, snapshot is not None, start_policy)
+    rows_run, notes = plan_rows(policies, window_policies, tree_policies, trees_ok, snapshot is not None or learning,
+                                start_policy)
     encoded = {c: [engine.encode(t, chat=True) for t in ts] for c, ts in texts.items()}
     prompts = [(c, encoded[c][i]) for c in categories for i in range(prompts_per_category)]
     mix = [encoded[c][i] for i in range(per_category) for c in categories][:load_requests]
+    if learning and any(r.name == WARM for r in rows_run):
+        learn = [encoded[c][per_category + i] for i in range(learn_per_category) for c in categories]
+        learn = learn[:learn_snapshot_requests]
+        if progress:
+            print(f"learning a snapshot from {len(learn)} other prompts ({LEARN_TOKENS} tokens, "
+                  f"{' and '.join(map(str, LEARN_LEVELS))} at once)...", flush=True)
+        with quiet_draft_servers():
+            snapshot = learn_snapshot(engine, draft_name, learn, start_policy)
+        notes.append(f"warm: the snapshot was learned in-process from {len(learn)} other prompts of the categories "
+                     f"({LEARN_TOKENS} tokens, {', '.join(map(str, LEARN_LEVELS))} at once, {start_policy}): "
+                     f"{len(snapshot['priors'])} priors")
 
     run = Run(engine, draft_name, snapshot)
     total = count_generations(rows_run, len(prompts), load_requests, concurrency, load_mode, load_rounds)
@@ -674,11 +739,14 @@ def run_policies_bench(
         "tree_policies": list(tree_policies),
         "rows_run": order,
         "snapshot": None if snapshot is None else {k: snapshot.get(k) for k in ("format", "version", "computed_at")},
+        "snapshot_learned_from": learn_snapshot_requests or None,
         "machine": machine_before,
         "load_avg_1m_after": machine_info()["load_avg_1m"],
     }
     report = {"meta": meta, "notes": notes, "aims": aims(rows, window_policies, tree_policies), "rows": rows,
               "requests": [asdict(s) for s in samples]}
+    if learning:
+        report["learned_snapshot"] = snapshot   # to start another run's warm rows from (--snapshot)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, categories, meta, plot_path)

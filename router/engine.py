@@ -210,9 +210,11 @@ class SpecEngine:
     def generate_side_by_side(self, prompt_ids: list[list[int]], runs: list[tuple[list[GenerateRequest], object]],
                               max_running: int | None = None) -> list[tuple[list[Generation], float]]:
         """The same prompts once per run (its requests and policy), each run on a fresh target of
-        its own over the shared model, their steps taking turns (``run_side_by_side``): per run,
-        its generations and the seconds of its own steps."""
-        targets = [Target(self.loaded.model, self.target.slots) for _ in runs]
+        its own over the shared model (``max_running`` slots, else the engine's), their steps
+        taking turns (``run_side_by_side``): per run, its generations and the seconds of its own
+        steps."""
+        slots = min(max_running or self.target.slots, self.target.slots)
+        targets = [Target(self.loaded.model, slots) for _ in runs]
         spec_runs = [([self._spec_request(ids, r) for ids, r in zip(prompt_ids, requests)], policy)
                      for requests, policy in runs]
         return run_side_by_side(targets, self.servers, spec_runs, self.loaded.eos_token_ids, max_running)

@@ -233,3 +233,21 @@ def test_load_rows_in_waves(engine, tmp_path):
     assert sorted((s["policy"], s["request"], s["tokens"]) for s in waves) == sorted(
         (p, first, n) for p in ("load-aware", TARGET_ONLY) for first, n in ((0, 8), (2, 4)))
     assert report["meta"]["load_mode"] == "waves" and report["meta"]["load_rounds"] is None
+
+
+@pytest.mark.reference
+def test_warm_rows_can_start_from_a_snapshot_learned_in_process(engine, tmp_path):
+    report = run_policies_bench(
+        tmp_path / "p.json", tmp_path / "p.png", prompts_per_category=1, max_tokens=6, categories=["edit"],
+        policies=["warm"], concurrency=[1], load_requests=1, dtype="float32", engine=engine, progress=False,
+        learn_snapshot_requests=2,
+    )
+    learned = report["learned_snapshot"]
+    assert learned["priors"] and {p["draft"] for p in learned["priors"]} == {"prompt-lookup"}
+    assert any("learned in-process from 2 other prompts" in n for n in report["notes"])
+    warm = [s for s in report["requests"] if s["policy"] == WARM]
+    assert warm and all(s["prior"] for s in warm)
+    assert report["meta"]["snapshot_learned_from"] == 2
+    with pytest.raises(ValueError, match="replaces --snapshot"):
+        run_policies_bench(tmp_path / "q.json", tmp_path / "q.png", learn_snapshot_requests=2,
+                           snapshot=snapshot({"bucket": "all", "best_window": 2}), engine=engine, progress=False)
