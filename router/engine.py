@@ -22,7 +22,7 @@ from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
 from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.sampling import SamplingParams
-from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT, Scheduler, SpecRequest
+from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT, RequestState, Scheduler, SpecRequest
 from specserve.replicas.step import SpecStats, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
@@ -76,7 +76,12 @@ def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[Spe
         emit = None if on_tokens is None else (lambda item, i=i: on_tokens(i, item["token_ids"]))
         states.append(loop.add(request, emit))
     asyncio.run(loop.run_until_idle())
-    return [Generation(s.out, s.finish_reason or "length", s.stats, s.routing) for s in states]
+    return [generation(s) for s in states]
+
+
+def generation(state: RequestState) -> Generation:
+    """What a finished request hands back."""
+    return Generation(state.out, state.finish_reason or "length", state.stats, state.routing)
 
 
 def run_side_by_side(targets: list[Target], drafts: dict[str, DraftServer],
@@ -106,8 +111,7 @@ def run_side_by_side(targets: list[Target], drafts: dict[str, DraftServer],
             turn += 1
 
     asyncio.run(take_turns())
-    return [([Generation(s.out, s.finish_reason or "length", s.stats, s.routing) for s in mine], sec)
-            for mine, sec in zip(states, seconds)]
+    return [([generation(s) for s in mine], sec) for mine, sec in zip(states, seconds)]
 
 
 def speculative_generate(
