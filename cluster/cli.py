@@ -499,8 +499,9 @@ def bench_policies(
     window and tree policy in the registry, cold vs warm start on short requests, and load-aware vs
     target-only at each concurrency, by category, side by side in one run.
 
-    A default run (4 categories x 2 prompts x 96 tokens, 16 load requests, prompt lookup) takes about
-    6 minutes on a quiet 2-core AMD EPYC and about 15 on the slower 2-core Intel Xeon; a model draft
+    A default run (4 categories x 2 prompts x 96 tokens, 32 load requests in 2 steady rounds, prompt
+    lookup) takes about 10 minutes on a quiet 2-core AMD EPYC (11 with --learn-snapshot 16 and
+    --concurrency 1,4,8,16) and over twice that on the slower 2-core Intel Xeon; a model draft
     takes longer."""
     from specserve.cluster.bench_policies import run_policies_bench
 
