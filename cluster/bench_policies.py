@@ -342,8 +342,12 @@ def timed(run: Run, row: Row, prompts: list[list[int]], max_tokens: int, policy)
 def measure(run: Run, rows: list[Row], prompts: list[tuple[str, list[int]]], load_prompts_: list[list[int]],
             max_tokens: int, concurrency: Sequence[int], bar=None, load_mode: str = "steady",
             load_rounds: int = LOAD_ROUNDS) -> list[Sample]:
-    """Warm every row up once, then time each (prompt, row) in rotating order, then the load rows."""
+    """Warm every row up once, then each prompt with its rows side by side, then the load rows."""
     short = min(SHORT_TOKENS, max_tokens)
+
+    def tokens_of(row: Row) -> int:
+        return short if row.section == "start" else max_tokens
+
     single = [r for r in rows if r.section != "load"]
     load = [r for r in rows if r.section == "load"]
     # Warm-up with throwaway policies, so that the timed rows' policies start fresh.
@@ -352,8 +356,8 @@ def measure(run: Run, rows: list[Row], prompts: list[tuple[str, list[int]]], loa
     samples: list[Sample] = []
     for i, (category, ids) in enumerate(prompts):
         # The rows of one length decode this prompt side by side, their steps taking turns.
-        for tokens in sorted({short if r.section == "start" else max_tokens for r in single}):
-            mine = [r for r in single if (short if r.section == "start" else max_tokens) == tokens]
+        for tokens in sorted({tokens_of(r) for r in single}):
+            mine = [r for r in single if tokens_of(r) == tokens]
             if bar is not None:
                 bar.set_postfix_str(f"{category} prompt {i + 1}, {len(mine)} rows side by side ({tokens} tokens)")
             asks = [row_request(run, row, ids, tokens) for row in mine]
