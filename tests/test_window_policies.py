@@ -140,11 +140,16 @@ def test_online_picks_zero_when_alpha_is_tiny():
     trace = [(0, 4)] * 10 + [(1, 1)] + [(0, 1)] * 9
     state = measured(rule, [], 0, 0)
     for n, g in trace:
-        state = rule.update(state, outcome(n, g, draft_ms=2.0 * g, verify_ms=20.0))
-    # α̂ = Σn / (Σn + Σ1[n<γ]) = 1 / (1 + 19) = 0.05: G(0) = 1/20 = 0.05 beats G(1) = 1.05/22 = 0.0477,
-    # and every longer window costs 2 ms more per token while adding less than 0.003 tokens.
+        state = rule.update(state, outcome(n, g, draft_ms=3.0 * g, verify_ms=20.0))
+    # Eq. 2: α̂ = Σn / (Σn + Σ1[n<γ]) = 1 / (1 + 19) = 0.05. With the default prior (0.5 over 3
+    # pseudo-steps) α̂ = 2.5 / 23 = 0.109: G(0) = 1/20 = 0.05 beats G(1) = 1.109/23 = 0.0482, and
+    # every longer window costs 3 ms more per token while adding less than 0.012 tokens.
     assert estimate_alpha(state.outcomes, rule.alpha_max) == pytest.approx(0.05)
+    assert estimate_alpha(state.outcomes, rule.alpha_max, (0.5, 3)) == pytest.approx(2.5 / 23)
     assert rule.decide(state, 1, RNG)[0] == 0
+    # The paper's cold estimator (no prior) agrees.
+    cold = OnlineWindow(window_max=8, history_steps=20, default_alpha=None)
+    assert cold.decide(replace(state, prior_alpha=None), 1, RNG)[0] == 0
 
 
 def test_online_picks_the_largest_window_when_alpha_is_near_one_and_verification_is_flat():
@@ -172,7 +177,7 @@ def test_online_stops_earlier_when_verification_grows_with_the_window():
 
 
 def test_online_measures_before_it_optimises_and_looks_again_after_plain_steps():
-    rule = OnlineWindow(window_max=8, explore_every=3)
+    rule = OnlineWindow(window_max=8, explore_every=3, default_alpha=None)   # Eq. 2 alone: α̂ can reach 0
     state = rule.start(request(window=4))
     # Nothing measured: its own window, then half of it, so the first cost fit spans two sizes.
     window, state = rule.decide(state, 1, RNG)
@@ -328,7 +333,7 @@ def test_a_prior_counts_as_pseudo_steps_in_alpha():
 
 
 def test_online_with_the_clusters_prior_keeps_drafting_after_an_unlucky_first_step():
-    rule = OnlineWindow(window_max=8, history_steps=6)
+    rule = OnlineWindow(window_max=8, history_steps=6, default_alpha=None)   # cold: Eq. 2 alone
     costs = dict(draft_ms=0.4, verify_ms=20.0)
     cold = rule.start(request(window=4))
     warm = rule.start(replace(request(window=4), prior_alpha=0.9))
@@ -339,3 +344,17 @@ def test_online_with_the_clusters_prior_keeps_drafting_after_an_unlucky_first_st
     assert rule.decide(cold, 1, RNG)[0] == 0
     assert rule.decide(warm, 1, RNG)[0] > 0
     assert OnlineState.from_json(warm.to_json()) == warm
+
+
+def test_online_without_a_cluster_prior_counts_the_default_one():
+    rule = OnlineWindow(window_max=8, history_steps=6)
+    state = rule.start(request(window=4))
+    assert state.prior_alpha == 0.5          # the default, since the request brought none
+    assert rule.start(replace(request(window=4), prior_alpha=0.8)).prior_alpha == 0.8
+    for n, g in [(0, 4), (0, 2), (0, 4)]:    # three misses in a row, cheap drafting (prompt lookup)
+        state = rule.update(state, outcome(n, g, draft_ms=0.1 * g, verify_ms=20.0))
+    # α̂ = 1.5 / (1.5 + 1.5 + 3) = 0.25 instead of Eq. 2's 0, and the request keeps drafting:
+    # a = 0.1 ms, b flat at 20: G(0) = 1/20 = .0500, G(2) = 1.3125/20.2 = .0650, G(3) = 1.3281/20.3 = .0654,
+    # G(4) = 1.3320/20.4 = .0653 (E(γ) gains 0.25^γ, less than 0.1 ms buys after γ = 3).
+    assert estimate_alpha(state.outcomes, rule.alpha_max, (0.5, 3)) == pytest.approx(0.25)
+    assert rule.decide(state, 1, RNG)[0] == 3
