@@ -12,7 +12,10 @@ Per (target, draft, task bucket), from counters summed over time windows with ex
     best window      argmax over γ of G(γ) = E(γ) / (γ·a + b(γ)), E(γ) = (1 − α^(γ+1)) / (1 − α)
                      (paper 003 Eq. 1 with the cluster's measured costs), pooled and per load
                      bucket of the batch size (``best_window_by_load``: a and b(γ) measured under
-                     that load only; warm starts pick the one of the load they start under)
+                     that load only; warm starts pick the one of the load they start under).
+                     b(γ) is the mean verify ms measured at γ where γ was used (shrunk towards the
+                     line by ``LINE_STEPS`` pseudo-steps), the line elsewhere; past the largest
+                     window measured only when the line rises (``window_for``)
     best tree        among the tree shapes (depth, top-k) requests asked for, the one whose steps
                      emitted the most tokens per ms of draft + verify time, measured (no model of
                      tree acceptance is assumed); only shapes with ``min_steps`` steps compete
@@ -31,6 +34,9 @@ from specserve.policies.stats import LOAD_BUCKETS, StatsKey, load_bucket, task_b
 
 ALL_BUCKETS = "all"
 SNAPSHOT_FORMAT = 1
+# Pseudo-steps of the fitted line in a window's measured verify cost: a window used a few times
+# is priced mostly by the line, one used often by what it cost.
+LINE_STEPS = 4.0
 
 
 def _decayed(counts: dict[StatsKey, Counter], now: float, half_life_s: float) -> dict[tuple[str, str, str], dict[str, float]]:
@@ -71,15 +77,32 @@ def _windows_seen(c: dict[str, float]) -> list[int]:
     return list(_steps_by_window(c))
 
 
-def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, window_max: int) -> int:
+def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, window_max: int,
+                measured: dict[int, float] | None = None) -> int:
+    """argmax of G(γ) over 0..``window_max``; b(γ) from ``measured`` where given, else the line."""
+    measured = measured or {}
+
     def goodput(gamma: int) -> float:
-        return expected_emitted(alpha, gamma) / (gamma * draft_ms_per_token + max(1e-6, b0 + b1 * gamma))
+        verify_ms = measured.get(gamma, b0 + b1 * gamma)
+        return expected_emitted(alpha, gamma) / (gamma * draft_ms_per_token + max(1e-6, verify_ms))
     return max(range(window_max + 1), key=lambda g: (goodput(g), -g))
+
+
+def _verify_by_window(c: dict[str, float], fit: tuple[float, float], load: str | None = None) -> dict[str, float]:
+    """Verify ms per window used (JSON keys), each window's mean shrunk towards the line by
+    ``LINE_STEPS``: on the CPU here b(γ) is flat up to γ = 5 at batch 1 and steps up by ~2 ms at 6
+    (matrix tiles), which a line through windows 1-8 smears over every window."""
+    out = {}
+    for gamma, steps in sorted(_steps_by_window(c, load).items()):
+        us = c.get(f"verify_us_w{gamma}" if load is None else f"load_{load}_verify_us_w{gamma}", 0.0)
+        line = fit[0] + fit[1] * gamma
+        out[str(gamma)] = round((us / 1e3 + LINE_STEPS * line) / (steps + LINE_STEPS), 4)
+    return out
 
 
 def costs_by_load(c: dict[str, float], pooled_a: float, min_steps: int) -> dict[str, dict]:
     """The cost side measured under each load bucket with ``min_steps`` drafting steps: draft ms
-    per token, the verify fit and the windows it was measured over."""
+    per token, the verify fit, the windows it was measured over and each one's verify cost."""
     out = {}
     for load in LOAD_BUCKETS:
         steps = _steps_by_window(c, load)
@@ -89,19 +112,23 @@ def costs_by_load(c: dict[str, float], pooled_a: float, min_steps: int) -> dict[
         tokens = c.get(f"load_{load}_draft_tokens", 0.0)
         a = c.get(f"load_{load}_draft_us", 0.0) / 1e3 / tokens if tokens else pooled_a
         out[load] = {"draft_ms_per_token": round(a, 4), "verify_ms": [round(fit[0], 4), round(fit[1], 4)],
-                     "windows": sorted(steps)}
+                     "windows": sorted(steps), "verify_ms_by_window": _verify_by_window(c, fit, load)}
     return out
 
 
 def window_for(alpha: float, costs: dict, window_max: int) -> int:
-    """The best window at α for one load's measured costs. Beyond the largest window measured only
-    when the verify cost was fitted over two windows or more (a slope was measured, so extending the
-    line is a model, not a guess); with one window b(γ) would be taken flat, which always favours the
-    longest window (bench serve: warm starts at γ = 8 from γ = 4 data fed larger forwards than the
-    verify cost allowed under load)."""
+    """The best window at α for one load's measured costs: each measured window at what it cost,
+    the line elsewhere. Beyond the largest window measured only when the line rises (two windows or
+    more, slope > 0: extending it is a model). A flat line says nothing about longer windows: from
+    windows 1-4 it recommended 7-8 to warm starts, where the CPU's verify cost steps up at γ = 6
+    (bench policies, session 16: warm rows at 7-8 while the oracle mostly took 5); and with one
+    window seen b(γ) is flat by construction (bench serve: warm starts at γ = 8 from γ = 4 data fed
+    larger forwards than the verify cost allowed under load)."""
     windows = costs["windows"]
-    limit = window_max if len(windows) >= 2 else min(window_max, max(windows))
-    return best_window(alpha, costs["draft_ms_per_token"], *costs["verify_ms"], limit)
+    rises = len(windows) >= 2 and costs["verify_ms"][1] > 0
+    limit = window_max if rises else min(window_max, max(windows))
+    measured = {int(g): ms for g, ms in (costs.get("verify_ms_by_window") or {}).items()}
+    return best_window(alpha, costs["draft_ms_per_token"], *costs["verify_ms"], limit, measured)
 
 
 def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_max: float, window_max: int,
@@ -142,10 +169,8 @@ def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_ma
         "draft_ms_per_token": round(a, 4),
         "verify_ms": [round(b0, 4), round(b1, 4)],
         "latency_ratio": round(a / b0, 4) if b0 > 0 else None,
-        # Never beyond the largest window measured: with one window seen b(γ) is taken flat, which
-        # would always favour the longest window (bench serve: warm starts at γ = 8 from γ = 4 data
-        # fed larger forwards than the verify cost allowed under load).
-        "best_window": best_window(alpha, a, b0, b1, min(window_max, max(_windows_seen(c), default=window_max))),
+        "best_window": window_for(alpha, {"draft_ms_per_token": a, "verify_ms": [b0, b1], "windows": _windows_seen(c),
+                                          "verify_ms_by_window": _verify_by_window(c, fit)}, window_max),
         "costs_by_load": (by_load := costs_by_load(c, a, min_steps)),
         "best_window_by_load": {load: window_for(alpha, costs, window_max) for load, costs in by_load.items()},
         "plain_share": round(c.get("plain_steps", 0.0) / (c.get("plain_steps", 0.0) + drafts), 4),

@@ -248,6 +248,11 @@ def test_warm_rows_can_start_from_a_snapshot_learned_in_process(engine, tmp_path
     warm = [s for s in report["requests"] if s["policy"] == WARM]
     assert warm and all(s["prior"] for s in warm)
     assert report["meta"]["snapshot_learned_from"] == 2
+    # Learned with the online rule by default (it asks for windows 1-8, so each one gets priced).
+    assert report["meta"]["snapshot_learned_with"] == "online"
+    with pytest.raises(ValueError, match="--learn-policy 'bogus' is not registered"):
+        run_policies_bench(tmp_path / "q.json", tmp_path / "q.png", learn_snapshot_requests=2, learn_policy="bogus",
+                           engine=engine, progress=False)
     with pytest.raises(ValueError, match="replaces --snapshot"):
         run_policies_bench(tmp_path / "q.json", tmp_path / "q.png", learn_snapshot_requests=2,
                            snapshot=snapshot({"bucket": "all", "best_window": 2}), engine=engine, progress=False)

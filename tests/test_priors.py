@@ -66,6 +66,29 @@ def test_the_best_window_never_exceeds_the_largest_window_measured():
     assert p["best_window"] == 4
 
 
+def test_a_flat_line_over_a_few_windows_says_nothing_about_longer_ones():
+    # Windows 1-4 all cost 20 ms: the line is flat, and G(γ) on it would grow to γ = 8 at α = 0.9.
+    c = sum((counts(225, 25, window=g, verify_ms=20.0, draft_ms=0.0) for g in (1, 2, 3, 4)), Counter())
+    p = find_prior(compute_snapshot({StatsKey("t", "pl", "p64", 0): c}, now=0.0), "t", "pl", "p64")
+    assert p["verify_ms"] == pytest.approx([20.0, 0.0]) and p["alpha"] == pytest.approx(0.9)
+    assert best_window(0.9, 0.0, 20.0, 0.0, 8) == 8
+    assert p["best_window"] == 4
+
+
+def test_each_window_is_priced_at_what_it_cost_where_it_was_used():
+    # Verification flat to γ = 5 and 4 ms dearer from γ = 6 (the CPU's matrix tiles), α = 0.6.
+    c = sum((counts(150, 100, window=g, verify_ms=20.0 if g <= 5 else 24.0, draft_ms=0.0) for g in range(1, 9)),
+            Counter())
+    p = find_prior(compute_snapshot({StatsKey("t", "pl", "p64", 0): c}, now=0.0), "t", "pl", "p64")
+    b0, b1 = p["verify_ms"]
+    assert (b0, b1) == pytest.approx((18.29, 0.714), abs=1e-2)
+    # The line smears the step over every window, so window 5 looks dearer than it was:
+    # G(4) = 2.306 / 21.14 = .1091 beats G(5) = 2.383 / 21.86 = .1090 on it.
+    assert best_window(0.6, 0.0, b0, b1, 8) == 4
+    # Measured: G(5) = 2.383 / 20.0 = .119 beats G(4) = 2.306 / 20.0 and G(6) = 2.430 / 24.0 = .101.
+    assert p["best_window"] == 5
+
+
 def test_windows_are_best_per_load_and_warm_starts_pick_the_load_they_start_under():
     """Literal steps: alone, verifying 8 drafts costs about as much as 1 (flat); in a batch of 16
     every extra token costs (steep). The same α must then recommend a long window to a request
