@@ -5,9 +5,13 @@ expected emitted tokens per unit time under the costs and acceptance measured so
     a        draft ms per draft token: Σ draft_ms / Σ draft forwards over recent steps
              (a step's draft forwards = the longest window of its batch: drafts run batched)
     b(γ)     verify ms of a forward that feeds this request's 1 + γ tokens beside the others':
-             the mean measured verify_ms at each forward size seen, interpolated between sizes,
-             extended beyond them with the least-squares slope (never assumed flat: on the CPU
-             here 6 tokens cost about 1.5x one)
+             the replica's measured table at this batch size (the median verify ms per forward
+             size over every request's recent steps, ``verify_costs.py``), interpolated between
+             sizes and extended beyond them with its least-squares slope, plus this request's
+             level (the median of its last steps' excess over the table: long contexts cost
+             more at every size). Until the replica has measured two sizes, the request's own
+             steps: the mean per size, interpolated, extended with their slope. Never assumed
+             flat: on the CPU here 9 tokens cost about 1.3x one at batch 1.
     G(γ)     = E(γ) / (γ·a + b(γ)),  E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)        (Eq. 1)
     γ        = argmax G over 0..window_max, the smallest γ on ties
 
@@ -18,6 +22,11 @@ Where this deviates from the paper, and why:
   ``G(γ) = (E(γ) + E_others) / (a·max(γ, γ_others) + b(T_others + 1 + γ))``, with the others'
   emitted tokens, longest window and forward tokens taken from the last step. Alone
   (T_others = 0, E_others = 0) this is exactly Eq. 1.
+- **Costs pooled over the replica.** The paper measures a and b "by observing the most recent
+  steps". One request's steps are too few and too noisy for b (a step varies by ~2 ms, the
+  windows that matter differ by 0-1.5 ms): replayed over recorded outputs with that noise, b from
+  the request's own steps reached 0.95 of the per-request oracle and b from the replica's table
+  0.99 (``verify_costs.py``).
 - **Before measurement.** Until α̂ and two forward sizes are measured the request alternates its
   own window with a second size (half of it, or 2 when it asked for 1), so that the first fit
   comes from steps that differ.
@@ -40,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import random
+import statistics
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -59,6 +69,8 @@ class OnlineState(JsonState):
     others_emitted: int = 0                        # tokens the rest of the batch emitted in the last step
     others_window: int = 0                         # the longest window the rest of the batch was offered
     plain_steps: int = 0                           # γ = 0 chosen this many steps in a row
+    verify_table: tuple[tuple[int, float], ...] = ()   # the replica's (forward tokens, verify ms), last step's
+    verify_excess: tuple[float, ...] = ()          # this request's verify ms over that table, per step
     prior_alpha: float | None = None               # α̂'s prior: the cluster's α for this draft and bucket, else the default
 
 
@@ -97,6 +109,7 @@ class OnlineWindow:
     cost_steps: int = 32         # steps the cost measurements look back over
     alpha_max: float = 0.95      # α̂ cap (Eq. 2): a run of full acceptances must not mean α = 1
     explore_every: int = 16      # plain steps in a row before one token is drafted to re-measure α
+    level_steps: int = 8         # steps of this request whose excess over the replica's table set its level
     default_alpha: float | None = 0.5   # α̂'s prior when the request brings no cluster prior (None: Eq. 2 alone)
     prior_steps: float = 3.0     # pseudo-steps a prior counts as in α̂ (h / 2 at the default h)
 
@@ -114,15 +127,29 @@ class OnlineWindow:
         draft_costs, verify_costs = with_costs(state.draft_costs, state.verify_costs, outcome.window,
                                                outcome.others_window, outcome.draft_ms, outcome.forward_tokens,
                                                outcome.verify_ms, self.cost_steps)
+        excess = state.verify_excess
+        table_ms = verify_ms_at(outcome.verify_table, outcome.forward_tokens)   # one median per size
+        if table_ms is not None and outcome.forward_tokens > 0:
+            excess = keep_last(excess, round(outcome.verify_ms - table_ms, 4), self.level_steps)
         return replace(
             state, outcomes=outcomes, draft_costs=draft_costs, verify_costs=verify_costs,
             others_tokens=max(0, outcome.forward_tokens - 1 - outcome.window),
             others_emitted=outcome.others_emitted, others_window=outcome.others_window,
+            verify_table=outcome.verify_table, verify_excess=excess,
         )
+
+    def verify_ms(self, state: OnlineState, tokens: int) -> float | None:
+        """b for a forward of ``tokens``: the replica's table plus this request's level, else the
+        request's own measurements; None before either has two sizes."""
+        table_ms = verify_ms_at(state.verify_table, tokens)
+        if table_ms is None:
+            return verify_ms_at(state.verify_costs, tokens)
+        level = statistics.median(state.verify_excess) if state.verify_excess else 0.0
+        return max(1e-3, table_ms + level)
 
     def objective(self, state: OnlineState, alpha: float, window: int) -> float | None:
         """G(γ) in emitted tokens per ms for the batch (Eq. 1 when the request is alone)."""
-        verify_ms = verify_ms_at(state.verify_costs, state.others_tokens + 1 + window)
+        verify_ms = self.verify_ms(state, state.others_tokens + 1 + window)
         if verify_ms is None:
             return None
         draft_ms = draft_ms_per_token(state.draft_costs) * max(window, state.others_window)
@@ -132,7 +159,7 @@ class OnlineWindow:
         # The prior counts as prior_steps pseudo-steps (window.estimate_alpha; not in the paper).
         prior = None if state.prior_alpha is None else (state.prior_alpha, self.prior_steps)
         alpha = estimate_alpha(state.outcomes, self.alpha_max, prior)
-        if not state.outcomes or fit_verify_ms(state.verify_costs) is None:
+        if not state.outcomes or self.verify_ms(state, 1) is None:
             # Unmeasured: alternate two sizes so that the first cost fit has two points.
             other = state.start_window // 2 if state.start_window > 1 else min(2, self.window_max)
             window = state.start_window if len(state.verify_costs) % 2 == 0 else other

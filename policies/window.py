@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
+from specserve.policies.verify_costs import VerifyCosts
 from specserve.replicas.scheduler import NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.step import PLAIN, RequestStep, SpecStats, Speculation, StepRecord
 
@@ -74,16 +75,20 @@ class WindowOutcome(JsonState):
     batch_size: int = 1
     others_window: int = 0      # the longest window another request of the batch was offered
     others_emitted: int = 0     # Σ (n + 1) over the other requests of the batch
+    # The replica's verify ms by forward tokens at this step's batch size, from every request's
+    # steps (``verify_costs.VerifyCosts.table``): ((tokens, median ms), ...); () when not pooled.
+    verify_table: tuple[tuple[int, float], ...] = ()
 
     @classmethod
-    def of(cls, record: StepRecord, step: RequestStep, emitted_tokens: Sequence[int] = ()) -> WindowOutcome:
+    def of(cls, record: StepRecord, step: RequestStep, emitted_tokens: Sequence[int] = (),
+           verify_table: tuple[tuple[int, float], ...] = ()) -> WindowOutcome:
         others = [s for s in record.requests if s is not step]
         asked = step.asked.window if step.asked.tree is None else step.asked.tree.depth
         return cls(
             asked=asked, window=step.max_depth, accepted=step.accepted, emitted_tokens=tuple(emitted_tokens),
             draft_ms=record.draft_ms, verify_ms=record.verify_ms, forward_tokens=record.forward_tokens,
             batch_size=record.batch_size, others_window=max((s.max_depth for s in others), default=0),
-            others_emitted=sum(s.accepted + 1 for s in others),
+            others_emitted=sum(s.accepted + 1 for s in others), verify_table=verify_table,
         )
 
     @property
@@ -163,7 +168,8 @@ class WindowPolicy:
     ``choose`` runs the rule's ``decide`` on the request's state; ``observe`` runs its ``update``
     with each request's part of the step, including the tokens the step emitted (read from the
     request as the scheduler left it, which is why the wrapper keeps the ``RequestState`` it last
-    chose for). States of finished or cancelled requests are dropped at the next ``observe``.
+    chose for) and the replica's verify costs measured over every request's steps (``costs``).
+    States of finished or cancelled requests are dropped at the next ``observe``.
     """
 
     def __init__(self, rule: WindowRule, rng: random.Random | None = None):
@@ -171,6 +177,7 @@ class WindowPolicy:
             raise ValueError(f"window_max must be >= 0, got {rule.window_max}")
         self.rule = rule
         self.rng = rng if rng is not None else random.Random()
+        self.costs = VerifyCosts()
         self.states: dict[str, Any] = {}          # request id -> the rule's state (JSON-serialisable)
         self._requests: dict[str, RequestState] = {}
         self._emitted_before: dict[str, int] = {}  # request id -> len(out) when its window was chosen
@@ -194,12 +201,14 @@ class WindowPolicy:
         return Speculation(window) if window > 0 else PLAIN
 
     def observe(self, record: StepRecord) -> None:
+        self.costs.observe(record)
+        table = self.costs.table(record.batch_size)
         for step in record.requests:
             request = self._requests.get(step.request_id)
             if request is None:
                 continue
             emitted = request.out[self._emitted_before[step.request_id]:]
-            outcome = WindowOutcome.of(record, step, emitted)
+            outcome = WindowOutcome.of(record, step, emitted, table)
             self.states[step.request_id] = self.rule.update(self.states[step.request_id], outcome)
         for request_id in [i for i, request in self._requests.items() if request.done]:
             self.drop(request_id)
