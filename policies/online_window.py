@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import random
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -76,6 +77,14 @@ class OnlineState(JsonState):
 
 def verify_ms_at(costs: tuple[tuple[int, float], ...], tokens: int) -> float | None:
     """b at ``tokens`` forward tokens from measured (tokens, ms) pairs; None before two sizes."""
+    curve = verify_curve(costs)
+    return None if curve is None else curve(tokens)
+
+
+def verify_curve(costs: tuple[tuple[int, float], ...]) -> Callable[[int], float] | None:
+    """b as a function of forward tokens from measured (tokens, ms) pairs: the mean at each size,
+    interpolated between sizes, extended beyond them with the least-squares slope; None before
+    two sizes. Fitted once, so that pricing every window of a step costs one fit."""
     fit = fit_verify_ms(costs)
     if fit is None:
         return None
@@ -85,15 +94,18 @@ def verify_ms_at(costs: tuple[tuple[int, float], ...], tokens: int) -> float | N
         sums.setdefault(t, []).append(ms)
     sizes = sorted(sums)
     means = [sum(sums[t]) / len(sums[t]) for t in sizes]
-    if tokens <= sizes[0]:
-        return max(1e-3, means[0] - slope * (sizes[0] - tokens))
-    if tokens >= sizes[-1]:
-        return means[-1] + slope * (tokens - sizes[-1])
-    i = bisect.bisect_left(sizes, tokens)
-    if sizes[i] == tokens:
-        return means[i]
-    w = (tokens - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-    return (1 - w) * means[i - 1] + w * means[i]
+
+    def at(tokens: int) -> float:
+        if tokens <= sizes[0]:
+            return max(1e-3, means[0] - slope * (sizes[0] - tokens))
+        if tokens >= sizes[-1]:
+            return means[-1] + slope * (tokens - sizes[-1])
+        i = bisect.bisect_left(sizes, tokens)
+        if sizes[i] == tokens:
+            return means[i]
+        w = (tokens - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return (1 - w) * means[i - 1] + w * means[i]
+    return at
 
 
 def draft_ms_per_token(costs: tuple[tuple[int, float], ...]) -> float:
@@ -138,33 +150,42 @@ class OnlineWindow:
             verify_table=outcome.verify_table, verify_excess=excess,
         )
 
-    def verify_ms(self, state: OnlineState, tokens: int) -> float | None:
-        """b for a forward of ``tokens``: the replica's table plus this request's level, else the
-        request's own measurements; None before either has two sizes."""
-        table_ms = verify_ms_at(state.verify_table, tokens)
-        if table_ms is None:
-            return verify_ms_at(state.verify_costs, tokens)
+    def verify_curve(self, state: OnlineState) -> Callable[[int], float] | None:
+        """b by forward tokens: the replica's table plus this request's level, else the request's
+        own measurements; None before either has two sizes."""
+        table = verify_curve(state.verify_table)
+        if table is None:
+            return verify_curve(state.verify_costs)
         level = statistics.median(state.verify_excess) if state.verify_excess else 0.0
-        return max(1e-3, table_ms + level)
+        return lambda tokens: max(1e-3, table(tokens) + level)
 
-    def objective(self, state: OnlineState, alpha: float, window: int) -> float | None:
-        """G(γ) in emitted tokens per ms for the batch (Eq. 1 when the request is alone)."""
-        verify_ms = self.verify_ms(state, state.others_tokens + 1 + window)
-        if verify_ms is None:
+    def verify_ms(self, state: OnlineState, tokens: int) -> float | None:
+        curve = self.verify_curve(state)
+        return None if curve is None else curve(tokens)
+
+    def objective(self, state: OnlineState, alpha: float, window: int,
+                  curve: Callable[[int], float] | None = None, a: float | None = None) -> float | None:
+        """G(γ) in emitted tokens per ms for the batch (Eq. 1 when the request is alone);
+        ``curve`` (``verify_curve(state)``) and ``a`` when the caller prices several windows."""
+        curve = curve or self.verify_curve(state)
+        if curve is None:
             return None
-        draft_ms = draft_ms_per_token(state.draft_costs) * max(window, state.others_window)
-        return (expected_emitted(alpha, window) + state.others_emitted) / (draft_ms + verify_ms)
+        a = draft_ms_per_token(state.draft_costs) if a is None else a
+        draft_ms = a * max(window, state.others_window)
+        return (expected_emitted(alpha, window) + state.others_emitted) / (draft_ms + curve(state.others_tokens + 1 + window))
 
     def decide(self, state: OnlineState, batch_size: int, rng: random.Random) -> tuple[int, OnlineState]:
         # The prior counts as prior_steps pseudo-steps (window.estimate_alpha; not in the paper).
         prior = None if state.prior_alpha is None else (state.prior_alpha, self.prior_steps)
         alpha = estimate_alpha(state.outcomes, self.alpha_max, prior)
-        if not state.outcomes or self.verify_ms(state, 1) is None:
+        curve = self.verify_curve(state)
+        if not state.outcomes or curve is None:
             # Unmeasured: alternate two sizes so that the first cost fit has two points.
             other = state.start_window // 2 if state.start_window > 1 else min(2, self.window_max)
             window = state.start_window if len(state.verify_costs) % 2 == 0 else other
             return window, replace(state, window=window, plain_steps=0)
-        gains = [self.objective(state, alpha, g) for g in range(self.window_max + 1)]
+        a = draft_ms_per_token(state.draft_costs)
+        gains = [self.objective(state, alpha, g, curve, a) for g in range(self.window_max + 1)]
         window = max(range(len(gains)), key=lambda g: (gains[g], -g))
         if window == 0:
             if state.plain_steps + 1 >= self.explore_every and self.window_max > 0:

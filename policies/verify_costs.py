@@ -27,21 +27,25 @@ class VerifyCosts:
     def __init__(self, samples: int = 64, min_samples: int = 3):
         self.samples = samples
         self.min_samples = min_samples
-        self._ms: dict[tuple[int, int], deque[float]] = {}       # (batch size, forward tokens) -> recent ms
-        self._tables: dict[int, tuple[tuple[int, float], ...]] = {}   # batch size -> table, until the next step
+        # batch size -> forward tokens -> recent verify ms, and their median (kept per size, so a
+        # step recomputes one median, not the table's: this runs on every step of the replica)
+        self._ms: dict[int, dict[int, deque[float]]] = {}
+        self._medians: dict[int, dict[int, float]] = {}
+        self._tables: dict[int, tuple[tuple[int, float], ...]] = {}   # batch size -> table, until it changes
 
     def observe(self, record: StepRecord) -> None:
         if record.batch_size <= 0 or record.forward_tokens <= 0:
             return
-        key = (record.batch_size, record.forward_tokens)
-        self._ms.setdefault(key, deque(maxlen=self.samples)).append(record.verify_ms)
-        self._tables.pop(record.batch_size, None)
+        b, tokens = record.batch_size, record.forward_tokens
+        ms = self._ms.setdefault(b, {}).setdefault(tokens, deque(maxlen=self.samples))
+        ms.append(record.verify_ms)
+        if len(ms) >= self.min_samples:
+            self._medians.setdefault(b, {})[tokens] = round(statistics.median(ms), 4)
+            self._tables.pop(b, None)
 
     def table(self, batch_size: int) -> tuple[tuple[int, float], ...]:
         """((forward tokens, median verify ms), ...) by tokens, for the sizes measured
         ``min_samples`` times at this batch size."""
         if batch_size not in self._tables:
-            self._tables[batch_size] = tuple(
-                (tokens, round(statistics.median(ms), 4))
-                for (b, tokens), ms in sorted(self._ms.items()) if b == batch_size and len(ms) >= self.min_samples)
+            self._tables[batch_size] = tuple(sorted(self._medians.get(batch_size, {}).items()))
         return self._tables[batch_size]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
@@ -127,11 +126,14 @@ def fit_verify_ms(costs: Sequence[tuple[int, float]]) -> tuple[float, float] | N
     negative) and the intercept at 1 µs, so a step never looks free."""
     if len({t for t, _ in costs}) < 2:
         return None
-    slope, _ = statistics.linear_regression([float(t) for t, _ in costs], [ms for _, ms in costs])
-    slope = max(0.0, slope)
+    # Closed form (statistics.linear_regression is exact but ~10x slower, and this runs per step).
+    n = len(costs)
+    mean_t = sum(t for t, _ in costs) / n
+    mean_ms = sum(ms for _, ms in costs) / n
+    var = sum((t - mean_t) ** 2 for t, _ in costs)
+    slope = max(0.0, sum((t - mean_t) * (ms - mean_ms) for t, ms in costs) / var)
     # The least-squares line passes through the means; with the slope floored it is their level.
-    intercept = statistics.fmean(ms for _, ms in costs) - slope * statistics.fmean(t for t, _ in costs)
-    return max(1e-3, intercept), slope
+    return max(1e-3, mean_ms - slope * mean_t), slope
 
 
 def with_costs(draft_costs: tuple, verify_costs: tuple, drafted: int, others_drafted: int, draft_ms: float,

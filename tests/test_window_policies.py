@@ -194,6 +194,38 @@ def test_online_measures_before_it_optimises_and_looks_again_after_plain_steps()
     assert decisions == [0, 0, 1, 0, 0, 1]
 
 
+def test_online_prices_windows_from_the_replicas_table_plus_its_own_level():
+    # The replica measured verification flat up to 6 tokens and dearer from 7 (γ = 6); this request
+    # ran only windows 4 and 1 (5 and 2 tokens), each step 2 ms above the table (a long context).
+    table = ((1, 20.0), (2, 20.0), (3, 20.0), (4, 20.0), (5, 20.0), (6, 20.0), (7, 24.0), (8, 25.0), (9, 26.0))
+    rule = OnlineWindow(window_max=8, history_steps=8)
+    pooled = own = rule.start(request(window=4))
+    for n, g in [(2, 4), (0, 4), (1, 1), (0, 1)] * 2:          # α̂ = (6 + 1.5) / (6 + 6 + 3) = 0.5
+        o = outcome(n, g, verify_ms=22.0)
+        own = rule.update(own, o)
+        pooled = rule.update(pooled, replace(o, verify_table=table))
+    assert pooled.verify_excess == (2.0,) * 8
+    assert rule.verify_ms(pooled, 7) == 26.0 and rule.verify_ms(pooled, 3) == 22.0
+    # Own steps alone: flat at 22 over 2 and 5 tokens, extended flat: E(γ) grows, so γ = 8.
+    assert rule.decide(own, 1, RNG)[0] == 8
+    # The table: G(4) = 1.9375 / 22 = .0881, G(5) = 1.9688 / 22 = .0895, G(6) = 1.9844 / 26 = .0763.
+    assert rule.decide(pooled, 1, RNG)[0] == 5
+    assert OnlineState.from_json(pooled.to_json()) == pooled
+
+
+def test_the_policy_hands_every_request_the_table_of_all_requests_steps():
+    policy = WindowPolicy(OnlineWindow(window_max=8))
+    a, b = state_of(request(request_id="a")), state_of(request(request_id="b"))
+    policy.choose(a, 1)
+    policy.choose(b, 1)
+    policy.costs.min_samples = 1
+    policy.observe(record(step(0, 4, request_id="a"), verify_ms=30.0))    # 5 tokens, batch 1 (each
+    policy.observe(record(step(0, 1, request_id="b"), verify_ms=20.0))    # record is its own batch)
+    # b's outcome came with the table of both steps: a's 5-token step and its own 2-token one.
+    assert policy.states["b"].verify_table == ((2, 20.0), (5, 30.0))
+    assert policy.states["a"].verify_table == ((5, 30.0),)
+
+
 def test_online_b_interpolates_measured_sizes():
     costs = ((2, 39.0), (5, 62.0), (9, 65.0))     # DESIGN §8: 1 / 4 / 8 draft tokens after a prefix
     assert verify_ms_at(costs, 5) == 62.0
