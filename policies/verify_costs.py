@@ -8,11 +8,14 @@ medians of ~1100 steps of bench-like runs), and its 32 steps visit two to four s
 over recorded outputs with that noise, the rule priced from its own steps reached 0.95 of the
 per-request oracle, priced from the true costs 0.99 (the same as the best static window).
 
-So the replica pools every step it verifies: per (batch size, forward tokens), the median of the
-last ``samples`` verify times (medians: a step now and then takes 8 ms longer). A request then
-takes the shape of b from the replica and its level from its own steps (``online_window``):
-steps of long contexts cost more at every size, and which requests used which sizes would
-otherwise leak into the shape.
+So the replica pools every step it verifies: per (batch size, context bucket, forward tokens),
+the median of the last ``samples`` verify times (medians: a step now and then takes 8 ms longer).
+The context matters to the shape, not only the level: alone, 6 tokens cost ~1 ms more than 1 at
+a 200-token context and ~6 ms more at ~1000 (the attention reads the whole cache once per token
+fed), so one table over every context priced long windows wrong for short and long prompts alike.
+A bucket is the batch's mean context rounded up to a power of two (at least 128). A request then
+takes the shape of b from the table of its bucket and its level from its own steps
+(``online_window``).
 """
 
 from __future__ import annotations
@@ -27,25 +30,36 @@ class VerifyCosts:
     def __init__(self, samples: int = 64, min_samples: int = 3):
         self.samples = samples
         self.min_samples = min_samples
-        # batch size -> forward tokens -> recent verify ms, and their median (kept per size, so a
-        # step recomputes one median, not the table's: this runs on every step of the replica)
-        self._ms: dict[int, dict[int, deque[float]]] = {}
-        self._medians: dict[int, dict[int, float]] = {}
-        self._tables: dict[int, tuple[tuple[int, float], ...]] = {}   # batch size -> table, until it changes
+        # (batch size, context bucket) -> forward tokens -> recent verify ms, and their median
+        # (kept per size, so a step recomputes one median: this runs on every step of the replica)
+        self._ms: dict[tuple[int, int], dict[int, deque[float]]] = {}
+        self._medians: dict[tuple[int, int], dict[int, float]] = {}
+        self._tables: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}   # until it changes
 
-    def observe(self, record: StepRecord) -> None:
+    def observe(self, record: StepRecord, context_tokens: int = 0) -> None:
+        """One step; ``context_tokens``: the cached tokens of its requests, summed."""
         if record.batch_size <= 0 or record.forward_tokens <= 0:
             return
-        b, tokens = record.batch_size, record.forward_tokens
-        ms = self._ms.setdefault(b, {}).setdefault(tokens, deque(maxlen=self.samples))
+        key = (record.batch_size, context_bucket(context_tokens / record.batch_size))
+        ms = self._ms.setdefault(key, {}).setdefault(record.forward_tokens, deque(maxlen=self.samples))
         ms.append(record.verify_ms)
         if len(ms) >= self.min_samples:
-            self._medians.setdefault(b, {})[tokens] = round(statistics.median(ms), 4)
-            self._tables.pop(b, None)
+            self._medians.setdefault(key, {})[record.forward_tokens] = round(statistics.median(ms), 4)
+            self._tables.pop(key, None)
 
-    def table(self, batch_size: int) -> tuple[tuple[int, float], ...]:
+    def table(self, batch_size: int, context_tokens: int = 0) -> tuple[tuple[int, float], ...]:
         """((forward tokens, median verify ms), ...) by tokens, for the sizes measured
-        ``min_samples`` times at this batch size."""
-        if batch_size not in self._tables:
-            self._tables[batch_size] = tuple(sorted(self._medians.get(batch_size, {}).items()))
-        return self._tables[batch_size]
+        ``min_samples`` times at this batch size and context bucket (``context_tokens`` summed
+        over the batch, as ``observe`` takes it)."""
+        key = (batch_size, context_bucket(context_tokens / max(1, batch_size)))
+        if key not in self._tables:
+            self._tables[key] = tuple(sorted(self._medians.get(key, {}).items()))
+        return self._tables[key]
+
+
+def context_bucket(mean_context: float) -> int:
+    """The power of two at or above a mean context, at least 128."""
+    bucket = 128
+    while bucket < mean_context:
+        bucket *= 2
+    return bucket

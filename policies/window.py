@@ -203,8 +203,12 @@ class WindowPolicy:
         return Speculation(window) if window > 0 else PLAIN
 
     def observe(self, record: StepRecord) -> None:
-        self.costs.observe(record)
-        table = self.costs.table(record.batch_size)
+        # The context the step's requests read: what each had before the tokens this step emitted.
+        # Requests this policy does not adapt (pinned, plain) are not tracked and count as none.
+        stepped = {s.request_id for s in record.requests}
+        context = sum(len(r.request.prompt_ids) + self._emitted_before[i] for i, r in self._requests.items() if i in stepped)
+        self.costs.observe(record, context)
+        table = self.costs.table(record.batch_size, context)
         for step in record.requests:
             request = self._requests.get(step.request_id)
             if request is None:
