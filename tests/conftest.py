@@ -2,6 +2,8 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Tests never reach a model hub.
@@ -28,6 +30,19 @@ def _one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def wait_until(fetch: Callable[[], object], done: Callable[[object], bool] = bool, timeout: float = 60.0,
+               interval: float = 0.05):
+    """Call ``fetch`` every ``interval`` s until ``done`` says yes to what it returned, or until
+    ``timeout`` s have passed; return the last value either way, for the test to assert on (so the
+    failure shows what was seen, not only that time ran out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fetch()
+        if done(value) or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)
 
 
 @contextlib.contextmanager

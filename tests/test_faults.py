@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import first_layers_draft, local_stack
+from conftest import first_layers_draft, local_stack, wait_until
 from specserve.cluster import local
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
 from specserve.replicas.sampling import SamplingParams
@@ -440,14 +440,15 @@ def test_a_client_that_hangs_up_or_times_out_frees_its_slot_and_kv(served, stub)
                                            max_tokens=400, temperature=0), timeout=1.0,
                       metadata=(("authorization", f"Bearer {KEY}"),))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 60
     loads: dict[str, dict] = {}
-    while True:
-        loads = _target_loads(served, loads)
-        freed = all(v["running"] == 0 and v["kv_positions_in_use"] == 0 for v in loads.values())
-        if (len(loads) == 2 and freed) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+
+    def freed() -> dict[str, dict]:
+        nonlocal loads
+        loads = _target_loads(served, loads)     # both replicas' loads, as calls reach them
+        return loads
+
+    loads = wait_until(freed, lambda seen: len(seen) == 2 and all(
+        v["running"] == 0 and v["kv_positions_in_use"] == 0 for v in seen.values()), timeout=60, interval=0.5)
     assert len(loads) == 2, loads
     assert all(v["running"] == 0 and v["kv_positions_in_use"] == 0 for v in loads.values()), loads
 
@@ -479,9 +480,8 @@ def test_the_policy_service_killed_costs_nothing_and_counts_arrive_once(served, 
         assert out["choices"][0]["token_ids"] == expected[i]
         served_steps += out["spec"]["steps"]
     local.wait_healthy(served.app_name, timeout_s=300)
-    deadline = time.monotonic() + 60
-    while (steps() < before_steps + served_steps or version() <= before_version) and time.monotonic() < deadline:
-        time.sleep(1)
+    wait_until(lambda: (steps(), version()),
+               lambda seen: seen[0] >= before_steps + served_steps and seen[1] > before_version, timeout=60, interval=1)
     assert steps() == before_steps + served_steps       # every step once: none lost, none twice
     assert version() > before_version                   # the restarted service publishes again
 

@@ -16,6 +16,7 @@ from specserve.policies.redis_stats import RedisStats
 from specserve.policies.snapshot_cache import SnapshotCache
 from specserve.policies.stats import StatsCollector, StatsKey
 from specserve.policies.stats_exporter import RedisExporter
+from conftest import wait_until
 from test_stats import Clock, record, step
 
 Service = PolicyService.func_or_class   # the class behind the Serve deployment
@@ -30,10 +31,7 @@ def server(tmp_path):
 
 def kill(server: RedisServer) -> None:
     os.kill(server.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while ping(server.url) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not ping(server.url)
+    assert not wait_until(lambda: ping(server.url), lambda up: not up, timeout=10)
 
 
 def collector_with_steps(target="t", draft="pl", steps=30, accepted=3, window=4, prompt=10, request="r"):
@@ -72,11 +70,9 @@ def test_a_password_in_the_url(tmp_path):
     proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--requirepass", "s3cret"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 10
         url = f"redis://:s3cret@127.0.0.1:{port}/0"
-        while not ping(url):
-            assert time.monotonic() < deadline and proc.poll() is None, "redis-server with a password did not start"
-            time.sleep(0.05)
+        up = wait_until(lambda: ping(url), lambda up: up or proc.poll() is not None, timeout=10)
+        assert up and proc.poll() is None, "redis-server with a password did not start"
         with pytest.raises(redis.AuthenticationError):
             RedisStats(f"redis://127.0.0.1:{port}/0").read()
         store = RedisStats(url)

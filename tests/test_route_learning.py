@@ -4,7 +4,6 @@ router, a Redis outage that loses nothing, and weights of another topic basis le
 
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from specserve.replicas.step import RequestStep, Speculation, StepRecord
 from specserve.router.draft_router import DraftRouter
 from specserve.router.retrain import retrain, weights_for
 from specserve.router.route_learning import RouteLearning
+
+from conftest import wait_until
 
 Service = PolicyService.func_or_class
 REPETITIVE = [5, 6, 7, 8] * 10
@@ -72,8 +73,7 @@ def test_two_replicas_outcomes_train_the_cluster_weights_a_third_router_loads(se
 def test_redis_down_outcomes_wait_and_arrive_once(server, tmp_path):
     router, learning = replica(server)
     os.kill(server.pid, signal.SIGKILL)
-    while ping(server.url):
-        time.sleep(0.05)
+    assert not wait_until(lambda: ping(server.url), lambda up: not up, timeout=10)
     for i in range(5):
         serve_one(router, REPETITIVE, "lookup", 3, f"r{i}")
     assert not learning.flush_once() and not learning.flush_once()   # kept, retried as the same batch

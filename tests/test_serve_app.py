@@ -20,7 +20,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import first_layers_draft, local_stack
+from conftest import first_layers_draft, local_stack, wait_until
 from specserve.cluster import local
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
 from specserve.replicas.sampling import SamplingParams
@@ -148,13 +148,12 @@ def test_auto_requests_are_routed_and_the_decision_is_visible_everywhere(served,
     reply = stub.Complete(pb.CompletionRequest(model=MODEL, prompt=PROMPTS[2], max_tokens=8), timeout=120)
     assert reply.spec.router.choice in drafts and reply.spec.router.reason
 
-    deadline, data = time.monotonic() + 60, []
-    while time.monotonic() < deadline:   # outcomes reach Redis within a flush (2 s)
+    def recent():
         body = httpx.get(served.http_url + "/v1/routing/recent", params={"limit": 50}, timeout=30).json()
-        data = [r for r in body["data"] if r["reason"] != "pinned"]
-        if len(data) >= len(PROMPTS) + 1:
-            break
-        time.sleep(1)
+        return body, [r for r in body["data"] if r["reason"] != "pinned"]
+
+    # outcomes reach Redis within a flush (2 s)
+    body, data = wait_until(recent, lambda seen: len(seen[1]) >= len(PROMPTS) + 1, timeout=60, interval=1)
     assert body["source"] == "cluster" and len(data) >= len(PROMPTS) + 1, body
     assert {"features_named", "realised", "observations", "choice", "final_draft"} <= set(data[-1])
     shown = subprocess.run([sys.executable, "-m", "specserve.cluster.cli", "routes", "--server", served.http_url],
@@ -163,10 +162,8 @@ def test_auto_requests_are_routed_and_the_decision_is_visible_everywhere(served,
 
     names = ("ray_specserve_router_decisions", "ray_specserve_router_predicted_alpha_bucket",
              "ray_specserve_router_realised_alpha_bucket", "ray_specserve_router_mean_accepted_len_bucket")
-    deadline, text = time.monotonic() + 90, ""
-    while time.monotonic() < deadline and not all(n in text for n in names):
-        text = httpx.get(served.metrics_url, timeout=30).text
-        time.sleep(2)
+    text = wait_until(lambda: httpx.get(served.metrics_url, timeout=30).text, lambda t: all(n in t for n in names),
+                      timeout=90, interval=2)
     assert all(n in text for n in names), [n for n in names if n not in text]
 
     headers = {"Authorization": f"Bearer {auth_token()}"}
@@ -375,11 +372,8 @@ def test_a_burst_scales_the_ingress_out(served, client):
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         burst = [pool.submit(one, i) for i in range(8)]
-        deadline = time.monotonic() + 120
-        replicas = 1
-        while replicas < 2 and time.monotonic() < deadline:
-            replicas = local.app_status()["deployments"]["ingress"]["replica_states"].get("RUNNING", 0)
-            time.sleep(0.5)
+        replicas = wait_until(lambda: local.app_status()["deployments"]["ingress"]["replica_states"].get("RUNNING", 0),
+                              lambda n: n >= 2, timeout=120, interval=0.5)
         assert all(f.result() > 0 for f in burst), "every request of the burst must be served"
     assert replicas == 2, "8 concurrent requests at target_ongoing_requests=1 should scale the ingress to 2"
 
@@ -395,11 +389,11 @@ def test_the_policy_service_publishes_priors_and_new_requests_start_from_them(se
     GET /v1/policy shows, and a new request's `spec.prior` names the snapshot it started from."""
     for _ in range(10):   # the static policy drafts every step it can: enough steps for a prior
         chat(client, PROMPTS[2], {"draft": "prompt-lookup", "policy": "static"})
-    deadline, priors = time.monotonic() + 90, []
-    while not priors and time.monotonic() < deadline:
+    def snapshot():
         body = httpx.get(served.http_url + "/v1/policy", timeout=30).json()
-        priors = [p for p in (body["snapshot"] or {}).get("priors", []) if p["draft"] == "prompt-lookup"]
-        time.sleep(1)
+        return body, [p for p in (body["snapshot"] or {}).get("priors", []) if p["draft"] == "prompt-lookup"]
+
+    body, priors = wait_until(snapshot, lambda seen: bool(seen[1]), timeout=90, interval=1)
     assert priors, f"no prompt-lookup prior within 90 s: {body}"
     shown = subprocess.run([sys.executable, "-m", "specserve.cluster.cli", "policy", "--server", served.http_url],
                            capture_output=True, text=True, timeout=120)
@@ -421,8 +415,7 @@ def test_redis_killed_while_requests_stream_loses_nothing_and_the_counts_arrive_
 
     time.sleep(5)   # earlier tests' counts flushed (every 2 s), so that Redis holds only what follows
     os.kill(served.redis_pid, signal.SIGKILL)
-    while ping(served.redis_url):
-        time.sleep(0.05)
+    assert not wait_until(lambda: ping(served.redis_url), lambda up: not up, timeout=10)
 
     def one(i):
         return chat(client, PROMPTS[i % len(PROMPTS)], {"draft": "prompt-lookup"}).usage.completion_tokens
@@ -439,9 +432,7 @@ def test_redis_killed_while_requests_stream_loses_nothing_and_the_counts_arrive_
     restarted = RedisServer.start(tmp_path, port=port)   # empty: it kept nothing on disk
     try:
         # The 8 requests counted during the outage arrive, once each (exactly-once flushes).
-        deadline = time.monotonic() + 60
-        while _redis_counts(served.redis_url, "requests") < 8 and time.monotonic() < deadline:
-            time.sleep(1)
+        wait_until(lambda: _redis_counts(served.redis_url, "requests"), lambda n: n >= 8, timeout=60, interval=1)
         time.sleep(5)   # a few more flush rounds: nothing may be counted twice
         assert _redis_counts(served.redis_url, "requests") == 8
     finally:
@@ -454,12 +445,8 @@ def test_speculation_metrics_reach_the_prometheus_endpoint(served, client):
     names = ("ray_specserve_spec_decode_num_drafts", "ray_specserve_spec_decode_num_draft_tokens",
              "ray_specserve_spec_decode_num_accepted_tokens", "ray_specserve_spec_decode_num_accepted_tokens_per_pos",
              "ray_specserve_spec_decode_window_bucket")
-    deadline, text = time.monotonic() + 90, ""
-    while time.monotonic() < deadline:
-        text = httpx.get(served.metrics_url, timeout=30).text
-        if all(n in text for n in names):
-            break
-        time.sleep(2)
+    text = wait_until(lambda: httpx.get(served.metrics_url, timeout=30).text, lambda t: all(n in t for n in names),
+                      timeout=90, interval=2)
     missing = [n for n in names if n not in text]
     assert not missing, f"not on {served.metrics_url}: {missing}"
     drafts = [line for line in text.splitlines()   # Prometheus may add _total to a counter's name
