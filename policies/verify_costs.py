@@ -15,9 +15,8 @@ a 200-token context and ~6 ms more at ~1000 (the attention reads the whole cache
 fed), so one table over every context prices long windows too high for short prompts and too low
 for long ones (in ``bench policies`` the buckets moved the online rule from 0.959 to 0.960 of the
 oracle: within its noise). A bucket is the batch's mean context rounded up to a power of two (at
-least 128). A request then
-takes the shape of b from the table of its bucket and its level from its own steps
-(``online_window``).
+least 128). A request then takes the shape of b from the table of its bucket and its level from
+its own steps (``online_window``).
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ class VerifyCosts:
         # (kept per size, so a step recomputes one median: this runs on every step of the replica)
         self._ms: dict[tuple[int, int], dict[int, deque[float]]] = {}
         self._medians: dict[tuple[int, int], dict[int, float]] = {}
-        self._tables: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}   # until it changes
 
     def observe(self, record: StepRecord, context_tokens: int = 0) -> None:
         """One step; ``context_tokens``: the cached tokens of its requests, summed."""
@@ -47,16 +45,13 @@ class VerifyCosts:
         ms.append(record.verify_ms)
         if len(ms) >= self.min_samples:
             self._medians.setdefault(key, {})[record.forward_tokens] = round(statistics.median(ms), 4)
-            self._tables.pop(key, None)
 
     def table(self, batch_size: int, context_tokens: int = 0) -> tuple[tuple[int, float], ...]:
         """((forward tokens, median verify ms), ...) by tokens, for the sizes measured
         ``min_samples`` times at this batch size and context bucket (``context_tokens`` summed
         over the batch, as ``observe`` takes it)."""
         key = (batch_size, context_bucket(context_tokens / max(1, batch_size)))
-        if key not in self._tables:
-            self._tables[key] = tuple(sorted(self._medians.get(key, {}).items()))
-        return self._tables[key]
+        return tuple(sorted(self._medians.get(key, {}).items()))
 
 
 def context_bucket(mean_context: float) -> int:

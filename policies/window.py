@@ -74,8 +74,8 @@ class WindowOutcome(JsonState):
     batch_size: int = 1
     others_window: int = 0      # the longest window another request of the batch was offered
     others_emitted: int = 0     # Σ (n + 1) over the other requests of the batch
-    # The replica's verify ms by forward tokens at this step's batch size, from every request's
-    # steps (``verify_costs.VerifyCosts.table``): ((tokens, median ms), ...); () when not pooled.
+    # The replica's verify ms by forward tokens at this step's batch size and context bucket, from
+    # every request's steps (``verify_costs.VerifyCosts.table``): ((tokens, median ms), ...).
     verify_table: tuple[tuple[int, float], ...] = ()
 
     @classmethod
@@ -205,8 +205,8 @@ class WindowPolicy:
     def observe(self, record: StepRecord) -> None:
         # The context the step's requests read: what each had before the tokens this step emitted.
         # Requests this policy does not adapt (pinned, plain) are not tracked and count as none.
-        stepped = {s.request_id for s in record.requests}
-        context = sum(len(r.request.prompt_ids) + self._emitted_before[i] for i, r in self._requests.items() if i in stepped)
+        context = sum(len(self._requests[s.request_id].request.prompt_ids) + self._emitted_before[s.request_id]
+                      for s in record.requests if s.request_id in self._requests)
         self.costs.observe(record, context)
         table = self.costs.table(record.batch_size, context)
         for step in record.requests:
