@@ -99,7 +99,7 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight, bias
         self.packed = None
-        if _packable(weight):
+        if packable(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +108,7 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def _packable(weight: torch.Tensor) -> bool:
+def packable(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
             and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
 

@@ -136,9 +136,10 @@ class HSRDraft:
                 z = self.head.inputs(torch.tensor([[tok]], device=device), hidden)
                 hidden, k, v = self.head.step(z, torch.tensor([position], device=device), keys, values)
                 keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-                return self.head.full_logits(hidden)[0, -1]
+                return self.head.head_logits(hidden)[0, -1]
 
-            return draft_chain(self.head.full_logits(hidden)[0, -1], window, params, generator, next_logits)
+            return draft_chain(self.head.head_logits(hidden)[0, -1], window, params, generator, next_logits,
+                               self.head.to_full_vocab, self.head.head_token_ids(device))
 
     def propose_tree(self, context: list[int], shape: TreeShape, features: torch.Tensor | None = None,
                      features_start: int = 0) -> Proposal:

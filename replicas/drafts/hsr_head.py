@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from specserve.replicas.drafts import hsr_forward
 from specserve.replicas.drafts.pruned_head import PrunedHeadMixin
 
 
@@ -111,13 +112,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.heads * d, h, bias=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, H] -> q [B, heads, T, d]; k, v [B, heads, T, d] (kv heads repeated for GQA)."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, repeat_kv: bool = True):
+        """x [B, T, H] -> q [B, heads, T, d]; k, v [B, heads, T, d] (kv heads repeated for GQA),
+        or [B, kv heads, T, d] without ``repeat_kv``."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if not repeat_kv:
+            return q, k, v
         groups = self.heads // self.kv_heads
         return q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
@@ -175,6 +179,8 @@ class HSRHead(PrunedHeadMixin, PreTrainedModel):
 
     def inputs(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """Eq. 1: ``FC(e_t ⊕ h_{t-1})``. token_ids [B, T], prev_hidden [B, T, H] -> [B, T, H]"""
+        if (fast := hsr_forward.for_head(self)) is not None:
+            return fast.inputs(token_ids, prev_hidden)
         embeds = self.embed_tokens(token_ids).to(prev_hidden.dtype)
         return self.fc(torch.cat([embeds, prev_hidden], dim=-1))
 
@@ -183,6 +189,8 @@ class HSRHead(PrunedHeadMixin, PreTrainedModel):
 
     def head_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the head's K tokens: [..., K]."""
+        if (fast := hsr_forward.for_head(self)) is not None:
+            return fast.head_logits(out_hidden)
         return self.lm_head(self.norm(out_hidden))
 
     def full_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
@@ -193,17 +201,20 @@ class HSRHead(PrunedHeadMixin, PreTrainedModel):
              allowed: torch.Tensor | None = None):
         """Run the layer on inputs ``z`` [1, T, H] at ``positions`` [T] after cached keys/values.
         ``allowed`` [T, S] says which keys (cached, then new) each new position sees; default
-        causal. returns (out [1, T, H], k, v) where k, v [1, heads, T, d] are the new positions'
-        keys and values, for the caller to cache."""
+        causal. returns (out [1, T, H], k, v) where k, v [1, kv heads, T, d] are the new positions'
+        keys and values, for the caller to cache (grouped: attention repeats nothing).
+        Drafting in bfloat16 on a CPU runs ``hsr_forward``'s packed step, the same maths."""
+        if (fast := hsr_forward.for_head(self)) is not None:
+            return fast.step(z, positions, past_k, past_v, allowed)
         cos, sin = self.rope(positions, z.dtype)
         x = self.layer.input_layernorm(z)
-        q, k, v = self.layer.self_attn.qkv(x, cos, sin)
+        q, k, v = self.layer.self_attn.qkv(x, cos, sin, repeat_kv=False)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         t, s = q.shape[2], keys.shape[2]
         if allowed is None:   # query i sits at cache index s - t + i and sees every key up to its own
             allowed = torch.ones(t, s, dtype=torch.bool, device=z.device).tril(diagonal=s - t)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
         hidden = z + self.layer.self_attn.out(attended)
         return self.layer.feed_forward(hidden), k, v
 

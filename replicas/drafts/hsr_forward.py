@@ -1,0 +1,95 @@
+"""The HSR head's drafting step in fewer, larger operations (what ``llama_forward`` does for the target).
+
+Why: drafting one token is one decoder layer and a 8,192-row head, ~8M weights, yet on this CPU
+the module path cost 2.1 ms a token (bfloat16, 2 threads: ~40 small operations, each paying
+dispatch, and ``F.linear``'s bfloat16 path), a sixth of a verify step, which made the head lose
+to prompt lookup on every prompt. Here, measured the same way: 0.85 ms.
+
+- the projections are oneDNN-packed ``llama_forward.Linear``s, q/k/v stacked into one and gate/up
+  into another;
+- RMSNorm and the rotary embedding are the C row kernels (``cpu_row_ops``), rotary angles come
+  from a table grown on demand (the values ``hsr_head.rope_cos_sin`` computes per call);
+- the head's cache holds the key/value heads only and attention reads them grouped
+  (``enable_gqa``), as ``HSRHead.step`` does.
+
+The numbers are the module's to bfloat16 rounding (the kernels sum in another order); a draft's
+proposal only changes speed, never the output, since verification decides. Used only where the
+weights pack (bfloat16/float16 on a CPU with oneDNN) and no gradient is wanted: float32 heads,
+where the exactness tests run, and training keep the module path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.replicas import cpu_row_ops
+from specserve.replicas.llama_forward import Linear, packable
+
+
+def for_head(head) -> "HSRForward | None":
+    """The head's packed step, built once; None where the module path must run (see above)."""
+    if torch.is_grad_enabled() or not packable(head.fc.weight) or not cpu_row_ops.usable(head.fc.weight):
+        return None
+    forward = head.__dict__.get("_specserve_hsr_forward")
+    if forward is None:
+        forward = head.__dict__["_specserve_hsr_forward"] = HSRForward(head)
+    return forward
+
+
+class HSRForward:
+    def __init__(self, head):
+        layer, attn, mlp = head.layer, head.layer.self_attn, head.layer.mlp
+        self.head = head
+        self.heads, self.kv_heads, self.head_dim = attn.heads, attn.kv_heads, attn.head_dim
+        self.intermediate = head.config.intermediate_size
+        weights = lambda *linears: torch.cat([lin.weight.detach() for lin in linears])   # noqa: E731
+        self.fc = Linear(weights(head.fc), None)
+        self.qkv = Linear(weights(attn.q_proj, attn.k_proj, attn.v_proj), None)
+        self.o = Linear(weights(attn.o_proj), None)
+        self.gate_up = Linear(weights(mlp["gate_proj"], mlp["up_proj"]), None)
+        self.down = Linear(weights(mlp["down_proj"]), None)
+        self.lm_head = Linear(weights(head.lm_head), None)
+        self.norms = [(n.weight.detach(), n.eps) for n in (layer.input_layernorm, layer.post_attention_layernorm, head.norm)]
+        self._cos = self._sin = None
+
+    def _rope_rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, T, d] of ``positions`` from the table (doubled when a position passes its end)."""
+        last = int(positions.max())
+        if self._cos is None or last >= self._cos.shape[0]:
+            size = max(1024, 2 * (last + 1))
+            self._cos, self._sin = self.head.rope(torch.arange(size, device=positions.device), dtype)
+        return self._cos[positions][None], self._sin[positions][None]
+
+    def inputs(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """Sparrow Eq. 1, ``FC(e_t ⊕ h_{t-1})``: token_ids [1, T], prev_hidden [1, T, H] -> [1, T, H]."""
+        embeds = self.head.embed_tokens(token_ids).to(prev_hidden.dtype)
+        return self.fc(torch.cat([embeds, prev_hidden], dim=-1))
+
+    def step(self, z: torch.Tensor, positions: torch.Tensor, past_k: torch.Tensor | None,
+             past_v: torch.Tensor | None, allowed: torch.Tensor | None = None):
+        """``HSRHead.step``'s contract: out [1, T, H] and the new positions' k, v [1, kv heads, T, d]."""
+        (norm1, eps1), (norm2, eps2), _ = self.norms
+        t = z.shape[1]
+        z = z.contiguous()
+        x = cpu_row_ops.add_rms_norm(z, None, norm1, eps1)
+        qkv = self.qkv(x).view(1, t, self.heads + 2 * self.kv_heads, self.head_dim)
+        cos, sin = self._rope_rows(positions, z.dtype)
+        q, k = cpu_row_ops.rope(qkv, cos, sin, self.heads, self.kv_heads)
+        v = qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+        values = v if past_v is None else torch.cat([past_v, v], dim=2)
+        s = keys.shape[2]
+        if allowed is None and t > 1:   # query i sits at cache index s - t + i and sees every key up to its own
+            allowed = torch.ones(t, s, dtype=torch.bool, device=z.device).tril(diagonal=s - t)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
+        hidden = z + self.o(attended.transpose(1, 2).reshape(1, t, -1))
+        h = cpu_row_ops.add_rms_norm(hidden, None, norm2, eps2)
+        gate_up = self.gate_up(h)
+        out = hidden + self.down(F.silu(gate_up[..., :self.intermediate]) * gate_up[..., self.intermediate:])
+        return out, k, v.contiguous()
+
+    def head_logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's K tokens [..., K] (``HSRHead.head_logits``)."""
+        _, _, (norm, eps) = self.norms
+        return self.lm_head(cpu_row_ops.add_rms_norm(out_hidden.contiguous(), None, norm, eps))
