@@ -7,10 +7,13 @@ window to the one that pays most at the replica's load, or to none:
 
     cost model     verify_ms ≈ a + b · forward_tokens      (least squares over recent steps of the
                                                              same load bucket, else over all of them)
-                   d̂ = the draft's call per request that drafted with it (recent steps' mean of its
-                       ms / its requests in the step; ~0 for prompt lookup)
-    acceptance     α̂ per draft, paper 003 Eq. 2 over the last steps: Σn / (Σn + Σ1[n < γ])
-    net(γ)         E(γ) − 1 − (1 + margin) · B / (a + b·B) · (b·γ + d̂),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
+                   d̂ = the draft's call per request that drafted with it and per drafted position
+                       (recent steps' mean of its ms / its requests / the positions it drafted;
+                       ~0 for prompt lookup)
+    acceptance     α̂ per request, paper 003 Eq. 2 over its own steps with its draft, Σn / (Σn + Σ1[n < γ]),
+                   with a prior of ``request_prior_steps`` pseudo-steps: the α the router chose the
+                   draft on for this prompt, else the draft's α̂ over the replica's recent steps
+    net(γ)         E(γ) − 1 − (1 + margin) · B / (a + b·B) · (b·γ + d̂·γ),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
     window         argmax over γ in 1..γ_asked of net(γ) if it is positive, else plain decoding
 
 net(γ) is what one request's γ draft tokens add to the step: the tokens it emits beyond a plain
@@ -82,7 +85,7 @@ class GoodputPolicy:
         self._costs: deque[tuple[int, float]] = deque(maxlen=history_steps)   # (forward tokens, verify ms)
         self._costs_by_load: dict[str, deque[tuple[int, float]]] = {}        # the same, per load bucket
         self._outcomes: dict[str, deque[tuple[int, int]]] = {}                 # draft -> (n, γ) per step
-        # draft -> per step, its call's ms per request that drafted with it
+        # draft -> per step, its call's ms per request that drafted with it and per drafted position
         self._draft_share: dict[str, deque[float]] = {}
         self._history = history_steps
         self._last_fit: tuple[float, float] | None = None
@@ -97,6 +100,12 @@ class GoodputPolicy:
         # a good draft off.
         self._prior: dict[str, float] = {}
         self.prior_steps = 8
+        # (request id, draft) -> (n, γ) per step: a request's own acceptance. Prompts differ (the
+        # HSR head accepts 0.55 on one chat prompt, 0.19 on a code prompt): a replica-wide α̂
+        # switched a draft off for the prompt the router had chosen it for, after a prompt it
+        # served badly.
+        self._by_request: dict[tuple[str, str], deque[tuple[int, int]]] = {}
+        self.request_prior_steps = 4
 
     def alpha(self, draft: str) -> float | None:
         prior = self._prior.get(draft)
@@ -104,6 +113,17 @@ class GoodputPolicy:
             return None
         return estimate_alpha(self._outcomes.get(draft, ()), self.alpha_max,
                               None if prior is None else (prior, self.prior_steps))
+
+    def request_alpha(self, state: RequestState) -> float | None:
+        """α̂ of ``state``'s draft for this request: its own steps, the router's α for it (else
+        the replica's α̂) as the prior; None while there is neither a prior nor ``min_steps``
+        of its own."""
+        draft = state.request.draft
+        own = self._by_request.get((state.id, draft), ())
+        prior = state.expected_alpha if state.expected_alpha is not None else self.alpha(draft)
+        if prior is None:
+            return estimate_alpha(own, self.alpha_max) if len(own) >= self.min_steps else None
+        return estimate_alpha(own, self.alpha_max, (prior, self.request_prior_steps))
 
     def cost_model(self, batch_size: int | None = None) -> tuple[float, float] | None:
         """(a, b) of verify_ms ≈ a + b · tokens: from the steps of ``batch_size``'s load bucket
@@ -127,42 +147,47 @@ class GoodputPolicy:
             self._last_fit = pooled
         return self._last_fit
 
-    def gains(self, draft: str, window: int, batch_size: int, fed: int | None = None) -> list[float] | None:
+    def gains(self, draft: str, window: int, batch_size: int, fed: int | None = None,
+              alpha: float | None = None) -> list[float] | None:
         """net(γ) for γ = 1..``window`` (index γ - 1) for one request of a step of ``batch_size``;
-        ``fed``: the tokens a window of ``window`` feeds (a tree's node budget; a chain's window).
-        None while the policy has not measured α and the costs."""
-        alpha, model = self.alpha(draft), self.cost_model(batch_size)
+        ``fed``: the tokens a window of ``window`` feeds (a tree's node budget; a chain's window);
+        ``alpha``: the request's (default: the draft's over the replica). None while the policy
+        has not measured α and the costs."""
+        alpha, model = alpha if alpha is not None else self.alpha(draft), self.cost_model(batch_size)
         if alpha is None or model is None:
             return None
         a, b = model
-        d = self.draft_share_ms(draft)
+        d = self.draft_ms_per_position(draft)
         step_rate = batch_size / (a + b * batch_size)     # tokens/ms of the step decoding plainly
         per_window_token = (fed or window) / window        # tokens fed per window position
         # Tokens this request gains over a plain step, minus what its extra time (g tokens fed,
         # its share of the draft's call) would emit decoding plainly.
-        return [expected_emitted(alpha, g) - 1.0 - (1.0 + self.margin) * step_rate * (b * g * per_window_token + d)
+        return [expected_emitted(alpha, g) - 1.0 - (1.0 + self.margin) * step_rate * (b * g * per_window_token + d * g)
                 for g in range(1, window + 1)]
 
-    def draft_share_ms(self, draft: str) -> float:
-        """d̂: the ms of ``draft``'s call per request that drafted with it (recent steps' mean)."""
+    def draft_ms_per_position(self, draft: str) -> float:
+        """d̂: the ms of ``draft``'s call per request that drafted with it, per position drafted
+        (recent steps' mean). A model draft runs one forward per position, so a shorter window
+        drafts for less (a per-call price made γ = 4 look as cheap as γ = 1: the HSR head at
+        batch 1 then kept 4 where 3 was faster, 77.7 vs 80.7 tok/s on a chat prompt)."""
         measured = self._draft_share.get(draft)
         return sum(measured) / len(measured) if measured else 0.0
 
-    def explores(self, request_id: str, draft: str, fed: int, batch_size: int) -> bool:
+    def explores(self, request_id: str, draft: str, fed: int, positions: int, batch_size: int) -> bool:
         """Whether a request the costs switched off speculates this step anyway (it earns
         ``explore_share`` of its share of the step each time it is asked; a window of ``fed``
-        tokens costs b·fed + its share of the draft's call)."""
+        tokens over ``positions`` drafted positions costs b·fed + its share of the draft's call)."""
         a, b = self.cost_model(batch_size) or (0.0, 0.0)
-        price = b * fed + self.draft_share_ms(draft)
+        price = b * fed + self.draft_ms_per_position(draft) * positions
         credit = self._credit[request_id] if request_id in self._credit else self.rng.random() * price
         credit += self.explore_share * (a + b * batch_size) / batch_size
         explore = self.explore_share > 0 and credit >= price
         self._credit[request_id] = credit - price if explore else credit
         return explore
 
-    def window_for(self, draft: str, window: int, batch_size: int) -> int:
+    def window_for(self, draft: str, window: int, batch_size: int, alpha: float | None = None) -> int:
         """The chain window in 0..``window`` that pays most for one request (0: decode plainly)."""
-        net = self.gains(draft, window, batch_size)
+        net = self.gains(draft, window, batch_size, alpha=alpha)
         if net is None:
             return window
         best = max(range(1, window + 1), key=lambda g: (net[g - 1], -g))
@@ -178,18 +203,19 @@ class GoodputPolicy:
         if state.request.prior_alpha is not None:
             self._prior[state.request.draft] = state.request.prior_alpha
         draft = state.request.draft
+        alpha = self.request_alpha(state)
         if spec.tree is not None:   # a tree is not shrunk here: kept whole if it pays, else dropped
             shape = spec.tree
-            net = self.gains(draft, shape.depth, batch_size, shape.budget)
+            net = self.gains(draft, shape.depth, batch_size, shape.budget, alpha)
             if net is None or net[-1] > 0:
                 return spec
-            fed = shape.budget
+            fed, positions = shape.budget, shape.depth
         else:
-            window = self.window_for(draft, spec.window, batch_size)
+            window = self.window_for(draft, spec.window, batch_size, alpha)
             if window > 0:
                 return replace(spec, window=window)
-            fed = spec.window
-        return spec if self.explores(state.id, draft, fed, batch_size) else PLAIN
+            fed = positions = spec.window
+        return spec if self.explores(state.id, draft, fed, positions, batch_size) else PLAIN
 
     def observe(self, record: StepRecord) -> None:
         self.base.observe(record)
@@ -201,13 +227,19 @@ class GoodputPolicy:
         # Credit belongs to requests still in the batch (a running request is in every step's record).
         running = {step.request_id for step in record.requests}
         self._credit = {i: c for i, c in self._credit.items() if i in running}
+        self._by_request = {k: h for k, h in self._by_request.items() if k[0] in running}
         for step in record.requests:
             if step.max_depth > 0:
-                self._outcomes.setdefault(step.draft, deque(maxlen=self._history)).append((step.accepted, step.max_depth))
+                outcome = (step.accepted, step.max_depth)
+                self._outcomes.setdefault(step.draft, deque(maxlen=self._history)).append(outcome)
+                self._by_request.setdefault((step.request_id, step.draft), deque(maxlen=self._history)).append(outcome)
         # Each draft's call (its own time when the record has it; a step's drafts propose
-        # concurrently, so else the step's) shared by the requests that drafted with it.
+        # concurrently, so else the step's) shared by the requests that drafted with it, per
+        # position: its requests draft in one batched forward per position, so the call lasts
+        # as many forwards as the deepest proposal has positions.
         own = dict(record.draft_ms_by)
         users = Counter(s.draft for s in record.requests if s.max_depth > 0)
         for draft, n in users.items():
             ms = own.get(draft, record.draft_ms)
-            self._draft_share.setdefault(draft, deque(maxlen=self._history)).append(ms / n)
+            positions = max(s.max_depth for s in record.requests if s.draft == draft)
+            self._draft_share.setdefault(draft, deque(maxlen=self._history)).append(ms / n / positions)

@@ -138,6 +138,9 @@ class RequestState:
         self.prompt_scored = 0
         self.routed = False                # the scheduler has settled its draft (after the prefill)
         self.routing: dict | None = None   # the draft router's decision (``spec.router``)
+        # The α the router chose the current draft on (its prediction for this prompt, with the
+        # exploration bonus when that decided): the load-aware policy's prior for this request.
+        self.expected_alpha: float | None = None
 
     @property
     def done(self) -> bool:

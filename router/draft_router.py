@@ -142,9 +142,19 @@ class DraftRouter:
             "switches": [],
         }
         self._begin(state.id, draft, scores.get(draft, {}).get("alpha"))
+        state.expected_alpha = self._chosen_on(scores, draft, reason)
         if self.log:
             self._log("decision", state.id, features=features.to_dict(), scores=scores, choice=draft, reason=reason)
         return draft
+
+    def _chosen_on(self, scores: dict[str, dict], draft: str, reason: str) -> float | None:
+        """The α the choice rests on: the prediction plus the exploration bonus (the choice is
+        the best of the optimistic scores; the bonus fades as the model grows confident). The
+        load-aware policy must let a draft chosen on it draft, or its α is never observed.
+        None when pinned or plain."""
+        if draft not in self.models or reason == PINNED:
+            return None
+        return min(self.alpha_max, scores[draft]["alpha"] + self.explore * scores[draft]["width"])
 
     # ---- while the request runs --------------------------------------------------------------
 
@@ -194,6 +204,7 @@ class DraftRouter:
                                     "realised_alpha": round(realised, 4),
                                     "tokens_per_s": {"from": round(current, 2), "to": round(candidates[best], 2)}})
         self._begin(state.id, best, self.models[best].predict(x) if best in self.models else None)
+        state.expected_alpha = self._segments[state.id].predicted
         if self.log:
             self._log("switch", state.id, **routing["switches"][-1])
         return best

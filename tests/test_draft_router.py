@@ -55,6 +55,21 @@ def test_cold_router_explores_a_draft_rather_than_giving_up():
     assert set(s.routing["predicted_alpha"]) == {"lookup", "lm"}
 
 
+def test_the_request_carries_the_alpha_its_draft_was_chosen_on():
+    """The load-aware policy starts a routed request from this α, so a draft chosen for the
+    prompt drafts there even where it served other prompts badly."""
+    router = DraftRouter(["lookup", "lm"], log=False)
+    priced(router, lookup=0.05, lm=3.0)
+    teach(router, "lm", VARIED, 0.7)
+    s = state(VARIED)
+    choice = router.route(s, 1)
+    chosen = next(c for d, c in router.scores(router.features(s).vector(), 1).items() if d == choice)
+    assert s.expected_alpha == pytest.approx(min(0.95, chosen["alpha"] + router.explore * chosen["width"]), abs=1e-3)
+    pinned = state(VARIED, draft="lm", request_id="r1")
+    router.route(pinned, 1)
+    assert pinned.routing["reason"] == PINNED and pinned.expected_alpha is None
+
+
 def test_learned_router_picks_the_predicted_best_per_prompt():
     router = DraftRouter(["lookup", "lm"], log=False)
     priced(router, lookup=0.05, lm=3.0)

@@ -1,6 +1,8 @@
 """The goodput policy turns speculation off exactly when the measured costs say plain decoding
 emits more tokens per second for the batch."""
 
+import pytest
+
 from specserve.policies.goodput import GoodputPolicy, expected_emitted
 from specserve.policies.static import StaticPolicy
 from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
@@ -122,8 +124,64 @@ def test_the_drafts_own_time_counts():
         policy.observe(record(tokens, 10 + tokens))
     for accepted in (3, 0, 0, 0, 0, 0, 0):
         policy.observe(StepRecord(1, 5, 0, 10.0, 15.0, 0.0, (outcome(accepted),)))
-    assert abs(policy.alpha("d") - 0.3) < 1e-12 and policy.draft_share_ms("d") == 10.0
+    assert abs(policy.alpha("d") - 0.3) < 1e-12 and policy.draft_ms_per_position("d") == 2.5   # 10 ms, 4 positions
+    # The shortest window pays least for the draft (2.5 ms) and still does not pay: 1.3 tokens in 13.5 ms.
     assert not policy.pays("d", 4, batch_size=1)
+
+
+def test_a_model_draft_prices_each_drafted_position():
+    """Batch 1, verify 20 ms + 0.2 ms a token, a draft taking 8 ms for 4 positions (2 ms each),
+    α̂ = 0.5. net(γ) = E(γ) − 1 − (0.2·γ + 2·γ) / 20.2 is 0.39, 0.53, 0.55, 0.50 for γ = 1..4: the
+    fourth token's draft forward costs more than it brings. (Priced per call, 8 ms whatever the
+    window, γ = 4 looked best.)"""
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1, margin=0.0)
+    for tokens in (1, 5) * 4:
+        policy.observe(record(tokens, 20 + 0.2 * tokens))
+    for _ in range(8):   # n = 1 of γ = 4 every step: α̂ = Σn / (Σn + Σ1[n < γ]) = 1/2
+        policy.observe(StepRecord(1, 5, 0, 8.0, 21.0, 0.0, (outcome(1),), draft_ms_by=(("d", 8.0),)))
+    assert policy.alpha("d") == 0.5 and policy.draft_ms_per_position("d") == 2.0
+    assert policy.window_for("d", 4, batch_size=1) == 3
+    assert policy.window_for("d", 2, batch_size=1) == 2
+
+
+def test_each_request_is_priced_at_its_own_acceptance():
+    """Batch 1, verify 20 ms + 0.2 ms a token, the draft 4 ms a position, no margin. Over the
+    replica the draft accepts α̂ = 64 / (64 + 16) = 0.8, which pays for every request; but one
+    request accepted all of its 16 steps and another none: (0 + 4·0.8) / (16 + 4) = 0.16 for it,
+    and net(1) = 0.16 − 4.2/20.2 < 0. A request the router chose the draft for at α = 0.9
+    drafts even where the replica saw the draft fail (α̂ 0)."""
+    from specserve.replicas.sampling import SamplingParams
+    from specserve.replicas.scheduler import RequestState, SpecRequest
+    import torch
+
+    def request(rid: str, expected: float | None = None) -> RequestState:
+        s = RequestState(SpecRequest([1, 2], 64, SamplingParams(), "d", 4, request_id=rid), frozenset(),
+                         torch.device("cpu"))
+        s.expected_alpha = expected
+        return s
+
+    def step(rid: str, accepted: int) -> RequestStep:
+        return RequestStep(rid, "d", Speculation(4), 4, accepted, 4, None)
+
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, margin=0.0)
+    for tokens in (1, 5) * 4:
+        policy.observe(record(tokens, 20 + 0.2 * tokens))
+    for _ in range(16):
+        policy.observe(StepRecord(2, 10, 0, 16.0, 22.0, 0.0, (step("good", 4), step("bad", 0)), draft_ms_by=(("d", 32.0),)))
+    assert policy.alpha("d") == 0.8 and policy.draft_ms_per_position("d") == 4.0
+    good, bad = request("good"), request("bad")
+    assert policy.request_alpha(bad) == pytest.approx(0.16)
+    assert policy.choose(good, batch_size=1) == Speculation(4)
+    assert policy.choose(bad, batch_size=1).plain
+
+    failing = GoodputPolicy(StaticPolicy(), explore_share=0.0, margin=0.0)
+    for tokens in (1, 5) * 4:
+        failing.observe(record(tokens, 20 + 0.2 * tokens))
+    for _ in range(16):
+        failing.observe(StepRecord(1, 5, 0, 16.0, 21.0, 0.0, (step("elsewhere", 0),), draft_ms_by=(("d", 16.0),)))
+    assert failing.alpha("d") == 0.0
+    assert failing.choose(request("new"), batch_size=1).plain
+    assert failing.choose(request("routed", expected=0.9), batch_size=1).window >= 1
 
 
 def test_a_request_alone_with_a_draft_model_pays_its_whole_call():
@@ -143,7 +201,7 @@ def test_a_request_alone_with_a_draft_model_pays_its_whole_call():
         return policy
 
     shared, alone = policy_seeing(8), policy_seeing(1)
-    assert shared.draft_share_ms("d") == 1.25 and alone.draft_share_ms("d") == 10.0
+    assert shared.draft_ms_per_position("d") == 1.25 / 4 and alone.draft_ms_per_position("d") == 10.0 / 4
     assert shared.window_for("d", 4, batch_size=8) == 4
     assert alone.window_for("d", 4, batch_size=8) == 0
 
