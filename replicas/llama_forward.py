@@ -36,7 +36,8 @@ from specserve.replicas import cpu_attention, cpu_row_ops
 if TYPE_CHECKING:
     from specserve.replicas.batch_kv import FlatStep
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+# The zoo's pruned-head draft LM (``drafts/pruned_head.py``) is a Llama with its own model type.
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "specserve_pruned_head_llama")
 STANDARD_FORWARDS = ("LlamaForCausalLM.forward", "MistralForCausalLM.forward", "Qwen2ForCausalLM.forward")
 # Rotary variants whose frequencies change with the sequence length: a table built once would be wrong.
 SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")

@@ -100,7 +100,11 @@ def test_a_pruned_head_draft_scatters_its_logits_to_the_full_vocabulary():
     from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
 
     base = tiny_model("llama", seed=4)
-    config = PrunedHeadConfig.from_dict({**base.config.to_dict(), "head_token_ids": list(range(0, base.config.vocab_size, 3))})
+    # Its own model type, as config.json has it (the shipped draft once fell back to Hugging
+    # Face's forward because only "llama" was recognised).
+    fields = {k: v for k, v in base.config.to_dict().items() if k != "model_type"}
+    config = PrunedHeadConfig.from_dict({**fields, "head_token_ids": list(range(0, base.config.vocab_size, 3))})
+    assert config.model_type == "specserve_pruned_head_llama"
     torch.manual_seed(0)
     pruned = PrunedHeadLlamaForCausalLM(config).eval()
     assert llama_forward.supports(pruned)
