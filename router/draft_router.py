@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from specserve.policies.window import estimate_alpha
 from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT, RequestState
 from specserve.replicas.step import StepRecord
-from specserve.router.acceptance import LinearAcceptance
+from specserve.router.acceptance import ROUTER_PRIOR_ALPHA, LinearAcceptance
 from specserve.router.costs import StepCosts
 from specserve.router.features import PromptFeatures, prompt_features
 from specserve.router.topics import TopicBasis
@@ -83,7 +83,7 @@ class DraftRouter:
         self.alpha_max = alpha_max
         self.costs = StepCosts(window_max=window_max)
         dims = len(PromptFeatures.names(self.topic_dims))
-        self.models = {d: LinearAcceptance(dims, ridge, alpha_max) for d in self.drafts}
+        self.models = {d: LinearAcceptance(dims, ridge, alpha_max, ROUTER_PRIOR_ALPHA) for d in self.drafts}
         self.log = log
         self._clock = clock
         self._segments: dict[str, Segment] = {}

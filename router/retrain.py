@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from specserve.router.acceptance import LinearAcceptance
+from specserve.router.acceptance import ROUTER_PRIOR_ALPHA, LinearAcceptance
 
 WEIGHTS_FORMAT = 1
 
@@ -28,7 +28,7 @@ def retrain(outcomes: Iterable[dict], ridge: float = 1.0, alpha_max: float = 0.9
         counted += 1
         for seen in outcome.get("observations") or ():
             key = (target, basis, seen["draft"])
-            model = models.setdefault(key, LinearAcceptance(len(x), ridge, alpha_max))
+            model = models.setdefault(key, LinearAcceptance(len(x), ridge, alpha_max, ROUTER_PRIOR_ALPHA))
             if model.dims == len(x):
                 model.update(x, float(seen["alpha"]), float(seen.get("weight", 1.0)))
     return {

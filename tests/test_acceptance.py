@@ -72,3 +72,25 @@ def test_json_round_trip_and_checks():
         LinearAcceptance.from_dict(bad)
     with pytest.raises(ValueError, match="length 2"):
         model.predict([1.0, 0.0])
+
+
+def test_the_ridge_pulls_towards_the_prior_not_towards_zero():
+    """Unobserved, a draft is predicted α₀; two unlucky prompts (α 0.2) move it towards them
+    without pinning it near 0, so LinUCB's bonus can still bring it back (towards 0 it read 0.1)."""
+    x = [1.0, 0.4, 0.7]
+    cold = LinearAcceptance(3, prior_alpha=0.5)
+    assert cold.predict(x) == 0.5 and cold.predict([1.0, 0.0, 0.0]) == 0.5
+    towards_zero, towards_prior = LinearAcceptance(3), LinearAcceptance(3, prior_alpha=0.5)
+    for model in (towards_zero, towards_prior):
+        for _ in range(2):
+            model.update(x, 0.2)
+    assert towards_zero.predict(x) < 0.2 < towards_prior.predict(x) < 0.5
+    for _ in range(200):   # with data, the prior fades
+        towards_prior.update(x, 0.2)
+    assert towards_prior.predict(x) == pytest.approx(0.2, abs=0.01)
+    again = LinearAcceptance.from_dict(json.loads(json.dumps(towards_prior.to_dict())))
+    assert again.predict(x) == pytest.approx(towards_prior.predict(x))
+    legacy = {k: v for k, v in towards_zero.to_dict().items() if k != "prior_alpha"}   # published before the prior
+    assert LinearAcceptance.from_dict(legacy).predict(x) == pytest.approx(towards_zero.predict(x))
+    with pytest.raises(ValueError, match="prior"):
+        towards_zero.merged(towards_prior)

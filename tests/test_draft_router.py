@@ -45,14 +45,15 @@ def teach(router, draft, prompt, alpha, times=20):
         router.models[draft].update(x, alpha)
 
 
-def test_cold_router_explores_a_draft_rather_than_giving_up():
+def test_cold_router_tries_a_draft_rather_than_giving_up():
     router = DraftRouter(["lookup", "lm"], log=False)
     priced(router, lookup=0.05, lm=3.0)
     s = state(VARIED)
     choice = router.route(s, 1)
-    # Nothing observed: every α is predicted 0, so only the exploration bonus can pick a draft.
-    assert choice in ("lookup", "lm") and s.routing["reason"] == EXPLORE
-    assert set(s.routing["predicted_alpha"]) == {"lookup", "lm"}
+    # Nothing observed: every draft is predicted the prior α₀ = 0.5, at which drafting beats plain
+    # decoding; at equal α the cheaper draft wins.
+    assert choice == "lookup" and s.routing["reason"] == PREDICTED
+    assert s.routing["predicted_alpha"] == {"lookup": 0.5, "lm": 0.5}
 
 
 def test_the_request_carries_the_alpha_its_draft_was_chosen_on():
