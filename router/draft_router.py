@@ -108,7 +108,7 @@ class DraftRouter:
         out = {}
         for draft, model in self.models.items():
             alpha, width = model.predict(x), model.width(x)
-            optimistic = min(self.alpha_max, alpha + self.explore * width)
+            optimistic = self._optimistic(alpha, width)
             tps, window = self.costs.best(alpha, draft, batch_size)
             out[draft] = {"alpha": round(alpha, 4), "width": round(width, 4), "window": window,
                           "tokens_per_s": round(tps, 2),
@@ -154,7 +154,11 @@ class DraftRouter:
         None when pinned or plain."""
         if draft not in self.models or reason == PINNED:
             return None
-        return min(self.alpha_max, scores[draft]["alpha"] + self.explore * scores[draft]["width"])
+        return self._optimistic(scores[draft]["alpha"], scores[draft]["width"])
+
+    def _optimistic(self, alpha: float, width: float) -> float:
+        """LinUCB's α: the prediction plus the exploration bonus, capped."""
+        return min(self.alpha_max, alpha + self.explore * width)
 
     # ---- while the request runs --------------------------------------------------------------
 

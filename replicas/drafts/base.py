@@ -40,29 +40,28 @@ class ChainBuilder:
     """One chain proposal, token by token: the argmax under greedy (q = one-hot, so no
     draft_probs), else a sample from the warped q, whose rows the rejection sampler needs.
 
-    ``to_full``: the logits given are a pruned head's, over its own K tokens; it scatters them to
-    the full vocabulary (every other id at -inf). Greedy then chooses among the K directly (the
-    same token and probability: the other ids have none), a 49,152-wide argmax and softmax less
-    per drafted token; sampling scatters first, since q must cover every id."""
+    ``head``: the logits given are this pruned head's (``PrunedHeadMixin``), over its own K tokens
+    (every other id at -inf once scattered). Greedy then chooses among the K directly (the same
+    token and probability: the other ids have none), a 49,152-wide argmax and softmax less per
+    drafted token; sampling scatters first, since q must cover every id."""
 
-    def __init__(self, params: SamplingParams, generator: torch.Generator | None,
-                 to_full: Callable[[torch.Tensor], torch.Tensor] | None = None, head_ids: torch.Tensor | None = None):
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None, head=None):
         self.params = params
         self.generator = generator
-        self.to_full, self.head_ids = to_full, head_ids
+        self.head = head
         self.tokens: list[int] = []
         self.probs: list[torch.Tensor] = []
         self.token_probs: list[float] = []
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from ``logits`` [V] (or [K], the head's tokens, with ``to_full``)."""
+        """The next token from ``logits`` [V] (or [K], the tokens of ``head``)."""
         if self.params.greedy:
             index = int(logits.argmax())
             self.token_probs.append(float(torch.softmax(logits.float(), -1)[index]))
-            tok = index if self.to_full is None else int(self.head_ids[index])
+            tok = index if self.head is None else int(self.head.head_token_ids(logits.device)[index])
         else:
-            if self.to_full is not None:
-                logits = self.to_full(logits)
+            if self.head is not None:
+                logits = self.head.to_full_vocab(logits)
             q = logits_to_probs(logits, self.params)
             tok = sample(q, self.generator)
             self.probs.append(q)
@@ -75,12 +74,11 @@ class ChainBuilder:
 
 
 def draft_chain(logits: torch.Tensor, window: int, params: SamplingParams, generator: torch.Generator | None,
-                next_logits: Callable[[int], torch.Tensor], to_full: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                head_ids: torch.Tensor | None = None) -> Proposal:
+                next_logits: Callable[[int], torch.Tensor], head=None) -> Proposal:
     """The chain loop every one-session model draft shares: choose a token from ``logits`` [V],
-    then ``next_logits(token)`` for the next, ``window`` times (a pruned head's [K] logits with
-    ``to_full`` and ``head_ids``: see ``ChainBuilder``)."""
-    chain = ChainBuilder(params, generator, to_full, head_ids)
+    then ``next_logits(token)`` for the next, ``window`` times (a pruned ``head``'s [K] logits:
+    see ``ChainBuilder``)."""
+    chain = ChainBuilder(params, generator, head)
     for i in range(window):
         tok = chain.choose(logits)
         if i + 1 < window:

@@ -138,8 +138,7 @@ class HSRDraft:
                 keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
                 return self.head.head_logits(hidden)[0, -1]
 
-            return draft_chain(self.head.head_logits(hidden)[0, -1], window, params, generator, next_logits,
-                               self.head.to_full_vocab, self.head.head_token_ids(device))
+            return draft_chain(self.head.head_logits(hidden)[0, -1], window, params, generator, next_logits, self.head)
 
     def propose_tree(self, context: list[int], shape: TreeShape, features: torch.Tensor | None = None,
                      features_start: int = 0) -> Proposal:
