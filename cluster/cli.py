@@ -551,6 +551,7 @@ def bench_router(
     categories: Optional[str] = typer.Option(None, help="Comma-separated subset of code,chat,summarise,edit."),
     explore: float = typer.Option(0.2, help="The router's exploration weight (LinUCB's beta)."),
     repeats: int = typer.Option(1, help="Times each evaluation generation runs (timed by the median)."),
+    switches: int = typer.Option(1, help="Draft switches the router may make per request mid-flight (0: none)."),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core)."),
 ) -> None:
@@ -563,7 +564,8 @@ def bench_router(
     set_threads(threads)
     try:
         run_router_bench(json_path, plot_path, prompts_per_category, warmup_per_category, max_tokens,
-                         categories.split(",") if categories else None, dtype, explore, repeats=repeats)
+                         categories.split(",") if categories else None, dtype, explore, repeats=repeats,
+                         switches=switches)
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
 

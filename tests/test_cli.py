@@ -31,6 +31,7 @@ def specserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         (["generate", "hello", "--server", "ftp://x"], "--server must start with http://, https:// or grpc://"),
         (["zoo", "train", "nope"], "unknown draft recipe 'nope'"),
         (["bench", "serve", "--concurrency", "0"], "--concurrency needs integers >= 1"),
+        (["bench", "router", "--switches", "-1"], "--switches must be >= 0"),
     ],
 )
 def test_bad_arguments_exit_non_zero_with_a_clear_error(args, message):
