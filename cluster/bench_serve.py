@@ -1,14 +1,16 @@
 """Serving benchmark: specserve under load, beside the in-process engine and any OpenAI-compatible
 peer (``vllm serve``), in one run.
 
-Rows (configurations), all on the same ShareGPT chat prompts, greedy, the same ``max_tokens``,
-streamed, so that every row's TTFT and ITL are measured the same way:
+Rows (configurations), all on the same prompts (ShareGPT chat by default; ``--categories`` mixes
+code, chat, summarise and edit, in turn), greedy, the same ``max_tokens``, streamed, so that
+every row's TTFT and ITL are measured the same way:
 
 - ``serve-target-only``: the deployment with ``spec.draft = "none"``, plain (batched) decoding;
 - ``serve-default``: a request with no ``spec`` at all, i.e. what any OpenAI client gets: the
   deployment's default draft, its policy (goodput by default) choosing each step's window;
 - ``serve-spec[<draft>]``: one row per draft the deployment serves (or ``--drafts``), with that
-  draft and a pinned window γ. A ``<draft>-colocated`` draft is the same draft inside the target
+  draft and a pinned window γ (``--adaptive``: the draft only, the deployment's policy choosing
+  each step's window, as for ``serve-default``). A ``<draft>-colocated`` draft is the same draft inside the target
   replica (no handle call per step); the local stack the benchmark brings up serves
   ``prompt-lookup-colocated`` beside the drafts of ``deploy/serve.yaml``;
 - ``in-process-spec[<draft>]``: the in-process engine with one draft and γ, one stream (it is the
@@ -22,6 +24,14 @@ at once) and at most ``concurrency`` are in flight. Metrics follow vLLM's servin
 TTFT (time to first token), TPOT (time per output token after the first), ITL (time between
 streamed chunks; a speculative step streams several tokens at once), output tokens/s, failed
 requests; plus ``ms_per_step`` (request latency / steps) and ``mean_accepted_len`` τ.
+
+Measuring the draft router (``serve-default`` when the deployment routes): ``--router-warmup N``
+first sends N other prompts per category with no ``spec``, so the replicas' routers learn from
+their own choices before the measured requests, as ``bench router``'s warm-up does; and then
+``serve-default`` runs first on each prompt, because a router also learns from requests that pin a
+draft, and after the pinned rows it would have seen this very prompt's α with each draft. In the
+loaded runs it has (from the concurrency-1 pass): there the router row is an upper bound.
+``drafts`` per row counts the draft each request ended on.
 
 At concurrency 1 the rows take turns prompt by prompt, so a noisy neighbour slows them alike;
 ``step_overhead_vs_in_process`` = a served row's ms/step over the in-process row's on the same
@@ -39,14 +49,15 @@ import re
 import statistics
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
 from specserve.cluster.bench_engine import machine_info
 from specserve.cluster.config import PROMPT_LOOKUP
-from specserve.cluster.prompts import load_prompts
+from specserve.cluster.prompts import CATEGORIES, load_prompts
 from specserve.router.auth import client_headers
 
 BENCH_CATEGORY = "chat"   # ShareGPT first turns: the serving-benchmark standard
@@ -78,6 +89,7 @@ class RequestRecord:
     output_tokens: int = 0
     steps: int = 0          # 0: unknown (a peer does not say)
     mean_accepted_len: float = 0.0
+    draft: str = ""         # the draft the request ended on (the router's, after any switch)
     draft_s: float = 0.0    # inside the step loop: waiting for proposals ...
     verify_s: float = 0.0   # ... and verifying them (the rest of a request's time is transport)
 
@@ -132,16 +144,26 @@ def resolve_drafts(requested: list[str] | None, served: list[str]) -> list[str]:
 
 
 def configs_for(url: str, model: str, drafts: list[str], window: int, in_process: str | None,
-                peers: list[tuple[str, str, str]]) -> list[ServeBenchConfig]:
-    """The rows of one run; ``peers`` are (name, url, model)."""
+                peers: list[tuple[str, str, str]], adaptive: bool = False) -> list[ServeBenchConfig]:
+    """The rows of one run; ``peers`` are (name, url, model). ``adaptive``: the serve-spec rows
+    name their draft only (the deployment's policy picks the windows)."""
+    spec_window = None if adaptive else window
     return [
         ServeBenchConfig("serve-target-only", "serve", url, model, NO_DRAFT, 0),
         ServeBenchConfig("serve-default", "serve", url, model),
-        *(ServeBenchConfig(row_name("serve-spec", d), "serve", url, model, d, window) for d in drafts),
+        *(ServeBenchConfig(row_name("serve-spec", d), "serve", url, model, d, spec_window) for d in drafts),
         *([ServeBenchConfig(row_name("in-process-spec", in_process), "in-process", draft=in_process, window=window)]
           if in_process else []),
         *(ServeBenchConfig(row_name("peer", name), "peer", peer_url, peer_model) for name, peer_url, peer_model in peers),
     ]
+
+
+def mixed_prompts(categories: list[str], n: int, offset: int = 0) -> list[tuple[str, str]]:
+    """``n`` (category, prompt) pairs, the categories in turn; ``offset`` prompts of each category
+    skipped (the router's warm-up takes its prompts after the measured ones)."""
+    per = -(-n // len(categories))
+    lists = {c: load_prompts(c, per, offset) for c in categories}
+    return [(c, lists[c][i]) for i in range(per) for c in categories][:n]
 
 
 def local_stack_config(dtype: str, drafts: list[str] | None, stream_interval: int = 1) -> dict:
@@ -242,6 +264,7 @@ async def http_request(client: httpx.AsyncClient, config: ServeBenchConfig, prom
             # must read the same whatever server stands behind them.
             spec = chunk.get("spec") if config.backend == "serve" else None
             if spec:
+                record.draft = spec.get("draft", "")
                 record.steps = spec["steps"]
                 record.mean_accepted_len = spec["mean_accepted_len"]
                 record.draft_s = spec["draft_ms_per_step"] * spec["steps"] / 1e3
@@ -343,6 +366,7 @@ def summarise(records: list[RequestRecord], duration_s: float) -> dict:
         "draft_ms_per_step": round(1e3 * sum(r.draft_s for r in ok) / steps, 2) if steps else None,
         "verify_ms_per_step": round(1e3 * sum(r.verify_s for r in ok) / steps, 2) if steps else None,
         "mean_accepted_len": round(tokens / steps, 3) if steps else None,
+        "drafts": dict(Counter(r.draft for r in ok if r.draft)),
     }
 
 
@@ -372,7 +396,8 @@ def row(config: ServeBenchConfig, concurrency: int, rate: float, summary: dict) 
 def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompts_n: int, max_tokens: int,
                     concurrencies: list[int], rates: list[float], drafts: list[str] | None, window: int,
                     in_process: str | None, peers: list[tuple[str, str]], dtype: str, repeats: int = 1,
-                    stream_interval: int = 1, no_prefix_reuse: bool = False) -> dict:
+                    stream_interval: int = 1, no_prefix_reuse: bool = False, categories: list[str] | None = None,
+                    adaptive: bool = False, router_warmup: int = 0) -> dict:
     """``drafts`` None: every draft the deployment serves; ``in_process`` None: no in-process row;
     ``peers``: (name, url) from ``parse_peers``. ``repeats``: rounds of the loaded runs, the rows
     taking turns in each (one run each of a few seconds differs by +-10% on a shared 2-core
@@ -381,7 +406,8 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
     of its own (``salt_for``), so that no row is served from a prefix cache another row or round
     filled: the engines' throughput, not their caches (peers must know vLLM's ``cache_salt``).
     Without it the same prompts repeat, as a chat service's system prompts and follow-ups do, and
-    prefix caches count."""
+    prefix caches count. ``categories``: the prompts' (default chat); ``adaptive`` and
+    ``router_warmup``: see the module's docstring."""
     if prompts_n < 1 or max_tokens < 1 or repeats < 1 or stream_interval < 1:
         raise ValueError(f"--prompts, --max-tokens, --repeats and --stream-interval must be >= 1, "
                          f"got {prompts_n}, {max_tokens}, {repeats}, {stream_interval}")
@@ -389,6 +415,12 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         raise ValueError(f"--concurrency needs integers >= 1, got {concurrencies}")
     if not rates or min(rates) <= 0:
         raise ValueError(f"--rates needs numbers > 0 (or inf), got {rates}")
+    if router_warmup < 0:
+        raise ValueError(f"--router-warmup must be >= 0, got {router_warmup}")
+    categories = list(dict.fromkeys(categories or [BENCH_CATEGORY]))
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown:
+        raise ValueError(f"--categories: choose from {', '.join(CATEGORIES)}, got {', '.join(unknown)}")
     if window < 1:
         raise ValueError(f"--window must be >= 1 (serve-target-only is the plain row), got {window}")
     if in_process is not None:
@@ -397,7 +429,9 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         runnable = [PROMPT_LOOKUP, *zoo_drafts()]
         if in_process not in runnable:
             raise ValueError(f"--in-process runs one of {', '.join(runnable)} (or none), got {in_process!r}")
-    prompts = load_prompts(BENCH_CATEGORY, prompts_n)
+    labelled = mixed_prompts(categories, prompts_n)
+    prompts = [p for _, p in labelled]
+    warmup = [p for _, p in mixed_prompts(categories, router_warmup * len(categories), -(-prompts_n // len(categories)))]
     # Ask the peers first: a peer that is not running should cost no stack start-up.
     peer_rows = [(name, url, served_model(url)["id"]) for name, url in peers]
 
@@ -417,7 +451,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         listed = served_model(server, client_headers())
         model = listed["id"]
         chosen = resolve_drafts(drafts, listed.get("drafts", []))
-        configs = configs_for(server, model, chosen, window, in_process, peer_rows)
+        configs = configs_for(server, model, chosen, window, in_process, peer_rows, adaptive)
         engine = None
         in_process_threads = None
         if in_process is not None:
@@ -447,6 +481,15 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         # Warm-up: the first calls through Serve's handles and the first forwards are slow.
         for config in configs:
             measure_one(config, 0, 8)
+        routed_warmup = {}
+        if warmup:
+            default = next(c for c in configs if c.name == "serve-default")
+            print(f"router warm-up: {len(warmup)} requests with no spec, 2 at a time", flush=True)
+            recs, _ = asyncio.run(load_run(warmup, replace(default, name="router-warmup"), 2, math.inf, max_tokens))
+            routed_warmup = {"requests": len(recs), "failed": sum(not r.ok for r in recs),
+                             "drafts": dict(Counter(r.draft for r in recs if r.ok))}
+        # What the router knows of a prompt must come from other prompts: it goes first.
+        first = "serve-default" if warmup else None
 
         # Concurrency 1: every request runs alone (so the arrival rate changes nothing), and the
         # rows take turns prompt by prompt (the first one rotating).
@@ -456,8 +499,9 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
             turn: dict[str, list[RequestRecord]] = {c.name: [] for c in configs}
             busy_s = {c.name: 0.0 for c in configs}
             for i in tqdm(range(len(prompts)), desc="concurrency 1", unit="prompt"):
-                for k in range(len(configs)):
-                    config = configs[(i + k) % len(configs)]
+                order = [configs[(i + k) % len(configs)] for k in range(len(configs))]
+                order.sort(key=lambda c: c.name != first)   # stable: the others keep their turn
+                for config in order:
                     t0 = time.perf_counter()
                     turn[config.name].append(measure_one(config, i, max_tokens))
                     busy_s[config.name] += time.perf_counter() - t0
@@ -470,8 +514,9 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
             for rate in rates:
                 got: dict[str, list[tuple[list[RequestRecord], float]]] = {c.name: [] for c in loaded}
                 for r in range(repeats):
-                    for k in range(len(loaded)):
-                        config = loaded[(r + k) % len(loaded)]
+                    order = [loaded[(r + k) % len(loaded)] for k in range(len(loaded))]
+                    order.sort(key=lambda c: c.name != first)
+                    for config in order:
                         print(f"{config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"
                               + (f" (round {r + 1} of {repeats})" if repeats > 1 else ""), flush=True)
                         salt = salt_for(run_id, config.name, concurrency, rate, r) if no_prefix_reuse else None
@@ -496,7 +541,8 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                     if c.backend == "serve" and c.window == inproc.window
                     and c.draft in (inproc.draft, colocated_name(inproc.draft))}
     result = {
-        "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "category": BENCH_CATEGORY,
+        "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "categories": categories,
+                 "prompt_categories": [c for c, _ in labelled], "adaptive": adaptive, "router_warmup": routed_warmup,
                  "max_tokens": max_tokens, "window": window, "repeats": repeats, "stream_interval": stream_interval, "no_prefix_reuse": no_prefix_reuse, "drafts": chosen, "in_process": in_process,
                  "in_process_threads": in_process_threads or torch.get_num_threads(),
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},

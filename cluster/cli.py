@@ -449,6 +449,9 @@ def bench_serve(
     concurrency: str = typer.Option("1,4,8,16", help="Comma-separated concurrency limits."),
     rates: str = typer.Option("2,inf", help="Comma-separated Poisson arrival rates in requests/s (inf: all at once). At 2 req/s about 4 requests are in flight, so the limits 4-8 bind."),
     window: int = typer.Option(4, help="The pinned window γ of the serve-spec and in-process rows."),
+    adaptive: bool = typer.Option(False, "--adaptive", help="serve-spec rows name their draft only: the deployment's policy picks each step's window, as for serve-default (the in-process row keeps --window)."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated prompt categories (code,chat,summarise,edit), in turn; default: chat (ShareGPT)."),
+    router_warmup: int = typer.Option(0, "--router-warmup", help="Other prompts per category sent with no spec before measuring, so the replicas' draft routers learn first; serve-default then runs first on each prompt."),
     dtype: str = typer.Option("auto", help="dtype of the in-process engine and of the local stack it brings up."),
     threads: Optional[int] = typer.Option(None, help="torch threads of the in-process engine."),
     repeats: int = typer.Option(1, help="Rounds of the loaded runs (concurrency > 1), the rows taking turns; each row's figures are over all rounds, its tok/s per round in the JSON."),
@@ -471,7 +474,8 @@ def bench_serve(
     try:
         run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, parse_drafts(drafts),
                         window, None if in_process == "none" else in_process, parse_peers(peer), dtype,
-                        repeats, stream_interval, no_prefix_reuse)
+                        repeats, stream_interval, no_prefix_reuse,
+                        categories.split(",") if categories else None, adaptive, router_warmup)
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
         fail(str(err))
 

@@ -6,12 +6,14 @@ import math
 import pytest
 
 from specserve.cluster.config import AppConfig
+from specserve.cluster.prompts import load_prompts
 from specserve.cluster.bench_serve import (
     RequestRecord,
     ServeBenchConfig,
     configs_for,
     format_table,
     local_stack_config,
+    mixed_prompts,
     parse_drafts,
     parse_peers,
     plot,
@@ -68,6 +70,23 @@ def test_rows_are_named_by_kind_and_draft_or_peer():
     assert "in-process-spec" not in " ".join(c.name for c in configs_for(URL, "m", [], 4, None, []))
 
 
+def test_adaptive_rows_name_their_draft_only():
+    configs = configs_for(URL, "m", ["prompt-lookup"], 4, "prompt-lookup", [], adaptive=True)
+    by = {c.name: c for c in configs}
+    assert request_body(by["serve-spec[prompt-lookup]"], "hi", 8)["spec"] == {"draft": "prompt-lookup"}
+    assert by["in-process-spec[prompt-lookup]"].window == 4   # the engine needs a window
+    assert request_body(by["serve-target-only"], "hi", 8)["spec"] == {"draft": "none", "window": 0}
+
+
+def test_mixed_prompts_take_the_categories_in_turn_and_the_warmup_others():
+    measured = mixed_prompts(["code", "edit"], 5)
+    assert [c for c, _ in measured] == ["code", "edit", "code", "edit", "code"]
+    warmup = mixed_prompts(["code", "edit"], 4, offset=3)
+    assert [c for c, _ in warmup] == ["code", "edit", "code", "edit"]
+    assert not {p for _, p in measured} & {p for _, p in warmup}
+    assert [p for _, p in mixed_prompts(["chat"], 3)] == load_prompts("chat", 3)
+
+
 def test_only_specserve_rows_send_spec_and_every_row_asks_the_same_otherwise():
     pinned = ServeBenchConfig("serve-spec[prompt-lookup]", "serve", URL, "smollm2", "prompt-lookup", 4)
     default = ServeBenchConfig("serve-default", "serve", URL, "smollm2")
@@ -98,6 +117,14 @@ def test_summarise_literal_records():
     # Per step: 2000 ms / 4 steps; draft 200 ms / 4; verify 1200 ms / 4; τ = 7 tokens / 4 steps.
     assert (out["ms_per_step"], out["draft_ms_per_step"], out["verify_ms_per_step"]) == (500.0, 50.0, 300.0)
     assert out["mean_accepted_len"] == 1.75
+    assert out["drafts"] == {}   # no spec read: no draft known
+
+
+def test_a_row_counts_the_drafts_its_requests_ended_on():
+    records = [RequestRecord("serve-default", 4, math.inf, i, ok=True, latency_s=1.0, output_tokens=4, steps=2, draft=d)
+               for i, d in enumerate(["prompt-lookup", "smollm2-hsr", "prompt-lookup"])]
+    records.append(RequestRecord("serve-default", 4, math.inf, 3, error="HTTP 500"))   # failed: not counted
+    assert summarise(records, 1.0)["drafts"] == {"prompt-lookup": 2, "smollm2-hsr": 1}
 
 
 def test_summarise_a_peer_leaves_what_it_cannot_know_null():

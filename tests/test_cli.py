@@ -31,6 +31,8 @@ def specserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         (["generate", "hello", "--server", "ftp://x"], "--server must start with http://, https:// or grpc://"),
         (["zoo", "train", "nope"], "unknown draft recipe 'nope'"),
         (["bench", "serve", "--concurrency", "0"], "--concurrency needs integers >= 1"),
+        (["bench", "serve", "--categories", "code,poetry"], "--categories: choose from"),
+        (["bench", "serve", "--router-warmup", "-1"], "--router-warmup must be >= 0"),
         (["bench", "router", "--switches", "-1"], "--switches must be >= 0"),
     ],
 )
