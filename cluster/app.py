@@ -14,16 +14,16 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
-from specserve.cluster.prompts import topic_corpus
+from specserve.data.prompts import topic_corpus
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.replica_learning import ReplicaLearningFactory
 from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.draft_server import DraftDeployment
 from specserve.replicas.target_deployment import TargetDeployment
-from specserve.router.ingress import Ingress
-from specserve.router.prefix_affinity import ROUTER_CLASS as PREFIX_AFFINITY_ROUTER
-from specserve.router.retrain import retrain
-from specserve.router.router_factory import RouterFactory
+from specserve.ingress.deployment import Ingress
+from specserve.ingress.prefix_affinity import ROUTER_CLASS as PREFIX_AFFINITY_ROUTER
+from specserve.routing.retrain import retrain
+from specserve.routing.router_factory import RouterFactory
 
 # A target replica's draft calls (each for all of its step's requests) should reach the draft
 # replica that holds those sessions' KV caches: hash on the target replica's id.

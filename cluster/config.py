@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specserve.policies.registry import DEFAULT_POLICY, POLICIES
 from specserve.replicas.model_store import REFERENCE_TARGET
-from specserve.router.ingress import IngressConfig
-from specserve.router.openai_api import AUTO_DRAFT, MAX_WINDOW, NO_DRAFT
+from specserve.ingress.deployment import IngressConfig
+from specserve.ingress.openai_api import AUTO_DRAFT, MAX_WINDOW, NO_DRAFT
 
 INGRESS_DEPLOYMENT = "ingress"
 TARGET_DEPLOYMENT = "target"
@@ -72,7 +72,7 @@ class AppConfig(BaseModel):
     )
     default_draft: str = Field(PROMPT_LOOKUP, description="The draft for requests that name none (or 'auto') when the router is off: a draft name or 'none'.")
     router: bool = Field(True, description="Choose the draft of requests that name none (or 'auto') per request with the "
-                         "learned draft router (specserve/router/draft_router.py); false: default_draft for all of them.")
+                         "learned draft router (specserve/routing/draft_router.py); false: default_draft for all of them.")
     router_explore: float = Field(0.2, ge=0.0, le=5.0, description="The router's exploration weight (LinUCB's β): "
                                   "how much an untried draft's uncertainty counts in its favour; 0: always the predicted best.")
     default_window: int = Field(4, ge=0, le=MAX_WINDOW, description="Window γ for requests that name none.")

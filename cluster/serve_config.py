@@ -17,7 +17,7 @@ from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROM
 
 APP_NAME = "specserve"
 BUILDER = "specserve.cluster.app:build_app"
-GRPC_SERVICER = "specserve.router.specserve_pb2_grpc.add_SpecServeServicer_to_server"
+GRPC_SERVICER = "specserve.ingress.specserve_pb2_grpc.add_SpecServeServicer_to_server"
 
 
 # The package's trained drafts (specserve zoo), each its own deployment, selectable by name.

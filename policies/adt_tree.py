@@ -33,7 +33,7 @@ from typing import ClassVar
 
 from specserve.policies.tree import TreeOutcome, clamp
 from specserve.policies.window import JsonState
-from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.request import SpecRequest
 from specserve.replicas.step import TreeShape
 
 

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from specserve.policies.fsm_window import fsm_step
 from specserve.policies.window import JsonState, WindowOutcome
-from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.request import SpecRequest
 
 
 @dataclass(frozen=True)

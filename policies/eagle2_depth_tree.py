@@ -32,7 +32,7 @@ from specserve.policies.goodput import expected_emitted
 from specserve.policies.online_window import draft_ms_per_token, verify_ms_at
 from specserve.policies.tree import TreeOutcome
 from specserve.policies.window import JsonState, estimate_alpha, fit_verify_ms, keep_last, with_costs
-from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.request import SpecRequest
 from specserve.replicas.step import TreeShape
 
 

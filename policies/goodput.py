@@ -56,7 +56,7 @@ from dataclasses import replace
 
 from specserve.policies.stats import load_bucket
 from specserve.policies.window import estimate_alpha, fit_verify_ms
-from specserve.replicas.scheduler import RequestState
+from specserve.replicas.request import RequestState
 from specserve.replicas.step import PLAIN, Speculation, StepRecord
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from specserve.policies.window import JsonState, WindowOutcome
-from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.request import SpecRequest
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from typing import ClassVar
 
 from specserve.policies.goodput import expected_emitted
 from specserve.policies.window import JsonState, WindowOutcome, estimate_alpha, fit_verify_ms, keep_last, with_costs
-from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.request import SpecRequest
 
 
 @dataclass(frozen=True)

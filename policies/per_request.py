@@ -9,7 +9,7 @@ window policy updates only the requests it chose for.
 from __future__ import annotations
 
 from specserve.policies.registry import POLICIES, build_policy
-from specserve.replicas.scheduler import RequestState
+from specserve.replicas.request import RequestState
 from specserve.replicas.step import Speculation, StepRecord
 
 

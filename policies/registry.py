@@ -21,7 +21,7 @@ from specserve.policies.hf_window import HFWindow
 from specserve.policies.online_window import OnlineWindow
 from specserve.policies.q_learning_window import QLearningWindow
 from specserve.policies.sage_tree import SageTree
-from specserve.policies.static import StaticPolicy
+from specserve.replicas.request import StaticPolicy
 from specserve.policies.tree import TreePolicy
 from specserve.policies.window import WindowPolicy
 

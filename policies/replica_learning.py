@@ -18,7 +18,7 @@ from specserve.policies.snapshot_cache import SnapshotCache
 from specserve.policies.spec_metrics import SpecMetrics
 from specserve.policies.stats import StatsCollector
 from specserve.policies.stats_exporter import RedisExporter
-from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.request import SpecRequest
 from specserve.replicas.step import StepRecord
 
 

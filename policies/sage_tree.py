@@ -53,7 +53,7 @@ from typing import ClassVar
 from specserve.policies.tree import TreeOutcome, clamp
 from specserve.policies.window import JsonState, keep_last
 from specserve.replicas.drafts.tree_growth import ROOT_TOP_PROBS
-from specserve.replicas.scheduler import SpecRequest
+from specserve.replicas.request import SpecRequest
 from specserve.replicas.step import TreeShape
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from specserve.policies.window import JsonState
-from specserve.replicas.scheduler import NO_DRAFT, RequestState, SpecRequest
+from specserve.replicas.request import NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord, TreeShape
 
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 from specserve.policies.verify_costs import VerifyCosts
-from specserve.replicas.scheduler import NO_DRAFT, RequestState, SpecRequest
+from specserve.replicas.request import NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.step import PLAIN, RequestStep, SpecStats, Speculation, StepRecord
 
 

@@ -60,22 +60,6 @@ class Feed:
     committed: int | None = None   # None: all of them
 
 
-@dataclass(frozen=True)
-class FlatStep:
-    """A flat (ragged) step for ``LlamaForward.flat``: the feeds' tokens one after another, no
-    padding. ``sequences`` int64 [N, 4]: (slot, first token, tokens, cached positions) per feed;
-    ``token_slots``, ``columns`` int64 [1, T]: where each token's key and value go; ``mask``
-    [T, W] float32: 0 where a token sees the c-th new token of its own feed (its chain or tree
-    ancestors and itself), -inf elsewhere (cached positions are always seen); ``length``: the
-    longest feed's cached + new positions."""
-
-    sequences: torch.Tensor
-    token_slots: torch.Tensor
-    columns: torch.Tensor
-    mask: torch.Tensor
-    length: int
-
-
 def _structure(feed: Feed) -> tuple[list[int], torch.Tensor]:
     """Each of the feed's tokens' depth below the cached prefix (1 = right after it) and which of
     the feed's tokens it sees ([n, n] bool): a chain sees itself and the tokens before it, a tree
@@ -295,7 +279,7 @@ class BatchKV:
             keep += range(start + n - f.logits_rows, start + n)
             rows.append((0, start, start + n))
             start += n
-        step = FlatStep(torch.tensor(sequences), torch.tensor([token_slots]), torch.tensor([columns]), mask, length)
+        step = llama_forward.FlatStep(torch.tensor(sequences), torch.tensor([token_slots]), torch.tensor([columns]), mask, length)
         fast = self._fast
         buffers = []
         for layer in self.cache.layers:

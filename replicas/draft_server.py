@@ -25,10 +25,10 @@ from collections.abc import Callable
 import torch
 from ray import serve
 
-from specserve.replicas.drafts.base import Draft, draft_model, propose
+from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, propose
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.factory import draft_from_model
-from specserve.replicas.drafts.hsr_draft import MissingFeatures, NeedFeatures
+from specserve.replicas.drafts.hsr_draft import MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_store import load_causal_lm

@@ -26,15 +26,13 @@ q/k norms. Anything else takes the Hugging Face path in ``BatchKV``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from specserve.replicas import cpu_attention, cpu_row_ops
 
-if TYPE_CHECKING:
-    from specserve.replicas.batch_kv import FlatStep
 
 # The zoo's pruned-head draft LM (``drafts/pruned_head.py``) is a Llama with its own model type.
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "specserve_pruned_head_llama")
@@ -87,6 +85,22 @@ def _stack(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
             lin.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
         row += n
     return weight, bias
+
+
+@dataclass(frozen=True)
+class FlatStep:
+    """A flat (ragged) step for ``LlamaForward.flat``, built by ``batch_kv.BatchKV``: the feeds' tokens one after another, no
+    padding. ``sequences`` int64 [N, 4]: (slot, first token, tokens, cached positions) per feed;
+    ``token_slots``, ``columns`` int64 [1, T]: where each token's key and value go; ``mask``
+    [T, W] float32: 0 where a token sees the c-th new token of its own feed (its chain or tree
+    ancestors and itself), -inf elsewhere (cached positions are always seen); ``length``: the
+    longest feed's cached + new positions."""
+
+    sequences: torch.Tensor
+    token_slots: torch.Tensor
+    columns: torch.Tensor
+    mask: torch.Tensor
+    length: int
 
 
 class Linear:
@@ -298,7 +312,7 @@ class LlamaForward:
              tap=None) -> torch.Tensor:
         """A step on the CPU (a verification or a short prefill) with its tokens flat (ragged):
         ids, positions [T], the sequences one after another; ``step`` says where each sequence's
-        tokens are and what they see (``batch_kv.FlatStep``); ``buffers[i]`` = layer i's (keys,
+        tokens are and what they see (``FlatStep``); ``buffers[i]`` = layer i's (keys,
         values) slot buffers, into which this step's keys and values are written; ``keep`` [R]:
         the tokens whose logits come back ([R, V]). Only ``cpu_attention.usable`` steps come here.
 

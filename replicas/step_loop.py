@@ -26,9 +26,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from specserve.replicas.drafts.base import vocabulary_error
-from specserve.replicas.drafts.hsr_draft import NeedFeatures
-from specserve.replicas.scheduler import AUTO_DRAFT, RequestState, Scheduler, SpecRequest
+from specserve.replicas.drafts.base import NeedFeatures, vocabulary_error
+from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest
+from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.step import Proposal, Speculation, StepRecord
 
 logger = logging.getLogger("ray.serve")

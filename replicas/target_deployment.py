@@ -36,7 +36,8 @@ from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.native_memory import release_free_memory
-from specserve.replicas.scheduler import AUTO_DRAFT, NO_DRAFT, RequestState, Scheduler, SpecRequest
+from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, RequestState, SpecRequest
+from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 
@@ -77,7 +78,7 @@ class TargetDeployment:
         ``stats_name`` (default: the model's folder name), what the replica learns with: the
         statistics, metrics and warm starts (``policies.replica_learning``); None: nothing.
         ``router``: called with the stats name, the draft names and the tokenizer, the draft
-        router of ``auto`` requests (``router/draft_router.py``); None: they get ``default_draft``.
+        router of ``auto`` requests (``routing/draft_router.py``); None: they get ``default_draft``.
         ``max_model_len``: the longest prompt + completion; the KV cache of every slot is allocated
         for it now (vLLM's preallocation: memory stays flat under load; a soak measured +11% RSS in
         10 minutes as the cache grew towards the longest sequence seen). None: the model's context,

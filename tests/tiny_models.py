@@ -34,3 +34,14 @@ def tiny_model(arch: str, seed: int, layers: int = 2, hidden: int = 64, scale: f
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(scale)
     return model.eval()
+
+
+def perturbed(model, seed: int, noise: float = 0.5):
+    """A draft that agrees with the target often but not always: its weights plus noise."""
+    draft = tiny_model(model.config.model_type, seed=0)
+    draft.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std())
+    return draft

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from specserve.cluster.prompts import SHAREGPT_HELD_OUT, looks_english, sharegpt_conversations, training_prompts
+from specserve.data.prompts import SHAREGPT_HELD_OUT, looks_english, sharegpt_conversations, training_prompts
 from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir
-from specserve.router.prompt_ids import encode_chat
+from specserve.replicas.prompt_ids import encode_chat
 
 # Prompts per category. code is every held-out HumanEval problem in two wordings, edit every one
 # in one; chat and summarise fill the rest (summarise prompts are long and cost more to answer).

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from specserve.cluster.prompts import HUMANEVAL_HELD_OUT, SHAREGPT_HELD_OUT
+from specserve.data.prompts import HUMANEVAL_HELD_OUT, SHAREGPT_HELD_OUT
 from specserve.replicas.drafts.hsr_head import build_hsr_head
 from specserve.replicas.drafts.pruned_head import save_without_embeddings
 from specserve.replicas.model_store import (
@@ -246,8 +246,8 @@ def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int =
              dtype: str = "auto") -> list[dict]:
     """Per draft and category, on benchmark prompts (held out from training), greedy, one stream:
     ``{draft, category, acceptance_rate, mean_accepted_len, latency_ratio, speedup_vs_ar}``."""
-    from specserve.cluster.prompts import CATEGORIES, load_prompts
-    from specserve.router.engine import GenerateRequest, SpecEngine
+    from specserve.data.prompts import CATEGORIES, load_prompts
+    from specserve.replicas.engine import GenerateRequest, SpecEngine
     from tqdm import tqdm
 
     engine = SpecEngine.load(dtype=dtype, draft_models=drafts)

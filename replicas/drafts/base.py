@@ -9,12 +9,22 @@ move between replicas.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample
 from specserve.replicas.step import Proposal, ProposeRequest, TreeShape
+
+
+@dataclass(frozen=True)
+class NeedFeatures:
+    """A draft server's reply instead of a proposal, from a draft that reads the target's hidden
+    states and holds fewer of them than the ask assumed (another target replica drafted this
+    request before): re-send the target's states from ``have``."""
+
+    have: int
 
 
 class Draft(Protocol):

@@ -16,8 +16,6 @@ target's prefill, as in EAGLE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specserve.replicas.drafts.base import draft_chain
@@ -34,13 +32,6 @@ class MissingFeatures(Exception):
     def __init__(self, have: int):
         super().__init__(f"this draft holds target states for {have} positions; send them from there")
         self.have = have
-
-
-@dataclass(frozen=True)
-class NeedFeatures:
-    """A draft server's reply instead of a proposal: re-send the target's states from ``have``."""
-
-    have: int
 
 
 class HSRSession:

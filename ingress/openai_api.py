@@ -1,0 +1,155 @@
+"""The OpenAI-compatible request bodies, and the error every bad request turns into.
+
+Requests are checked here, at the edge, so that nothing a client sends can reach a replica in a
+shape it cannot serve. Fields OpenAI defines but specserve cannot honour (``n > 1``, ``echo``,
+``logprobs``, penalties) are accepted at their neutral values and refused otherwise, with the
+field named; unknown fields are refused, as OpenAI does. ``spec`` is specserve's extension.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from specserve.replicas.request import AUTO_DRAFT
+
+from specserve.replicas.scheduler import NO_DRAFT   # spec.draft: "auto", the router decides; "none", no speculation
+
+__all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET", "MAX_STOP_CHARS"]
+
+# Request limits: beyond these a step costs more than any draft can save, and an unbounded
+# window or tree is a cheap way to make a replica allocate without end.
+MAX_WINDOW = 16
+MAX_TREE_DEPTH = 16
+MAX_TREE_BUDGET = 64
+# A stop string is matched against the decoded text's tail on every streamed piece.
+MAX_STOP_CHARS = 256
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error", retry_after: int | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+        self.retry_after = retry_after   # seconds, for a retriable error (503): the Retry-After header
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+
+
+class TreeOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    depth: int = Field(ge=1, le=MAX_TREE_DEPTH, description="Levels of the draft tree.")
+    top_k: int = Field(ge=1, le=8, description="Children per node.")
+    budget: int = Field(ge=1, le=MAX_TREE_BUDGET, description="Nodes in all.")
+
+
+class SpecOptions(BaseModel):
+    """How to speculate for this request (specserve's extension of the OpenAI body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    draft: str | None = Field(None, description="A draft name, 'auto' (the router's choice) or 'none' (plain decoding).")
+    window: int | None = Field(None, ge=0, le=MAX_WINDOW, description="Window γ: draft tokens per step.")
+    tree: TreeOptions | None = Field(None, description="Draft a token tree instead of a chain.")
+    policy: str | None = Field(None, description="How this request's window or tree adapts per step, instead of "
+                               "the deployment's policy: a name from GET /v1/models' `policies`.")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Sampling and speculation fields shared by both endpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="Top-k filter; 0 or -1 = off (vLLM's extension).")
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="Seeds the sampling (a 64-bit integer).")
+    stop: str | list[str] | None = Field(None, validate_default=True, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters that end the text (not included).")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = Field(1, description="Only one choice per request.")
+    presence_penalty: Literal[0, 0.0] = 0.0
+    frequency_penalty: Literal[0, 0.0] = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    spec: SpecOptions | None = None
+    return_token_ids: bool = Field(False, description="Add the generated token ids to the choice (vLLM's extension).")
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description=(
+        "Prefix-cache isolation (vLLM's extension): a request reuses the target's cached KV only "
+        "of requests with the same salt (draft model replicas' idle caches do not look at it yet)."))
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value):
+        if value:
+            raise ValueError("logit_bias is not supported: it would change the target's distribution")
+        return value
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] = Field(description="Text, a one-element list of text, or token ids.")
+    max_tokens: int | None = Field(16, ge=1, description="New tokens at most (OpenAI's default: 16).")
+    echo: Literal[False] = False
+    logprobs: None = None
+    suffix: None = None
+    best_of: Literal[1] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            if len(value) != 1:
+                raise ValueError(f"one prompt per request, got {len(value)}")
+            return value[0]
+        return value
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="New tokens at most; default: what the context has room for.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
+    logprobs: Literal[False] = False
+    top_logprobs: None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens

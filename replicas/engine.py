@@ -1,0 +1,232 @@
+"""The in-process engine: a target, its drafts by name, and text in / text out.
+
+It runs the same scheduler and step loop as a served target replica (``replicas/step_loop.py``),
+with the drafts in-process and model work in the caller's thread: ``specserve generate`` and
+``bench engine`` measure the code that serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from specserve.replicas.draft_server import DraftServer
+from specserve.replicas.drafts.base import Draft, draft_model, vocabulary_error
+from specserve.replicas.drafts.factory import draft_from_model
+from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
+from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
+from specserve.replicas.model_worker import InlineWorker
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, DraftRouter, RequestState, SpecRequest, StaticPolicy
+from specserve.replicas.scheduler import Scheduler
+from specserve.replicas.step import SpecStats, TreeShape
+from specserve.replicas.step_loop import StepLoop
+from specserve.replicas.target import Target
+from specserve.replicas.prompt_ids import encode_chat, encode_text
+
+
+@dataclass
+class GenerateRequest:
+    prompt: str
+    max_tokens: int = 128
+    draft: str = "prompt-lookup"
+    window: int = 4
+    tree: TreeShape | None = None
+    params: SamplingParams = SamplingParams()
+    chat: bool = True   # render the prompt with the model's chat template
+    prior_alpha: float | None = None   # the cluster's α for the draft (a warm start: policies/priors.py)
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str   # "stop" (an EOS token) or "length" (max_tokens), as in the OpenAI API
+    stats: SpecStats
+    routing: dict | None = None   # the draft router's decision (``spec.router``), when one decided
+
+
+def in_process_server(name: str, draft: Draft) -> DraftServer:
+    """``draft`` served in-process: a draft of its own (and KV cache) per session, all on the
+    draft's one model; a model-free draft (prompt lookup) serves every session as it is."""
+    model = draft_model(draft)
+    make = (lambda: draft) if model is None else (lambda: draft_from_model(name, model))
+    return DraftServer(name, worker=InlineWorker(), make_draft=make)
+
+
+def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[SpecRequest],
+              eos_token_ids: frozenset[int] | set[int] = frozenset(), policy=None,
+              on_tokens: Callable[[int, list[int]], None] | None = None, prefill_chunk: int = 512,
+              router: DraftRouter | None = None, max_running: int | None = None) -> list[Generation]:
+    """Every request through one scheduler (batched as the target's slots allow, or at most
+    ``max_running`` at once: the next waiting request enters as one finishes), in-process.
+    ``on_tokens(i, tokens)`` sees request i's tokens as each step verifies them. ``router``
+    chooses the draft of ``AUTO_DRAFT`` requests (and learns from every request)."""
+    scheduler = Scheduler(target, policy or StaticPolicy(), eos_token_ids, prefill_chunk=prefill_chunk,
+                          max_running=max_running, router=router)
+    loop = StepLoop(scheduler, drafts, InlineWorker())
+    states = []
+    for i, request in enumerate(requests):
+        emit = None if on_tokens is None else (lambda item, i=i: on_tokens(i, item["token_ids"]))
+        states.append(loop.add(request, emit))
+    asyncio.run(loop.run_until_idle())
+    return [generation(s) for s in states]
+
+
+def generation(state: RequestState) -> Generation:
+    """What a finished request hands back."""
+    return Generation(state.out, state.finish_reason or "length", state.stats, state.routing)
+
+
+def run_side_by_side(targets: list[Target], drafts: dict[str, DraftServer],
+                     runs: list[tuple[list[SpecRequest], object]], eos_token_ids: frozenset[int] | set[int] = frozenset(),
+                     max_running: int | None = None) -> list[tuple[list[Generation], float]]:
+    """Several runs of requests (each with its policy, its own scheduler and target) in one
+    thread, their steps taking turns: each run's seconds are the sum of its own steps. A noisy
+    neighbour on a shared machine slows whatever step is running, so two runs compared this way
+    see the same machine to within a step (~40 ms) instead of within a run (~25 s, where rounds of
+    the same code differ by ±8%)."""
+    if len(targets) != len(runs):
+        raise ValueError(f"one target per run: {len(targets)} targets for {len(runs)} runs")
+    loops = [StepLoop(Scheduler(target, policy or StaticPolicy(), eos_token_ids, max_running=max_running),
+                      drafts, InlineWorker()) for target, (_, policy) in zip(targets, runs)]
+    states = [[loop.add(request) for request in requests] for loop, (requests, _) in zip(loops, runs)]
+    seconds = [0.0] * len(loops)
+
+    async def take_turns() -> None:
+        turn = 0
+        while any(loop.scheduler.has_work for loop in loops):
+            # The first to step changes every step, so no run always follows the same other one.
+            for i in [*range(turn % len(loops), len(loops)), *range(turn % len(loops))]:
+                if loops[i].scheduler.has_work:
+                    start = time.perf_counter()
+                    await loops[i].step()
+                    seconds[i] += time.perf_counter() - start
+            turn += 1
+
+    asyncio.run(take_turns())
+    return [([generation(s) for s in mine], sec) for mine, sec in zip(states, seconds)]
+
+
+def speculative_generate(
+    target: Target,
+    draft: Draft | None,
+    prompt_ids: list[int],
+    max_tokens: int,
+    params: SamplingParams,
+    window: int = 0,
+    tree: TreeShape | None = None,
+    eos_token_ids: frozenset[int] | set[int] = frozenset(),
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """One request with one draft object. ``draft=None``, or ``window=0`` without a tree, is
+    plain decoding through the same path."""
+    name = NO_DRAFT if draft is None or (window <= 0 and tree is None) else draft.name
+    drafts = {} if draft is None else {draft.name: in_process_server(draft.name, draft)}
+    request = SpecRequest(list(prompt_ids), max_tokens, params, name, window, tree, uuid.uuid4().hex)
+    return run_batch(target, drafts, [request], eos_token_ids,
+                     on_tokens=None if on_tokens is None else (lambda _, tokens: on_tokens(tokens)))[0]
+
+
+class SpecEngine:
+    def __init__(self, target: LoadedModel, drafts: dict[str, Draft], slots: int = 16):
+        self.loaded = target
+        self.router: DraftRouter | None = None   # set one to serve spec.draft "auto" (``routing/draft_router.py``)
+        self.tokenizer = target.tokenizer
+        self.target = Target(target.model, slots)
+        for name, draft in drafts.items():
+            model = draft_model(draft)
+            error = vocabulary_error(name, None if model is None else model.config.vocab_size, self.target.vocab)
+            if error is not None:
+                raise ValueError(error)
+        self.drafts = drafts
+        self.servers = {name: in_process_server(name, draft) for name, draft in drafts.items()}
+        self.max_context = getattr(target.model.config, "max_position_embeddings", None)
+
+    @classmethod
+    def load(
+        cls,
+        target: str = REFERENCE_TARGET,
+        draft_models: list[str] = (),
+        dtype: str = "auto",
+        device: str | None = None,
+        slots: int = 16,
+    ) -> "SpecEngine":
+        loaded = load_causal_lm(target, dtype=dtype, device=device)
+        drafts: dict[str, Draft] = {PromptLookupDraft.name: PromptLookupDraft()}
+        for name in draft_models:
+            lm = load_causal_lm(name, dtype=dtype, device=device)
+            drafts[lm.name] = draft_from_model(lm.name, lm.model)
+        return cls(loaded, drafts, slots)
+
+    def reset_caches(self) -> None:
+        """Forget every KV cache. Slots otherwise keep their longest common prefix with the next
+        request (a free prefix cache); benchmarks start each generation cold."""
+        self.target.kv.reset()
+        self.servers = {name: in_process_server(name, draft) for name, draft in self.drafts.items()}
+
+    @property
+    def draft_names(self) -> list[str]:
+        return [NO_DRAFT, *self.drafts]
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        if not prompt or not prompt.strip():
+            raise ValueError("the prompt is empty: give some text to continue")
+        if chat:
+            return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
+        return encode_text(self.tokenizer, prompt)
+
+    def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:
+        if request.draft == AUTO_DRAFT and self.router is None:
+            raise ValueError("draft 'auto' needs a draft router: set SpecEngine.router (specserve.routing.draft_router)")
+        if request.draft not in (NO_DRAFT, AUTO_DRAFT) and request.draft not in self.drafts:
+            raise ValueError(f"unknown draft {request.draft!r}; available: {', '.join(self.draft_names)}")
+        if self.max_context and len(prompt_ids) + request.max_tokens > self.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                f"the target's context of {self.max_context} tokens: shorten the prompt or lower max_tokens"
+            )
+        speculating = request.window > 0 or request.tree is not None
+        return SpecRequest(prompt_ids, request.max_tokens, request.params,
+                           request.draft if speculating else NO_DRAFT, request.window, request.tree, uuid.uuid4().hex,
+                           prior_alpha=request.prior_alpha)
+
+    def generate_ids(self, prompt_ids: list[int], request: GenerateRequest,
+                     on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
+        return self.generate_batch_ids([prompt_ids], [request],
+                                       None if on_tokens is None else (lambda _, t: on_tokens(t)))[0]
+
+    def generate_batch_ids(self, prompt_ids: list[list[int]], requests: list[GenerateRequest],
+                           on_tokens: Callable[[int, list[int]], None] | None = None, policy=None,
+                           max_running: int | None = None) -> list[Generation]:
+        """Several requests at once, batched in every step as a served replica batches them
+        (``max_running``: at most that many in the batch, the others wait their turn)."""
+        spec_requests = [self._spec_request(ids, r) for ids, r in zip(prompt_ids, requests)]
+        return run_batch(self.target, self.servers, spec_requests, self.loaded.eos_token_ids, policy, on_tokens,
+                         router=self.router, max_running=max_running)
+
+    def generate_side_by_side(self, prompt_ids: list[list[int]], runs: list[tuple[list[GenerateRequest], object]],
+                              max_running: int | None = None) -> list[tuple[list[Generation], float]]:
+        """The same prompts once per run (its requests and policy), each run on a fresh target of
+        its own over the shared model (``max_running`` slots, else the engine's), their steps
+        taking turns (``run_side_by_side``): per run, its generations and the seconds of its own
+        steps."""
+        slots = min(max_running or self.target.slots, self.target.slots)
+        targets = [Target(self.loaded.model, slots) for _ in runs]
+        spec_runs = [([self._spec_request(ids, r) for ids, r in zip(prompt_ids, requests)], policy)
+                     for requests, policy in runs]
+        return run_side_by_side(targets, self.servers, spec_runs, self.loaded.eos_token_ids, max_running)
+
+    def generate(self, request: GenerateRequest) -> dict:
+        """The ``--json`` object: ``{text, token_ids, finish_reason, usage, spec}``."""
+        prompt_ids = self.encode(request.prompt, request.chat)
+        gen = self.generate_ids(prompt_ids, request)
+        return {
+            "text": self.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+            "token_ids": gen.token_ids,
+            "finish_reason": gen.finish_reason,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(gen.token_ids)},
+            "spec": {**gen.stats.summary(), **({"router": gen.routing} if gen.routing else {})},
+        }

@@ -1,0 +1,189 @@
+"""The types that cross a target replica's scheduler: the request as it arrives, its state between
+steps, and the two seams the scheduler asks each step (``Policy``: each request's speculation;
+``DraftRouter``: the draft of an ``AUTO_DRAFT`` request).
+
+Window and tree rules (``specserve.policies``), the learned draft router (``specserve.routing``),
+the ingress and the in-process engine import these, not the scheduler: they need the request's
+shape, not the target, the KV layout or the C kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, StepResult, TreeShape
+
+NO_DRAFT = "none"
+# The draft is chosen by the replica's draft router (``router/``) when the request's prefill is
+# done: the features it reads include the target's perplexity on the prompt.
+AUTO_DRAFT = "auto"
+
+
+@dataclass(frozen=True)
+class SpecRequest:
+    """One generation as it reaches a target replica (tokenized and checked by the ingress or the
+    in-process engine): the only request type that crosses that boundary."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = SamplingParams()
+    draft: str = NO_DRAFT
+    window: int = 0
+    tree: TreeShape | None = None
+    request_id: str = ""
+    # The client named the window or tree itself: policies leave it as asked (a user measuring a
+    # window gets that window); otherwise the deployment's policy adapts it.
+    pinned: bool = False
+    # The policy that adapts this request (a name from ``specserve.policies.registry``); None: the
+    # deployment's.
+    policy: str | None = None
+    # The cluster's acceptance rate for this request's draft and task bucket (the policy service's
+    # snapshot), which adaptive policies start from instead of cold; None: no prior.
+    prior_alpha: float | None = None
+    # A served request's tokens go to the ingress in items of at least this many (the first and
+    # the last excepted): every item is a message through Ray, which under load costs more than it
+    # seems (vLLM's ``--stream-interval``, in tokens). 1: every step's tokens as they come.
+    stream_interval: int = 1
+    # Prefix-cache isolation (the API's ``cache_salt``): KV is reused only between requests with
+    # the same salt (None is a salt too: the default tenant).
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+
+    @property
+    def speculation(self) -> Speculation:
+        """What the request asked for (the static policy's answer)."""
+        return PLAIN if self.draft == NO_DRAFT else Speculation(self.window, self.tree)
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """The draft's own seed, derived from the request's and never equal to the target's stream:
+    with a shared stream the draft's draws and the target's acceptance tests would read the same
+    numbers, and the output would no longer follow the target's distribution."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(f"draft:{seed}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+class RequestState:
+    """One request between steps."""
+
+    def __init__(self, request: SpecRequest, eos_token_ids: frozenset[int], device: torch.device,
+                 emit: Callable[[dict], None] | None = None):
+        self.request = request
+        self.id = request.request_id
+        self.context = list(request.prompt_ids)
+        self.out: list[int] = []
+        self.finish_reason: str | None = None
+        self.eos_token_ids = eos_token_ids
+        self.stats = SpecStats(draft=request.draft)
+        self.slot: int | None = None
+        self.prefilled = False
+        self.cached_tokens: int | None = None   # context tokens found in the slot's cache at admission
+        self.speculating = not request.speculation.plain
+        params = request.params
+        self.generator = None if params.greedy else params.generator(device)
+        self.draft_seed = draft_seed(params.seed)
+        self.features_sent = 0     # target states already sent to a remote draft for this request
+        self.emit = emit
+        # The target's negative log-likelihood of the prompt's last tokens, from the prefill
+        # (``PERPLEXITY_ROWS`` per chunk): the draft router's perplexity feature.
+        self.prompt_nll = 0.0
+        self.prompt_scored = 0
+        self.routed = False                # the scheduler has settled its draft (after the prefill)
+        self.routing: dict | None = None   # the draft router's decision (``spec.router``)
+        # The α the router chose the current draft on (its prediction for this prompt, with the
+        # exploration bonus when that decided): the load-aware policy's prior for this request.
+        self.expected_alpha: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def room(self) -> int:
+        """Draft tokens the next step may propose: the bonus token always comes on top."""
+        return self.request.max_tokens - len(self.out) - 1
+
+    def cap(self, spec: Speculation) -> Speculation:
+        """``spec`` within what this request can still use."""
+        room = self.room
+        if not self.speculating or room <= 0 or spec.plain:
+            return PLAIN
+        if spec.tree is not None:
+            # replace, not a new TreeShape: the shape's other fields (SAGE's width decay, threshold) stay.
+            return Speculation(0, replace(spec.tree, depth=min(spec.tree.depth, room)))
+        return Speculation(min(spec.window, room), None)
+
+    def advance(self, result: StepResult) -> list[int]:
+        """Record a verified step; returns the tokens it adds (cut at EOS / max_tokens)."""
+        self.stats.record(result)
+        new: list[int] = []
+        for token in result.emitted_tokens:
+            new.append(token)
+            self.out.append(token)
+            self.context.append(token)
+            if token in self.eos_token_ids:
+                self.finish_reason = "stop"
+            elif len(self.out) == self.request.max_tokens:
+                self.finish_reason = "length"
+            if self.done:
+                break
+        return new
+
+    def finish(self, reason: str) -> None:
+        if not self.done:
+            self.finish_reason = reason
+            self.send({"token_ids": [], "finish_reason": reason, "spec": self.stats.summary()})
+
+    def send(self, item: dict) -> None:
+        if self.emit is not None:
+            self.emit(item)
+
+
+class DraftRouter(Protocol):
+    """Chooses the draft of each ``AUTO_DRAFT`` request (``specserve.router``): once the prefill is
+    done (``route``), then again every step (``revisit``: a draft name to switch to, or None to
+    keep it); ``finish`` sees the request end. Every answer is a configured draft or NO_DRAFT."""
+
+    def route(self, state: RequestState, batch_size: int) -> str: ...
+
+    def revisit(self, state: RequestState, batch_size: int) -> str | None: ...
+
+    def finish(self, state: RequestState) -> None: ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+
+class Policy(Protocol):
+    """Chooses each request's speculation for the next step (``specserve.policies``)."""
+
+    def choose(self, state: RequestState, batch_size: int) -> Speculation: ...
+
+    def observe(self, record: StepRecord) -> None: ...
+
+
+class StaticPolicy:
+    """Every step uses the window or tree the request asked for: the scheduler's policy when none
+    adapts speculation (``specserve generate``, ``bench engine``)."""
+
+    def choose(self, state: RequestState, batch_size: int) -> Speculation:
+        return state.request.speculation
+
+    def observe(self, record: StepRecord) -> None:
+        pass
+

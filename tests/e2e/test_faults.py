@@ -1,0 +1,506 @@
+"""Faults, bad input and API keys on a real local Ray cluster (issue 15): two target replicas, prompt
+lookup and a real-weights draft LM as deployments, a real redis-server and the policy service,
+API keys required. Replicas are killed with ``ray.kill`` while requests stream; every greedy
+output must still equal the in-process target-only greedy output token for token (float32), or
+end with a retriable error, never a 500 and never a hang.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import first_layers_draft, local_stack, wait_until
+from specserve.cluster import local
+from specserve.cluster.serve_config import app_serve_config, local_serve_config
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.target import Target
+from specserve.ingress import specserve_pb2 as pb
+from specserve.ingress import specserve_pb2_grpc
+from specserve.replicas.engine import SpecEngine, speculative_generate
+
+pytestmark = [pytest.mark.reference, pytest.mark.slow]
+
+MODEL = "smollm2-135m-instruct"
+DRAFT_LM = "first-2-layers"
+KEY = "sk-test-8d1f0c2e"
+WRONG_KEY = "sk-wrong-77aa21"
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarise in one sentence: The quick brown fox jumps over the lazy dog. The dog did not react.",
+    "List five colours of the rainbow, one per line.",
+    "Explain in two sentences why the sky is blue.",
+    "Repeat after me: the rain in Spain stays mainly in the plain.",
+    "Write a haiku about a cold morning.",
+]
+NEW_TOKENS = 40
+LONG_ASK = "Write a long story, at least 500 words, about a lighthouse keeper and a storm."
+TARGET_SLOTS = 4      # max_ongoing_requests (= max_batch) of each target replica
+TARGET_QUEUE = 8      # max_queued_requests at the (one) ingress replica (a burst waits here while
+                      # Serve's router picks replicas, so much smaller would turn bursts away)
+RESUME_TIMEOUT_S = 45
+
+
+def _config(draft_path: str, keys_file: str) -> dict:
+    args = {**local_serve_config()["applications"][0]["args"], "dtype": "float32", "max_batch": TARGET_SLOTS,
+            "api_keys_file": keys_file, "resume_timeout_s": RESUME_TIMEOUT_S,
+            "drafts": [{"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path}]}
+    config = app_serve_config(args, target_replicas=2)
+    deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
+    deployments["target"].update(max_ongoing_requests=TARGET_SLOTS, max_queued_requests=TARGET_QUEUE)
+    # One ingress replica, so the back-pressure arithmetic is one queue.
+    deployments["ingress"]["autoscaling_config"].update(min_replicas=1, max_replicas=1)
+    return config
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return SpecEngine.load(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def served(engine, tmp_path_factory):
+    home = tmp_path_factory.mktemp("specserve-faults")
+    first_layers_draft(engine, home / DRAFT_LM)
+    keys = home / "api-keys"
+    keys.write_text(f"# test keys\n{KEY}\n")
+    with local_stack(_config(str(home / DRAFT_LM), str(keys)), home) as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """In-process target-only greedy output for each prompt, chat-rendered, NEW_TOKENS long at most."""
+    target = Target(engine.loaded.model)
+    return [speculative_generate(target, None, engine.encode(p), NEW_TOKENS, SamplingParams(),
+                                 eos_token_ids=engine.loaded.eos_token_ids).token_ids for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        yield specserve_pb2_grpc.SpecServeStub(channel)
+
+
+def headers(key: str | None = KEY) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def chat_body(i: int, spec: dict | None = None, stream: bool = False, max_tokens: int = NEW_TOKENS) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[i]}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream, "return_token_ids": True, "spec": spec or {}}
+
+
+def streamed(url: str, body: dict, on_first=None) -> tuple[list[int], dict | None, dict | None]:
+    """(token ids, the last chunk's spec, an in-band error) of one streamed chat request."""
+    ids, spec, error = [], None, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers(),
+                      timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+                continue
+            new = chunk["choices"][0].get("token_ids", []) if chunk["choices"] else []
+            ids.extend(new)
+            if new and on_first is not None:   # generation has started (not just the role chunk)
+                on_first()
+                on_first = None
+            if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
+                spec = chunk.get("spec")
+    return ids, spec, error
+
+
+def text_of(engine, ids: list[int]) -> str:
+    return engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def replicas(deployment: str) -> list[str]:
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment}#" in a["name"])
+
+
+def kill(name: str) -> None:
+    import ray
+
+    namespace = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name)
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=False)
+
+
+def serving_states() -> dict:
+    return {n: d["replica_states"] for n, d in local.app_status()["deployments"].items()}
+
+
+# ---- API keys and limits -----------------------------------------------------------------------
+
+
+def test_every_route_but_health_needs_the_key_over_http_and_grpc(served, stub, expected, engine):
+    url = served.http_url
+    routes = [("GET", "/v1/models", None), ("GET", "/v1/policy", None), ("GET", "/v1/routing/recent", None),
+              ("POST", "/v1/chat/completions", chat_body(0)),
+              ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})]
+    for method, path, body in routes:
+        for key in (None, WRONG_KEY):
+            response = httpx.request(method, url + path, json=body, headers=headers(key), timeout=60)
+            assert response.status_code == 401, (path, key, response.text)
+            assert response.json()["error"]["code"] == "invalid_api_key"
+            assert response.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(url + "/health", timeout=60).status_code == 200
+    assert httpx.get(url + "/v1/models", headers=headers(), timeout=60).json()["data"][0]["id"] == MODEL
+    assert httpx.get(url + "/v1/routing/recent", headers={"x-api-key": KEY}, timeout=60).status_code == 200
+    done = httpx.post(url + "/v1/chat/completions", json=chat_body(0), headers=headers(), timeout=300).json()
+    assert done["choices"][0]["token_ids"] == expected[0]
+
+    request = pb.CompletionRequest(model=MODEL, prompt="hi", max_tokens=2)
+    for metadata in ((), (("authorization", f"Bearer {WRONG_KEY}"),)):
+        for call in (stub.Complete, lambda r, **kw: list(stub.CompleteStream(r, **kw))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, timeout=60, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
+    out = stub.Complete(request, timeout=300, metadata=(("authorization", f"Bearer {KEY}"),))
+    assert len(out.token_ids) == 2
+
+
+def test_keys_never_reach_a_log(served):
+    import ray
+
+    # The logs of the cluster this process joined (``session_latest`` can point at another
+    # cluster's session, or at one already cleaned up).
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"   # private in Ray 2.60
+    assert logs.is_dir() and any(logs.glob("serve/replica_*")), logs
+    for path in logs.rglob("*"):
+        if path.is_file():
+            content = path.read_bytes()
+            assert KEY.encode() not in content and WRONG_KEY.encode() not in content, path
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(served):
+    huge = {"model": MODEL, "prompt": "x" * (5 << 20), "max_tokens": 1}
+    response = httpx.post(served.http_url + "/v1/completions", json=huge, headers=headers(), timeout=120)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "body_too_large"
+
+
+def test_max_model_len_bounds_prompt_plus_completion(served):
+    response = httpx.post(served.http_url + "/v1/chat/completions", json={**chat_body(0), "max_tokens": 2040},
+                          headers=headers(), timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded" and "2048" in error["message"]
+    listed = httpx.get(served.http_url + "/v1/models", headers=headers(), timeout=60).json()["data"][0]
+    assert listed["max_model_len"] == 2048
+
+
+def test_a_full_target_answers_503_with_retry_after_and_serves_the_rest(served):
+    """2 replicas x 4 slots + 8 queued: of 28 requests at once, the ones beyond are turned away
+    at once with Retry-After; every accepted one is served; nothing fails otherwise."""
+    body = chat_body(2, {"draft": "none"}, max_tokens=24)
+
+    def one(_):
+        return httpx.post(served.http_url + "/v1/chat/completions", json=body, headers=headers(), timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(28) as pool:
+        responses = list(pool.map(one, range(28)))
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 503}, codes
+    busy = [r for r in responses if r.status_code == 503]
+    assert busy, "28 at once must exceed 2 x 4 slots + 8 queued"
+    assert codes.count(200) >= 2 * TARGET_SLOTS, codes
+    for r in busy:
+        assert int(r.headers["retry-after"]) > 0 and r.json()["error"]["code"] == "unavailable"
+    assert one(0).status_code == 200
+
+
+def test_a_full_target_answers_grpc_unavailable_with_a_retry_after_trailer(served, stub):
+    request = pb.CompletionRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content=PROMPTS[2])],
+                                   max_tokens=24, temperature=0, spec=pb.SpecOptions(draft="none"))
+
+    def one(_):
+        try:
+            stub.Complete(request, timeout=300, metadata=(("authorization", f"Bearer {KEY}"),))
+            return None
+        except grpc.RpcError as err:
+            return err
+
+    with concurrent.futures.ThreadPoolExecutor(28) as pool:
+        errors = [e for e in pool.map(one, range(28)) if e is not None]
+    assert errors, "28 at once must exceed 2 x 4 slots + 8 queued"
+    assert len(errors) <= 28 - 2 * TARGET_SLOTS, [e.code() for e in errors]
+    for err in errors:
+        trailer = dict(err.trailing_metadata() or ())
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and int(trailer["retry-after"]) > 0, (err.code(), trailer)
+        assert "retry in" in err.details()
+
+
+# ---- bad input, generated -----------------------------------------------------------------------
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                         st.text(max_size=20))
+ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                        max_leaves=6)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "", 7]),
+                                 "content": st.one_of(st.text(max_size=40), st.lists(st.fixed_dictionaries(
+                                     {"type": st.sampled_from(["text", "image"]), "text": st.text(max_size=20)}), max_size=2),
+                                     ANY_JSON)})
+SPEC = st.fixed_dictionaries({}, optional={
+    "draft": st.sampled_from(["auto", "none", "prompt-lookup", DRAFT_LM, "nope", ""]) | ANY_JSON,
+    "window": st.integers(-3, 20) | ANY_JSON,
+    "tree": st.fixed_dictionaries({"depth": st.integers(-1, 20), "top_k": st.integers(-1, 10),
+                                   "budget": st.integers(-1, 70)}) | ANY_JSON,
+    "policy": st.sampled_from(["online", "fsm", "sage", "nope"]) | ANY_JSON,
+    "extra": ANY_JSON,
+})
+COMMON = {
+    "model": st.sampled_from([MODEL, "gpt-9", ""]) | ANY_JSON,
+    "max_tokens": st.integers(-2, 6) | st.integers(8000, 2**40) | ANY_JSON,
+    "temperature": st.floats(-1, 3) | st.sampled_from([math.nan, math.inf]) | ANY_JSON,
+    "top_p": st.floats(-0.5, 1.5) | ANY_JSON,
+    "top_k": st.integers(-3, 100_000) | ANY_JSON,
+    "seed": st.integers(-2**70, 2**70) | ANY_JSON,
+    "stop": st.lists(st.text(max_size=300), max_size=6) | st.text(max_size=4) | ANY_JSON,
+    "stream": st.booleans() | ANY_JSON,
+    "n": st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.text(max_size=4), st.floats(-5, 5), max_size=2),
+    "spec": SPEC | ANY_JSON,
+    "unknown_field": ANY_JSON,
+}
+CHAT = st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=3) | ANY_JSON}, optional=COMMON)
+COMPLETION = st.fixed_dictionaries({"prompt": st.text(max_size=60) | st.lists(st.integers(-5, 60_000), max_size=8)
+                                    | st.lists(st.text(max_size=10), max_size=2) | ANY_JSON}, optional=COMMON)
+
+
+def _check_answer(response: httpx.Response, body) -> None:
+    assert response.status_code < 500, (body, response.status_code, response.text)
+    if response.status_code != 200:
+        error = response.json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error", (body, error)
+        return
+    if response.headers["content-type"].startswith("text/event-stream"):
+        lines = [ln for ln in response.text.splitlines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        for line in lines[:-1]:
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, (body, chunk)
+    else:
+        assert response.json()["choices"], body
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]), chat=CHAT, completion=COMPLETION,
+       body_shape=st.sampled_from(["object", "list", "string", "raw"]))
+def test_no_generated_http_body_gets_a_500_or_hurts_a_replica(served, path, chat, completion, body_shape):
+    body = chat if path.endswith("chat/completions") else completion
+    if isinstance(body.get("max_tokens"), int) and 0 < body["max_tokens"] <= 6:
+        pass                                      # small enough to run for real
+    elif "max_tokens" not in body or isinstance(body.get("max_tokens"), int) and body["max_tokens"] < 8000:
+        body["max_tokens"] = 4                    # keep real generations short
+    content = {"object": json.dumps(body, allow_nan=True), "list": json.dumps([body], allow_nan=True),
+               "string": json.dumps("hello"), "raw": "{" + json.dumps(body, allow_nan=True)[:30]}[body_shape]
+    response = httpx.post(served.http_url + path, content=content.encode(), timeout=300,
+                          headers={**headers(), "content-type": "application/json"})
+    _check_answer(response, body)
+
+
+GRPC_REQUEST = st.builds(
+    lambda prompt, messages, max_tokens, temperature, top_p, top_k, seed, stop, spec, model: pb.CompletionRequest(
+        model=model, prompt=prompt, messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
+        stop=stop, spec=spec, **{k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
+                                                   ("top_p", top_p), ("top_k", top_k), ("seed", seed)) if v is not None}),
+    prompt=st.text(max_size=40), messages=st.lists(st.tuples(st.sampled_from(["user", "system", "bot", ""]),
+                                                             st.text(max_size=30)), max_size=2),
+    max_tokens=st.none() | st.integers(-2**31, 6) | st.integers(8000, 2**31 - 1),
+    temperature=st.none() | st.floats(-2, 3, width=32) | st.sampled_from([math.nan, math.inf]),
+    top_p=st.none() | st.floats(-1, 2, width=32), top_k=st.none() | st.integers(-2**31, 2**31 - 1),
+    seed=st.none() | st.integers(-2**63, 2**63 - 1), stop=st.lists(st.text(max_size=300), max_size=6),
+    spec=st.none() | st.builds(lambda d, w, p: pb.SpecOptions(draft=d, policy=p, **({} if w is None else {"window": w})),
+                               st.sampled_from(["", "auto", "none", "prompt-lookup", "nope"]),
+                               st.none() | st.integers(-2**31, 2**31 - 1), st.sampled_from(["", "online", "nope"])),
+    model=st.sampled_from(["", MODEL, "gpt-9"]),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(request=GRPC_REQUEST, streaming=st.booleans())
+def test_no_generated_grpc_request_gets_internal_or_hurts_a_replica(stub, request, streaming):
+    if not request.HasField("max_tokens") or 6 < request.max_tokens < 8000:
+        request.max_tokens = 4
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    try:
+        if streaming:
+            list(stub.CompleteStream(request, timeout=300, metadata=metadata))
+        else:
+            stub.Complete(request, timeout=300, metadata=metadata)
+    except grpc.RpcError as err:
+        assert err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (request, err.code(), err.details())
+        assert err.details()
+
+
+def test_the_generated_inputs_left_every_replica_as_it_was(served):
+    states = serving_states()
+    assert all(set(s) == {"RUNNING"} for s in states.values()), states
+
+
+# ---- replicas killed mid-stream ------------------------------------------------------------------
+
+
+def _streams_with_a_kill(served, deployment: str, bodies: list[dict], kill_after_s: float):
+    """Stream every body at once; ``kill_after_s`` after the first chunk arrived, kill one replica
+    of ``deployment``. Returns each stream's (ids, spec, error)."""
+    first = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(streamed, served.http_url, body, first.set) for body in bodies]
+        assert first.wait(120)
+        time.sleep(kill_after_s)
+        victims = replicas(deployment)
+        assert victims, deployment
+        kill(victims[0])
+        return [f.result(timeout=600) for f in futures]
+
+
+@pytest.mark.parametrize("kill_after_s", [0.0, 0.7, 2.0])
+def test_a_draft_replica_killed_at_any_point_costs_speed_not_a_request(served, expected, kill_after_s):
+    local.wait_healthy(served.app_name, timeout_s=300)
+    bodies = [chat_body(i, {"draft": DRAFT_LM, "window": 3}) for i in range(len(PROMPTS))]
+    for i, (ids, spec, error) in enumerate(_streams_with_a_kill(served, f"draft-{DRAFT_LM}", bodies, kill_after_s)):
+        assert error is None, (i, error)
+        assert ids == expected[i], i
+
+
+def test_a_target_replica_killed_mid_stream_resumes_elsewhere_where_it_stopped(served, expected):
+    local.wait_healthy(served.app_name, timeout_s=300)
+    bodies = [chat_body(i, {"draft": "prompt-lookup" if i % 2 else "none"}) for i in range(len(PROMPTS))]
+    results = _streams_with_a_kill(served, "target", bodies, 0.5)
+    for i, (ids, spec, error) in enumerate(results):
+        assert error is None, (i, error)
+        assert ids == expected[i], i
+    assert any((spec or {}).get("resumed") for _, spec, _ in results), "the killed replica held some of the streams"
+    local.wait_healthy(served.app_name, timeout_s=300)
+    done = httpx.post(served.http_url + "/v1/chat/completions", json=chat_body(1), headers=headers(), timeout=300)
+    assert done.json()["choices"][0]["token_ids"] == expected[1]
+
+
+def test_with_every_target_replica_killed_a_request_completes_or_ends_retriable_in_bounded_time(served, expected):
+    local.wait_healthy(served.app_name, timeout_s=300)
+    body = chat_body(0, {"draft": "none"})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        future = pool.submit(httpx.post, served.http_url + "/v1/chat/completions", json=body, headers=headers(),
+                             timeout=600)
+        time.sleep(1.0)
+        for name in replicas("target"):
+            kill(name)
+        response = future.result()
+        took = time.monotonic() - start
+    assert took < RESUME_TIMEOUT_S + 60, took
+    if response.status_code == 200:     # Serve replaced a replica in time: the rest was generated there
+        assert response.json()["choices"][0]["token_ids"] == expected[0]
+    else:
+        assert response.status_code == 503 and int(response.headers["retry-after"]) > 0, response.text
+    local.wait_healthy(served.app_name, timeout_s=300)
+    done = httpx.post(served.http_url + "/v1/chat/completions", json=body, headers=headers(), timeout=300)
+    assert done.json()["choices"][0]["token_ids"] == expected[0]
+
+
+# ---- what a request that leaves gives back --------------------------------------------------------
+
+
+def _target_loads(served, seen: dict[str, dict]) -> dict[str, dict]:
+    """``load()`` of target replicas, latest by replica (calls land on replicas at random, and a
+    handle learns of a replica that just started a little later)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("target", served.app_name)
+    for _ in range(8):
+        load = handle.load.remote().result(timeout_s=60)
+        seen[load["replica_id"]] = load
+    return seen
+
+
+def test_a_client_that_hangs_up_or_times_out_frees_its_slot_and_kv(served, stub):
+    local.wait_healthy(served.app_name, timeout_s=300)
+    body = {**chat_body(3, {"draft": "none"}), "max_tokens": 400,
+            "messages": [{"role": "user", "content": LONG_ASK}]}
+    with httpx.stream("POST", served.http_url + "/v1/chat/completions", json={**body, "stream": True},
+                      headers=headers(), timeout=300) as response:
+        next(response.iter_lines())                     # started; now hang up
+    with pytest.raises(grpc.RpcError) as err:           # and one that passes its deadline
+        stub.Complete(pb.CompletionRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content=LONG_ASK)],
+                                           max_tokens=400, temperature=0), timeout=1.0,
+                      metadata=(("authorization", f"Bearer {KEY}"),))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    loads: dict[str, dict] = {}
+
+    def freed() -> dict[str, dict]:
+        nonlocal loads
+        loads = _target_loads(served, loads)     # both replicas' loads, as calls reach them
+        return loads
+
+    loads = wait_until(freed, lambda seen: len(seen) == 2 and all(
+        v["running"] == 0 and v["kv_positions_in_use"] == 0 for v in seen.values()), timeout=60, interval=0.5)
+    assert len(loads) == 2, loads
+    assert all(v["running"] == 0 and v["kv_positions_in_use"] == 0 for v in loads.values()), loads
+
+
+# ---- the policy service killed ---------------------------------------------------------------------
+
+
+def test_the_policy_service_killed_costs_nothing_and_counts_arrive_once(served, expected):
+    from specserve.policies.redis_stats import RedisStats
+
+    local.wait_healthy(served.app_name, timeout_s=300)
+    stats = RedisStats(served.redis_url, "specserve")
+
+    def steps() -> int:
+        return sum(c["drafts"] + c["plain_steps"] for c in stats.read().values())
+
+    def version() -> int:
+        response = httpx.get(served.http_url + "/v1/policy", headers=headers(), timeout=60)
+        return response.json()["snapshot"]["version"] if response.status_code == 200 else -1
+
+    time.sleep(3)                                       # earlier requests' counts flushed
+    before_steps, before_version = steps(), version()
+    for name in replicas("policy"):
+        kill(name)
+    served_steps = 0
+    for i in range(3):
+        out = httpx.post(served.http_url + "/v1/chat/completions", json=chat_body(i, {"draft": "prompt-lookup", "window": 3}),
+                         headers=headers(), timeout=300).json()
+        assert out["choices"][0]["token_ids"] == expected[i]
+        served_steps += out["spec"]["steps"]
+    local.wait_healthy(served.app_name, timeout_s=300)
+    wait_until(lambda: (steps(), version()),
+               lambda seen: seen[0] >= before_steps + served_steps and seen[1] > before_version, timeout=60, interval=1)
+    assert steps() == before_steps + served_steps       # every step once: none lost, none twice
+    assert version() > before_version                   # the restarted service publishes again
+
+
+def test_a_repeated_prompt_goes_to_the_replica_that_holds_its_prefix(served):
+    # Two target replicas: by chance alone, four repeats would all land on the first one's replica
+    # with probability 1/16. The prefix-affinity router sends them there, and the usage says so.
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content":
+            "Affinity check: " + " ".join(f"item {i} is {i * i};" for i in range(30))}]}
+    usages = []
+    for _ in range(5):
+        response = httpx.post(served.http_url + "/v1/chat/completions", json=body, headers=headers(), timeout=300)
+        assert response.status_code == 200, response.text
+        usages.append(response.json()["usage"])
+    prompt_tokens = usages[0]["prompt_tokens"]
+    assert prompt_tokens > 64
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert cached[0] < prompt_tokens // 2 and cached[1:] == [prompt_tokens - 1] * 4, cached
+    # Another tenant's salt reuses none of it (vLLM's cache_salt).
+    salted = httpx.post(served.http_url + "/v1/chat/completions", json={**body, "cache_salt": "tenant-b"},
+                        headers=headers(), timeout=300)
+    assert salted.status_code == 200 and salted.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

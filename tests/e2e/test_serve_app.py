@@ -1,0 +1,458 @@
+"""End to end on a real local Ray cluster: `specserve up` with the reference target, prompt lookup,
+a real-weights draft LM (the target's first two layers) and the zoo's hidden-state-reuse head as
+separate deployments (and inside the target replica), a real redis-server, then HTTP through the
+unmodified `openai` client and gRPC through the generated stubs.
+
+Greedy output through the served path must equal the in-process target-only greedy output token
+for token (float32), whatever the draft, window or tree.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import httpx
+import pytest
+
+from conftest import first_layers_draft, local_stack, wait_until
+from specserve.cluster import local
+from specserve.cluster.serve_config import app_serve_config, local_serve_config
+from specserve.replicas.sampling import SamplingParams
+from specserve.ingress import specserve_pb2 as pb
+from specserve.ingress import specserve_pb2_grpc
+from specserve.replicas.engine import SpecEngine
+from specserve.replicas.engine import speculative_generate
+from specserve.replicas.target import Target
+
+pytestmark = [pytest.mark.reference, pytest.mark.slow]
+
+MODEL = "smollm2-135m-instruct"
+DRAFT_LM = "first-2-layers"
+HSR = "smollm2-hsr"   # from the package's zoo: reads the target's hidden states
+PROMPTS = [
+    "Summarise in one sentence: The quick brown fox jumps over the lazy dog. The dog did not react.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Repeat after me: the rain in Spain stays mainly in the plain.",
+]
+NEW_TOKENS = 24
+
+
+def _test_config(draft_path: str) -> dict:
+    args = {**local_serve_config()["applications"][0]["args"], "dtype": "float32", "drafts": [
+        {"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path},
+        {"name": "lookup-in-target", "colocated": True},   # prompt lookup inside the target replica
+        {"name": HSR, "model": HSR}, {"name": "hsr-in-target", "model": HSR, "colocated": True}]}
+    # An entry for exactly each deployment this app builds (Serve refuses one it does not), each
+    # model asking for the CPUs of its torch threads.
+    config = app_serve_config(args)
+    deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
+    # The ingress scales out fast under a burst, so the autoscaling test sees it within seconds.
+    deployments["ingress"]["autoscaling_config"].update(
+        target_ongoing_requests=1, upscale_delay_s=0.5, metrics_interval_s=0.5, look_back_period_s=2,
+        downscale_delay_s=600)
+    return config
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return SpecEngine.load(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def served(engine, tmp_path_factory):
+    """The whole stack, once for the module; `down` stops exactly what `up` started."""
+    home = tmp_path_factory.mktemp("specserve-home")
+    draft_path = first_layers_draft(engine, home / DRAFT_LM)
+    with local_stack(_test_config(str(draft_path)), home) as state:
+        yield state
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def stub(served):
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        yield specserve_pb2_grpc.SpecServeStub(channel)
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    """In-process target-only greedy output for each prompt, chat-rendered."""
+    target = Target(engine.loaded.model)
+    return [speculative_generate(target, None, engine.encode(p), NEW_TOKENS, SamplingParams(),
+                                 eos_token_ids=engine.loaded.eos_token_ids).token_ids for p in PROMPTS]
+
+
+def chat(client, prompt: str, spec: dict | None = None, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"spec": spec or {}, "return_token_ids": True}, **kwargs)
+
+
+def test_models_lists_the_target(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.mark.parametrize("spec", [
+    {"draft": "none"},
+    {"draft": "prompt-lookup", "window": 4},
+    {"draft": DRAFT_LM, "window": 3},
+    {"draft": DRAFT_LM, "tree": {"depth": 3, "top_k": 2, "budget": 6}},
+    {"draft": "prompt-lookup", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
+    {"draft": "lookup-in-target", "window": 4},
+    # The target's hidden states cross the hop to the HSR deployment, or stay in the replica.
+    {"draft": HSR, "window": 3},
+    {"draft": "hsr-in-target", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
+], ids=lambda s: "-".join(str(v) for v in s.values()))
+def test_served_greedy_equals_in_process_target_only(client, expected, spec):
+    accepted = 0
+    for prompt, want in zip(PROMPTS, expected):
+        out = chat(client, prompt, spec)
+        choice = out.choices[0]
+        assert choice.model_extra["token_ids"] == want, f"{spec} on {prompt!r}"
+        assert out.usage.completion_tokens == len(want)
+        assert out.model_extra["spec"]["draft"] == spec["draft"]
+        accepted += out.model_extra["spec"]["mean_accepted_len"] > 1.0
+    if spec["draft"] != "none":
+        assert accepted, f"{spec}: no step ever accepted a draft token, so the test proved nothing"
+
+
+def test_auto_requests_are_routed_and_the_decision_is_visible_everywhere(served, client, stub, expected):
+    """No spec.draft: the target replica's router picks the draft after the prefill. The output is
+    still the target's own; spec.router (HTTP and gRPC) says what was chosen and why;
+    GET /v1/routing/recent and `specserve routes` list the decisions with features and outcomes;
+    the router's metrics reach the Prometheus endpoint; and the JSON decision line comes back
+    through the Ray dashboard's log API, token authentication on."""
+    from specserve.cluster.local import auth_token
+
+    drafts = {"none", "prompt-lookup", DRAFT_LM, "lookup-in-target", HSR, "hsr-in-target"}
+    routed = []
+    for prompt, want in zip(PROMPTS, expected):
+        out = chat(client, prompt)
+        assert out.choices[0].model_extra["token_ids"] == want, f"routed output differs on {prompt!r}"
+        router = out.model_extra["spec"]["router"]
+        assert router["choice"] in drafts and router["reason"] in ("predicted", "explore", "no-gain")
+        assert set(router["predicted_alpha"]) == drafts - {"none"}
+        routed.append(router)
+    reply = stub.Complete(pb.CompletionRequest(model=MODEL, prompt=PROMPTS[2], max_tokens=8), timeout=120)
+    assert reply.spec.router.choice in drafts and reply.spec.router.reason
+
+    def recent():
+        body = httpx.get(served.http_url + "/v1/routing/recent", params={"limit": 50}, timeout=30).json()
+        return body, [r for r in body["data"] if r["reason"] != "pinned"]
+
+    # outcomes reach Redis within a flush (2 s)
+    body, data = wait_until(recent, lambda seen: len(seen[1]) >= len(PROMPTS) + 1, timeout=60, interval=1)
+    assert body["source"] == "cluster" and len(data) >= len(PROMPTS) + 1, body
+    assert {"features_named", "realised", "observations", "choice", "final_draft"} <= set(data[-1])
+    shown = subprocess.run([sys.executable, "-m", "specserve.cli.main", "routes", "--server", served.http_url],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "whole cluster" in shown.stdout and data[-1]["request_id"][:10] in shown.stdout, shown
+
+    names = ("ray_specserve_router_decisions", "ray_specserve_router_predicted_alpha_bucket",
+             "ray_specserve_router_realised_alpha_bucket", "ray_specserve_router_mean_accepted_len_bucket")
+    text = wait_until(lambda: httpx.get(served.metrics_url, timeout=30).text, lambda t: all(n in t for n in names),
+                      timeout=90, interval=2)
+    assert all(n in text for n in names), [n for n in names if n not in text]
+
+    headers = {"Authorization": f"Bearer {auth_token()}"}
+    nodes = httpx.get(served.dashboard_url + "/api/v0/nodes", headers=headers, timeout=30).json()
+    node = nodes["data"]["result"]["result"][0]["node_id"]
+    files = httpx.get(served.dashboard_url + "/api/v0/logs", headers=headers, timeout=30,
+                      params={"node_id": node, "glob": "serve/replica_specserve_target_*.log"}).json()
+    names = [f for group in files["data"]["result"].values() for f in group if f.endswith(".log")]
+    assert names, files
+    lines = []
+    for name in names:
+        log = httpx.get(served.dashboard_url + "/api/v0/logs/file", headers=headers, timeout=30,
+                        params={"node_id": node, "filename": name, "lines": 5000}).text
+        lines += [line for line in log.splitlines() if "specserve.routing " in line]
+    decisions = [json.loads(line.split("specserve.routing ", 1)[1]) for line in lines]
+    ours = [d for d in decisions if d["event"] == "decision" and d["request_id"] in {r["request_id"] for r in data}]
+    assert ours and {"features", "scores", "choice", "reason"} <= set(ours[0]), lines[-3:]
+    assert any(d["event"] == "outcome" for d in decisions)
+    without_token = httpx.get(served.dashboard_url + "/api/v0/logs", timeout=30,
+                              params={"node_id": node, "glob": "*replica*"})
+    assert without_token.status_code in (401, 403), "the dashboard's log API must ask for the token"
+
+
+def test_streaming_chat_equals_non_streaming(client):
+    # A pinned window: the adaptive policies price steps by measured time, so their step counts
+    # may differ between two runs of one prompt; the text may not.
+    pinned = {"draft": "prompt-lookup", "window": 4}
+    whole = chat(client, PROMPTS[0], pinned)
+    pieces, finish, usage, spec = [], None, None, None
+    for chunk in chat(client, PROMPTS[0], pinned, stream=True,
+                      stream_options={"include_usage": True}):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+            spec = (chunk.model_extra or {}).get("spec") or spec
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert spec["steps"] == whole.model_extra["spec"]["steps"]
+
+
+def test_sse_stream_ends_with_done(served):
+    body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=300) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_completions_endpoint(client, engine):
+    prompt = "def add(a, b):\n    return"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    want = speculative_generate(Target(engine.loaded.model), None, engine.encode(prompt, chat=False), 12,
+                                SamplingParams(), eos_token_ids=engine.loaded.eos_token_ids).token_ids
+    assert out.choices[0].model_extra["token_ids"] == want
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert streamed == out.choices[0].text
+
+
+def test_stop_string_ends_the_text(client):
+    full = chat(client, PROMPTS[2]).choices[0].message.content
+    cut = full.split()[2]
+    out = chat(client, PROMPTS[2], stop=[cut])
+    assert out.choices[0].message.content == full[: full.index(cut)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_repeatable(client):
+    def sample(seed):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=16, temperature=0.8,
+            top_p=0.95, seed=seed, extra_body={"spec": {"draft": DRAFT_LM, "window": 3}}).choices[0].message.content
+
+    assert sample(7) == sample(7)
+
+
+def grpc_request(prompt: str, **fields) -> pb.CompletionRequest:
+    fields = {"max_tokens": NEW_TOKENS, "temperature": 0, **fields}
+    return pb.CompletionRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content=prompt)], **fields)
+
+
+def test_grpc_unary_and_streaming_equal_the_target(stub, expected):
+    spec = pb.SpecOptions(draft="prompt-lookup", window=4)
+    out = stub.Complete(grpc_request(PROMPTS[0], spec=spec), timeout=300)
+    assert list(out.token_ids) == expected[0]
+    assert out.usage.completion_tokens == len(expected[0]) and out.spec.draft == "prompt-lookup"
+    chunks = list(stub.CompleteStream(grpc_request(PROMPTS[0], spec=spec), timeout=300))
+    assert [t for c in chunks for t in c.token_ids] == expected[0]
+    assert "".join(c.text for c in chunks) == out.text
+    assert chunks[-1].finish_reason == out.finish_reason and chunks[-1].spec.steps == out.spec.steps
+
+
+BAD_HTTP = [
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "  "}]}, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "spec": {"draft": "nope"}}, "spec.draft"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "spec": {"window": -2}}, "spec.window"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 9000}, "prompt"),
+    ("/v1/completions", {"model": MODEL}, "prompt"),
+]
+
+
+def test_bad_http_input_is_a_400_with_openais_body_and_the_replicas_live_on(served, client):
+    before = local.app_status()["deployments"]
+    for path, body, param in BAD_HTTP:
+        response = httpx.post(served.http_url + path, json=body, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["param"] == param, (body, error)
+    response = httpx.post(served.http_url + "/v1/completions", content=b"{not json", timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    response = httpx.post(served.http_url + "/v1/completions", json={"model": "gpt-9", "prompt": "hi"}, timeout=60)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    # The openai client raises its own typed error for them.
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError, match="unknown draft"):
+        chat(client, "hi", {"draft": "nope"})
+    assert chat(client, PROMPTS[0]).choices[0].message.content, "the next good request must still be served"
+    after = local.app_status()["deployments"]
+    assert {n: d["replica_states"] for n, d in after.items()} == {n: d["replica_states"] for n, d in before.items()}
+
+
+@pytest.mark.parametrize("request_, code", [
+    (pb.CompletionRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.CompletionRequest(model=MODEL, prompt="hi", max_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.CompletionRequest(model=MODEL, prompt="hi", spec=pb.SpecOptions(draft="nope")), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.CompletionRequest(model=MODEL, prompt="hi", max_tokens=10**9), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.CompletionRequest(model="gpt-9", prompt="hi"), grpc.StatusCode.NOT_FOUND),
+])
+def test_bad_grpc_input(stub, request_, code):
+    for call in (stub.Complete, lambda r, timeout: list(stub.CompleteStream(r, timeout=timeout))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request_, timeout=60)
+        assert err.value.code() == code, err.value.details()
+        assert err.value.details()
+
+
+def test_a_passed_deadline_or_a_client_that_hangs_up_costs_nothing_else(served, stub, client, expected):
+    long_request = grpc_request(PROMPTS[1], max_tokens=200)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Complete(long_request, timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", served.http_url + "/v1/completions", json=body, timeout=300) as response:
+        next(response.iter_lines())          # the stream has started; now hang up
+    out = stub.Complete(grpc_request(PROMPTS[0], spec=pb.SpecOptions(draft="prompt-lookup")), timeout=300)
+    assert list(out.token_ids) == expected[0]
+
+
+def test_cli_status_and_generate_on_the_server(served, expected):
+    env = {**os.environ, "SPECSERVE_HOME": os.environ["SPECSERVE_HOME"]}
+    result = subprocess.run([sys.executable, "-m", "specserve.cli.main", "status", "--json"],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    deployments = report["application"]["deployments"]
+    assert {"ingress", "target", "draft-prompt-lookup", f"draft-{DRAFT_LM}"} <= set(deployments)
+    # Serving: healthy, or scaling (the ingress here scales at one ongoing request, and the request
+    # the previous test abandoned may still be finishing).
+    serving = ("HEALTHY", "UPSCALING", "DOWNSCALING")
+    assert all(d["status"] in serving and d["replicas"] >= 1 for d in deployments.values()), deployments
+    assert report["redis"]["up"] and report["redis"]["pid"]
+    assert report["http"].endswith("/v1") and report["grpc"] and report["dashboard"]
+    for server in (served.http_url, f"grpc://{served.grpc_address}"):
+        result = subprocess.run(
+            [sys.executable, "-m", "specserve.cli.main", "generate", PROMPTS[0], "--json", "--server", server,
+             "--max-tokens", str(NEW_TOKENS), "--draft", "prompt-lookup", "--window", "4"],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert result.returncode == 0, result.stderr
+        assert json.loads(result.stdout)["token_ids"] == expected[0], server
+
+
+def test_a_draft_replica_that_dies_mid_request_costs_speed_not_the_request(served, client, expected):
+    import ray
+
+    def kill_draft_replicas():
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if f"#draft-{DRAFT_LM}#" in actor["name"]:
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=False)
+
+    stream = chat(client, PROMPTS[1], {"draft": DRAFT_LM, "window": 2}, stream=True)
+    first = next(iter(stream))
+    kill_draft_replicas()
+    text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat(client, PROMPTS[1], {"draft": "none"}).choices[0].message.content
+    local.wait_healthy(served.app_name, timeout_s=300)
+
+
+def test_a_burst_scales_the_ingress_out(served, client):
+    def one(i):
+        return chat(client, PROMPTS[i % len(PROMPTS)], {"draft": "prompt-lookup"}).usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        burst = [pool.submit(one, i) for i in range(8)]
+        replicas = wait_until(lambda: local.app_status()["deployments"]["ingress"]["replica_states"].get("RUNNING", 0),
+                              lambda n: n >= 2, timeout=120, interval=0.5)
+        assert all(f.result() > 0 for f in burst), "every request of the burst must be served"
+    assert replicas == 2, "8 concurrent requests at target_ongoing_requests=1 should scale the ingress to 2"
+
+
+def _redis_counts(url: str, field: str) -> int:
+    from specserve.policies.redis_stats import RedisStats
+
+    return sum(c[field] for c in RedisStats(url, "specserve").read().values())
+
+
+def test_the_policy_service_publishes_priors_and_new_requests_start_from_them(served, client):
+    """Replicas' counters reach Redis, the policy service turns them into a snapshot that
+    GET /v1/policy shows, and a new request's `spec.prior` names the snapshot it started from."""
+    for _ in range(10):   # the static policy drafts every step it can: enough steps for a prior
+        chat(client, PROMPTS[2], {"draft": "prompt-lookup", "policy": "static"})
+    def snapshot():
+        body = httpx.get(served.http_url + "/v1/policy", timeout=30).json()
+        return body, [p for p in (body["snapshot"] or {}).get("priors", []) if p["draft"] == "prompt-lookup"]
+
+    body, priors = wait_until(snapshot, lambda seen: bool(seen[1]), timeout=90, interval=1)
+    assert priors, f"no prompt-lookup prior within 90 s: {body}"
+    shown = subprocess.run([sys.executable, "-m", "specserve.cli.main", "policy", "--server", served.http_url],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "snapshot version" in shown.stdout and "prompt-lookup" in shown.stdout, shown
+    assert {"alpha", "best_window", "mean_accepted_len", "latency_ratio", "acceptance_by_position"} <= set(priors[0])
+    assert 0.0 <= priors[0]["alpha"] <= 1.0 and body["service"]["redis_error"] is None
+    deadline, prior = time.monotonic() + 60, None
+    while prior is None and time.monotonic() < deadline:
+        prior = chat(client, PROMPTS[2], {"draft": "prompt-lookup"}).model_extra["spec"].get("prior")
+    assert prior is not None and prior["version"] >= 1 and prior["window"] >= 1
+    # A pinned window is the client's: no prior.
+    assert "prior" not in chat(client, PROMPTS[2], {"draft": "prompt-lookup", "window": 3}).model_extra["spec"]
+
+
+def test_redis_killed_while_requests_stream_loses_nothing_and_the_counts_arrive_after_restart(served, client, tmp_path):
+    import signal
+
+    from specserve.cluster.redis_server import RedisServer, ping
+
+    time.sleep(5)   # earlier tests' counts flushed (every 2 s), so that Redis holds only what follows
+    os.kill(served.redis_pid, signal.SIGKILL)
+    assert not wait_until(lambda: ping(served.redis_url), lambda up: not up, timeout=10)
+
+    def one(i):
+        return chat(client, PROMPTS[i % len(PROMPTS)], {"draft": "prompt-lookup"}).usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(n > 0 for n in pool.map(one, range(8))), "every request is served while Redis is down"
+    assert httpx.get(served.http_url + "/health", timeout=30).status_code == 200
+    # Health checks (every 10 s) do not ask Redis: every deployment stays healthy while it is down.
+    time.sleep(12)
+    statuses = {name: d["status"] for name, d in local.app_status()["deployments"].items()}
+    assert set(statuses.values()) == {"HEALTHY"}, statuses
+    assert httpx.get(served.http_url + "/v1/policy", timeout=30).status_code == 200   # the last snapshot
+    port = int(served.redis_url.rsplit(":", 1)[1].split("/")[0])
+    restarted = RedisServer.start(tmp_path, port=port)   # empty: it kept nothing on disk
+    try:
+        # The 8 requests counted during the outage arrive, once each (exactly-once flushes).
+        wait_until(lambda: _redis_counts(served.redis_url, "requests"), lambda n: n >= 8, timeout=60, interval=1)
+        time.sleep(5)   # a few more flush rounds: nothing may be counted twice
+        assert _redis_counts(served.redis_url, "requests") == 8
+    finally:
+        restarted.stop()
+
+
+def test_speculation_metrics_reach_the_prometheus_endpoint(served, client):
+    """vLLM-named spec-decode counters on Ray's metrics endpoint (the Ray dashboard reads it)."""
+    chat(client, PROMPTS[2], {"draft": "prompt-lookup", "policy": "static"})
+    names = ("ray_specserve_spec_decode_num_drafts", "ray_specserve_spec_decode_num_draft_tokens",
+             "ray_specserve_spec_decode_num_accepted_tokens", "ray_specserve_spec_decode_num_accepted_tokens_per_pos",
+             "ray_specserve_spec_decode_window_bucket")
+    text = wait_until(lambda: httpx.get(served.metrics_url, timeout=30).text, lambda t: all(n in t for n in names),
+                      timeout=90, interval=2)
+    missing = [n for n in names if n not in text]
+    assert not missing, f"not on {served.metrics_url}: {missing}"
+    drafts = [line for line in text.splitlines()   # Prometheus may add _total to a counter's name
+              if line.startswith(("ray_specserve_spec_decode_num_drafts{", "ray_specserve_spec_decode_num_drafts_total{"))]
+    assert any('draft="prompt-lookup"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in drafts), \
+        [line for line in text.splitlines() if "spec_decode_num_drafts" in line]

@@ -1,0 +1,52 @@
+"""A target replica's learning: warm starts from a real Redis snapshot, counts of its requests."""
+
+from collections import Counter
+
+import pytest
+
+from specserve.cluster.redis_server import RedisServer
+from specserve.policies.priors import compute_snapshot
+from specserve.policies.redis_stats import RedisStats
+from specserve.policies.replica_learning import ReplicaLearning, ReplicaLearningFactory
+from specserve.policies.stats import StatsKey
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.request import SpecRequest
+from specserve.replicas.step import TreeShape
+from counters import counts
+from test_stats import record, step
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = RedisServer.start(tmp_path)
+    yield s
+    s.stop()
+
+
+def request(window=4, pinned=False, tree=None, draft="pl"):
+    return SpecRequest([1, 2, 3], 16, SamplingParams(), draft, window, tree, "r", pinned)
+
+
+def test_a_new_request_starts_from_the_snapshot_unless_pinned(server):
+    store = RedisStats(server.url, "app")
+    # α = 0.9 over γ = 2 and 6 at flat verify cost: the best measured window is 6.
+    c = counts(900, 100, window=2) + counts(900, 100, window=6)
+    store.publish_snapshot(compute_snapshot({StatsKey("t", "pl", "p64", 0): c}, now=0.0))
+    learning = ReplicaLearningFactory(server.url, "app")("t")
+    assert learning.start(request())[1] is None           # the snapshot is not read yet: cold
+    learning.snapshots.refresh()
+    warm, prior = learning.start(request())
+    assert (warm.window, warm.prior_alpha) == (6, prior["alpha"]) and prior["version"] == 1
+    for cold in (request(pinned=True), request(tree=TreeShape(3, 2, 6)), request(window=0, draft="none")):
+        assert learning.start(cold) == (cold, None)
+
+
+def test_the_observers_count_the_replicas_requests():
+    learning = ReplicaLearning("t")           # no Redis: it learns alone, metrics and counts only
+    assert learning.background() == []
+    learning.start(request())
+    for observe in learning.observers:
+        observe(record(step("r", "pl", accepted=2)))
+    learning.finish("r")
+    (counted,) = learning.collector.drain().values()
+    assert counted["requests"] == 1 and counted["accepted_tokens"] == 2 and isinstance(counted, Counter)

@@ -1,0 +1,87 @@
+"""A draft server outside Ray (the class a deployment wraps, and what a colocated draft is): an
+HSR head tells the target it needs hidden states, and a replica that never saw a session asks for
+them from the start, which the target's step loop then sends, so the proposal is the one a warm
+replica would make."""
+
+import asyncio
+
+import pytest
+import torch
+
+from specserve.replicas.draft_server import DraftServer
+from specserve.replicas.drafts.base import NeedFeatures
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import Proposal
+from specserve.replicas.target import Target
+from specserve.replicas.request import StaticPolicy
+from specserve.replicas.model_worker import InlineWorker
+from specserve.replicas.request import SpecRequest
+from specserve.replicas.scheduler import Scheduler
+from specserve.replicas.step import ProposeRequest
+from specserve.replicas.step_loop import StepLoop
+from specserve.replicas.engine import speculative_generate
+from tiny_hsr import save_tiny_pair, trained_hsr_head
+from tiny_models import tiny_model
+
+GREEDY = SamplingParams()
+PROMPT = [5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target = tiny_model("llama", seed=0, layers=3)
+    return target, save_tiny_pair(target, trained_hsr_head(target, steps=60), tmp_path_factory.mktemp("tiny"))
+
+
+def test_a_replica_without_the_sessions_states_asks_for_them_and_gets_them(pair):
+    target_model, head_dir = pair
+
+    async def run():
+        cold = DraftServer("hsr", str(head_dir), dtype="float32")
+        warm = DraftServer("hsr", str(head_dir), dtype="float32")
+        assert (await cold.info())["needs_features"] and not (await DraftServer("lookup", None).info())["needs_features"]
+        assert (await cold.info())["vocab_size"] == target_model.config.vocab_size
+        target = Target(target_model)
+        context = PROMPT + target.verify_one(PROMPT, Proposal.empty(), GREEDY).emitted_tokens
+
+        def ask(start):
+            return ProposeRequest("s", context, 3, None, GREEDY, features=target.features(context, start), features_start=start)
+
+        # The warm replica got every state in order.
+        [expected] = await warm.propose_batch([ask(0)])
+        assert len(expected.tokens) == 3
+        # The cold one is told it was sent the first rows already: it asks again from 0 ...
+        assert await cold.propose_batch([ask(5)]) == [NeedFeatures(0)]
+        # ... and from there proposes what the warm one did.
+        [got] = await cold.propose_batch([ask(0)])
+        assert got.tokens == expected.tokens
+
+    asyncio.run(run())
+
+
+def test_the_step_loop_resends_states_to_a_cold_draft_replica(pair):
+    # Through the loop: a draft replica that lost a session's states mid-request (a restart, a
+    # reshuffle) is re-sent them, and the output stays the target's own.
+    target_model, head_dir = pair
+    server = DraftServer("hsr", str(head_dir), dtype="float32")
+    expected = speculative_generate(Target(target_model), None, PROMPT, 16, GREEDY).token_ids
+    scheduler = Scheduler(Target(target_model, slots=2), StaticPolicy())
+    loop = StepLoop(scheduler, {"hsr": server}, InlineWorker())
+    state = loop.add(SpecRequest(PROMPT, 16, GREEDY, "hsr", 3, None, "s"))
+
+    async def run():
+        for _ in range(3):
+            await loop.step()
+        server.pool = type(server.pool)(server.pool._make)   # the replica forgets every session
+        await loop.run_until_idle()
+
+    asyncio.run(run())
+    assert state.out == expected and state.stats.accepted > 0
+
+
+def test_a_pooled_target_cache_never_hands_out_another_requests_states(pair):
+    target = Target(pair[0])
+    target.verify_one(PROMPT, Proposal.empty(), GREEDY)
+    other = [9, 9, 9, 1, 2]
+    assert len(target.features(other)) == 0                   # no common prefix: nothing
+    assert torch.equal(target.features(PROMPT[:4] + [40]), target.features(PROMPT)[:4])

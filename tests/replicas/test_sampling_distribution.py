@@ -1,0 +1,121 @@
+"""End to end on a tiny model: with speculation, the first two generated tokens are distributed
+exactly as under the target alone, with every request sharing its steps' forwards with 15 others
+(the batched scheduler, as served).
+
+The exact joint ``P(t1, t2)`` is computed from the target's warped distributions; speculative
+samples are compared with it by a chi-square goodness-of-fit test (cells with an expected count
+below 5 pooled), fixed seeds, so the test is deterministic. A wrong acceptance rule (e.g.
+accepting greedy draft tokens with ``min(1, p/q)`` of the draft's softmax) fails it by a wide
+margin. The ``bonus-`` cases draft one token and stop at two: whenever the draft token is
+accepted, the second token is the bonus token drawn after a fully accepted proposal.
+"""
+
+import pytest
+import torch
+
+from chi_square import chi_square_pvalue
+from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.hsr_draft import HSRDraft
+from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
+from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
+from specserve.replicas.sampling import SamplingParams, logits_to_probs
+from specserve.replicas.step import TreeShape
+from specserve.replicas.target import Target
+from specserve.replicas.request import SpecRequest
+from specserve.replicas.engine import in_process_server, run_batch
+from tiny_hsr import trained_hsr_head
+from tiny_models import VOCAB, perturbed, tiny_model
+
+RUNS = 3000
+BATCH = 16
+
+
+def lookup_friendly_prompt(model) -> list[int]:
+    """``seed + (the target's greedy continuation) + seed``: prompt lookup then proposes the
+    target's own likely tokens, so its acceptance path is exercised under sampling too."""
+    seed = [4, 9]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([seed]), max_new_tokens=4, do_sample=False)[0].tolist()
+    return out + seed
+
+
+def exact_joint(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """[V, V]: P(t1) P(t2 | t1) under the target's warped distributions."""
+    with torch.inference_mode():
+        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params)
+        batch = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        second = logits_to_probs(model(batch).logits[:, -1], params)
+    return first[:, None] * second
+
+
+def pruned_copy(model, head: list[int]) -> PrunedHeadLlamaForCausalLM:
+    """The target itself with its output layer cut down to ``head``."""
+    config = PrunedHeadConfig.from_dict({**model.config.to_dict(), "head_token_ids": head})
+    pruned = PrunedHeadLlamaForCausalLM(config).eval()
+    state = model.state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"][head]
+    pruned.load_state_dict(state)
+    return pruned
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_model("llama", seed=0)
+    return model, lookup_friendly_prompt(model)
+
+
+@pytest.fixture(scope="module")
+def hsr_head(target):
+    return trained_hsr_head(target[0])
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "pruned-head-chain",
+     "hsr-chain", "hsr-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain"],
+)
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
+def test_first_two_tokens_follow_the_target(target, hsr_head, case, params):
+    target, prompt = target
+    draft = {
+        "plain": None,
+        "draft-lm-chain": DraftLM("near", perturbed(target, seed=1)),
+        "draft-lm-tree": DraftLM("near", perturbed(target, seed=1)),
+        "prompt-lookup-chain": PromptLookupDraft(),
+        "prompt-lookup-tree": PromptLookupDraft(),
+        # q = 0 on every odd token: the residual max(0, p - q) must give them their mass.
+        "pruned-head-chain": DraftLM("pruned", pruned_copy(target, head=list(range(0, VOCAB, 2)))),
+        # Reads the target's hidden states, which the prefill already gives it: it drafts from step 1.
+        "hsr-chain": HSRDraft("hsr", hsr_head),
+        "hsr-tree": HSRDraft("hsr", hsr_head),
+        "bonus-draft-lm-chain": DraftLM("near", perturbed(target, seed=1)),
+        "bonus-prompt-lookup-chain": PromptLookupDraft(),
+    }[case]
+    tree = TreeShape(2, 3, 6) if case.endswith("tree") else None
+    # max_tokens = window + 1: room for a full window, so the second token can be a draft token
+    # (window 2) or the bonus token after an accepted one (window 1).
+    window = 1 if case.startswith("bonus-") else 2
+    pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS), window)
+    if pvalue <= 1e-3:
+        # Seeds are fixed, so a correct sampler still fails 1 case in 1,000 by chance, once and
+        # for all. A second, disjoint block decides: a real bias fails both by a wide margin.
+        pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS, 2 * RUNS), window)
+    assert pvalue > 1e-3, f"{case}: chi-square p={pvalue:.2e} on two disjoint blocks of seeds"
+    if draft is not None:   # the test means something only if draft tokens were accepted
+        assert accepted > RUNS // 20, f"{case}: only {accepted} accepted draft tokens"
+
+
+def goodness_of_fit(target, prompt, draft, params, tree, seeds, window: int) -> tuple[float, int]:
+    """Chi-square p-value of the sampled (t1, t2) pairs against the exact joint, and the number
+    of accepted draft tokens. One request per seed, all through one batched scheduler."""
+    name = "none" if draft is None else draft.name
+    servers = {} if draft is None else {name: in_process_server(name, draft)}
+    requests = [SpecRequest(prompt, window + 1, SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed),
+                            name, window, tree, f"seed-{seed}") for seed in seeds]
+    gens = run_batch(Target(target, slots=BATCH), servers, requests)
+    counts = torch.zeros(VOCAB, VOCAB)
+    accepted = 0
+    for gen in gens:
+        counts[gen.token_ids[0], gen.token_ids[1]] += 1
+        accepted += gen.stats.accepted
+    return chi_square_pvalue(counts, exact_joint(target, prompt, params)), accepted

@@ -1,0 +1,116 @@
+"""The target replica's class outside Serve (the same object Serve constructs), on the reference
+target: its health reflects whether the model runs, and a request that leaves gives its KV slot
+back at the next step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from specserve.replicas.request import StaticPolicy
+from specserve.replicas.model_store import REFERENCE_TARGET
+from specserve.replicas.request import SpecRequest
+from specserve.replicas.target_deployment import UNHEALTHY_AFTER_FAILED_STEPS, TargetDeployment
+
+pytestmark = pytest.mark.reference
+
+Replica = TargetDeployment.func_or_class   # the class behind the Serve deployment
+
+
+@pytest.fixture
+def replica():
+    return Replica(REFERENCE_TARGET, drafts={}, policy=StaticPolicy(), dtype="float32", max_batch=4)
+
+
+def prompt(replica, text: str) -> list[int]:
+    from specserve.replicas.prompt_ids import encode_chat
+
+    return encode_chat(replica.loaded.tokenizer, [{"role": "user", "content": text}])
+
+
+def break_weights(replica) -> None:
+    """The embedding's storage is lost (in place, so every forward holding the parameter sees it)."""
+    weight = replica.loaded.model.get_input_embeddings().weight
+    weight.data = torch.empty(0, weight.shape[1], dtype=weight.dtype)
+
+
+def test_a_replica_whose_model_cannot_run_is_unhealthy(replica):
+    async def scenario():
+        await replica.check_health()                      # a working model: healthy
+        break_weights(replica)
+        with pytest.raises(RuntimeError, match="cannot run one token"):
+            await replica.check_health()
+
+    asyncio.run(scenario())
+
+
+def test_failing_steps_make_it_unhealthy_and_fail_their_requests_with_a_resumable_error(replica):
+    from specserve.replicas.target_deployment import StepFailed
+
+    async def scenario():
+        break_weights(replica)
+        for i in range(UNHEALTHY_AFTER_FAILED_STEPS):
+            with pytest.raises(StepFailed):
+                async for _ in replica.generate(SpecRequest(prompt(replica, f"Count to {i}"), 8, request_id=f"r{i}")):
+                    pass
+        assert replica.loop.failures == UNHEALTHY_AFTER_FAILED_STEPS
+        with pytest.raises(RuntimeError, match="steps failed in a row"):
+            await replica.check_health()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_leaves_gives_its_slot_and_kv_back_at_the_next_step(replica):
+    async def scenario():
+        stay = replica.generate(SpecRequest(prompt(replica, "Name three rivers."), 48, request_id="stay"))
+        leave = replica.generate(SpecRequest(prompt(replica, "Write a long poem about the sea."), 200, request_id="leave"))
+        await anext(stay)
+        await anext(leave)
+        busy = await replica.load()
+        assert busy["running"] == 2 and busy["kv_positions_in_use"] > 0
+        await leave.aclose()                              # the client hung up
+        await anext(stay)                                 # one more step runs
+        after = await replica.load()
+        assert after["running"] == 1
+        assert after["kv_positions_in_use"] < busy["kv_positions_in_use"]
+        assert after["kv_bytes_allocated"] == busy["kv_bytes_allocated"]   # slots are reused, not reallocated
+        async for _ in stay:
+            pass
+        idle = await replica.load()
+        assert idle["running"] == 0 and idle["kv_positions_in_use"] == 0 and idle["waiting"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_max_model_len_allocates_the_whole_cache_at_start_and_refuses_longer_requests():
+    replica = Replica(REFERENCE_TARGET, drafts={}, policy=StaticPolicy(), dtype="float32", max_batch=2,
+                      kv_sessions_idle=1, max_model_len=256)
+    config = replica.loaded.model.config
+    per_position = (config.num_hidden_layers * 2 * config.num_key_value_heads
+                    * (config.hidden_size // config.num_attention_heads) * 4)   # K and V, float32
+
+    async def scenario():
+        start = await replica.load()
+        assert start["kv_max_len"] == 256 and start["kv_bytes_allocated"] == 3 * 256 * per_position
+        async for _ in replica.generate(SpecRequest(prompt(replica, "Name three rivers."), 24, request_id="a")):
+            pass
+        assert (await replica.load())["kv_bytes_allocated"] == start["kv_bytes_allocated"]
+        with pytest.raises(ValueError, match="limit of 256 tokens"):
+            async for _ in replica.generate(SpecRequest(prompt(replica, "Hi"), 250, request_id="b")):
+                pass
+
+    asyncio.run(scenario())
+
+
+def test_stream_interval_sends_the_first_step_at_once_then_pieces_of_at_least_that_many(replica):
+    async def pieces(interval: int) -> list[list[int]]:
+        request = SpecRequest(prompt(replica, "Name five rivers."), 13, request_id=f"i{interval}", stream_interval=interval)
+        return [item["token_ids"] async for item in replica.generate(request)]
+
+    every = asyncio.run(pieces(1))
+    grouped = asyncio.run(pieces(4))
+    assert len(every) == 13 and all(len(p) == 1 for p in every[:-1])   # plain decoding: a token a step
+    assert sum(grouped, []) == sum(every, [])                            # the same tokens, fewer items
+    assert len(grouped[0]) == 1 and all(len(p) >= 4 for p in grouped[1:-1]) and len(grouped) <= 5

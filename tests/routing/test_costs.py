@@ -1,0 +1,48 @@
+"""The router's measured step costs and paper 003's objective at the best window."""
+
+import pytest
+
+from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
+from specserve.routing.costs import StepCosts
+
+
+def record(forward_tokens, verify_ms, steps=(), draft_ms_by=()):
+    requests = tuple(RequestStep(f"r{i}", draft, Speculation(depth) if depth else PLAIN, depth, 0, depth, None)
+                     for i, (draft, depth) in enumerate(steps))
+    return StepRecord(len(requests) or 1, forward_tokens, 0, max((ms for _, ms in draft_ms_by), default=0.0),
+                      verify_ms, 0.0, requests, tuple(draft_ms_by))
+
+
+def test_draft_cost_is_per_drafted_position_of_each_draft():
+    costs = StepCosts()
+    assert costs.draft_ms("lm") == 0.0   # unknown: optimistic
+    costs.seed("lm", 3.0)
+    assert costs.draft_ms("lm") == 3.0
+    # Two drafts proposed concurrently in one step: each is priced by its own time.
+    costs.observe(record(12, 30.0, [("lm", 4), ("lm", 2), ("lookup", 3)], [("lm", 8.0), ("lookup", 0.3)]))
+    assert costs.draft_ms("lm") == pytest.approx(2.0)       # 8 ms over the deepest proposal, 4 positions
+    assert costs.draft_ms("lookup") == pytest.approx(0.1)
+
+
+def test_verify_cost_is_fitted_and_plain_decoding_priced():
+    costs = StepCosts()
+    assert costs.verify_model() == (1.0, 0.0)
+    for tokens in (1, 3, 5, 9):
+        costs.observe(record(tokens, 20.0 + 2.0 * tokens))
+    c0, c1 = costs.verify_model()
+    assert (c0, c1) == (pytest.approx(20.0), pytest.approx(2.0))
+    assert costs.plain(1) == pytest.approx(1e3 / 22.0)
+    assert costs.plain(4) == pytest.approx(1e3 / 28.0)
+
+
+def test_best_window_grows_with_acceptance_and_shrinks_with_cost():
+    costs = StepCosts(window_max=8)
+    for tokens in (1, 5, 9):
+        costs.observe(record(tokens, 20.0 + 1.0 * tokens))
+    costs.seed("cheap", 0.1)
+    costs.seed("dear", 6.0)
+    low, high = costs.best(0.2, "cheap", 1), costs.best(0.9, "cheap", 1)
+    assert low[1] < high[1] and low[0] < high[0]
+    assert costs.best(0.9, "dear", 1)[1] < high[1]
+    # Near-useless drafting loses to plain decoding; good drafting wins.
+    assert costs.best(0.05, "dear", 1)[0] < costs.plain(1) < costs.best(0.9, "cheap", 1)[0]
