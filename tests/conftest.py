@@ -18,6 +18,18 @@ import pytest
 import torch
 
 
+E2E_TESTS = Path(__file__).parent / "e2e"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test under tests/e2e/ starts a real Ray cluster and Serve application: mark it
+    ``e2e`` here (before ``-m`` deselects), so ``-m "not e2e"`` leaves the fast tests."""
+    for item in items:
+        if E2E_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_for_tiny_models(request):
     """Tiny models run fastest on one thread; two threads only add OpenMP hand-offs (and, when

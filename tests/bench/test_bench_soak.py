@@ -54,6 +54,7 @@ def test_warm_up_is_a_fifth_of_the_run_at_most_a_minute():
 
 @pytest.mark.reference
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_short_soak_on_the_local_stack(tmp_path):
     """``specserve bench soak`` end to end: brings the local stack up, sends the mix for 20 s, takes
     it down; every request succeeds, every window has percentiles, and the replicas' memory was

@@ -11,7 +11,7 @@ import pytest
 from conftest import local_stack
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
 
-pytestmark = [pytest.mark.reference, pytest.mark.slow]
+pytestmark = [pytest.mark.reference, pytest.mark.slow, pytest.mark.e2e]
 
 # Serve's handles push autoscaling metrics every 10 s (RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S).
 METRICS_PUSH_S = 10.0
