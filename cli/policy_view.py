@@ -50,6 +50,7 @@ def format_policy(body: dict, now: float | None = None) -> str:
         lines.append(f"{p['target'][:24]:24s} {p['draft'][:28]:28s} {p['bucket']:7s} {p['steps']:8.0f} "
                      f"{p['alpha']:6.3f} {p['mean_accepted_len']:6.2f} {p['best_window']:6d} {ratio:>7s} "
                      f"{p['plain_share']:5.0%}")
-    lines.append("alpha: paper 003 Eq. 2; tau: tokens per drafting step; c: draft ms per token / verify ms; "
+    lines.append("alpha: accepted / (accepted + steps that broke early); tau: tokens per drafting step; "
+                 "c: draft ms per token / verify ms; "
                  "off: steps with nothing drafted (policy off, or no proposal)")
     return "\n".join(lines)

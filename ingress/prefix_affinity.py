@@ -22,7 +22,7 @@ at once has not raised yet, and can split it unevenly. A replica that is full (`
 itself, which then tries the next rank. Either way the chosen replica becomes the owner of the
 request's blocks.
 
-What the router remembers is a hint, never a promise (DESIGN.md §7): a replica that has dropped
+What the router remembers is a hint, never a promise (docs/design.md §7): a replica that has dropped
 the cache recomputes it from the tokens, so affinity only ever saves prefill.
 """
 

@@ -1,6 +1,7 @@
-"""ADT-Tree (paper 001 §IV): each tree starts from the previous step's depth and top-k
-("Horizontal Repeat", §IV-A: in text the left neighbour is the previous step) and moves by the
-bisectional rule on the previous tree's acceptance rate α = τ / d̂ (§III-B):
+"""ADT-Tree ("Fast Inference of Visual Autoregressive Model with Adjacency-Adaptive Dynamical
+Draft Trees", §IV): each tree starts from the previous step's depth and top-k ("Horizontal
+Repeat", §IV-A: in text the left neighbour is the previous step) and moves by the bisectional
+rule on the previous tree's acceptance rate α = τ / d̂ (§III-B):
 
     α >= β:  d̂ = d̃ + l_d,  k̂ = k̃ − l_k      (a deeper, narrower tree)
     α <  β:  d̂ = d̃ − l_d,  k̂ = k̃ + l_k      (a shallower, wider tree)             (Eq. 2)

@@ -1,6 +1,7 @@
-"""Cache-enabled finite-state-machine window (paper 003 §4.2): the window follows whether the
-tokens the target confirms were seen before, in the prompt or earlier in the answer (answers
-often restate their context: QA, code completion).
+"""Cache-enabled finite-state-machine window ("A Drop-in Solution for On-the-Fly Adaptation of
+Speculative Decoding in Large Language Models", §4.2): the window follows whether the tokens the
+target confirms were seen before, in the prompt or earlier in the answer (answers often restate
+their context: QA, code completion).
 
     cache   the prompt's tokens; after every step, the step's new tokens (accepted and bonus)
     step    +1 if one of the step's accepted draft tokens is already in the cache

@@ -1,11 +1,12 @@
-"""Adaptive EAGLE-2 tree depth (paper 003 App. C.4): the online window optimisation of §4.1
+"""Adaptive EAGLE-2 tree depth ("A Drop-in Solution for On-the-Fly Adaptation of Speculative
+Decoding in Large Language Models", App. C.4): the online window optimisation of §4.1
 (``online_window.py``) with the tree's depth as the window, top-k and node budget fixed.
 
 App. C.4 gives no formula of its own: it applies "our method" (§4.1) to EAGLE-2 "by adaptively
 changing the draft tree depth", "effectively changing the speculation window size", while it
 "keeps the number of tokens selected from the draft tree the same as in EAGLE-2". So, per step:
 
-    α̂      paper 003 Eq. 2 over this request's last h tree steps, with γ = the depth the draft
+    α̂      the paper's Eq. 2 over this request's last h tree steps, with γ = the depth the draft
             offered: Σn / (Σn + Σ1[n < d]), the per-level acceptance of the tree, capped at α_max
     a       draft ms per draft forward (a tree level is one forward), measured
     b(d)    verify ms of a forward feeding this request's 1 + nodes(d) tokens beside the others',
@@ -54,7 +55,7 @@ class Eagle2DepthState(JsonState):
 @dataclass(frozen=True)
 class Eagle2DepthTree:
     depth_max: int = 8           # the largest depth considered (γ_max)
-    history_steps: int = 6       # h; paper 003 Table 10 found 5-7 about equally good
+    history_steps: int = 6       # h; the paper's Table 10 found 5-7 about equally good
     cost_steps: int = 32         # steps the cost measurements look back over
     alpha_max: float = 0.95      # α̂ cap (Eq. 2): a run of full acceptances must not mean α = 1
     explore_every: int = 16      # plain steps in a row before a depth-1 tree re-measures α̂

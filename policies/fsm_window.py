@@ -1,4 +1,5 @@
-"""Finite-state-machine window (paper 003 §4.2): a saturating counter, as in branch prediction.
+"""Finite-state-machine window ("A Drop-in Solution for On-the-Fly Adaptation of Speculative
+Decoding in Large Language Models", §4.2): a saturating counter, as in branch prediction.
 
     all γ draft tokens accepted   ->  γ + 1      (saturates at window_max, the paper's γ_max)
     a draft token rejected        ->  γ − 1      (saturates at window_min)

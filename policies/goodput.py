@@ -10,9 +10,11 @@ window to the one that pays most at the replica's load, or to none:
                    d̂ = the draft's call per request that drafted with it and per drafted position
                        (recent steps' mean of its ms / its requests / the positions it drafted;
                        ~0 for prompt lookup)
-    acceptance     α̂ per request, paper 003 Eq. 2 over its own steps with its draft, Σn / (Σn + Σ1[n < γ]),
-                   with a prior of ``request_prior_steps`` pseudo-steps: the α the router chose the
-                   draft on for this prompt, else the draft's α̂ over the replica's recent steps
+    acceptance     α̂ per request over its own steps with its draft, Σn / (Σn + Σ1[n < γ]) (Eq. 2 of
+                   "A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in Large
+                   Language Models"), with a prior of ``request_prior_steps`` pseudo-steps: the α
+                   the router chose the draft on for this prompt, else the draft's α̂ over the
+                   replica's recent steps
     net(γ)         E(γ) − 1 − (1 + margin) · B / (a + b·B) · (b·γ + d̂·γ),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
     window         argmax over γ in 1..γ_asked of net(γ) if it is positive, else plain decoding
 
@@ -38,14 +40,15 @@ Exploring: once speculation is off, α̂ is no longer observed, and a draft that
 ``explore_share`` of its share of each step's time, and speculates at its asked window when the
 credit covers that window's price (b·tokens fed + its share of the draft's call): at most that
 share of the verify time goes to exploring, spread over the requests one at a time. Exploring
-every request of one step in 32·B/4 (what this replaced) cost 3% of the verify time at batch 8
-and made that step several times slower than its neighbours (in-process, 8 chat prompts at once:
-146-148 tok/s with it, 151-152 without exploring).
+every request of one step in 32·B/4 instead cost 3% of the verify time at batch 8 and made that
+step several times slower than its neighbours (in-process, 8 chat prompts at once: 146-148 tok/s
+with it, 151-152 without exploring; measured 2026-11-26 on a 2-core AMD EPYC).
 
 Why a line per load bucket (b1, b4, b8, b8+ requests in the step, ``stats.load_bucket``): one line
 through steps of every batch size underestimated what the extra tokens cost at batch 16 on two
-threads (in-process, 16 at once: 0.94x target-only in session 8), where the forward is past the
-size at which the CPU's matrix products stop being flat. Within a bucket the line is local.
+threads (in-process, 16 at once: 0.94x target-only, measured 2026-11-23 on a 2-core AMD EPYC),
+where the forward is past the size at which the CPU's matrix products stop being flat. Within a
+bucket the line is local.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Online window optimisation (paper 003 §4.1, App. B): each step, the window that maximises the
+"""Online window optimisation ("A Drop-in Solution for On-the-Fly Adaptation of Speculative
+Decoding in Large Language Models", §4.1, App. B): each step, the window that maximises the
 expected emitted tokens per unit time under the costs and acceptance measured so far.
 
-    α̂       paper 003 Eq. 2 over this request's last h drafting steps, capped at α_max
+    α̂       the paper's Eq. 2 over this request's last h drafting steps, capped at α_max
     a        draft ms per draft token: Σ draft_ms / Σ draft forwards over recent steps
              (a step's draft forwards = the longest window of its batch: drafts run batched)
     b(γ)     verify ms of a forward that feeds this request's 1 + γ tokens beside the others':
@@ -28,7 +29,8 @@ Where this deviates from the paper, and why:
   windows that matter differ by 0-1.5 ms): replayed over recorded outputs with that noise, b from
   the request's own steps reached 0.95 of the per-request oracle and b from the replica's table
   0.99 (``verify_costs.py``). In ``bench policies`` the table moved the rule from 0.952 to
-  0.959-0.960 of the oracle: the replay's gain did not fully carry over (README, session 17).
+  0.959-0.960 of the oracle: the replay's gain did not fully carry over (measured 2026-11-26 on
+  a 2-core AMD EPYC).
 - **Before measurement.** Until α̂ and two forward sizes are measured the request alternates its
   own window with a second size (half of it, or 2 when it asked for 1), so that the first fit
   comes from steps that differ.
@@ -119,7 +121,7 @@ def draft_ms_per_token(costs: tuple[tuple[int, float], ...]) -> float:
 @dataclass(frozen=True)
 class OnlineWindow:
     window_max: int = 8          # γ_max
-    history_steps: int = 6       # h; paper 003 Table 10 found 5-7 about equally good
+    history_steps: int = 6       # h; the paper's Table 10 found 5-7 about equally good
     cost_steps: int = 32         # steps the cost measurements look back over
     alpha_max: float = 0.95      # α̂ cap (Eq. 2): a run of full acceptances must not mean α = 1
     explore_every: int = 16      # plain steps in a row before one token is drafted to re-measure α

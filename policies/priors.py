@@ -3,14 +3,16 @@
 Per (target, draft, task bucket), from counters summed over time windows with exponential decay
 (weight 0.5^(age / half_life), so the priors follow drift without forgetting at once):
 
-    α                paper 003 Eq. 2: Σ accepted / (Σ accepted + Σ 1[n < γ]), capped at α_max
+    α                Σ accepted / (Σ accepted + Σ 1[n < γ]), capped at α_max (Eq. 2 of "A Drop-in
+                     Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language
+                     Models")
     accepted length  emitted tokens per drafting step (τ)
     by position      P(draft token i accepted | offered), vLLM's per-position acceptance
     a                draft ms per draft token; b(γ) verify ms of a step at window γ (least
                      squares over the windows seen; flat when only one was seen)
-    latency ratio    a / b(0): paper 003 §5's cost of a draft token relative to a target forward
+    latency ratio    a / b(0), the cost of a draft token relative to a target forward (the paper's §5)
     best window      argmax over γ of G(γ) = E(γ) / (γ·a + b(γ)), E(γ) = (1 − α^(γ+1)) / (1 − α)
-                     (paper 003 Eq. 1 with the cluster's measured costs), pooled and per load
+                     (the paper's Eq. 1 with the cluster's measured costs), pooled and per load
                      bucket of the batch size (``best_window_by_load``: a and b(γ) measured under
                      that load only; warm starts pick the one of the load they start under).
                      b(γ) is the mean verify ms measured at γ where γ was used (shrunk towards the
@@ -121,7 +123,7 @@ def window_for(alpha: float, costs: dict, window_max: int) -> int:
     the line elsewhere. Beyond the largest window measured only when the line rises (two windows or
     more, slope > 0: extending it is a model). A flat line says nothing about longer windows: from
     windows 1-4 it recommended 7-8 to warm starts, where the CPU's verify cost steps up at γ = 6
-    (bench policies, session 16: warm rows at 7-8 while the oracle mostly took 5); and with one
+    (bench policies, 2026-11-26: warm rows at 7-8 while the oracle mostly took 5); and with one
     window seen b(γ) is flat by construction (bench serve: warm starts at γ = 8 from γ = 4 data fed
     larger forwards than the verify cost allowed under load)."""
     windows = costs["windows"]

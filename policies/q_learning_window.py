@@ -1,5 +1,6 @@
-"""Q-learning window (paper 003 §4.2, Algorithm 2 of App. B.4): an agent whose state is the
-previous window and whose action is the next one, trained online after every verified step.
+"""Q-learning window ("A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in
+Large Language Models", §4.2, Algorithm 2 of App. B.4): an agent whose state is the previous
+window and whose action is the next one, trained online after every verified step.
 
     state s     the window of the step before (0..window_max)
     action a    the window of the step (0..window_max): Algorithm 2's ``y = GetAction(Agent, y)``

@@ -25,7 +25,7 @@ from specserve.replicas.request import StaticPolicy
 from specserve.policies.tree import TreePolicy
 from specserve.policies.window import WindowPolicy
 
-# Names as in issue 13's benchmark rows.
+# The names are also the rows of ``bench policies``.
 POLICIES: dict[str, Callable[[], object]] = {
     "load-aware": lambda: GoodputPolicy(StaticPolicy()),
     "static": StaticPolicy,

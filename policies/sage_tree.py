@@ -1,5 +1,6 @@
-"""SAGE (paper 004): the draft's entropy chooses the next tree's depth and width, and the
-acceptance history moves the maximum depth, with hysteresis.
+"""SAGE ("SAGE: Accelerating Vision-Language Models via Entropy-Guided Adaptive Speculative
+Decoding"): the draft's entropy chooses the next tree's depth and width, and the acceptance
+history moves the maximum depth, with hysteresis.
 
     P̃_i  = P_i / Σ_{j ≤ k} P_j  over the draft's top-k at the root          (Eq. 7)
     α     = 1 − H(P̃) / log k                                                 (Eq. 8, 9)
@@ -11,9 +12,9 @@ acceptance history moves the maximum depth, with hysteresis.
     raises it by one, in between leaves it (§3.3, "Adaptive History Tracking")
 
 Confident drafts (low entropy) get deeper, narrower trees; uncertain ones (high entropy)
-shallower, wider ones (§3.2). Issue 13's shorthand "SAGE narrows on high entropy" is not the
-paper's rule: on high entropy the tree gets *shallower and wider*; what narrows there is each
-path, since θ_l prunes the improbable continuations.
+shallower, wider ones (§3.2). So on high entropy SAGE does not narrow the tree, it makes it
+*shallower and wider*; what narrows there is each path, since θ_l prunes the improbable
+continuations.
 
 **Who does what.** The entropy of step t shapes the tree of step t + 1 (§3.2, "Temporal
 Correlation Exploitation"; Algorithm 1 lines 15-18), so this rule is a pure function of the step
@@ -32,7 +33,7 @@ Where this deviates from the paper, and why:
   paper's N_max = 64 (for 72B targets on H20 GPUs) is ``SageTree(node_budget=64)``.
 - **Rounding.** D and W are rounded to the nearest integer (half up); the paper does not say.
 - **Acceptance length.** The history thresholds (2 and 3) apply to n, the accepted draft tokens,
-  the paper's τ of §2.2 ("advancing τ + 1 tokens per iteration"), not DESIGN.md's τ = n + 1.
+  the paper's τ of §2.2 ("advancing τ + 1 tokens per iteration"), not docs/design.md §3's τ = n + 1.
 - **Hysteresis bounds.** The paper says D_max is reduced or increased, not by how much nor how
   far: here by one per step, within [D_min, ``depth_ceiling``] (12 by default, 1.5 × D_max), so
   that the draft's cost stays bounded. A step whose draft offered nothing teaches nothing.

@@ -10,14 +10,15 @@ spec-decode counters where one exists:
     accepted_tokens   draft tokens accepted (``num_accepted_tokens``)
     accepted_pos_<i>  steps whose i-th draft token was accepted (``num_accepted_tokens_per_pos``)
     rejections        drafting steps that broke before the longest offered path: Σ 1[n < γ], the
-                      second term of paper 003 Eq. 2's denominator
+                      second term of the denominator of Eq. 2 in "A Drop-in Solution for
+                      On-the-Fly Adaptation of Speculative Decoding in Large Language Models"
     emitted           tokens emitted by drafting steps (accepted + the bonus token)
     window_<γ>        drafting steps whose longest offered path was γ (a chain's window)
     plain_steps       steps of a request that has a draft where nothing was drafted: the policy
                       switched speculation off, or the draft had nothing to propose (prompt
                       lookup without a match)
     draft_us, verify_us   time of the steps those request-steps were part of (µs, summed per request-step)
-    verify_us_w<γ>    verify time of the drafting steps with window γ (the cost model b(γ) of paper 003)
+    verify_us_w<γ>    verify time of the drafting steps with window γ (the paper's cost model b(γ))
     requests          requests started
     load_<L>_steps_w<γ>, load_<L>_verify_us_w<γ>, load_<L>_draft_us, load_<L>_draft_tokens
                       the cost side again per load bucket L of the step's batch size (``load_bucket``:
@@ -44,7 +45,8 @@ from dataclasses import dataclass
 from specserve.replicas.step import StepRecord
 
 # Prompt-length buckets (tokens): acceptance differs by task, and length is what every replica
-# knows before the first step. The router (issue 14) may refine buckets from its own features.
+# knows before the first step. The draft router (``routing/``) goes further: it predicts α from
+# the prompt's own features.
 BUCKET_EDGES = (64, 256, 1024)
 
 

@@ -8,10 +8,13 @@ per-request state ``S`` (a frozen dataclass that round-trips through JSON, ``win
     update(S, outcome)          -> S                       one verified step (a TreeOutcome)
     decide(S, batch_size, rng)  -> (TreeShape | None, S)   the tree of its next step; None: plain
 
-The rules, one per file: ``sage_tree.py`` (paper 004: entropy → depth and width, with the draft's
-tree builder applying the width decay, threshold and node budget), ``adt_tree.py`` (paper 001:
-bisectional depth / top-k update from the previous tree), ``eagle2_depth_tree.py`` (paper 003
-App. C.4: the online window objective choosing an EAGLE-2 tree's depth). The static tree is the
+The rules, one per file: ``sage_tree.py`` ("SAGE: Accelerating Vision-Language Models via
+Entropy-Guided Adaptive Speculative Decoding": entropy → depth and width, with the draft's tree
+builder applying the width decay, threshold and node budget), ``adt_tree.py`` ("Fast Inference
+of Visual Autoregressive Model with Adjacency-Adaptive Dynamical Draft Trees": bisectional depth
+/ top-k update from the previous tree), ``eagle2_depth_tree.py`` ("A Drop-in Solution for
+On-the-Fly Adaptation of Speculative Decoding in Large Language Models", App. C.4: the online
+window objective choosing an EAGLE-2 tree's depth). The static tree is the
 static policy (``static.py``): each step uses the tree the request asked for.
 
 ``TreePolicy`` holds the bookkeeping: one state per request id, dropped when the request

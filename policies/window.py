@@ -9,10 +9,10 @@ and a test can replay it)::
     update(S, outcome)          -> S           one verified step of that request (a WindowOutcome)
     decide(S, batch_size, rng)  -> (γ, S)      the window of its next step; rng is injected
 
-The rules, one per file: ``online_window.py`` (paper 003 §4.1, the objective G(γ) with measured
-costs), ``fsm_window.py`` and ``cache_fsm_window.py`` (003 §4.2), ``q_learning_window.py``
-(003 §4.2 and App. B.4), ``hf_window.py`` (Hugging Face assisted generation's heuristic, a
-baseline).
+The rules, one per file: ``online_window.py`` ("A Drop-in Solution for On-the-Fly Adaptation of
+Speculative Decoding in Large Language Models", §4.1, the objective G(γ) with measured costs),
+``fsm_window.py`` and ``cache_fsm_window.py`` (its §4.2), ``q_learning_window.py`` (its §4.2 and
+App. B.4), ``hf_window.py`` (Hugging Face assisted generation's heuristic, a baseline).
 
 ``WindowPolicy`` holds the bounds and the bookkeeping so that no rule repeats them: one state per
 request id, dropped when the request finishes; a request that pinned its speculation, asked for a
@@ -97,8 +97,8 @@ class WindowOutcome(JsonState):
 
 def estimate_alpha(history: Sequence[tuple[int, int]], alpha_max: float,
                    prior: tuple[float, float] | None = None) -> float | None:
-    """α̂ over (n, γ) pairs (paper 003 Eq. 2), capped at ``alpha_max``; None before any drafting
-    (unless there is a prior).
+    """α̂ over (n, γ) pairs (the on-the-fly adaptation paper's Eq. 2), capped at ``alpha_max``;
+    None before any drafting (unless there is a prior).
 
     ``SpecStats.acceptance_rate`` is the project's one implementation of Eq. 2
     (Σn / (Σn + Σ1[n < γ])); this feeds it the window's totals instead of repeating it.

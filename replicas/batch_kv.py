@@ -13,7 +13,7 @@ a tree: its path), nothing of other slots. Two layouts:
   verifying 5 tokens beside fifteen decoding 1 makes a forward of 20 tokens. Measured in-process, 16
   ShareGPT chat prompts at once, one thread, bfloat16, 128 tokens: 4 of the 16 speculating with
   γ = 4, 97 -> 174 tok/s; all 16 at γ = 4, 113 -> 144; none, ~190 either way (2-core AMD EPYC,
-  session 14).
+  2026-11-25).
 - **padded** (any other model, device or long prefill chunk): rows are left-padded to the longest
   feed, so every row's real tokens end at the last column, with a 4D mask. The batch is the slot
   range ``[lo, hi)``: a *view* of the buffers, no gather; slots in that range that take no part

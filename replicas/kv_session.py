@@ -4,7 +4,7 @@ The session remembers which tokens its cache holds. Callers hand it the *whole* 
 they want conditioned on; it keeps the longest common prefix it already has and feeds only the
 rest. So a replica that lost a session's cache (or never had it) rebuilds it from the tokens:
 correctness never depends on which replica serves a call, affinity only saves recompute
-(DESIGN.md §7). Rolling back after a rejection is the same operation: the next call simply
+(docs/design.md §7). Rolling back after a rejection is the same operation: the next call simply
 shares a shorter prefix.
 """
 

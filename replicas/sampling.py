@@ -1,6 +1,6 @@
 """Sampling parameters and the logits -> probabilities warp shared by target and draft.
 
-Losslessness needs the *same* warp on ``p`` and ``q`` before the rejection test (DESIGN.md §4):
+Losslessness needs the *same* warp on ``p`` and ``q`` before the rejection test (docs/design.md §4):
 the target distribution we must reproduce is the warped one, not the raw softmax.
 """
 

@@ -1,6 +1,6 @@
 """One speculation step: the vocabulary and the typed records that cross part boundaries.
 
-Vocabulary (DESIGN.md §3), used in every name, metric and JSON field of specserve:
+Vocabulary (docs/design.md §3), used in every name, metric and JSON field of specserve:
 
 - **target** ``M_p`` is the model whose output we must reproduce; a **draft** ``M_q`` guesses it.
 - **proposal**: the draft tokens of one step, a chain of ``γ`` tokens or a token tree.
@@ -11,7 +11,8 @@ Vocabulary (DESIGN.md §3), used in every name, metric and JSON field of specser
   the first rejected position, or after the last draft token), so a step emits ``n + 1`` tokens.
 - **mean accepted length** ``τ`` = emitted tokens per step = mean(n + 1), vLLM's convention.
 - **acceptance rate** ``α``: per-token probability that a draft token is accepted, estimated as
-  ``Σ n / (Σ n + Σ 1[n < γ])`` (paper 003, Eq. 2): a step that accepted everything tells us
+  ``Σ n / (Σ n + Σ 1[n < γ])`` (Eq. 2 of "A Drop-in Solution for On-the-Fly Adaptation of
+  Speculative Decoding in Large Language Models"): a step that accepted everything tells us
   nothing about where the chain would have broken.
 - **tree**: depth ``d``, width (top-k) ``k``, node budget ``N``.
 """
@@ -31,7 +32,8 @@ class TreeShape:
     """How a draft should expand a token tree: at most ``depth`` levels, ``top_k`` children per
     node, ``budget`` nodes in all (the root, the last emitted token, is not counted).
 
-    The last two fields are SAGE's (paper 004 §3.2, ``policies/sage_tree.py``), applied while the
+    The last two fields are SAGE's ("SAGE: Accelerating Vision-Language Models via Entropy-Guided
+    Adaptive Speculative Decoding", §3.2, ``policies/sage_tree.py``), applied while the
     draft grows the tree (``drafts/tree_growth.py``); their defaults keep the EAGLE-2-style tree:
 
     - ``width_decay``: a node at level ``l >= 2`` gets ``top_k · (1/l) · (0.5 + P_parent)``
@@ -85,7 +87,7 @@ class Proposal:
     # confidence); None for drafts without a distribution (prompt lookup).
     token_probs: list[float] | None = None
     # The draft's highest next-token probabilities at the root, highest first (a tree's level-1
-    # distribution, ``tree_growth.ROOT_TOP_PROBS`` of them): SAGE's entropy (paper 004 Eq. 7-9)
+    # distribution, ``tree_growth.ROOT_TOP_PROBS`` of them): SAGE's entropy (its Eq. 7-9)
     # is computed from them. None for chains and for drafts without a distribution.
     root_probs: list[float] | None = None
 
@@ -195,7 +197,8 @@ class SpecStats:
     steps: int = 0
     emitted: int = 0
     accepted: int = 0
-    # Σ 1[n < max_depth]: steps where the chain broke, the denominator term of paper 003 Eq. 2.
+    # Σ 1[n < max_depth]: steps where the chain broke, the denominator term of α's estimate (Eq. 2
+    # of the on-the-fly adaptation paper).
     rejections: int = 0
     windows: list[int] = field(default_factory=list)
     trees: list[list[int]] = field(default_factory=list)   # [depth, top_k, budget] asked, per tree step

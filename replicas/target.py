@@ -165,7 +165,8 @@ class Target:
 
         ``score_rows``: the chunk's last rows whose next token the prompt knows are scored (their
         negative log-likelihood summed): the router's prompt perplexity, from the forward that
-        runs anyway. Paper 003 (Eq. 9) averages over the whole prompt; we score only the last
+        runs anyway. "A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in
+        Large Language Models" (Eq. 9) averages over the whole prompt; we score only the last
         rows of each chunk, because the output layer over every prompt position would add ~20%
         to the prefill (a 49k-token vocabulary against a 135M-parameter model)."""
         missing = self.kv.sync(slot, tokens)

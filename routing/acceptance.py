@@ -1,23 +1,24 @@
-"""Per-draft acceptance models: α predicted from a prompt's feature vector (paper 003 Eq. 8,
-α ≈ uᵀZ), learned from the α each finished request realised.
+"""Per-draft acceptance models: α predicted from a prompt's feature vector (α ≈ uᵀZ, Eq. 8 of
+"A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language
+Models"), learned from the α each finished request realised.
 
-One class serves both of the issue's models:
+One class serves both models:
 
 - **online** (the router's): ridge regression updated after every observation, the sufficient
   statistics ``A = λI + Σ w·x·xᵀ`` and ``b = Σ w·α·x`` kept, so that the estimate is exactly the
   least-squares fit of everything seen so far, and LinUCB's confidence width ``sqrt(xᵀA⁻¹x)``
   comes for free (it shrinks as similar prompts are observed: exploration fades with confidence);
-- **least squares** (paper 003 §5's baseline): the same fit over a fixed set of prompts, then
+- **least squares** (the paper's §5 baseline): the same fit over a fixed set of prompts, then
   frozen (``LinearAcceptance.fit``); the paper's ordinary least squares is the limit λ → 0, kept
   slightly positive so that collinear features (a topic dimension that is always 0) stay solvable.
 
 **The prior** (``prior_alpha``, α₀): the ridge pulls the fit towards α₀ instead of 0 (it regresses
-α − α₀), so a draft nothing has been observed for is predicted α₀. Towards 0 (what this had), a
-draft tried twice on unlucky prompts was predicted α ≈ 0.1 and LinUCB's bonus (β·width ≈ 0.3) never
-brought it back: in ``bench router`` the bandit then chose the HSR head for 36 of its 40 warm-up
-prompts and prompt lookup, the faster draft on most of them, for 2. The router's models start at
-``ROUTER_PRIOR_ALPHA``; the least-squares baseline keeps the paper's α₀ = 0 (with its tiny ridge
-the prior does not matter once it has data).
+α − α₀), so a draft nothing has been observed for is predicted α₀. Pulled towards 0, a draft
+tried twice on unlucky prompts was predicted α ≈ 0.1 and LinUCB's bonus (β·width ≈ 0.3) never
+brought it back: in ``bench router`` (2026-11-26) the bandit then chose the HSR head for 36 of
+its 40 warm-up prompts and prompt lookup, the faster draft on most of them, for 2. The router's
+models start at ``ROUTER_PRIOR_ALPHA``; the least-squares baseline keeps the paper's α₀ = 0 (with
+its tiny ridge the prior does not matter once it has data).
 
 Two replicas' statistics add (``A₁ + A₂ − λI``, ``b₁ + b₂``), which is how the policy service
 merges the cluster's observations; they travel as JSON (never pickle).
@@ -71,7 +72,7 @@ class LinearAcceptance:
 
     @property
     def weights(self) -> np.ndarray:
-        """θ = A⁻¹b (Ẑ of paper 003 Eq. 8; of α − α₀ when there is a prior)."""
+        """θ = A⁻¹b (Ẑ of the paper's Eq. 8; of α − α₀ when there is a prior)."""
         return self.inverse @ self.b
 
     def predict(self, x: Sequence[float]) -> float:
@@ -86,7 +87,7 @@ class LinearAcceptance:
     @classmethod
     def fit(cls, xs: Sequence[Sequence[float]], alphas: Sequence[float], ridge: float = 1e-3,
             alpha_max: float = 0.95) -> "LinearAcceptance":
-        """Least squares over a fixed set of (features, α) (paper 003 §5's estimate of Z)."""
+        """Least squares over a fixed set of (features, α) (the paper's §5 estimate of Z)."""
         if not xs:
             raise ValueError("least squares needs at least one observed prompt")
         model = cls(len(xs[0]), ridge, alpha_max)

@@ -1,6 +1,7 @@
 """What a step costs, measured on this replica, priced for the router's objective.
 
-Paper 003's objective per draft d at window γ, for one request in a batch of B:
+The objective of "A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in Large
+Language Models" (Eq. 1) per draft d at window γ, for one request in a batch of B:
 
     G_d(γ) = E(α_d, γ) / (γ·a_d + b(γ))        tokens per ms
     E(α, γ) = (1 − α^(γ+1)) / (1 − α)           emitted tokens per step (bonus included)

@@ -6,9 +6,12 @@ perplexity on the prompt from its own prefill, repetition, TF-IDF topics):
 
     α̂_d = θ_dᵀx                    each draft's acceptance model (``routing/acceptance.py``)
     w_d  = sqrt(xᵀA_d⁻¹x)           LinUCB's width: how unlike the prompts seen so far x is
-    G_d  = max_γ E(α̂_d + β·w_d, γ) / (γ·a_d + b(γ))     paper 003's objective, measured costs
+    G_d  = max_γ E(α̂_d + β·w_d, γ) / (γ·a_d + b(γ))     the objective (Eq. 1), measured costs
     G_none = 1 / b(0)                 plain decoding, no uncertainty
     choice = argmax over drafts and none
+
+G and the α estimate below (Eq. 2) are those of "A Drop-in Solution for On-the-Fly Adaptation of
+Speculative Decoding in Large Language Models", with the costs measured on the replica.
 
 The exploration bonus ``β·w_d`` is LinUCB's (Li et al., 2010): only the chosen draft's α is ever
 observed, so a draft that looks worse now but is uncertain gets tried, and as observations of
@@ -17,7 +20,7 @@ reason recorded says which: ``predicted`` (the best prediction won), ``explore``
 changed the choice), ``no-gain`` (no draft beats plain decoding), ``pinned`` (the client named
 the draft: respected, and its α still teaches that draft's model).
 
-While the request runs, every ``revisit_every`` counted steps its realised α (paper 003 Eq. 2
+While the request runs, every ``revisit_every`` counted steps its realised α (the paper's Eq. 2
 over its steps with this draft, the prediction as ``prior_steps`` pseudo-steps) replaces the
 prediction: when another draft's predicted G beats the current draft's realised G by
 ``switch_margin``, the request switches draft (``Scheduler.set_draft``: the new draft builds its

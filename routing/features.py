@@ -1,4 +1,5 @@
-"""One request's features for the draft router (paper 003 §5: length, perplexity, TF-IDF; plus
+"""One request's features for the draft router (§5 of "A Drop-in Solution for On-the-Fly
+Adaptation of Speculative Decoding in Large Language Models": length, perplexity, TF-IDF; plus
 how much the prompt repeats itself, which is what prompt lookup feeds on).
 
 ``PromptFeatures.vector()`` is the input of the per-draft linear acceptance models: a bias, then
@@ -39,7 +40,8 @@ def repeat_rate(ids: Sequence[int], n: int = 3) -> float:
 
 
 def perplexity_from_nll(nll_sum: float, count: int) -> float | None:
-    """exp(mean negative log-likelihood): paper 003 Eq. 9, in nats instead of bits (the same number)."""
+    """exp(mean negative log-likelihood): Eq. 9 of the on-the-fly adaptation paper, in nats
+    instead of bits (the same number)."""
     return math.exp(nll_sum / count) if count > 0 else None
 
 

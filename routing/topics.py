@@ -1,5 +1,6 @@
 """TF-IDF over token ids, reduced to a few dimensions (latent semantic analysis): the router's
-"what kind of prompt is this" feature (paper 003 §5 uses TF-IDF; it tried 4-16 dimensions).
+"what kind of prompt is this" feature ("A Drop-in Solution for On-the-Fly Adaptation of
+Speculative Decoding in Large Language Models", §5, uses TF-IDF; it tried 4-16 dimensions).
 
     tf     1 + log(count) of each kept token id in the prompt (sublinear: a repeated identifier
            should not drown the rest)

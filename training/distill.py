@@ -12,8 +12,8 @@ The teacher's distribution comes from the corpus (``training/corpus.py``): its f
 states times the output rows of the head's tokens, so training never runs the target.
 
 Checkpoints hold the trainable weights, the optimizer, the step and the random state, written
-atomically; a run that stops (a session ends, a machine is reclaimed) resumes from the last one
-and continues exactly as if it had never stopped (tests/test_distill.py checks this).
+atomically; a run that stops (its process is killed, a machine is reclaimed) resumes from the last
+one and continues exactly as if it had never stopped (tests/training/test_distill.py checks this).
 """
 
 from __future__ import annotations

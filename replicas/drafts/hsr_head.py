@@ -1,4 +1,6 @@
-"""A hidden-state-reuse (HSR) draft head: Sparrow Eq. 1, in the manner of EAGLE.
+"""A hidden-state-reuse (HSR) draft head: Eq. 1 of Sparrow ("Sparrow: Text-Anchored Window
+Attention with Visual-Semantic Glimpsing for Speculative Decoding in Video LLMs"), in the manner
+of EAGLE.
 
 Instead of reading the context itself, the head reuses what the target already computed. Its
 input at position t joins the embedding of token t with the target's hidden state at t-1:

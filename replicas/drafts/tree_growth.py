@@ -5,8 +5,9 @@ highest cumulative draft log-probability (so the tree reaches its depth instead 
 budget on one wide level), until the node budget is spent. Nodes are deterministic choices
 (q = one-hot), which keeps tree sampling lossless.
 
-A ``TreeShape`` with SAGE's fields (paper 004 §3.2, "Hierarchical Width Decay" and "Dynamic Tree
-Construction") grows differently: a node at level ``l >= 2`` offers
+A ``TreeShape`` with SAGE's fields ("SAGE: Accelerating Vision-Language Models via Entropy-Guided
+Adaptive Speculative Decoding", §3.2, "Hierarchical Width Decay" and "Dynamic Tree Construction")
+grows differently: a node at level ``l >= 2`` offers
 ``W_l = top_k · (1/l) · (0.5 + P_parent)`` tokens (Eq. 12), the level keeps all of them (only the
 budget bounds it), and a node whose path probability is not above ``θ_l = threshold · l / depth``
 is dropped. The paper expands recursively; here a level is one forward, so the tree grows

@@ -1,4 +1,4 @@
-"""Faults, bad input and API keys on a real local Ray cluster (issue 15): two target replicas, prompt
+"""Faults, bad input and API keys on a real local Ray cluster: two target replicas, prompt
 lookup and a real-weights draft LM as deployments, a real redis-server and the policy service,
 API keys required. Replicas are killed with ``ray.kill`` while requests stream; every greedy
 output must still equal the in-process target-only greedy output token for token (float32), or

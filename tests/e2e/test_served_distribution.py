@@ -8,7 +8,7 @@ and distinct per request, so the test is deterministic.
 The target is controlled: a tiny Llama over 8 tokens with no end-of-sequence token, so every
 request runs to ``max_tokens`` and 64 cells hold all of ``P(t1, t2)``.
 
-What makes the test sensitive to the draft sharing the target's random stream (issue 12): a
+What makes the test sensitive to the draft sharing the target's random stream: a
 hidden-state-reuse head given a one-token prompt has no target state to read at the first step,
 which is therefore plain: the target draws t1 from the first numbers of the request's stream.
 At the second step the head drafts with the first numbers of *its* stream, from a ``q`` close to

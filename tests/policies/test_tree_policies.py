@@ -1,4 +1,4 @@
-"""Tree policies (issue 13) on literal traces: the pure rules (SAGE, ADT-Tree, EAGLE-2 depth),
+"""Tree policies on literal traces: the pure rules (SAGE, ADT-Tree, EAGLE-2 depth),
 the draft's SAGE tree builder on literal distributions, the wrapper that makes a rule the
 scheduler's Policy, then each policy end to end on tiny models. Records are the real StepRecord /
 RequestStep of replicas/step.py."""
@@ -267,7 +267,9 @@ def test_adt_tree_starts_from_the_requests_tree_within_bounds():
     assert ADTTree().decide(ADTTree().start(request(START)), 1, RNG)[0] == TreeShape(4, 4, 8)
 
 
-# ---- EAGLE-2 adaptive depth (paper 003 App. C.4) -----------------------------------------------------
+# ---- EAGLE-2 adaptive depth -----------------------------------------------------------------------
+# App. C.4 of "A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in Large Language
+# Models".
 
 def test_eagle2_depth_maximises_eq_1_over_the_depth():
     rule = Eagle2DepthTree(depth_max=6)

@@ -1,4 +1,6 @@
-"""The per-draft acceptance models: online ridge (LinUCB's statistics) and paper 003's least squares."""
+"""The per-draft acceptance models: online ridge (LinUCB's statistics) and the least-squares
+baseline of "A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in Large
+Language Models" (§5)."""
 
 import json
 
