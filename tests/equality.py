@@ -1,4 +1,5 @@
-"""Greedy equality with the near-tie escape the issue allows, shared by the equality tests."""
+"""Greedy equality with a near-tie escape (two logits within 1e-4 may swap under another batch
+shape's arithmetic), shared by the equality tests."""
 
 from __future__ import annotations
 

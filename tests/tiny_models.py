@@ -3,15 +3,22 @@
 Greedy equality holds for any weights, so random ones test the machinery; a small vocabulary
 keeps distribution tests cheap. ``scale`` sharpens the output layer so that random models have
 confident, non-trivial next-token distributions instead of near-uniform ones.
+
+``SPECSERVE_TEST_DEVICE=cuda`` builds them on that device, so the lossless tests (greedy
+equality, the distribution tests) check the engine's device paths too (the padded layout, the
+samplers' generators); the default is the CPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 VOCAB = 96
 ARCHITECTURES = ("llama", "gpt2", "qwen2")
+DEVICE = torch.device(os.environ.get("SPECSERVE_TEST_DEVICE", "cpu"))
 
 
 def tiny_config(arch: str, layers: int = 2, hidden: int = 64):
@@ -33,7 +40,7 @@ def tiny_model(arch: str, seed: int, layers: int = 2, hidden: int = 64, scale: f
     model = AutoModelForCausalLM.from_config(tiny_config(arch, layers, hidden), dtype=torch.float32)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(scale)
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 def perturbed(model, seed: int, noise: float = 0.5):
@@ -43,5 +50,5 @@ def perturbed(model, seed: int, noise: float = 0.5):
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std())
+            param.add_(torch.randn(param.shape, generator=gen).to(param.device) * noise * param.std())
     return draft
