@@ -19,7 +19,7 @@ from specserve.policies.policy_service import PolicyService
 from specserve.policies.replica_learning import ReplicaLearningFactory
 from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.draft_server import DraftDeployment
-from specserve.replicas.target_deployment import TargetDeployment
+from specserve.replicas.target_deployment import TargetConfig, TargetDeployment
 from specserve.ingress.deployment import Ingress
 from specserve.ingress.prefix_affinity import ROUTER_CLASS as PREFIX_AFFINITY_ROUTER
 from specserve.routing.retrain import retrain
@@ -46,13 +46,16 @@ def build_app(args: AppConfig) -> Application:
         ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle)
         for spec in config.drafts
     }
+    target_config = TargetConfig(
+        model=config.target, dtype=config.dtype, torch_threads=config.torch_threads,
+        kv_sessions_idle=config.kv_sessions_idle, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+        stats_name=config.model_id, default_draft=config.default_draft, max_model_len=config.max_model_len,
+    )
+    router = RouterFactory(config.router_explore, topic_corpus, redis_url=config.redis_url,
+                           redis_prefix=config.redis_prefix) if config.router else None
     target = TargetDeployment.options(name=TARGET_DEPLOYMENT, request_router_config=PREFIX_AFFINITY).bind(
-        config.target, drafts, PolicyByRequest(config.policy), config.dtype, config.torch_threads, config.kv_sessions_idle,
-        config.max_batch, config.prefill_chunk, ReplicaLearningFactory(config.redis_url, config.redis_prefix),
-        config.model_id,
-        router=RouterFactory(config.router_explore, topic_corpus, redis_url=config.redis_url,
-                             redis_prefix=config.redis_prefix) if config.router else None,
-        default_draft=config.default_draft, max_model_len=config.max_model_len,
+        target_config, policy=PolicyByRequest(config.policy), drafts=drafts,
+        learning=ReplicaLearningFactory(config.redis_url, config.redis_prefix), router=router,
     )
     policy = None
     if config.redis_url:

@@ -49,8 +49,7 @@ from specserve.replicas.step import TreeShape
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress.openai_api import AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.replicas.prompt_ids import encode_chat, encode_text
-from specserve.replicas.request import SpecRequest
-from specserve.replicas.target_deployment import StepFailed
+from specserve.replicas.request import SpecRequest, StreamItem
 from specserve.ingress import guard
 from specserve.ingress.auth import ApiKeys
 from specserve.ingress.guard import Guard
@@ -135,6 +134,13 @@ _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUT
                404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
                429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
                504: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class StepFailed(RuntimeError):
+    """A target replica failed a request mid-stream: its step failed (an item with a
+    ``StreamError``) or its stream ended without a last item. The request resumes elsewhere from
+    the tokens it has."""
+
 
 # Tokens per piece of a non-streamed answer (with no stop strings): few messages, and a
 # continuation after a replica failure recomputes at most this many.
@@ -249,12 +255,14 @@ class Ingress:
             stream = self.target.options(stream=True, _by_reference=False).generate.remote(request)
             try:
                 async for item in self._items(stream, deadline):
+                    if item.error is not None:
+                        raise StepFailed(f"the target's step failed: {item.error.message}")
                     deadline = None
-                    delta = text.push(item["token_ids"])
-                    finish, spec = item.get("finish_reason"), item.get("spec")
+                    delta = text.push(item.token_ids)
+                    finish, spec = item.finish_reason, item.spec
                     if text.stopped:
                         finish = "stop"
-                        if spec is None:   # ended early by a stop string: the target is still going
+                        if not item.last:   # ended early by a stop string: the target is still going
                             stream.cancel()
                             spec = {}
                     elif finish is not None:
@@ -268,11 +276,11 @@ class Ingress:
                             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
                                      "total_tokens": prompt_tokens + done,
                                      # OpenAI's field: prompt tokens whose KV the replica already held.
-                                     "prompt_tokens_details": {"cached_tokens": min(prompt_tokens, item.get("cached_tokens", 0))}}
-                        yield Event(delta, item["token_ids"], finish, spec, usage)
+                                     "prompt_tokens_details": {"cached_tokens": min(prompt_tokens, item.cached_tokens)}}
+                        yield Event(delta, item.token_ids, finish, spec, usage)
                     if finish is not None:
                         return
-                # The stream ended without a finish: the replica went away between two items.
+                # The stream ended without a last item: the replica went away between two items.
                 err: BaseException = StepFailed("the target's stream ended early")
             except _RESUMABLE as caught:
                 err = caught
@@ -310,7 +318,7 @@ class Ingress:
                        max_tokens=original.max_tokens - len(produced), params=params,
                        request_id=f"{original.request_id}-r{attempt}")
 
-    async def _items(self, stream, deadline: float | None) -> AsyncIterator[dict]:
+    async def _items(self, stream, deadline: float | None) -> AsyncIterator[StreamItem]:
         """The stream's items; the first one within ``deadline`` (a continuation must be taken by
         a replica in time, or the request ends with a retriable error instead of hanging)."""
         iterator = stream.__aiter__()

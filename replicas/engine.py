@@ -69,7 +69,7 @@ def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[Spe
     loop = StepLoop(scheduler, drafts, InlineWorker())
     states = []
     for i, request in enumerate(requests):
-        emit = None if on_tokens is None else (lambda item, i=i: on_tokens(i, item["token_ids"]))
+        emit = None if on_tokens is None else (lambda item, i=i: on_tokens(i, item.token_ids))
         states.append(loop.add(request, emit))
     asyncio.run(loop.run_until_idle())
     return [generation(s) for s in states]
@@ -131,9 +131,12 @@ def speculative_generate(
 
 
 class SpecEngine:
-    def __init__(self, target: LoadedModel, drafts: dict[str, Draft], slots: int = 16):
+    def __init__(self, target: LoadedModel, drafts: dict[str, Draft], slots: int = 16,
+                 router: DraftRouter | None = None):
+        """``router``: the draft router of ``spec.draft`` "auto" requests (``routing/draft_router.py``);
+        a benchmark may swap it between runs."""
         self.loaded = target
-        self.router: DraftRouter | None = None   # set one to serve spec.draft "auto" (``routing/draft_router.py``)
+        self.router = router
         self.tokenizer = target.tokenizer
         self.target = Target(target.model, slots)
         for name, draft in drafts.items():
@@ -180,7 +183,7 @@ class SpecEngine:
 
     def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:
         if request.draft == AUTO_DRAFT and self.router is None:
-            raise ValueError("draft 'auto' needs a draft router: set SpecEngine.router (specserve.routing.draft_router)")
+            raise ValueError("draft 'auto' needs a draft router: give SpecEngine one (specserve.routing.draft_router)")
         if request.draft not in (NO_DRAFT, AUTO_DRAFT) and request.draft not in self.drafts:
             raise ValueError(f"unknown draft {request.draft!r}; available: {', '.join(self.draft_names)}")
         if self.max_context and len(prompt_ids) + request.max_tokens > self.max_context:

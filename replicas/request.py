@@ -1,6 +1,7 @@
 """The types that cross a target replica's scheduler: the request as it arrives, its state between
-steps, and the two seams the scheduler asks each step (``Policy``: each request's speculation;
-``DraftRouter``: the draft of an ``AUTO_DRAFT`` request).
+steps, what the replica streams back for it (``StreamItem``), and the two seams the scheduler asks
+each step (``Policy``: each request's speculation; ``DraftRouter``: the draft of an ``AUTO_DRAFT``
+request).
 
 Window and tree rules (``specserve.policies``), the learned draft router (``specserve.routing``),
 the ingress and the in-process engine import these, not the scheduler: they need the request's
@@ -70,6 +71,34 @@ class SpecRequest:
         return PLAIN if self.draft == NO_DRAFT else Speculation(self.window, self.tree)
 
 
+@dataclass(frozen=True)
+class StreamError:
+    """Why a replica gave up a request before its end: its step failed (the model raised). The
+    ingress resumes the request on a replica from the tokens already streamed."""
+
+    message: str   # what failed, for the ingress's log: "RuntimeError: ..."
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """What a target replica streams to the ingress for one request: the tokens verified since the
+    last item. The last item says why the request ended (``finish_reason``) and, from a served
+    replica, what speculation did (``spec``, the response's ``spec`` object), or that it failed
+    (``error``, with no tokens: those queued behind the failure are dropped, and the ingress
+    resumes from what it received)."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None   # "stop", "length" or "abort"; None: more items follow
+    spec: dict | None = None           # the replica's summary, on the last item (``TargetDeployment``)
+    cached_tokens: int = 0             # prompt tokens the KV slot already held, on the last item (usage)
+    error: StreamError | None = None
+
+    @property
+    def last(self) -> bool:
+        """Nothing follows this item: the request finished or failed."""
+        return self.finish_reason is not None or self.error is not None
+
+
 def draft_seed(seed: int | None) -> int | None:
     """The draft's own seed, derived from the request's and never equal to the target's stream:
     with a shared stream the draft's draws and the target's acceptance tests would read the same
@@ -83,7 +112,7 @@ class RequestState:
     """One request between steps."""
 
     def __init__(self, request: SpecRequest, eos_token_ids: frozenset[int], device: torch.device,
-                 emit: Callable[[dict], None] | None = None):
+                 emit: Callable[[StreamItem], None] | None = None):
         self.request = request
         self.id = request.request_id
         self.context = list(request.prompt_ids)
@@ -146,11 +175,18 @@ class RequestState:
         return new
 
     def finish(self, reason: str) -> None:
+        """End the request between steps (a client gone, a deadline passed)."""
         if not self.done:
             self.finish_reason = reason
-            self.send({"token_ids": [], "finish_reason": reason, "spec": self.stats.summary()})
+            self.send(StreamItem([], reason))
 
-    def send(self, item: dict) -> None:
+    def fail(self, error: StreamError) -> None:
+        """End the request because its step failed; the stream says so instead of finishing."""
+        if not self.done:
+            self.finish_reason = "error"
+            self.send(StreamItem([], error=error))
+
+    def send(self, item: StreamItem) -> None:
         if self.emit is not None:
             self.emit(item)
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from specserve.replicas.kv_session import common_prefix_len
-from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest
+from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StreamItem
 from specserve.replicas.step import PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, StepRecord
 from specserve.replicas.target import Target, VerifyItem
 
@@ -64,10 +64,14 @@ class Scheduler:
     def __init__(self, target: Target, policy: Policy, eos_token_ids: frozenset[int] | set[int] = frozenset(),
                  prefill_chunk: int = 512, max_running: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, router: DraftRouter | None = None,
-                 default_draft: str = NO_DRAFT):
+                 default_draft: str = NO_DRAFT, observers: Iterable[Callable[[StepRecord], None]] = (),
+                 on_draft: Iterable[Callable[[RequestState, str | None], None]] = ()):
         """``max_running``: requests in the batch at once (default: every slot); slots beyond it
         keep finished requests' caches as a prefix cache. ``router`` chooses the draft of
-        ``AUTO_DRAFT`` requests; without one they get ``default_draft``."""
+        ``AUTO_DRAFT`` requests; without one they get ``default_draft``. ``observers``: besides
+        the policy and the router, whoever learns from every step's record (statistics, metrics).
+        ``on_draft``: called with a request and its previous draft (None: its first) each time its
+        draft is set or switched (the replica's warm start, statistics)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target = target
@@ -79,21 +83,17 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.slots: list[RequestState | None] = [None] * target.slots
         self.records: deque[StepRecord] = deque(maxlen=256)
-        # Besides the policy, whoever learns from the steps (statistics collectors, metrics).
-        self.observers: list[Callable[[StepRecord], None]] = []
         self.router = router
-        if router is not None:
-            self.observers.append(router.observe)
+        self.observers = [*([] if router is None else [router.observe]), *observers]
         self.default_draft = default_draft
-        # Called after a request's draft is set or switched (the replica's warm start, statistics).
-        self.on_draft: list[Callable[[RequestState, str | None], None]] = []
+        self.on_draft = list(on_draft)
         # (draft, request id) whose draft sessions the step loop should free: the draft a request
         # switched away from keeps no KV cache.
         self.released: list[tuple[str, str]] = []
 
     # ---- requests in and out ------------------------------------------------------------------
 
-    def add(self, request: SpecRequest, emit: Callable[[dict], None] | None = None) -> RequestState:
+    def add(self, request: SpecRequest, emit: Callable[[StreamItem], None] | None = None) -> RequestState:
         limit = self.target.kv.max_len
         if len(request.prompt_ids) + request.max_tokens > limit:
             # Checked here too (the ingress checks first): admitted, it would fail every step it is in.
@@ -276,11 +276,10 @@ class Scheduler:
             if asked.tree is not None:   # the response's spec says which trees the policy asked for
                 state.stats.trees.append([asked.tree.depth, asked.tree.top_k, asked.tree.budget])
             new = state.advance(result)
-            item_out = {"token_ids": new}
             if state.done:
-                item_out.update(finish_reason=state.finish_reason, spec=state.stats.summary(),
-                                cached_tokens=state.cached_tokens or 0)
-            state.send(item_out)
+                state.send(StreamItem(new, state.finish_reason, cached_tokens=state.cached_tokens or 0))
+            else:
+                state.send(StreamItem(new))
             steps.append(RequestStep(
                 request_id=state.id, draft=state.request.draft, asked=plan.speculation.get(state.id, PLAIN),
                 proposed=result.proposed, accepted=result.accepted, max_depth=result.max_depth,

@@ -7,9 +7,9 @@ drive a ``Scheduler`` through it.
     deliver the previous step's tokens                        # while the forward runs
     await work
 
-A draft is a ``DraftServer`` (in-process or colocated) or a Serve handle to a draft deployment;
-both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs its requests
-their speculation (they go on with plain decoding), never the requests (DESIGN.md §7).
+A draft is a ``DraftServer`` (in-process or colocated) or a draft deployment behind a Serve handle
+(``RemoteDraft``); both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs
+its requests their speculation (they go on with plain decoding), never the requests (DESIGN.md §7).
 
 Tokens reach their requests on the event loop's thread, never from the model thread
 (``asyncio`` objects are not thread-safe), and after the next forward has started, so that a
@@ -27,23 +27,34 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from specserve.replicas.drafts.base import NeedFeatures, vocabulary_error
-from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest
+from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest, StreamError, StreamItem
 from specserve.replicas.scheduler import Scheduler
-from specserve.replicas.step import Proposal, Speculation, StepRecord
+from specserve.replicas.step import Proposal, ProposeRequest, Speculation, StepRecord
 
 logger = logging.getLogger("ray.serve")
 
 
-async def call(draft, method: str, *args):
-    """``draft.method(*args)`` on a local server, ``draft.method.remote(*args)`` on a handle."""
-    fn = getattr(draft, method)
-    if hasattr(fn, "remote"):
-        return await fn.remote(*args)
-    return await fn(*args)
+class RemoteDraft:
+    """A draft deployment behind a Serve handle, answering as an in-process ``DraftServer`` does."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def info(self) -> dict:
+        return await self.handle.info.remote()
+
+    async def propose_batch(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
+        return await self.handle.propose_batch.remote(asks)
+
+    async def release(self, session_ids: list[str]) -> None:
+        await self.handle.release.remote(session_ids)
 
 
 class StepLoop:
-    def __init__(self, scheduler: Scheduler, drafts: dict, worker, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, scheduler: Scheduler, drafts: dict, worker, clock: Callable[[], float] = time.perf_counter,
+                 on_idle: Callable[[], Awaitable[None]] | None = None):
+        """``drafts``: ``DraftServer`` or ``RemoteDraft`` by name. ``on_idle``: awaited each time
+        the work runs out (the served replica gives freed memory back)."""
         self.scheduler = scheduler
         self.drafts = dict(drafts)
         self.worker = worker
@@ -54,11 +65,11 @@ class StepLoop:
         self._draft_ms: dict[str, float] = {}   # this step's time per draft (they run concurrently)
         self.failures = 0                     # steps failed in a row (the replica's health reads it)
         self.last_error: str | None = None
-        self.on_idle: Callable[[], Awaitable[None]] | None = None   # awaited each time the work runs out
+        self.on_idle = on_idle
         # (emit, item) pairs the scheduler sent, from whichever thread, until _deliver hands them on.
-        self._outbox: deque[tuple[Callable[[dict], None], dict]] = deque()
+        self._outbox: deque[tuple[Callable[[StreamItem], None], StreamItem]] = deque()
 
-    def add(self, request: SpecRequest, emit: Callable[[dict], None] | None = None) -> RequestState:
+    def add(self, request: SpecRequest, emit: Callable[[StreamItem], None] | None = None) -> RequestState:
         """Queue ``request``; ``emit`` gets its items on the event loop's thread."""
         send = None if emit is None else (lambda item: self._outbox.append((emit, item)))
         state = self.scheduler.add(request, send)
@@ -74,7 +85,7 @@ class StepLoop:
         if name in self._disabled:
             return None
         if name not in self._info:
-            info = await call(self.drafts[name], "info")
+            info = await self.drafts[name].info()
             error = vocabulary_error(name, info.get("vocab_size"), self.scheduler.target.vocab)
             if error is not None:
                 self._disabled[name] = error
@@ -103,7 +114,7 @@ class StepLoop:
                 asks = [self.scheduler.propose_request(state, spec, start) for state, spec, start in pending]
                 if hsr:   # views of the target's buffers: send only the rows
                     asks = [ask if ask.features is None else replace(ask, features=ask.features.clone()) for ask in asks]
-                replies = await call(draft, "propose_batch", asks)
+                replies = await draft.propose_batch(asks)
                 retry = []
                 for (state, spec, _), ask, reply in zip(pending, asks, replies):
                     if isinstance(reply, NeedFeatures):
@@ -131,7 +142,7 @@ class StepLoop:
                 by_draft.setdefault(draft, []).append(request_id)
         for name, ids in by_draft.items():
             try:
-                await call(self.drafts[name], "release", ids)
+                await self.drafts[name].release(ids)
             except Exception as err:  # noqa: BLE001 - releasing only frees a cache
                 logger.info("draft %s: release failed (%s)", name, err)
 
@@ -191,6 +202,6 @@ class StepLoop:
                 self.failures += 1
                 self.last_error = f"{type(err).__name__}: {err}"
                 for state in [*self.scheduler.running, *self.scheduler.waiting]:
-                    state.finish("error")
+                    state.fail(StreamError(self.last_error))
                 self._deliver()
 

@@ -25,8 +25,10 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from ray import serve
@@ -36,9 +38,9 @@ from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.native_memory import release_free_memory
-from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, RequestState, SpecRequest
+from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, Policy, RequestState, SpecRequest, StreamItem
 from specserve.replicas.scheduler import Scheduler
-from specserve.replicas.step_loop import StepLoop
+from specserve.replicas.step_loop import RemoteDraft, StepLoop
 from specserve.replicas.target import Target
 
 logger = logging.getLogger("ray.serve")
@@ -50,72 +52,108 @@ UNHEALTHY_AFTER_FAILED_STEPS = 3
 RELEASE_MEMORY_EVERY_S = 2.0
 
 
-class StepFailed(RuntimeError):
-    """The replica's step failed for a request (its model raised): the ingress resumes the
-    request elsewhere from the tokens it already has."""
+@dataclass(frozen=True)
+class TargetConfig:
+    """What a target replica runs, from the application's configuration (``cluster.config.AppConfig``,
+    whose field descriptions are the user's documentation of the same settings)."""
+
+    # A local folder, a .gguf file or a model-cache name: the only setting with no sensible default.
+    model: str
+    # bfloat16 only where it pays (``model_store.bf16_is_fast``: native bf16 dot products); float32
+    # elsewhere, where bfloat16 would cost precision and gain no speed.
+    dtype: str = "auto"
+    # None: Ray's OMP_NUM_THREADS, which Ray sets to the replica's num_cpus: the CPUs it was given.
+    torch_threads: int | None = None
+    # Slots kept beyond the batch for finished requests' KV caches, a prefix cache for follow-up
+    # turns; each is one more sequence of KV memory (a whole ``max_model_len`` when preallocated).
+    kv_sessions_idle: int = 4
+    # Requests verified together in one forward: the deployment's ``max_ongoing_requests``, so
+    # every request Serve sends the replica is in the batch, none waits inside it for a slot.
+    max_batch: int = 16
+    # Prompt tokens prefilled per step (``Scheduler``): a long prompt stalls the running requests
+    # for at most one chunk's forward, and a typical chat prompt still fits in one.
+    prefill_chunk: int = 512
+    # The name statistics, metrics and warm starts are kept under; None: the model's folder name,
+    # as the application's model id is by default, so the cluster's priors match across replicas.
+    stats_name: str | None = None
+    # The draft of an ``auto`` request when no router chooses: none, since only the application
+    # knows which drafts it deployed.
+    default_draft: str = NO_DRAFT
+    # The longest prompt + completion; the KV cache of every slot is allocated for it at start
+    # (vLLM's preallocation: memory stays flat under load; a soak measured +11% RSS in 10 minutes as
+    # the cache grew towards the longest sequence seen). None: the model's context, the cache
+    # growing as sequences do, for the in-process tests and small runs that never fill it.
+    max_model_len: int | None = None
 
 
-def merged(item: dict, queue: asyncio.Queue) -> dict:
+class ServedPolicy(Policy, Protocol):
+    """A replica's policy (``policies.per_request.PolicyByRequest``) also names the rule it applies
+    to each request: the response's ``spec.policy``."""
+
+    def name_for(self, state: RequestState) -> str: ...
+
+
+def merged(item: StreamItem, queue: asyncio.Queue) -> StreamItem:
     """``item`` and the items queued behind it as one: each item the replica yields is a message
     to the ingress, so a stream that fell behind catches up in one message, not one per step."""
-    while "finish_reason" not in item and not queue.empty():
+    while not item.last and not queue.empty():
         more = queue.get_nowait()
-        if more.get("finish_reason") == "error":
+        if more.error is not None:
             return more
-        item = {**more, "token_ids": item["token_ids"] + more["token_ids"]}
+        item = replace(more, token_ids=item.token_ids + more.token_ids)
     return item
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=16, health_check_period_s=10)
 class TargetDeployment:
-    def __init__(self, model: str, drafts: dict[str, DeploymentHandle | dict], policy, dtype: str = "auto",
-                 torch_threads: int | None = None, kv_sessions_idle: int = 4, max_batch: int = 16,
-                 prefill_chunk: int = 512, learning=None, stats_name: str | None = None, router=None,
-                 default_draft: str = NO_DRAFT, max_model_len: int | None = None):
-        """``drafts``: a handle per draft deployment, or the ``DraftSpec`` fields of a colocated
-        draft. ``policy``: chooses each request's speculation per step (``specserve.policies``).
-        ``max_batch``: requests verified together; more wait for a slot. ``learning``: called with
-        ``stats_name`` (default: the model's folder name), what the replica learns with: the
-        statistics, metrics and warm starts (``policies.replica_learning``); None: nothing.
-        ``router``: called with the stats name, the draft names and the tokenizer, the draft
-        router of ``auto`` requests (``routing/draft_router.py``); None: they get ``default_draft``.
-        ``max_model_len``: the longest prompt + completion; the KV cache of every slot is allocated
-        for it now (vLLM's preallocation: memory stays flat under load; a soak measured +11% RSS in
-        10 minutes as the cache grew towards the longest sequence seen). None: the model's context,
-        the cache growing as sequences do."""
-        self.loaded = load_causal_lm(model, dtype=dtype)
+    def __init__(self, config: TargetConfig, *, policy: ServedPolicy,
+                 drafts: dict[str, DeploymentHandle | dict] | None = None,
+                 learning: Callable[[str], object] | None = None, router: Callable[..., object] | None = None):
+        """``policy``: chooses each request's speculation per step (``specserve.policies``).
+        ``drafts``: a handle per draft deployment, or the ``DraftSpec`` fields of a colocated draft.
+        ``learning``: called with the stats name, what the replica learns with: the statistics,
+        metrics and warm starts (``policies.replica_learning``); None: nothing. ``router``: called
+        with the stats name, the draft names and the tokenizer, the draft router of ``auto``
+        requests with its background tasks (``routing/router_factory.py``); None: they get
+        ``config.default_draft``."""
+        drafts = drafts or {}
+        self.config = config
+        self.policy = policy
+        self.loaded = load_causal_lm(config.model, dtype=config.dtype)
         # Ray sets OMP_NUM_THREADS to num_cpus; the model thread sets torch's count itself.
-        threads = torch_threads or torch.get_num_threads()
+        threads = config.torch_threads or torch.get_num_threads()
         self._worker = ModelWorker("target", threads=threads)
         self.replica_id = uuid.uuid4().hex
         resolved = {}
         for name, d in drafts.items():
             if isinstance(d, dict):
-                resolved[name] = DraftServer(name, d["model"], dtype, kv_sessions_idle=kv_sessions_idle, worker=self._worker)
+                resolved[name] = DraftServer(name, d["model"], config.dtype, kv_sessions_idle=config.kv_sessions_idle,
+                                             worker=self._worker)
             else:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).
-                resolved[name] = d.options(session_id=self.replica_id)
-        target = Target(self.loaded.model, slots=max_batch + kv_sessions_idle, max_len=max_model_len)
-        if max_model_len is not None:
+                resolved[name] = RemoteDraft(d.options(session_id=self.replica_id))
+        target = Target(self.loaded.model, slots=config.max_batch + config.kv_sessions_idle, max_len=config.max_model_len)
+        if config.max_model_len is not None:
             target.kv.reserve()
-        self.stats_name = stats_name or Path(model).name.removesuffix(".gguf")
-        self.router = None if router is None else router(self.stats_name, list(drafts), self.loaded.tokenizer)
-        self.scheduler = Scheduler(target, policy, self.loaded.eos_token_ids, prefill_chunk=prefill_chunk,
-                                   max_running=max_batch, router=self.router, default_draft=default_draft)
-        self.loop = StepLoop(self.scheduler, resolved, self._worker)
-        self.loop.on_idle = self._release_free_memory
-        self._released_at = -math.inf
-        self._task: asyncio.Task | None = None
+        self.stats_name = config.stats_name or Path(config.model).name.removesuffix(".gguf")
+        self.routing = None if router is None else router(self.stats_name, list(drafts), self.loaded.tokenizer)
+        self.router = None if self.routing is None else self.routing.router
         self.learning = learning(self.stats_name) if learning is not None else None
         self._priors: dict[str, dict] = {}   # request id -> the warm start a routed request began from
+        self.scheduler = Scheduler(
+            target, policy, self.loaded.eos_token_ids, prefill_chunk=config.prefill_chunk,
+            max_running=config.max_batch, router=self.router, default_draft=config.default_draft,
+            observers=self.learning.observers if self.learning is not None else (),
+            on_draft=[self._routed] if self.learning is not None else ())
+        self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory)
+        self._released_at = -math.inf
+        self._task: asyncio.Task | None = None
         self._probe()   # the model runs before the replica reports healthy (and a reserved cache is allocated)
-        if self.learning is not None:
-            self.scheduler.observers += self.learning.observers
-            self.scheduler.on_draft.append(self._routed)
         self._background: list[asyncio.Task] | None = None   # learning's tasks, once started
-        logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s", model, self.loaded.model.device,
-                    self.loaded.model.dtype, threads, max_batch, ", ".join(drafts) or "none")
+        logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s", config.model,
+                    self.loaded.model.device, self.loaded.model.dtype, threads, config.max_batch,
+                    ", ".join(drafts) or "none")
 
     def _ensure_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -123,7 +161,7 @@ class TargetDeployment:
             self._task = loop.create_task(self.loop.serve_forever())
         if self._background is None:
             work = [*(self.learning.background() if self.learning is not None else ()),
-                    *(self.router.background() if self.router is not None else ())]
+                    *(self.routing.background() if self.routing is not None else ())]
             self._background = [loop.create_task(w) for w in work]
 
     async def _release_free_memory(self) -> None:
@@ -143,40 +181,49 @@ class TargetDeployment:
             if prior is not None:
                 self._priors[state.id] = prior
 
-    async def generate(self, request: SpecRequest) -> AsyncIterator[dict]:
-        """Yields ``{"token_ids": [...]}`` as steps verify them (the first step's at once, then at
-        least ``request.stream_interval`` at a time); the last item also carries ``finish_reason``
-        and ``spec`` (the statistics summary, the router's decision, the warm start)."""
+    def _spec(self, state: RequestState, asked: SpecRequest, prior: dict | None) -> dict:
+        """The response's ``spec``, built once, when the request finishes: what speculation did
+        (``SpecStats.summary``), the policy that adapted it (unless it asked for none), the warm
+        start it began from, and the router's decision."""
+        spec = state.stats.summary()
+        if not asked.speculation.plain:
+            spec["policy"] = self.policy.name_for(state)
+        if prior is not None:
+            spec["prior"] = prior
+        if state.routing is not None:
+            spec["router"] = state.routing
+        return spec
+
+    async def generate(self, request: SpecRequest) -> AsyncIterator[StreamItem]:
+        """Yields the request's tokens as steps verify them (the first step's at once, then at
+        least ``request.stream_interval`` at a time); the last item also carries
+        ``finish_reason``, ``spec`` and ``cached_tokens``, or instead an ``error`` when a step
+        failed (the ingress then resumes the request elsewhere)."""
         self._ensure_loop()
         prior = None
         if self.learning is not None and request.draft != AUTO_DRAFT:   # routed ones start in _routed
             request, prior = self.learning.start(request, len(self.scheduler.running) + 1)
-        queue: asyncio.Queue[dict] = asyncio.Queue()
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         state = self.loop.add(request, queue.put_nowait)
         held: list[int] = []   # tokens not yet sent (``request.stream_interval``)
         sent = False
         try:
             while True:
                 item = merged(await queue.get(), queue)
-                if item.get("finish_reason") == "error":
-                    raise StepFailed("the target's step failed for this request")
+                if item.error is not None:
+                    yield item
+                    return
                 if held:
-                    item = {**item, "token_ids": held + item["token_ids"]}
+                    item = replace(item, token_ids=held + item.token_ids)
                     held = []
-                if "finish_reason" not in item and sent and len(item["token_ids"]) < request.stream_interval:
-                    held = item["token_ids"]
+                if not item.last and sent and len(item.token_ids) < request.stream_interval:
+                    held = item.token_ids
                     continue
-                if "spec" in item:
-                    if hasattr(self.scheduler.policy, "name_for") and not request.speculation.plain:
-                        item["spec"]["policy"] = self.scheduler.policy.name_for(state)
-                    prior = prior or self._priors.pop(state.id, None)
-                    if prior is not None:
-                        item["spec"]["prior"] = prior
-                    if state.routing is not None:
-                        item["spec"]["router"] = state.routing
+                if item.last:
+                    item = replace(item, spec=self._spec(state, request, prior or self._priors.pop(state.id, None)))
                 sent = True
                 yield item
-                if "finish_reason" in item:
+                if item.last:
                     return
         finally:
             self._priors.pop(request.request_id, None)

@@ -11,7 +11,7 @@ router runs on length, perplexity and repetition alone, and says so in the log.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 
 from specserve.policies.redis_stats import RedisStats
@@ -42,10 +42,22 @@ def topic_basis(name: str, tokenizer, corpus: Callable[[], Iterable[str]] | None
 
 
 @dataclass(frozen=True)
+class ReplicaRouter:
+    """A target replica's draft router and, with Redis, its learning with the cluster."""
+
+    router: LearnedDraftRouter
+    learning: RouteLearning | None = None
+
+    def background(self) -> list[Coroutine]:
+        """The replica's background tasks for the router: sending outcomes, loading weights."""
+        return [] if self.learning is None else self.learning.background()
+
+
+@dataclass(frozen=True)
 class RouterFactory:
     """Picklable; called in each target replica. With ``redis_url`` the router learns with the
-    cluster (``route_learning.py``): its ``background()`` tasks send outcomes and load weights.
-    ``metrics``: its decisions on Ray's metrics endpoint (``route_metrics.py``)."""
+    cluster (``route_learning.py``): the ``ReplicaRouter``'s background tasks send outcomes and
+    load weights. ``metrics``: its decisions on Ray's metrics endpoint (``route_metrics.py``)."""
 
     explore: float = 0.2
     corpus: Callable[[], Iterable[str]] | None = None
@@ -55,12 +67,12 @@ class RouterFactory:
 
     metrics: bool = True
 
-    def __call__(self, target: str, drafts: Sequence[str], tokenizer) -> LearnedDraftRouter:
+    def __call__(self, target: str, drafts: Sequence[str], tokenizer) -> ReplicaRouter:
         basis = topic_basis(target, tokenizer, self.corpus, self.topic_dims)
         router = LearnedDraftRouter(drafts, basis, topic_dims=self.topic_dims, explore=self.explore)
         if self.metrics:
             router.on_outcome.append(RouteMetrics(target).observe)
+        learning = None
         if self.redis_url:
             learning = RouteLearning(router, target, RedisStats(self.redis_url, self.redis_prefix))
-            router.background = learning.background
-        return router
+        return ReplicaRouter(router, learning)

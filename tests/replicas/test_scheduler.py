@@ -126,7 +126,6 @@ def test_the_loop_awaits_on_idle_when_work_runs_out_and_still_serves_a_request_a
     be left waiting for a wake-up that already happened."""
     model = tiny_model("llama", seed=0)
     scheduler = Scheduler(Target(model, slots=2), StaticPolicy())
-    loop = StepLoop(scheduler, {}, InlineWorker())
     idles, added = [], []
 
     async def on_idle():
@@ -135,7 +134,7 @@ def test_the_loop_awaits_on_idle_when_work_runs_out_and_still_serves_a_request_a
             added.append(loop.add(SpecRequest(PROMPTS[1], 5, GREEDY, request_id="b")))
             await asyncio.sleep(0)
 
-    loop.on_idle = on_idle
+    loop = StepLoop(scheduler, {}, InlineWorker(), on_idle=on_idle)
 
     async def run():
         first = loop.add(SpecRequest(PROMPTS[0], 5, GREEDY, request_id="a"))
@@ -180,8 +179,10 @@ def test_tokens_reach_their_requests_on_the_event_loops_thread_in_order():
     loop_thread, states = asyncio.run(run())
     assert threads == {loop_thread}
     for i, state in enumerate(states):
-        assert [t for item in items[i] for t in item["token_ids"]] == state.out == alone(model, PROMPTS[i])[:9]
-        assert "finish_reason" in items[i][-1] and all("finish_reason" not in it for it in items[i][:-1])
+        assert [t for item in items[i] for t in item.token_ids] == state.out == alone(model, PROMPTS[i])[:9]
+        assert items[i][-1].finish_reason == "length" and not any(it.last for it in items[i][:-1])
+        # The scheduler's items carry no spec: the served replica builds it once, on the last item.
+        assert all(it.spec is None for it in items[i])
 
 
 def test_finished_requests_caches_survive_compaction_and_serve_the_same_prompts_again():

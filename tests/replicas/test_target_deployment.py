@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from specserve.replicas.request import StaticPolicy
+from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.model_store import REFERENCE_TARGET
-from specserve.replicas.request import SpecRequest
-from specserve.replicas.target_deployment import UNHEALTHY_AFTER_FAILED_STEPS, TargetDeployment
+from specserve.replicas.request import SpecRequest, StreamItem
+from specserve.replicas.target_deployment import UNHEALTHY_AFTER_FAILED_STEPS, TargetConfig, TargetDeployment
 
 pytestmark = pytest.mark.reference
 
@@ -21,7 +21,7 @@ Replica = TargetDeployment.func_or_class   # the class behind the Serve deployme
 
 @pytest.fixture
 def replica():
-    return Replica(REFERENCE_TARGET, drafts={}, policy=StaticPolicy(), dtype="float32", max_batch=4)
+    return Replica(TargetConfig(REFERENCE_TARGET, dtype="float32", max_batch=4), policy=PolicyByRequest("static"))
 
 
 def prompt(replica, text: str) -> list[int]:
@@ -46,15 +46,16 @@ def test_a_replica_whose_model_cannot_run_is_unhealthy(replica):
     asyncio.run(scenario())
 
 
-def test_failing_steps_make_it_unhealthy_and_fail_their_requests_with_a_resumable_error(replica):
-    from specserve.replicas.target_deployment import StepFailed
-
+def test_failing_steps_make_it_unhealthy_and_end_their_streams_with_an_error(replica):
     async def scenario():
         break_weights(replica)
         for i in range(UNHEALTHY_AFTER_FAILED_STEPS):
-            with pytest.raises(StepFailed):
-                async for _ in replica.generate(SpecRequest(prompt(replica, f"Count to {i}"), 8, request_id=f"r{i}")):
-                    pass
+            items = [item async for item in replica.generate(SpecRequest(prompt(replica, f"Count to {i}"), 8,
+                                                                         request_id=f"r{i}"))]
+            # One item, the error: no finish_reason or spec, so the ingress resumes the request.
+            (failed,) = items
+            assert failed.last and failed.finish_reason is None and failed.spec is None
+            assert failed.error.message == replica.loop.last_error   # what the model raised
         assert replica.loop.failures == UNHEALTHY_AFTER_FAILED_STEPS
         with pytest.raises(RuntimeError, match="steps failed in a row"):
             await replica.check_health()
@@ -85,8 +86,8 @@ def test_a_request_that_leaves_gives_its_slot_and_kv_back_at_the_next_step(repli
 
 
 def test_max_model_len_allocates_the_whole_cache_at_start_and_refuses_longer_requests():
-    replica = Replica(REFERENCE_TARGET, drafts={}, policy=StaticPolicy(), dtype="float32", max_batch=2,
-                      kv_sessions_idle=1, max_model_len=256)
+    config = TargetConfig(REFERENCE_TARGET, dtype="float32", max_batch=2, kv_sessions_idle=1, max_model_len=256)
+    replica = Replica(config, policy=PolicyByRequest("static"))
     config = replica.loaded.model.config
     per_position = (config.num_hidden_layers * 2 * config.num_key_value_heads
                     * (config.hidden_size // config.num_attention_heads) * 4)   # K and V, float32
@@ -107,10 +108,25 @@ def test_max_model_len_allocates_the_whole_cache_at_start_and_refuses_longer_req
 def test_stream_interval_sends_the_first_step_at_once_then_pieces_of_at_least_that_many(replica):
     async def pieces(interval: int) -> list[list[int]]:
         request = SpecRequest(prompt(replica, "Name five rivers."), 13, request_id=f"i{interval}", stream_interval=interval)
-        return [item["token_ids"] async for item in replica.generate(request)]
+        return [item.token_ids async for item in replica.generate(request)]
 
     every = asyncio.run(pieces(1))
     grouped = asyncio.run(pieces(4))
     assert len(every) == 13 and all(len(p) == 1 for p in every[:-1])   # plain decoding: a token a step
     assert sum(grouped, []) == sum(every, [])                            # the same tokens, fewer items
     assert len(grouped[0]) == 1 and all(len(p) >= 4 for p in grouped[1:-1]) and len(grouped) <= 5
+
+
+def test_only_the_last_item_carries_the_spec_summary_the_replica_built_once(replica):
+    async def items(request: SpecRequest) -> list[StreamItem]:
+        return [item async for item in replica.generate(request)]
+
+    text = prompt(replica, "Repeat: one two three, one two three, one two three.")
+    spoken = asyncio.run(items(SpecRequest(text, 6, request_id="plain")))
+    assert all(not item.last and item.spec is None for item in spoken[:-1])
+    last = spoken[-1]
+    assert last.finish_reason == "length" and last.error is None and last.cached_tokens == 0
+    # A plain request: what speculation did (nothing), and no policy adapted it.
+    assert last.spec["draft"] == "none" and last.spec["steps"] == 6 and "policy" not in last.spec
+    again = asyncio.run(items(SpecRequest(text, 6, request_id="again")))[-1]
+    assert again.cached_tokens == len(text) - 1   # the slot kept the prompt's KV (the root is fed again)

@@ -12,11 +12,12 @@ from specserve.cluster.redis_server import RedisServer, ping
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.redis_stats import RedisStats
 from specserve.replicas.sampling import SamplingParams
-from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest
+from specserve.replicas.request import RequestState, SpecRequest
 from specserve.replicas.step import RequestStep, Speculation, StepRecord
 from specserve.routing.draft_router import LearnedDraftRouter
 from specserve.routing.retrain import retrain, weights_for
 from specserve.routing.route_learning import RouteLearning
+from specserve.routing.router_factory import RouterFactory
 
 from conftest import wait_until
 
@@ -103,3 +104,14 @@ def test_recent_routes_read_newest_last_and_skip_foreign_entries(server):
     assert not store.add_routes("f", 1, [{"request_id": "dup"}])    # the same batch again: once
     assert [o["request_id"] for o in store.read_routes(3)] == ["2", "3", "4"]
     assert len(store.read_routes()) == 5
+
+
+def test_the_factory_hands_the_replica_its_router_with_the_learning_to_run_beside_it(server):
+    alone = RouterFactory(metrics=False)("t", ["lookup", "lm"], tokenizer=None)   # no corpus: no tokenizer needed
+    assert alone.learning is None and alone.background() == []
+    built = RouterFactory(redis_url=server.url, redis_prefix="app", metrics=False)("t", ["lookup", "lm"], tokenizer=None)
+    assert built.learning.router is built.router and built.router.on_outcome == [built.learning.add]
+    tasks = built.background()   # sending outcomes, loading weights: coroutines the replica starts
+    assert len(tasks) == 2
+    for task in tasks:
+        task.close()
