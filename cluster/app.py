@@ -18,7 +18,7 @@ from specserve.data.prompts import topic_corpus
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.replica_learning import ReplicaLearningFactory
 from specserve.policies.per_request import PolicyByRequest
-from specserve.replicas.draft_server import DraftDeployment
+from specserve.replicas.draft_deployment import DraftDeployment
 from specserve.replicas.target_deployment import TargetConfig, TargetDeployment
 from specserve.ingress.deployment import Ingress
 from specserve.ingress.prefix_affinity import ROUTER_CLASS as PREFIX_AFFINITY_ROUTER

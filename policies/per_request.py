@@ -21,7 +21,7 @@ class PolicyByRequest:
         self.instances: dict[str, object] = {}
 
     def name_for(self, state: RequestState) -> str:
-        return getattr(state.request, "policy", None) or self.default
+        return state.request.policy or self.default
 
     def _instance(self, name: str):
         if name not in self.instances:

@@ -2,7 +2,7 @@
 
 It runs in one of three places:
 
-- as its own Ray Serve deployment (``DraftDeployment``): drafts scale and fail apart from the
+- as its own Ray Serve deployment (``draft_deployment.DraftDeployment``): drafts scale and fail apart from the
   target, on their own GPUs, and a step pays one handle call for all its requests (measured 6-7 ms
   inside a replica on the 2-core machines here, 3.7 ms from an idle driver);
 - inside each target replica (``DraftSpec.colocated``): no call at all, sharing the target's model
@@ -23,7 +23,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-from ray import serve
 
 from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, propose
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
@@ -36,6 +35,7 @@ from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.session_pool import SessionPool
 from specserve.replicas.step import Proposal, ProposeRequest
 
+# Served, it logs through Ray Serve's replica logger (the Serve log of its deployment).
 logger = logging.getLogger("ray.serve")
 
 # Seeded generators of sampled sessions in flight; far more than a replica serves at once.
@@ -164,7 +164,3 @@ class DraftServer:
     def check_health(self) -> None:
         self._worker.check()
 
-
-DraftDeployment = serve.deployment(
-    ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64, health_check_period_s=10
-)(DraftServer)

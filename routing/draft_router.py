@@ -96,8 +96,6 @@ class LearnedDraftRouter:
         self.recent: deque[dict] = deque(maxlen=recent)   # finished requests' decisions and outcomes
         # Who else learns from a finished request (metrics, the cluster's Redis stream).
         self.on_outcome: list[Callable[[dict], None]] = []
-        # The host runs these (the cluster's learning: ``route_learning.py``); none in-process.
-        self.background: Callable[[], list] = lambda: []
 
     # ---- the decision ------------------------------------------------------------------------
 
