@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -426,10 +427,12 @@ def test_dockerfile_stays_offline():
 
 def _defined_metrics() -> set[str]:
     """Every metric name specserve registers (the first string argument of a ray.serve.metrics
-    Counter/Histogram/Gauge call in its sources)."""
+    Counter/Histogram/Gauge call in its sources: every package folder pyproject.toml maps, so a
+    renamed or new folder is read too)."""
     root = DEPLOY.parent
+    folders = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
     names = set()
-    for path in [*root.glob("router/*.py"), *root.glob("policies/*.py")]:
+    for path in sorted({path for folder in folders for path in (root / folder).glob("*.py")}):
         names |= set(re.findall(r'metrics\.(?:Counter|Histogram|Gauge)\(\s*"([a-z_]+)"', path.read_text()))
     return names
 
