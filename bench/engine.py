@@ -3,8 +3,8 @@
 In-process, one stream, the reference target, greedy decoding, prompts rendered with the chat
 template. Every configuration decodes the same prompts in the same run, and the configurations
 take turns on each prompt (the starting one rotates from prompt to prompt), so a noisy
-neighbour on these shared machines slows all of them alike (DESIGN.md §6). Ratios are the
-result; absolute numbers sit beside them.
+neighbour on these shared machines slows all of them alike. Ratios are the result; absolute
+numbers sit beside them.
 
 Configurations:
 
@@ -51,7 +51,9 @@ WARMUP_TOKENS = 16
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class RowConfig:
+    """One configuration: a JSON row's ``config``."""
+
     name: str
     backend: str                       # "hf" or "specserve"
     draft: str = NO_DRAFT              # specserve only
@@ -61,33 +63,33 @@ class BenchConfig:
 
 
 CONFIGS = (
-    BenchConfig("hf-plain", "hf"),
-    BenchConfig("hf-prompt-lookup", "hf", prompt_lookup_tokens=HF_PROMPT_LOOKUP_TOKENS),
-    BenchConfig(BASELINE, "specserve"),
-    BenchConfig("prompt-lookup-2", "specserve", "prompt-lookup", 2),
-    BenchConfig("prompt-lookup-4", "specserve", "prompt-lookup", 4),
-    BenchConfig("prompt-lookup-6", "specserve", "prompt-lookup", 6),
+    RowConfig("hf-plain", "hf"),
+    RowConfig("hf-prompt-lookup", "hf", prompt_lookup_tokens=HF_PROMPT_LOOKUP_TOKENS),
+    RowConfig(BASELINE, "specserve"),
+    RowConfig("prompt-lookup-2", "specserve", "prompt-lookup", 2),
+    RowConfig("prompt-lookup-4", "specserve", "prompt-lookup", 4),
+    RowConfig("prompt-lookup-6", "specserve", "prompt-lookup", 6),
     # The same window as hf-prompt-lookup: separates the engine from the choice of γ.
-    BenchConfig("prompt-lookup-10", "specserve", "prompt-lookup", HF_PROMPT_LOOKUP_TOKENS),
+    RowConfig("prompt-lookup-10", "specserve", "prompt-lookup", HF_PROMPT_LOOKUP_TOKENS),
 )
 
 
 ZOO_TREE = TreeShape(depth=4, top_k=2, budget=8)
 
 
-def zoo_configs() -> list[BenchConfig]:
+def zoo_configs() -> list[RowConfig]:
     """Rows for every draft exported into the zoo folder."""
     from specserve.training.zoo import RECIPES
 
     configs = []
     for name in RECIPES:
         if (zoo_dir() / name / "config.json").exists():
-            configs += [BenchConfig(f"{name}-{w}", "specserve", name, w) for w in (2, 3, 4)]
-            configs.append(BenchConfig(f"{name}-tree", "specserve", name, tree=ZOO_TREE))
+            configs += [RowConfig(f"{name}-{w}", "specserve", name, w) for w in (2, 3, 4)]
+            configs.append(RowConfig(f"{name}-tree", "specserve", name, tree=ZOO_TREE))
     return configs
 
 
-def select_configs(names: Sequence[str] | None) -> list[BenchConfig]:
+def select_configs(names: Sequence[str] | None) -> list[RowConfig]:
     """The named configurations in canonical order, always with the baseline (speedups need it)."""
     known = [*CONFIGS, *zoo_configs()]
     if names is None:
@@ -125,7 +127,7 @@ def cut_at_eos(token_ids: list[int], eos_token_ids: set[int]) -> list[int]:
     return token_ids
 
 
-def hf_generate(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], None]:
+def hf_generate(engine: SpecEngine, config: RowConfig, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], None]:
     eos = sorted(engine.loaded.eos_token_ids)
     model = engine.loaded.model
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
@@ -146,7 +148,7 @@ def hf_generate(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int], 
     return cut_at_eos(out[0, len(prompt_ids):].tolist(), set(eos)), None
 
 
-def spec_generate(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], SpecStats]:
+def spec_generate(engine: SpecEngine, config: RowConfig, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], SpecStats]:
     # Sessions keep their longest common prefix with the next request, so the previous
     # configuration's run on this same prompt would spare this one the prefill. Start cold,
     # like HF generate does.
@@ -157,7 +159,7 @@ def spec_generate(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int]
     return gen.token_ids, gen.stats
 
 
-def generate_once(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], SpecStats | None, float]:
+def generate_once(engine: SpecEngine, config: RowConfig, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], SpecStats | None, float]:
     run = hf_generate if config.backend == "hf" else spec_generate
     start = time.perf_counter()
     token_ids, stats = run(engine, config, prompt_ids, max_tokens)
@@ -169,7 +171,7 @@ def generate_once(engine: SpecEngine, config: BenchConfig, prompt_ids: list[int]
 
 def measure(
     engine: SpecEngine,
-    configs: list[BenchConfig],
+    configs: list[RowConfig],
     prompts: list[tuple[str, list[int]]],
     max_tokens: int,
 ) -> list[Sample]:
@@ -190,7 +192,7 @@ def measure(
     return samples
 
 
-def aggregate(samples: list[Sample], configs: list[BenchConfig], categories: Sequence[str]) -> list[dict]:
+def aggregate(samples: list[Sample], configs: list[RowConfig], categories: Sequence[str]) -> list[dict]:
     """One row per (config, category) and per config over all categories."""
     reference = {s.prompt: s.token_ids for s in samples if s.config == BASELINE}
     rows = []
@@ -295,7 +297,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], configs: list[BenchConfig], categories: Sequence[str], meta: dict, path: Path) -> None:
+def plot(rows: list[dict], configs: list[RowConfig], categories: Sequence[str], meta: dict, path: Path) -> None:
     """Grouped bars: tokens/s by category, one bar per configuration, speedup over each bar."""
     import matplotlib
 
@@ -334,43 +336,52 @@ def plot(rows: list[dict], configs: list[BenchConfig], categories: Sequence[str]
     plt.close(fig)
 
 
-def run_engine_bench(
-    json_path: Path,
-    plot_path: Path,
-    prompts_per_category: int,
-    max_tokens: int,
-    dtype: str,
-    configs: list[str] | None,
-) -> list[dict]:
+@dataclass(frozen=True, kw_only=True)
+class EngineBenchConfig:
+    """What one run measures and where it writes (``specserve bench engine``'s options, with its
+    defaults). Checked when made, before any model loads, so that a mistake costs no waiting."""
+
+    json_path: Path = Path("bench-engine.json")   # rows, divergences and the machine they ran on
+    plot_path: Path = Path("bench-engine.png")    # tokens/s by category, the speedup over each bar
+    prompts_per_category: int = 4     # per category, every configuration on each: 16 prompts in all
+    max_tokens: int = 128             # new tokens per prompt: many steps per prefill, so rows differ by their steps
+    dtype: str = "auto"               # bfloat16 where the CPU has it natively, else float32; every row the same
+    configs: tuple[str, ...] | None = None   # row names to run (target-only always runs); None: every row
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_category < 1:
+            raise ValueError(f"--prompts must be >= 1, got {self.prompts_per_category}")
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+
+
+def run_engine_bench(config: EngineBenchConfig) -> list[dict]:
     """Run every configuration on the same prompts; write JSON and plot, print a table."""
-    # Check the arguments and load the prompts before the model, so a mistake costs no waiting.
-    if prompts_per_category < 1:
-        raise ValueError(f"--prompts must be >= 1, got {prompts_per_category}")
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
-    chosen = select_configs(configs)
-    texts = [(cat, text) for cat in CATEGORIES for text in load_prompts(cat, prompts_per_category)]
+    # Check the names and load the prompts before the model, so a mistake costs no waiting.
+    chosen = select_configs(config.configs)
+    texts = [(cat, text) for cat in CATEGORIES for text in load_prompts(cat, config.prompts_per_category)]
 
     machine_before = machine_info()
     drafts = sorted({c.draft for c in chosen if c.backend == "specserve" and (zoo_dir() / c.draft).exists()})
-    engine = SpecEngine.load(dtype=dtype, draft_models=drafts)
+    engine = SpecEngine.load(dtype=config.dtype, draft_models=drafts)
     prompts = [(cat, engine.encode(text, chat=True)) for cat, text in texts]
-    samples = measure(engine, chosen, prompts, max_tokens)
+    samples = measure(engine, chosen, prompts, config.max_tokens)
     rows = aggregate(samples, chosen, CATEGORIES)
     diverged = divergences(engine, samples, prompts)
 
     meta = {
         "target": engine.loaded.name,
         "dtype": str(engine.loaded.model.dtype).removeprefix("torch."),
-        "dtype_requested": dtype,
-        "max_tokens": max_tokens,
-        "prompts_per_category": prompts_per_category,
+        "dtype_requested": config.dtype,
+        "max_tokens": config.max_tokens,
+        "prompts_per_category": config.prompts_per_category,
         "prompt_tokens": {cat: [len(ids) for c, ids in prompts if c == cat] for cat in CATEGORIES},
         "configs": [c.name for c in chosen],
         "hf_prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS,
         "machine": machine_before,
         "load_avg_1m_after": machine_info()["load_avg_1m"],
     }
+    json_path, plot_path = config.json_path, config.plot_path
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps({"meta": meta, "rows": rows, "divergences": diverged}, indent=2) + "\n")
     plot(rows, chosen, CATEGORIES, meta, plot_path)

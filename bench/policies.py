@@ -2,8 +2,8 @@
 
 In-process, the reference target, greedy, one draft (prompt lookup unless ``--draft``), prompts
 rendered with the chat template; every row decodes the same prompts in the same run, the rows'
-steps taking turns (below), so a noisy neighbour on these shared machines slows all of them alike
-(DESIGN.md §6). Four sections:
+steps taking turns (below), so a noisy neighbour on these shared machines slows all of them
+alike. Four sections:
 
 - ``window`` (one stream, ``max_tokens``): ``static-1`` .. ``static-8`` (the static policy, that
   window every step); ``oracle-static``, per request the static window that was fastest on it,
@@ -38,15 +38,16 @@ more than the few percent the aims are about, rows taking turns per step see the
   the rows alternating per wave. Why steady and step by step: a wave's makespan is its slowest
   request (the speculating ones finish first, the others end the wave), and whole runs of the same
   code 25 s apart differed by ±8% on these shared machines, while rows taking turns per step (~40
-  ms) agreed within ±1% (session 16, 16 at once, target-only 223-229 tok/s over four rounds).
+  ms) agreed within ±1.5% (16 at once, target-only 223-229 tok/s over four rounds; measured
+  2026-11-26 on a 2-core AMD EPYC with AVX512-BF16).
 
 Per row (policy × section × category, plus an ``all`` row over the categories; the load rows are
 ``all``): ``tokens_per_s`` = Σ tokens / Σ seconds over the requests, ``mean_accepted_len`` τ =
 Σ emitted tokens / Σ steps (per request-step), and ``ratio`` = tokens_per_s over the section's
 reference row (``ratio_to``: oracle-static, static-tree, oracle-static, target-only at the same
-concurrency). ``requests`` in the JSON has every timed generation (wave, or steady round) with its numbers; the
-``aims`` are issue 13's, computed on the ``all`` rows. A policy the registry does not have yet is
-absent, and ``notes`` says so.
+concurrency). ``requests`` in the JSON has every timed generation (wave, or steady round) with its
+numbers; the ``aims`` are computed on the ``all`` rows (see ``aims``). A policy the registry does
+not have yet is absent, and ``notes`` says so.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ START_WINDOW = AppConfig.model_fields["default_window"].default
 # other static shapes around it.
 START_TREE = ZOO_TREE
 STATIC_TREES = (TreeShape(2, 2, 4), START_TREE, TreeShape(6, 2, 12))
-# Issue 13: cold vs warm start on short requests, where the first steps weigh most.
+# Cold vs warm start is measured on short requests, where the first steps weigh most.
 SHORT_TOKENS = 32
 CONCURRENCY = (1, 4, 16)
 LOAD_REQUESTS = 32
@@ -94,7 +95,7 @@ LEARN_LEVELS = (1, 4)
 # the online rule asks for 1-8 as α and the costs say, so every window's cost gets measured.
 LEARN_POLICY = "online"
 WARMUP_TOKENS = 16
-# The policy names issue 13 asks for: the ones the registry lacks are reported absent, not failed.
+# The policies the benchmark has rows for: the ones the registry lacks are reported absent, not failed.
 WINDOW_POLICIES_EXPECTED = ("online", "fsm", "cache-fsm", "q-learning", "hf-heuristic")
 TREE_POLICIES_EXPECTED = (STATIC_TREE, "sage", "adt-tree", "eagle2-depth")
 # Registry names that are not rows of the window or tree sections: measured as static-k rows, or
@@ -129,8 +130,9 @@ class Row:
 
 def registered_policies() -> tuple[tuple[str, ...], tuple[str, ...], set[str]]:
     """(window policy names, tree policy names, every registered name). The registry's own
-    ``WINDOW_POLICY_NAMES`` / ``TREE_POLICY_NAMES`` when it has them, else the names issue 13 lists
-    that it registers: rows follow whatever is registered when the benchmark runs."""
+    ``WINDOW_POLICY_NAMES`` / ``TREE_POLICY_NAMES`` when it has them, else those of the expected
+    names (``WINDOW_POLICIES_EXPECTED``, ``TREE_POLICIES_EXPECTED``) that it registers: rows follow
+    whatever is registered when the benchmark runs."""
     from specserve.policies import registry
 
     known = set(registry.POLICIES)
@@ -478,7 +480,10 @@ def _totals(group: list[Sample]) -> tuple[int, float, int, int, int]:
 
 
 def aims(rows: list[dict], window_policies: Sequence[str], tree_policies: Sequence[str]) -> dict:
-    """Issue 13's aims on the ``all`` rows; a value is None where its rows were not run."""
+    """What the policies should reach, on the ``all`` rows: online at least as fast as the best
+    static window and within 3% of the oracle, a tree policy at least as fast as the best static
+    tree, warm start closing half of cold start's gap to the oracle, and load-aware never slower
+    than target-only. A value is None where its rows were not run."""
     def tps(section: str, name: str, c: int = 1) -> float | None:
         return next((r["tokens_per_s"] for r in rows if r["section"] == section and r["category"] == ALL
                      and r["policy"] == name and r["concurrency"] == c), None)
@@ -633,88 +638,103 @@ def quiet_draft_servers():
         log.setLevel(level)
 
 
-def run_policies_bench(
-    json_path: Path,
-    plot_path: Path,
-    prompts_per_category: int = 2,
-    max_tokens: int = 96,
-    categories: Sequence[str] | None = None,
-    policies: Sequence[str] | None = None,
-    draft: str = "prompt-lookup",
-    concurrency: Sequence[int] = CONCURRENCY,
-    load_requests: int = LOAD_REQUESTS,
-    snapshot: dict | None = None,
-    dtype: str = "auto",
-    start_policy: str | None = None,
-    engine: SpecEngine | None = None,
-    progress: bool = True,
-    load_mode: str = "steady",
-    load_rounds: int = LOAD_ROUNDS,
-    learn_snapshot_requests: int = 0,
-    learn_policy: str = LEARN_POLICY,
-) -> dict:
-    """Run every row on the same prompts; write JSON and plot, print a table; return the JSON."""
+@dataclass(frozen=True, kw_only=True)
+class PoliciesBenchConfig:
+    """What one run measures and where it writes (``specserve bench policies``'s options, with its
+    defaults). Checked when made, before any model loads, so that a mistake costs no waiting; the
+    names that need the registry or the zoo (policies, drafts) are checked by the run, also before."""
+
+    json_path: Path = Path("bench-policies.json")   # rows, aims, notes and every timed generation
+    plot_path: Path = Path("bench-policies.png")    # a panel per category, and the load rows
+    prompts_per_category: int = 2      # one stream each, every row: ~10 min a run on a quiet 2-core EPYC
+    max_tokens: int = 96               # new tokens per request; the cold / warm rows take at most SHORT_TOKENS
+    categories: tuple[str, ...] = CATEGORIES   # the prompt sets (checked; blanks and repeats dropped)
+    policies: tuple[str, ...] | None = None    # row names to run (and what they are measured against); None: all
+    draft: str = "prompt-lookup"       # of every speculating row; prompt lookup needs no model
+    concurrency: tuple[int, ...] = CONCURRENCY   # requests at once in the load rows: alone, a few, many
+    load_requests: int = LOAD_REQUESTS   # of the category mix, per load row and round: 16 at once binds
+    load_mode: str = "steady"          # steady or waves (see the module's docstring for why steady)
+    load_rounds: int = LOAD_ROUNDS     # steady rounds per concurrency, the figures over all of them
+    snapshot: dict | None = None       # a policy snapshot for the warm rows (``read_snapshot`` reads it)
+    learn_snapshot_requests: int = 0   # instead of ``snapshot``: learn one from this many other prompts
+    learn_policy: str = LEARN_POLICY   # what those requests decode with: a snapshot prices only windows used
+    start_policy: str | None = None    # of the cold and warm rows; None: the deployment default
+    dtype: str = "auto"                # bfloat16 where the CPU has it natively, else float32; every row the same
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_category < 1:
+            raise ValueError(f"--prompts must be >= 1, got {self.prompts_per_category}")
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.load_requests < 1 or not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"--load-requests and every --concurrency must be >= 1, got {self.load_requests} and "
+                             f"{list(self.concurrency)}")
+        if self.load_mode not in LOAD_MODES:
+            raise ValueError(f"--load-mode: choose from {', '.join(LOAD_MODES)}, got {self.load_mode!r}")
+        if self.load_rounds < 1:
+            raise ValueError(f"--load-rounds must be >= 1, got {self.load_rounds}")
+        # Frozen: the checked names replace the given ones through object.__setattr__.
+        object.__setattr__(self, "categories", tuple(check_categories(self.categories)))
+        if self.learn_snapshot_requests < 0 or (self.learn_snapshot_requests and self.snapshot is not None):
+            raise ValueError("--learn-snapshot takes a number of requests >= 1 and replaces --snapshot: give one of them")
+
+
+def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = None, progress: bool = True) -> dict:
+    """Run every row on the same prompts; write JSON and plot, print a table; return the JSON.
+    ``engine``: one already loaded (its dtype and drafts are used as they are); ``progress``: a
+    progress bar on stderr."""
     from specserve.policies.registry import DEFAULT_POLICY
     from tqdm import tqdm
 
-    # Check the arguments and load the prompts before the model, so that a mistake costs no waiting.
-    if prompts_per_category < 1:
-        raise ValueError(f"--prompts must be >= 1, got {prompts_per_category}")
-    if max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
-    if load_requests < 1 or not concurrency or min(concurrency) < 1:
-        raise ValueError(f"--load-requests and every --concurrency must be >= 1, got {load_requests} and {list(concurrency)}")
-    if load_mode not in LOAD_MODES:
-        raise ValueError(f"--load-mode: choose from {', '.join(LOAD_MODES)}, got {load_mode!r}")
-    if load_rounds < 1:
-        raise ValueError(f"--load-rounds must be >= 1, got {load_rounds}")
-    categories = check_categories(CATEGORIES if categories is None else categories)
-    if learn_snapshot_requests < 0 or (learn_snapshot_requests and snapshot is not None):
-        raise ValueError("--learn-snapshot takes a number of requests >= 1 and replaces --snapshot: give one of them")
-    start_policy = start_policy or DEFAULT_POLICY
-    if snapshot is not None:
-        snapshot = read_snapshot(snapshot)
-    learning = bool(learn_snapshot_requests)
-    draft_name, draft_models = resolve_draft(draft)
+    # Check the names and load the prompts before the model, so that a mistake costs no waiting.
+    categories, learn_requests = list(config.categories), config.learn_snapshot_requests
+    start_policy = config.start_policy or DEFAULT_POLICY
+    snapshot = None if config.snapshot is None else read_snapshot(config.snapshot)
+    learning = bool(learn_requests)
+    draft_name, draft_models = resolve_draft(config.draft)
     window_policies, tree_policies, registered = registered_policies()
     if start_policy not in registered:
         raise ValueError(f"start policy {start_policy!r} is not registered; choose from {', '.join(sorted(registered))}")
-    if learn_policy not in registered:
-        raise ValueError(f"--learn-policy {learn_policy!r} is not registered; choose from {', '.join(sorted(registered))}")
-    plan_rows(policies, window_policies, tree_policies, True, snapshot is not None or learning, start_policy)   # names, before the load
+    if config.learn_policy not in registered:
+        raise ValueError(f"--learn-policy {config.learn_policy!r} is not registered; choose from "
+                         f"{', '.join(sorted(registered))}")
+    plan_rows(config.policies, window_policies, tree_policies, True, snapshot is not None or learning,
+              start_policy)   # names, before the load
     # Load prompts (the first per category are the single-stream requests; the load rows take the
     # mix round robin, as many distinct prompts as they need).
-    per_category = max(prompts_per_category, -(-load_requests // len(categories)))
-    learn_per_category = -(-learn_snapshot_requests // len(categories))
+    per_category = max(config.prompts_per_category, -(-config.load_requests // len(categories)))
+    learn_per_category = -(-learn_requests // len(categories))
     texts = {c: load_prompts(c, per_category + learn_per_category) for c in categories}
 
     machine_before = machine_info()
     if engine is None:
-        engine = SpecEngine.load(dtype=dtype, draft_models=draft_models)
+        engine = SpecEngine.load(dtype=config.dtype, draft_models=draft_models)
     if draft_name not in engine.drafts:
         raise ValueError(f"the engine has no draft {draft_name!r}; it has {', '.join(engine.drafts)}")
     trees_ok = callable(getattr(engine.drafts[draft_name], "propose_tree", None))
-    rows_run, notes = plan_rows(policies, window_policies, tree_policies, trees_ok, snapshot is not None or learning,
+    rows_run, notes = plan_rows(config.policies, window_policies, tree_policies, trees_ok, snapshot is not None or learning,
                                 start_policy)
     encoded = {c: [engine.encode(t, chat=True) for t in ts] for c, ts in texts.items()}
-    prompts = [(c, encoded[c][i]) for c in categories for i in range(prompts_per_category)]
-    mix = [encoded[c][i] for i in range(per_category) for c in categories][:load_requests]
+    prompts = [(c, encoded[c][i]) for c in categories for i in range(config.prompts_per_category)]
+    mix = [encoded[c][i] for i in range(per_category) for c in categories][:config.load_requests]
     if learning and any(r.name == WARM for r in rows_run):
         learn = [encoded[c][per_category + i] for i in range(learn_per_category) for c in categories]
-        learn = learn[:learn_snapshot_requests]
+        learn = learn[:learn_requests]
         if progress:
             print(f"learning a snapshot from {len(learn)} other prompts ({LEARN_TOKENS} tokens, "
                   f"{' and '.join(map(str, LEARN_LEVELS))} at once)...", flush=True)
         with quiet_draft_servers():
-            snapshot = learn_snapshot(engine, draft_name, learn, learn_policy)
+            snapshot = learn_snapshot(engine, draft_name, learn, config.learn_policy)
         notes.append(f"warm: the snapshot was learned in-process from {len(learn)} other prompts of the categories "
-                     f"({LEARN_TOKENS} tokens, {', '.join(map(str, LEARN_LEVELS))} at once, {learn_policy}): "
+                     f"({LEARN_TOKENS} tokens, {', '.join(map(str, LEARN_LEVELS))} at once, {config.learn_policy}): "
                      f"{len(snapshot['priors'])} priors")
 
     run = Run(engine, draft_name, snapshot)
-    total = count_generations(rows_run, len(prompts), load_requests, concurrency, load_mode, load_rounds)
+    total = count_generations(rows_run, len(prompts), config.load_requests, config.concurrency, config.load_mode,
+                              config.load_rounds)
     with tqdm(total=total, desc="bench policies", unit="gen", disable=not progress) as bar, quiet_draft_servers():
-        samples = measure(run, rows_run, prompts, mix, max_tokens, concurrency, bar, load_mode, load_rounds)
+        samples = measure(run, rows_run, prompts, mix, config.max_tokens, config.concurrency, bar, config.load_mode,
+                          config.load_rounds)
     samples += oracle_samples(samples)
     order = [*dict.fromkeys(r.name for r in rows_run)]
     order.insert(order.index(static_name(8)) + 1 if static_name(8) in order else 0, ORACLE)
@@ -728,17 +748,17 @@ def run_policies_bench(
     meta = {
         "target": engine.loaded.name,
         "dtype": str(engine.loaded.model.dtype).removeprefix("torch."),
-        "dtype_requested": dtype,
+        "dtype_requested": config.dtype,
         "draft": draft_name,
-        "max_tokens": max_tokens,
-        "short_max_tokens": min(SHORT_TOKENS, max_tokens),
-        "prompts_per_category": prompts_per_category,
+        "max_tokens": config.max_tokens,
+        "short_max_tokens": min(SHORT_TOKENS, config.max_tokens),
+        "prompts_per_category": config.prompts_per_category,
         "categories": categories,
         "prompt_tokens": {c: [len(ids) for cat, ids in prompts if cat == c] for c in categories},
-        "concurrency": list(concurrency),
-        "load_requests": load_requests,
-        "load_mode": load_mode,
-        "load_rounds": load_rounds if load_mode == "steady" else None,
+        "concurrency": list(config.concurrency),
+        "load_requests": config.load_requests,
+        "load_mode": config.load_mode,
+        "load_rounds": config.load_rounds if config.load_mode == "steady" else None,
         "start_window": START_WINDOW,
         "start_tree": asdict(START_TREE),
         "static_trees": {tree_name(s): asdict(s) for s in STATIC_TREES},
@@ -747,8 +767,8 @@ def run_policies_bench(
         "tree_policies": list(tree_policies),
         "rows_run": order,
         "snapshot": None if snapshot is None else {k: snapshot.get(k) for k in ("format", "version", "computed_at")},
-        "snapshot_learned_from": learn_snapshot_requests or None,
-        "snapshot_learned_with": learn_policy if learning else None,
+        "snapshot_learned_from": learn_requests or None,
+        "snapshot_learned_with": config.learn_policy if learning else None,
         "machine": machine_before,
         "load_avg_1m_after": machine_info()["load_avg_1m"],
     }
@@ -756,6 +776,7 @@ def run_policies_bench(
               "requests": [asdict(s) for s in samples]}
     if learning:
         report["learned_snapshot"] = snapshot   # to start another run's warm rows from (--snapshot)
+    json_path, plot_path = config.json_path, config.plot_path
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, categories, meta, plot_path)

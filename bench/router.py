@@ -1,4 +1,4 @@
-"""Router benchmark (issue 14): does the learned draft router earn its keep on a mixed workload?
+"""Router benchmark: does the learned draft router earn its keep on a mixed workload?
 
 In-process, the reference target, greedy, chat-rendered prompts of every category; every
 generation starts from cold caches. Candidates: prompt lookup, every draft the zoo has exported
@@ -6,25 +6,28 @@ generation starts from cold caches. Candidates: prompt lookup, every draft the z
 with the deployment's default per-step policy (one policy object per strategy, kept across its
 requests as a replica keeps it), so only the draft choice differs.
 
+The least-squares baseline and the α estimate are those of "A drop-in solution for on-the-fly
+adaptation of speculative decoding in large language models" (the drop-in paper below).
+
 1. **Warm-up** (``--warmup`` prompts per category, held out from the evaluation prompts): each
    prompt is decoded with every candidate pinned (the full-information table the least-squares
-   baseline fits from, as paper 003 §5 observes α for r prompts per draft), and once by the
-   **router** (``auto``), which learns as a bandit: it observes only what it chose.
+   baseline fits from, as the drop-in paper's §5 observes α for r prompts per draft), and once by
+   the **router** (``auto``), which learns as a bandit: it observes only what it chose.
 2. **Evaluation** (``--prompts`` per category): each prompt, in rotating order, with every
    candidate pinned and with the router (still learning). From the table, per prompt:
    ``oracle`` (the fastest candidate, found after the fact: see below), ``best-single`` (the candidate
    fastest over the whole mix, also after the fact), ``random`` (the expectation of a uniform
-   choice: the mean over candidates) and ``least-squares`` (paper 003's baseline: per draft a
-   least-squares fit of α on the warm-up prompts' features, then the candidate the same
+   choice: the mean over candidates) and ``least-squares`` (the drop-in paper's baseline: per draft
+   a least-squares fit of α on the warm-up prompts' features, then the candidate the same
    objective prefers; its tokens/s is the table's for that candidate, not a separate run).
 
 The oracle is chosen on some timings and read on others. The fastest of four noisy medians is
-faster than the fastest candidate really is (the winner's curse: by up to 1.7% on the mix in
-sessions 18-19, half the 3% aim), while the router's row is one live run that nothing selected.
-So with ``repeats`` ≥ 2 each repeat k is held out in turn: the candidate with the best median
-over the other repeats is picked and its k-th timing read; the prompt's oracle is their median.
-``oracle-in-sample`` (the best median, the same timings choosing and scoring) is kept beside it:
-the truth lies between the two.
+faster than the fastest candidate really is (the winner's curse: by up to 1.7% on the mix, half
+the 3% aim, in runs of 2026-11-26 on a 2-core AMD EPYC), while the router's row is one live run
+that nothing selected. So with ``repeats`` ≥ 2 each repeat k is held out in turn: the candidate
+with the best median over the other repeats is picked and its k-th timing read; the prompt's
+oracle is their median. ``oracle-in-sample`` (the best median, the same timings choosing and
+scoring) is kept beside it: the truth lies between the two.
 
 A **feature ablation** from the same table, no extra run: the least-squares baseline refitted on
 the warm-up with one feature group left out at a time (length, perplexity, repetition, topics),
@@ -33,10 +36,10 @@ feature is worth decides whether its cost is (the perplexity costs an output lay
 of every prefill).
 
 Rows ``{strategy, category, tokens_per_s}`` (Σ tokens / Σ seconds over the category's prompts,
-and ``all`` over the mix), ratios to the oracle and to best-single, issue 14's aims on ``all``,
-every generation in ``requests``, and a plot: tokens/s per strategy and category, and the
-router's cumulative regret against the per-prompt oracle over its requests (warm-up, then
-evaluation), as the bandit learns.
+and ``all`` over the mix), ratios to the oracle and to best-single, the aims on ``all`` (the
+router at 0.97x the oracle or better, and 1.08x best-single), every generation in ``requests``,
+and a plot: tokens/s per strategy and category, and the router's cumulative regret against the
+per-prompt oracle over its requests (warm-up, then evaluation), as the bandit learns.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class Generation:
     reason: str | None = None
     final_draft: str | None = None
     predicted_alpha: dict | None = None
-    realised_alpha: float | None = None   # of the (last) draft segment, paper 003 Eq. 2
+    realised_alpha: float | None = None   # of the (last) draft segment, the drop-in paper's Eq. 2
     features: list | None = None          # the router's feature vector of the prompt
     timings: list | None = None           # seconds of each repeat (``seconds`` is their median)
 
@@ -278,7 +281,7 @@ class Bench:
 
     @staticmethod
     def least_squares(generations: Sequence[Generation], drop: Sequence[int] = ()) -> dict[str, LinearAcceptance]:
-        """Paper 003's estimate per draft from the warm-up's pinned runs (``drop``: feature
+        """The drop-in paper's estimate per draft from the warm-up's pinned runs (``drop``: feature
         columns left out, for the ablation)."""
         data: dict[str, tuple[list, list]] = {}
         for g in generations:
@@ -294,31 +297,53 @@ class Bench:
         return max(scores, key=scores.get)
 
 
-def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int = 6, warmup_per_category: int = 6,
-                     max_tokens: int = 128, categories: Sequence[str] | None = None, dtype: str = "auto",
-                     explore: float = 0.2, engine: SpecEngine | None = None, progress: bool = True,
-                     repeats: int = 1, switches: int = 1) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class RouterBenchConfig:
+    """What one run measures and where it writes (``specserve bench router``'s options, with its
+    defaults). Checked when made, before any model loads, so that a mistake costs no waiting."""
+
+    json_path: Path = Path("bench-router.json")   # rows, aims, regret, ablation and every generation
+    plot_path: Path = Path("bench-router.png")    # tokens/s per strategy, the router's regret
+    prompts_per_category: int = 6     # evaluation prompts: 24 over the mix, each with every candidate
+    warmup_per_category: int = 6      # other prompts the router and the least-squares fit learn from first
+    max_tokens: int = 128             # new tokens per request: many steps per prefill, so a draft's α shows
+    categories: tuple[str, ...] = CATEGORIES   # the mix (checked; blanks and repeats dropped)
+    explore: float = 0.2              # the router's exploration weight (LinUCB's β): the deployment's router_explore
+    repeats: int = 1                  # runs per evaluation generation, timed by the median; ≥ 2 holds the oracle out
+    switches: int = 1                 # draft switches the router may make per request mid-flight (0: none)
+    dtype: str = "auto"               # bfloat16 where the CPU has it natively, else float32
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_category < 1 or self.warmup_per_category < 1 or self.max_tokens < 1 or self.repeats < 1:
+            raise ValueError("--prompts, --warmup, --max-tokens and --repeats must be >= 1")
+        if self.switches < 0:
+            raise ValueError(f"--switches must be >= 0 (0: the router never switches mid-flight), got {self.switches}")
+        # Frozen: the checked names replace the given ones through object.__setattr__.
+        object.__setattr__(self, "categories", tuple(check_categories(self.categories)))
+
+
+def run_router_bench(config: RouterBenchConfig, engine: SpecEngine | None = None, progress: bool = True) -> dict:
+    """Every strategy on the same prompts; write JSON and plot, print a table; return the JSON.
+    ``engine``: one already loaded (every draft it has is a candidate); ``progress``: a progress
+    bar on stderr."""
     from tqdm import tqdm
 
     from specserve.replicas.model_store import zoo_dir, zoo_drafts
 
-    if prompts_per_category < 1 or warmup_per_category < 1 or max_tokens < 1 or repeats < 1:
-        raise ValueError("--prompts, --warmup, --max-tokens and --repeats must be >= 1")
-    if switches < 0:
-        raise ValueError(f"--switches must be >= 0 (0: the router never switches mid-flight), got {switches}")
-    categories = check_categories(CATEGORIES if categories is None else categories)
+    categories = list(config.categories)
+    prompts_per_category, warmup_per_category = config.prompts_per_category, config.warmup_per_category
     # Evaluation prompts first in each list, the warm-up's after them: disjoint, the same every run.
     texts = {c: load_prompts(c, prompts_per_category + warmup_per_category) for c in categories}
     machine_before = machine_info()
     if engine is None:
         zoo = [d for d in zoo_drafts() if (zoo_dir() / d / "config.json").exists()]
-        engine = SpecEngine.load(dtype=dtype, draft_models=zoo)
+        engine = SpecEngine.load(dtype=config.dtype, draft_models=zoo)
     candidates = [*engine.drafts, NO_DRAFT]
     basis = topic_basis(engine.loaded.name, engine.tokenizer, topic_corpus, 8)
     encoded = {c: [engine.encode(t) for t in ts] for c, ts in texts.items()}
     evaluation = [(c, encoded[c][i]) for i in range(prompts_per_category) for c in categories]
     warmup = [(c, encoded[c][prompts_per_category + i]) for i in range(warmup_per_category) for c in categories]
-    bench = Bench(engine, candidates, max_tokens, explore, basis, repeats, switches)
+    bench = Bench(engine, candidates, config.max_tokens, config.explore, basis, config.repeats, config.switches)
 
     total = (len(warmup) + len(evaluation)) * (len(candidates) + 1) + 1
     generations: list[Generation] = []
@@ -337,9 +362,10 @@ def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int
     regrets = regret(generations)
     meta = {
         "target": engine.loaded.name, "dtype": str(engine.loaded.model.dtype).removeprefix("torch."),
-        "candidates": candidates, "max_tokens": max_tokens, "start_window": WINDOW,
+        "candidates": candidates, "max_tokens": config.max_tokens, "start_window": WINDOW,
         "prompts_per_category": prompts_per_category, "warmup_per_category": warmup_per_category,
-        "categories": categories, "explore": explore, "switches": switches, "repeats": repeats, "topic_basis": bench.bandit.basis_id,
+        "categories": categories, "explore": config.explore, "switches": config.switches, "repeats": config.repeats,
+        "topic_basis": bench.bandit.basis_id,
         "least_squares_fitted_on": {d: m.observations for d, m in models.items()}, "machine": machine_before,
         "load_avg_1m_after": machine_info()["load_avg_1m"],
     }
@@ -352,6 +378,7 @@ def run_router_bench(json_path: Path, plot_path: Path, prompts_per_category: int
               "router_choices": {c: sum(1 for g in generations if g.phase == "eval" and g.choice == c) for c in candidates},
               "least_squares_choices": {c: sum(1 for v in ls_choice.values() if v == c) for c in candidates},
               "requests": [asdict(g) | {"tokens_per_s": round(g.tokens_per_s, 3)} for g in generations]}
+    json_path, plot_path = config.json_path, config.plot_path
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     plot(rows, regrets, categories, meta, plot_path)

@@ -66,7 +66,9 @@ NO_DRAFT = "none"
 
 
 @dataclass(frozen=True)
-class ServeBenchConfig:
+class RowConfig:
+    """One configuration: a JSON row's ``config`` and ``setup``."""
+
     name: str
     backend: str               # "serve" (specserve), "peer" (any OpenAI server) or "in-process"
     url: str | None = None     # the server's base URL (no /v1); None in-process
@@ -145,17 +147,17 @@ def resolve_drafts(requested: list[str] | None, served: list[str]) -> list[str]:
 
 
 def configs_for(url: str, model: str, drafts: list[str], window: int, in_process: str | None,
-                peers: list[tuple[str, str, str]], adaptive: bool = False) -> list[ServeBenchConfig]:
+                peers: list[tuple[str, str, str]], adaptive: bool = False) -> list[RowConfig]:
     """The rows of one run; ``peers`` are (name, url, model). ``adaptive``: the serve-spec rows
     name their draft only (the deployment's policy picks the windows)."""
     spec_window = None if adaptive else window
     return [
-        ServeBenchConfig("serve-target-only", "serve", url, model, NO_DRAFT, 0),
-        ServeBenchConfig("serve-default", "serve", url, model),
-        *(ServeBenchConfig(row_name("serve-spec", d), "serve", url, model, d, spec_window) for d in drafts),
-        *([ServeBenchConfig(row_name("in-process-spec", in_process), "in-process", draft=in_process, window=window)]
+        RowConfig("serve-target-only", "serve", url, model, NO_DRAFT, 0),
+        RowConfig("serve-default", "serve", url, model),
+        *(RowConfig(row_name("serve-spec", d), "serve", url, model, d, spec_window) for d in drafts),
+        *([RowConfig(row_name("in-process-spec", in_process), "in-process", draft=in_process, window=window)]
           if in_process else []),
-        *(ServeBenchConfig(row_name("peer", name), "peer", peer_url, peer_model) for name, peer_url, peer_model in peers),
+        *(RowConfig(row_name("peer", name), "peer", peer_url, peer_model) for name, peer_url, peer_model in peers),
     ]
 
 
@@ -214,7 +216,7 @@ def salt_for(*labels) -> str:
     return hashlib.sha1(repr(labels).encode()).hexdigest()[:16]
 
 
-def request_body(config: ServeBenchConfig, prompt: str, max_tokens: int, cache_salt: str | None = None) -> dict:
+def request_body(config: RowConfig, prompt: str, max_tokens: int, cache_salt: str | None = None) -> dict:
     """The OpenAI chat request every row sends: greedy, streamed, usage in the last chunk. Only
     specserve rows carry ``spec``: a peer gets nothing it does not know (vLLM rejects no extra
     field, but another server may, and the request must be the same a plain client sends), but
@@ -247,7 +249,7 @@ async def chat_chunks(client: httpx.AsyncClient, url: str, body: dict):
             yield chunk
 
 
-async def http_request(client: httpx.AsyncClient, config: ServeBenchConfig, prompt: str, max_tokens: int,
+async def http_request(client: httpx.AsyncClient, config: RowConfig, prompt: str, max_tokens: int,
                        record: RequestRecord, cache_salt: str | None = None) -> None:
     body = request_body(config, prompt, max_tokens, cache_salt)
     start = last = time.perf_counter()
@@ -282,7 +284,7 @@ async def http_request(client: httpx.AsyncClient, config: ServeBenchConfig, prom
         record.error = f"{type(err).__name__}: {err}"
 
 
-def in_process_request(engine, prompt_ids: list[int], config: ServeBenchConfig, max_tokens: int,
+def in_process_request(engine, prompt_ids: list[int], config: RowConfig, max_tokens: int,
                        record: RequestRecord) -> None:
     from specserve.replicas.engine import GenerateRequest
 
@@ -311,7 +313,7 @@ def in_process_request(engine, prompt_ids: list[int], config: ServeBenchConfig, 
 # --- load ----------------------------------------------------------------------------------
 
 
-async def load_run(prompts: list[str], config: ServeBenchConfig, concurrency: int, rate: float, max_tokens: int,
+async def load_run(prompts: list[str], config: RowConfig, concurrency: int, rate: float, max_tokens: int,
                    seed: int = 0, cache_salt: str | None = None) -> tuple[list[RequestRecord], float]:
     """All prompts to the row's server, Poisson arrivals at ``rate``, at most ``concurrency`` in flight.
     The seed is the same for every row, so every row sees the same arrival times."""
@@ -385,7 +387,7 @@ def step_overhead(records: list[RequestRecord], served: str, in_process: str) ->
             "prompts_with_equal_steps": sum(s.steps == p.steps for s, p in pairs)}
 
 
-def row(config: ServeBenchConfig, concurrency: int, rate: float, summary: dict) -> dict:
+def row(config: RowConfig, concurrency: int, rate: float, summary: dict) -> dict:
     """One result row: what was measured (the row's whole config) and how it did."""
     return {"config": config.name, "concurrency": concurrency, "rate": _rate(rate),
             "setup": {k: v for k, v in asdict(config).items() if k != "name"}, **summary}
@@ -394,66 +396,93 @@ def row(config: ServeBenchConfig, concurrency: int, rate: float, summary: dict) 
 # --- the run -------------------------------------------------------------------------------
 
 
-def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompts_n: int, max_tokens: int,
-                    concurrencies: list[int], rates: list[float], drafts: list[str] | None, window: int,
-                    in_process: str | None, peers: list[tuple[str, str]], dtype: str, repeats: int = 1,
-                    stream_interval: int = 1, no_prefix_reuse: bool = False, categories: list[str] | None = None,
-                    adaptive: bool = False, router_warmup: int = 0) -> dict:
-    """``drafts`` None: every draft the deployment serves; ``in_process`` None: no in-process row;
-    ``peers``: (name, url) from ``parse_peers``. ``repeats``: rounds of the loaded runs, the rows
-    taking turns in each (one run each of a few seconds differs by +-10% on a shared 2-core
-    machine). ``stream_interval``: the local stack's (peers must be started with the same).
+@dataclass(frozen=True, kw_only=True)
+class ServeBenchConfig:
+    """What one run measures and where it writes (``specserve bench serve``'s options, with its
+    defaults). Checked when made, before any stack starts, so that a mistake costs no waiting; the
+    drafts (named by the deployment) and the in-process draft (the zoo) are checked by the run."""
+
+    json_path: Path = Path("bench-serve.json")   # every row's figures, the overhead and the machine
+    plot_path: Path = Path("bench-serve.png")    # output tokens/s and TPOT against concurrency
+    server: str | None = None          # a running deployment's URL; None: the local stack, up and down
+    drafts: tuple[str, ...] | None = None   # a serve-spec row each; None: every draft the deployment serves
+    peers: tuple[tuple[str, str], ...] = ()   # (name, base URL) of OpenAI-compatible servers, from parse_peers
+    in_process: str | None = PROMPT_LOOKUP   # the in-process-spec row's draft (the served path's floor); None: no row
+    num_prompts: int = 12              # in all, the categories in turn (concurrency 16 binds only with more)
+    max_tokens: int = 64               # new tokens per request
+    concurrency: tuple[int, ...] = (1, 4, 8, 16)   # requests in flight at most; at 1 rows take turns per prompt
+    rates: tuple[float, ...] = (2.0, math.inf)   # Poisson arrivals/s: 2 keeps ~4 in flight; inf: all at once
+    window: int = 4                    # the pinned γ of the serve-spec and in-process rows
+    adaptive: bool = False             # serve-spec rows name their draft only: the deployment's policy picks γ
+    categories: tuple[str, ...] = (BENCH_CATEGORY,)   # the prompts', in turn (checked; blanks and repeats dropped)
+    router_warmup: int = 0             # other prompts per category sent with no spec first, for the routers to learn
+    dtype: str = "auto"                # of the in-process engine and of the local stack
+    repeats: int = 1                   # rounds of the loaded runs, the rows taking turns: one run scatters ±10%
+    stream_interval: int = 1           # tokens per streamed piece of the local stack (peers: start them the same)
+    no_prefix_reuse: bool = False      # a cache_salt per row, round and concurrency: no prefix cache another filled
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.max_tokens < 1 or self.repeats < 1 or self.stream_interval < 1:
+            raise ValueError(f"--prompts, --max-tokens, --repeats and --stream-interval must be >= 1, "
+                             f"got {self.num_prompts}, {self.max_tokens}, {self.repeats}, {self.stream_interval}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"--concurrency needs integers >= 1, got {list(self.concurrency)}")
+        if not self.rates or min(self.rates) <= 0:
+            raise ValueError(f"--rates needs numbers > 0 (or inf), got {list(self.rates)}")
+        if self.router_warmup < 0:
+            raise ValueError(f"--router-warmup must be >= 0, got {self.router_warmup}")
+        # Frozen: the checked names replace the given ones through object.__setattr__.
+        object.__setattr__(self, "categories", tuple(check_categories(self.categories)))
+        if self.window < 1:
+            raise ValueError(f"--window must be >= 1 (serve-target-only is the plain row), got {self.window}")
+
+
+def run_serve_bench(config: ServeBenchConfig) -> dict:
+    """Every row on the same prompts, at every concurrency and rate; write JSON and plot, print a
+    table; return the JSON. ``repeats``: one run each of a few seconds differs by ±10% on a shared
+    2-core machine, so the loaded runs go round ``repeats`` times, the rows taking turns in each.
     ``no_prefix_reuse``: every row, round and concurrency sends its requests with a ``cache_salt``
     of its own (``salt_for``), so that no row is served from a prefix cache another row or round
     filled: the engines' throughput, not their caches (peers must know vLLM's ``cache_salt``).
     Without it the same prompts repeat, as a chat service's system prompts and follow-ups do, and
-    prefix caches count. ``categories``: the prompts' (default chat); ``adaptive`` and
-    ``router_warmup``: see the module's docstring."""
-    if prompts_n < 1 or max_tokens < 1 or repeats < 1 or stream_interval < 1:
-        raise ValueError(f"--prompts, --max-tokens, --repeats and --stream-interval must be >= 1, "
-                         f"got {prompts_n}, {max_tokens}, {repeats}, {stream_interval}")
-    if not concurrencies or min(concurrencies) < 1:
-        raise ValueError(f"--concurrency needs integers >= 1, got {concurrencies}")
-    if not rates or min(rates) <= 0:
-        raise ValueError(f"--rates needs numbers > 0 (or inf), got {rates}")
-    if router_warmup < 0:
-        raise ValueError(f"--router-warmup must be >= 0, got {router_warmup}")
-    categories = check_categories(categories or [BENCH_CATEGORY])
-    if window < 1:
-        raise ValueError(f"--window must be >= 1 (serve-target-only is the plain row), got {window}")
+    prefix caches count. ``adaptive`` and ``router_warmup``: see the module's docstring."""
+    in_process, max_tokens = config.in_process, config.max_tokens
     if in_process is not None:
         from specserve.replicas.model_store import zoo_drafts
 
         runnable = [PROMPT_LOOKUP, *zoo_drafts()]
         if in_process not in runnable:
             raise ValueError(f"--in-process runs one of {', '.join(runnable)} (or none), got {in_process!r}")
-    labelled = mixed_prompts(categories, prompts_n)
+    categories = list(config.categories)
+    drafts = None if config.drafts is None else list(config.drafts)
+    labelled = mixed_prompts(categories, config.num_prompts)
     prompts = [p for _, p in labelled]
-    warmup = [p for _, p in mixed_prompts(categories, router_warmup * len(categories), -(-prompts_n // len(categories)))]
+    warmup = [p for _, p in mixed_prompts(categories, config.router_warmup * len(categories),
+                                          -(-config.num_prompts // len(categories)))]
     # Ask the peers first: a peer that is not running should cost no stack start-up.
-    peer_rows = [(name, url, served_model(url)["id"]) for name, url in peers]
+    peer_rows = [(name, url, served_model(url)["id"]) for name, url in config.peers]
 
     from specserve.cluster import local
     import torch
 
     from specserve.replicas.engine import SpecEngine
 
-    started = server is None
-    if server is not None:
-        server = server.rstrip("/").removesuffix("/v1")
+    started = config.server is None
     if started:
-        serve_config = local_stack_config(dtype, drafts, stream_interval)
+        serve_config = local_stack_config(config.dtype, drafts, config.stream_interval)
         print("bringing the local stack up (specserve up)...", flush=True)
         server = local.up(serve_config).http_url
+    else:
+        server = config.server.rstrip("/").removesuffix("/v1")
     try:
         listed = served_model(server, client_headers())
         model = listed["id"]
         chosen = resolve_drafts(drafts, listed.get("drafts", []))
-        configs = configs_for(server, model, chosen, window, in_process, peer_rows, adaptive)
+        configs = configs_for(server, model, chosen, config.window, in_process, peer_rows, config.adaptive)
         engine = None
         in_process_threads = None
         if in_process is not None:
-            engine = SpecEngine.load(dtype=dtype, draft_models=[] if in_process == PROMPT_LOOKUP else [in_process])
+            engine = SpecEngine.load(dtype=config.dtype, draft_models=[] if in_process == PROMPT_LOOKUP else [in_process])
             prompt_ids = [engine.encode(p) for p in prompts]
             if started:
                 # The same torch threads as a served target replica, so that the per-step
@@ -466,19 +495,19 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
         records: list[RequestRecord] = []
         runs: list[dict] = []
 
-        def measure_one(config: ServeBenchConfig, i: int, tokens: int) -> RequestRecord:
-            if config.backend == "in-process":
-                rec = RequestRecord(config.name, 1, math.inf, i)
-                in_process_request(engine, prompt_ids[i], config, tokens, rec)
+        def measure_one(row_config: RowConfig, i: int, tokens: int) -> RequestRecord:
+            if row_config.backend == "in-process":
+                rec = RequestRecord(row_config.name, 1, math.inf, i)
+                in_process_request(engine, prompt_ids[i], row_config, tokens, rec)
                 return rec
-            salt = salt_for(run_id, config.name, 1, i) if no_prefix_reuse else None
-            rec = asyncio.run(load_run([prompts[i]], config, 1, math.inf, tokens, cache_salt=salt))[0][0]
+            salt = salt_for(run_id, row_config.name, 1, i) if config.no_prefix_reuse else None
+            rec = asyncio.run(load_run([prompts[i]], row_config, 1, math.inf, tokens, cache_salt=salt))[0][0]
             rec.prompt_index = i
             return rec
 
         # Warm-up: the first calls through Serve's handles and the first forwards are slow.
-        for config in configs:
-            measure_one(config, 0, 8)
+        for row_config in configs:
+            measure_one(row_config, 0, 8)
         routed_warmup = {}
         if warmup:
             default = next(c for c in configs if c.name == "serve-default")
@@ -491,7 +520,7 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
 
         # Concurrency 1: every request runs alone (so the arrival rate changes nothing), and the
         # rows take turns prompt by prompt (the first one rotating).
-        if 1 in concurrencies:
+        if 1 in config.concurrency:
             from tqdm import tqdm
 
             turn: dict[str, list[RequestRecord]] = {c.name: [] for c in configs}
@@ -499,35 +528,36 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
             for i in tqdm(range(len(prompts)), desc="concurrency 1", unit="prompt"):
                 order = [configs[(i + k) % len(configs)] for k in range(len(configs))]
                 order.sort(key=lambda c: c.name != first)   # stable: the others keep their turn
-                for config in order:
+                for row_config in order:
                     t0 = time.perf_counter()
-                    turn[config.name].append(measure_one(config, i, max_tokens))
-                    busy_s[config.name] += time.perf_counter() - t0
-            for config in configs:
-                records += turn[config.name]
-                runs.append(row(config, 1, math.inf, summarise(turn[config.name], busy_s[config.name])))
+                    turn[row_config.name].append(measure_one(row_config, i, max_tokens))
+                    busy_s[row_config.name] += time.perf_counter() - t0
+            for row_config in configs:
+                records += turn[row_config.name]
+                runs.append(row(row_config, 1, math.inf, summarise(turn[row_config.name], busy_s[row_config.name])))
 
         loaded = [c for c in configs if c.backend != "in-process"]
-        for concurrency in [c for c in concurrencies if c > 1]:
-            for rate in rates:
+        repeats = config.repeats
+        for concurrency in [c for c in config.concurrency if c > 1]:
+            for rate in config.rates:
                 got: dict[str, list[tuple[list[RequestRecord], float]]] = {c.name: [] for c in loaded}
                 for r in range(repeats):
                     order = [loaded[(r + k) % len(loaded)] for k in range(len(loaded))]
                     order.sort(key=lambda c: c.name != first)
-                    for config in order:
-                        print(f"{config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"
+                    for row_config in order:
+                        print(f"{row_config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"
                               + (f" (round {r + 1} of {repeats})" if repeats > 1 else ""), flush=True)
-                        salt = salt_for(run_id, config.name, concurrency, rate, r) if no_prefix_reuse else None
-                        recs, duration = asyncio.run(load_run(prompts, config, concurrency, rate, max_tokens,
+                        salt = salt_for(run_id, row_config.name, concurrency, rate, r) if config.no_prefix_reuse else None
+                        recs, duration = asyncio.run(load_run(prompts, row_config, concurrency, rate, max_tokens,
                                                               cache_salt=salt))
                         records += recs
-                        got[config.name].append((recs, duration))
-                for config in loaded:
-                    rounds = got[config.name]
+                        got[row_config.name].append((recs, duration))
+                for row_config in loaded:
+                    rounds = got[row_config.name]
                     summary = summarise([rec for recs, _ in rounds for rec in recs], sum(d for _, d in rounds))
                     if repeats > 1:
                         summary["output_tokens_per_s_rounds"] = [summarise(recs, d)["output_tokens_per_s"] for recs, d in rounds]
-                    runs.append(row(config, concurrency, rate, summary))
+                    runs.append(row(row_config, concurrency, rate, summary))
     finally:
         if started:
             local.down()
@@ -539,16 +569,19 @@ def run_serve_bench(json_path: Path, plot_path: Path, server: str | None, prompt
                     if c.backend == "serve" and c.window == inproc.window
                     and c.draft in (inproc.draft, colocated_name(inproc.draft))}
     result = {
-        "meta": {"server": server, "model": model, "dtype": dtype, "prompts": prompts_n, "categories": categories,
-                 "prompt_categories": [c for c, _ in labelled], "adaptive": adaptive, "router_warmup": routed_warmup,
-                 "max_tokens": max_tokens, "window": window, "repeats": repeats, "stream_interval": stream_interval, "no_prefix_reuse": no_prefix_reuse, "drafts": chosen, "in_process": in_process,
+        "meta": {"server": server, "model": model, "dtype": config.dtype, "prompts": config.num_prompts,
+                 "categories": categories, "prompt_categories": [c for c, _ in labelled], "adaptive": config.adaptive,
+                 "router_warmup": routed_warmup, "max_tokens": max_tokens, "window": config.window, "repeats": repeats,
+                 "stream_interval": config.stream_interval, "no_prefix_reuse": config.no_prefix_reuse,
+                 "drafts": chosen, "in_process": in_process,
                  "in_process_threads": in_process_threads or torch.get_num_threads(),
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},
-                 "concurrencies": concurrencies, "rates": [_rate(r) for r in rates], "machine": machine,
-                 "load_avg_1m_after": machine_info()["load_avg_1m"]},
+                 "concurrencies": list(config.concurrency), "rates": [_rate(r) for r in config.rates],
+                 "machine": machine, "load_avg_1m_after": machine_info()["load_avg_1m"]},
         "overhead": overhead,
         "runs": runs,
     }
+    json_path, plot_path = config.json_path, config.plot_path
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"{name}: {100 * o['step_overhead_vs_in_process']:+.1f}% per step vs in-process "

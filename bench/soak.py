@@ -12,8 +12,8 @@ Reported per time window (``window_s``): requests started, failed, latency and T
 (p50, p95, p99) and output tokens/s; every failure with its error; and each Serve replica's
 resident memory (RSS) sampled every ``sample_s`` (the replicas of a local cluster: Ray's state API
 gives their pids), with its growth after warm-up: the mean RSS over the last window against the
-mean over the first window after the warm-up (20% of the run, at most a minute). Issue 15's aims
-are in the JSON: zero failed requests, and memory growth under 5% after warm-up.
+mean over the first window after the warm-up (20% of the run, at most a minute). The aims are in
+the JSON: zero failed requests, and memory growth under 5% after warm-up.
 """
 
 from __future__ import annotations
@@ -220,27 +220,48 @@ async def soak(url: str, model: str, prompts: list[tuple[str, str]], minutes: fl
 # ---- the command ---------------------------------------------------------------------------------
 
 
-def run_soak_bench(json_path: Path, plot_path: Path, server: str | None, minutes: float, rate: float,
-                   max_tokens: int, window_s: float = 30.0, sample_s: float = 5.0, drain_s: float = 300.0,
-                   dtype: str = "auto") -> dict:
-    if minutes <= 0 or rate <= 0 or max_tokens < 1 or window_s <= 0 or sample_s <= 0:
-        raise ValueError(f"--minutes, --rate, --window-s and --sample-s must be > 0 and --max-tokens >= 1, got "
-                         f"{minutes}, {rate}, {window_s}, {sample_s}, {max_tokens}")
+@dataclass(frozen=True, kw_only=True)
+class SoakBenchConfig:
+    """What one run sends and where it writes (``specserve bench soak``'s options, with its
+    defaults). Checked when made, before any stack starts."""
+
+    json_path: Path = Path("bench-soak.json")   # windows, failures, memory samples and every request
+    plot_path: Path = Path("bench-soak.png")    # latency percentiles and replica memory over time
+    server: str | None = None       # a running deployment's URL; None: the local stack, up and down
+    minutes: float = 10.0           # how long requests keep arriving: at 1/s ~600, each prompt about 4 times
+    rate: float = 1.0               # requests per second, Poisson, open loop
+    max_tokens: int = 64            # new tokens per request
+    window_s: float = 30.0          # seconds per reporting window (and the span the memory means are over)
+    sample_s: float = 5.0           # seconds between replica memory samples: six per window
+    drain_s: float = 300.0          # how long to wait for the requests in flight after the load stops
+    dtype: str = "auto"             # of the local stack only
+
+    def __post_init__(self) -> None:
+        if self.minutes <= 0 or self.rate <= 0 or self.max_tokens < 1 or self.window_s <= 0 or self.sample_s <= 0:
+            raise ValueError(f"--minutes, --rate, --window-s and --sample-s must be > 0 and --max-tokens >= 1, got "
+                             f"{self.minutes}, {self.rate}, {self.window_s}, {self.sample_s}, {self.max_tokens}")
+
+
+def run_soak_bench(config: SoakBenchConfig) -> dict:
+    """Send the load, wait for it, take the stack down if it brought it up; write JSON and plot,
+    print a table; return the report."""
     from tqdm import tqdm
 
     from specserve.cluster import local
     from specserve.bench.serve import local_stack_config
 
+    minutes, rate, window_s = config.minutes, config.rate, config.window_s
+
     # Enough distinct prompts that each is sent about four times over the run, the categories interleaved.
     per_category = min(40, max(4, math.ceil(rate * 60 * minutes / len(CATEGORIES) / 4)))
     by_category = {c: load_prompts(c, per_category) for c in CATEGORIES}
     prompts = [(c, by_category[c][i]) for i in range(per_category) for c in CATEGORIES]
-    started = server is None
+    started = config.server is None
     if started:
         print("bringing the local stack up (specserve up)...", flush=True)
-        server = local.up(local_stack_config(dtype, None)).http_url
+        server = local.up(local_stack_config(config.dtype, None)).http_url
     else:
-        server = server.rstrip("/").removesuffix("/v1")
+        server = config.server.rstrip("/").removesuffix("/v1")
         try:
             local.connect()   # a local Ray cluster (the server's own, when it runs here): replica memory
         except Exception:  # noqa: BLE001 - no cluster here: the soak runs, memory is unavailable
@@ -248,8 +269,8 @@ def run_soak_bench(json_path: Path, plot_path: Path, server: str | None, minutes
     try:
         model = served_model(server, client_headers())["id"]
         with tqdm(total=60.0 * minutes, desc="soak", unit="s", bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}") as bar:
-            records, samples, duration = asyncio.run(soak(server, model, prompts, minutes, rate, max_tokens,
-                                                          sample_s, drain_s, bar=bar))
+            records, samples, duration = asyncio.run(soak(server, model, prompts, minutes, rate, config.max_tokens,
+                                                          config.sample_s, config.drain_s, bar=bar))
     finally:
         if started:
             local.down()
@@ -257,8 +278,9 @@ def run_soak_bench(json_path: Path, plot_path: Path, server: str | None, minutes
     growth = memory_growth(samples, warm, window_s)
     report = {
         "machine": machine_info(),
-        "config": {"server": None if started else server, "minutes": minutes, "rate": rate, "max_tokens": max_tokens,
-                   "window_s": window_s, "sample_s": sample_s, "drain_s": drain_s, "warmup_s": warm,
+        "config": {"server": None if started else server, "minutes": minutes, "rate": rate,
+                   "max_tokens": config.max_tokens, "window_s": window_s, "sample_s": config.sample_s,
+                   "drain_s": config.drain_s, "warmup_s": warm,
                    "spec_mix": [label for label, _ in SPEC_MIX], "sampled_share": SAMPLED_SHARE},
         "duration_s": round(duration, 1),
         "totals": {"requests": len(records), "ok": sum(r.ok for r in records),
@@ -274,6 +296,7 @@ def run_soak_bench(json_path: Path, plot_path: Path, server: str | None, minutes
         "aims": aims(records, growth),
         "requests": [asdict(r) for r in records],
     }
+    json_path, plot_path = config.json_path, config.plot_path
     json_path.write_text(json.dumps(report, indent=1))
     plot(report, plot_path)
     print(format_table(report))

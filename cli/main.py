@@ -35,6 +35,11 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def _names(text: str | None) -> tuple[str, ...] | None:
+    """A comma-separated option as names; None when not given (the benchmark's default)."""
+    return tuple(text.split(",")) if text else None
+
+
 def set_threads(threads: int | None) -> None:
     if threads is None:
         return
@@ -300,19 +305,18 @@ def bench_engine(
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core). Use 1 when other jobs share the machine: oversubscribed OpenMP threads stall."),
 ) -> None:
     """In-process, one stream, reference target, greedy: HF generate vs specserve, by category."""
-    from specserve.bench.engine import run_engine_bench
+    from specserve.bench.engine import EngineBenchConfig, run_engine_bench
 
     set_threads(threads)
-
     try:
-        run_engine_bench(
+        run_engine_bench(EngineBenchConfig(
             json_path=json_path,
             plot_path=plot_path,
             prompts_per_category=prompts_per_category,
             max_tokens=max_tokens,
             dtype=dtype,
-            configs=configs.split(",") if configs else None,
-        )
+            configs=_names(configs),
+        ))
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
 
@@ -463,19 +467,36 @@ def bench_serve(
 
     A default run (local stack, 12 prompts x 64 tokens, no peer) takes about 10 minutes on 2 cores,
     and each peer about a minute more."""
-    from specserve.bench.serve import parse_drafts, parse_peers, run_serve_bench
+    from specserve.bench.serve import ServeBenchConfig, parse_drafts, parse_peers, run_serve_bench
 
     set_threads(threads)
     try:
-        levels = [int(c) for c in concurrency.split(",") if c.strip()]
-        arrival = [float(r) for r in rates.split(",") if r.strip()]
+        levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
+        arrival = tuple(float(r) for r in rates.split(",") if r.strip())
     except ValueError:
         fail(f"--concurrency takes integers and --rates numbers or inf, got {concurrency!r} and {rates!r}")
     try:
-        run_serve_bench(json_path, plot_path, server, prompts, max_tokens, levels, arrival, parse_drafts(drafts),
-                        window, None if in_process == "none" else in_process, parse_peers(peer), dtype,
-                        repeats, stream_interval, no_prefix_reuse,
-                        categories.split(",") if categories else None, adaptive, router_warmup)
+        drafts_asked = parse_drafts(drafts)
+        run_serve_bench(ServeBenchConfig(
+            json_path=json_path,
+            plot_path=plot_path,
+            server=server,
+            drafts=None if drafts_asked is None else tuple(drafts_asked),
+            peers=tuple(parse_peers(peer)),
+            in_process=None if in_process == "none" else in_process,
+            num_prompts=prompts,
+            max_tokens=max_tokens,
+            concurrency=levels,
+            rates=arrival,
+            window=window,
+            adaptive=adaptive,
+            categories=_names(categories) or ServeBenchConfig.categories,
+            router_warmup=router_warmup,
+            dtype=dtype,
+            repeats=repeats,
+            stream_interval=stream_interval,
+            no_prefix_reuse=no_prefix_reuse,
+        ))
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
         fail(str(err))
 
@@ -508,11 +529,11 @@ def bench_policies(
     lookup) takes about 10 minutes on a quiet 2-core AMD EPYC (11 with --learn-snapshot 16 and
     --concurrency 1,4,8,16) and over twice that on the slower 2-core Intel Xeon; a model draft
     takes longer."""
-    from specserve.bench.policies import run_policies_bench
+    from specserve.bench.policies import PoliciesBenchConfig, run_policies_bench
 
     set_threads(threads)
     try:
-        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+        levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
     except ValueError:
         fail(f"--concurrency takes comma-separated integers, got {concurrency!r}")
     snapshot_doc = None
@@ -522,13 +543,13 @@ def bench_policies(
         except (OSError, ValueError) as err:
             fail(f"--snapshot {snapshot}: not readable JSON ({err})")
     try:
-        run_policies_bench(
+        run_policies_bench(PoliciesBenchConfig(
             json_path=json_path,
             plot_path=plot_path,
             prompts_per_category=prompts_per_category,
             max_tokens=max_tokens,
-            categories=categories.split(",") if categories else None,
-            policies=policies.split(",") if policies else None,
+            categories=_names(categories) or PoliciesBenchConfig.categories,
+            policies=_names(policies),
             draft=draft,
             concurrency=levels,
             load_requests=load_requests,
@@ -539,10 +560,9 @@ def bench_policies(
             snapshot=snapshot_doc,
             dtype=dtype,
             start_policy=start_policy,
-        )
+        ))
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
-
 
 
 @bench_app.command("router")
@@ -561,15 +581,25 @@ def bench_router(
 ) -> None:
     """In-process, reference target, greedy, a mix of code, chat, summarise and edit prompts: every
     draft and no speculation on every prompt (the per-prompt oracle, best single draft, random choice
-    and paper 003's least squares), and the learned router after a warm-up on other prompts, side by
-    side in one run; JSON, a plot of tokens/s and of the router's regret as it learns."""
-    from specserve.bench.router import run_router_bench
+    and the least squares of "A drop-in solution for on-the-fly adaptation of speculative decoding in
+    large language models"), and the learned router after a warm-up on other prompts, side by side
+    in one run; JSON, a plot of tokens/s and of the router's regret as it learns."""
+    from specserve.bench.router import RouterBenchConfig, run_router_bench
 
     set_threads(threads)
     try:
-        run_router_bench(json_path, plot_path, prompts_per_category, warmup_per_category, max_tokens,
-                         categories.split(",") if categories else None, dtype, explore, repeats=repeats,
-                         switches=switches)
+        run_router_bench(RouterBenchConfig(
+            json_path=json_path,
+            plot_path=plot_path,
+            prompts_per_category=prompts_per_category,
+            warmup_per_category=warmup_per_category,
+            max_tokens=max_tokens,
+            categories=_names(categories) or RouterBenchConfig.categories,
+            explore=explore,
+            repeats=repeats,
+            switches=switches,
+            dtype=dtype,
+        ))
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
 
@@ -589,12 +619,22 @@ def bench_soak(
 ) -> None:
     """A bounded, self-stopping load at a fixed rate against the local cluster (or --server): failed
     requests, latency percentiles per window over time, each replica's memory over time and its
-    growth after warm-up; JSON and a plot. Issue 15's aims: zero failed, memory growth under 5%."""
-    from specserve.bench.soak import run_soak_bench
+    growth after warm-up; JSON and a plot. The aims: zero failed, memory growth under 5%."""
+    from specserve.bench.soak import SoakBenchConfig, run_soak_bench
 
     try:
-        report = run_soak_bench(json_path, plot_path, server, minutes, rate, max_tokens, window_s, sample_s,
-                                drain_s, dtype)
+        report = run_soak_bench(SoakBenchConfig(
+            json_path=json_path,
+            plot_path=plot_path,
+            server=server,
+            minutes=minutes,
+            rate=rate,
+            max_tokens=max_tokens,
+            window_s=window_s,
+            sample_s=sample_s,
+            drain_s=drain_s,
+            dtype=dtype,
+        ))
     except (ValueError, RuntimeError) as err:
         fail(str(err))
     if not report["aims"]["zero_failed"]:

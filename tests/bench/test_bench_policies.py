@@ -11,12 +11,12 @@ import pytest
 
 from specserve.bench.policies import (
     COLD, ORACLE, START_TREE, START_WINDOW, STATIC_TREE, TARGET_ONLY, TREE_POLICIES_EXPECTED, WARM,
-    WINDOW_POLICIES_EXPECTED, Sample, oracle_samples, plan_rows, read_snapshot, registered_policies,
-    run_policies_bench, start_window,
+    WINDOW_POLICIES_EXPECTED, PoliciesBenchConfig, Sample, oracle_samples, plan_rows, read_snapshot,
+    registered_policies, run_policies_bench, start_window,
 )
 
 TARGET = "smollm2-135m-instruct"
-# Every name a JSON row's policy may take (issue 13's list, the static windows and extra static trees).
+# Every name a JSON row's policy may take (the expected policies, the static windows and extra static trees).
 ROW_NAME = re.compile(r"^(static-[1-8]|oracle-static|online|fsm|cache-fsm|q-learning|hf-heuristic|static-tree"
                       r"|static-tree-d\d+k\d+n\d+|sage|adt-tree|eagle2-depth|warm|cold|load-aware|target-only)$")
 
@@ -28,7 +28,7 @@ def names(rows):
 # --- which rows -----------------------------------------------------------------------------
 
 
-def test_a_full_plan_has_issue_13s_names_in_sections():
+def test_a_full_plan_has_every_expected_name_in_its_section():
     rows, notes = plan_rows(None, ("online", "fsm"), ("sage",), trees_ok=True, snapshot_given=True,
                             start_policy="load-aware")
     assert all(ROW_NAME.match(n) for n in names(rows)), names(rows)
@@ -80,7 +80,7 @@ def test_the_registry_is_read_at_run_time():
 
     window, tree, known = registered_policies()
     assert set(window) <= known and set(tree) <= known
-    # Whatever the registry holds of issue 13's window policies becomes a row.
+    # Whatever the registry holds of the expected window policies becomes a row.
     assert {n for n in WINDOW_POLICIES_EXPECTED if n in registry.POLICIES} <= set(window)
     assert "load-aware" not in window and "static" not in window
 
@@ -169,15 +169,16 @@ def engine():
 
 
 @pytest.mark.reference
-def test_a_tiny_run_writes_the_rows_issue_13_asks_for(engine, tmp_path):
+def test_a_tiny_run_writes_every_expected_row(engine, tmp_path):
     json_path, plot_path = tmp_path / "policies.json", tmp_path / "policies.png"
     window_policies, _, _ = registered_policies()
     chosen = ["oracle-static", *window_policies[:2], STATIC_TREE, *TREE_POLICIES_EXPECTED[1:2], COLD, WARM, "load-aware"]
-    report = run_policies_bench(
-        json_path, plot_path, prompts_per_category=1, max_tokens=6, categories=["code"], policies=chosen,
-        concurrency=[1, 2], load_requests=2, snapshot=snapshot({"bucket": "all", "best_window": 2}),
-        dtype="float32", engine=engine, progress=False,
+    config = PoliciesBenchConfig(
+        json_path=json_path, plot_path=plot_path, prompts_per_category=1, max_tokens=6, categories=("code",),
+        policies=tuple(chosen), concurrency=(1, 2), load_requests=2,
+        snapshot=snapshot({"bucket": "all", "best_window": 2}), dtype="float32",
     )
+    report = run_policies_bench(config, engine=engine, progress=False)
     assert json.loads(json_path.read_text()) == report
     assert plot_path.stat().st_size > 10_000
 
@@ -223,11 +224,12 @@ def test_a_tiny_run_writes_the_rows_issue_13_asks_for(engine, tmp_path):
 
 @pytest.mark.reference
 def test_load_rows_in_waves(engine, tmp_path):
-    report = run_policies_bench(
-        tmp_path / "p.json", tmp_path / "p.png", prompts_per_category=1, max_tokens=4, categories=["chat"],
-        policies=["load-aware"], concurrency=[2], load_requests=3, dtype="float32", engine=engine,
-        progress=False, load_mode="waves",
+    config = PoliciesBenchConfig(
+        json_path=tmp_path / "p.json", plot_path=tmp_path / "p.png", prompts_per_category=1, max_tokens=4,
+        categories=("chat",), policies=("load-aware",), concurrency=(2,), load_requests=3, dtype="float32",
+        load_mode="waves",
     )
+    report = run_policies_bench(config, engine=engine, progress=False)
     waves = [s for s in report["requests"] if s["section"] == "load"]
     # Waves of two: requests 0-1, then 2, each wave once per row.
     assert sorted((s["policy"], s["request"], s["tokens"]) for s in waves) == sorted(
@@ -237,11 +239,12 @@ def test_load_rows_in_waves(engine, tmp_path):
 
 @pytest.mark.reference
 def test_warm_rows_can_start_from_a_snapshot_learned_in_process(engine, tmp_path):
-    report = run_policies_bench(
-        tmp_path / "p.json", tmp_path / "p.png", prompts_per_category=1, max_tokens=6, categories=["edit"],
-        policies=["warm"], concurrency=[1], load_requests=1, dtype="float32", engine=engine, progress=False,
+    config = PoliciesBenchConfig(
+        json_path=tmp_path / "p.json", plot_path=tmp_path / "p.png", prompts_per_category=1, max_tokens=6,
+        categories=("edit",), policies=("warm",), concurrency=(1,), load_requests=1, dtype="float32",
         learn_snapshot_requests=2,
     )
+    report = run_policies_bench(config, engine=engine, progress=False)
     learned = report["learned_snapshot"]
     assert learned["priors"] and {p["draft"] for p in learned["priors"]} == {"prompt-lookup"}
     assert any("learned in-process from 2 other prompts" in n for n in report["notes"])
@@ -251,8 +254,8 @@ def test_warm_rows_can_start_from_a_snapshot_learned_in_process(engine, tmp_path
     # Learned with the online rule by default (it asks for windows 1-8, so each one gets priced).
     assert report["meta"]["snapshot_learned_with"] == "online"
     with pytest.raises(ValueError, match="--learn-policy 'bogus' is not registered"):
-        run_policies_bench(tmp_path / "q.json", tmp_path / "q.png", learn_snapshot_requests=2, learn_policy="bogus",
+        run_policies_bench(PoliciesBenchConfig(json_path=tmp_path / "q.json", plot_path=tmp_path / "q.png",
+                                               learn_snapshot_requests=2, learn_policy="bogus"),
                            engine=engine, progress=False)
-    with pytest.raises(ValueError, match="replaces --snapshot"):
-        run_policies_bench(tmp_path / "q.json", tmp_path / "q.png", learn_snapshot_requests=2,
-                           snapshot=snapshot({"bucket": "all", "best_window": 2}), engine=engine, progress=False)
+    with pytest.raises(ValueError, match="replaces --snapshot"):   # refused when the options are made
+        PoliciesBenchConfig(learn_snapshot_requests=2, snapshot=snapshot({"bucket": "all", "best_window": 2}))

@@ -6,8 +6,9 @@ import json
 import pytest
 
 from specserve.bench.router import (
-    AUTO, BEST_SINGLE, LEAST_SQUARES, ORACLE, ORACLE_IN_SAMPLE, RANDOM, ROUTER, STRATEGIES, Generation, ablation,
-    aims, best_single_choice, feature_groups, held_out_oracle, regret, run_router_bench, strategy_rows, table_of,
+    AUTO, BEST_SINGLE, LEAST_SQUARES, ORACLE, ORACLE_IN_SAMPLE, RANDOM, ROUTER, STRATEGIES, Generation,
+    RouterBenchConfig, ablation, aims, best_single_choice, feature_groups, held_out_oracle, regret, run_router_bench,
+    strategy_rows, table_of,
 )
 
 
@@ -98,8 +99,9 @@ def test_the_ablation_shows_which_feature_carries_alpha():
 
 @pytest.mark.reference
 def test_a_tiny_real_run_writes_every_strategy(tmp_path):
-    report = run_router_bench(tmp_path / "r.json", tmp_path / "r.png", prompts_per_category=1, warmup_per_category=1,
-                              max_tokens=8, categories=["code", "edit"], progress=False, repeats=3)
+    config = RouterBenchConfig(json_path=tmp_path / "r.json", plot_path=tmp_path / "r.png", prompts_per_category=1,
+                               warmup_per_category=1, max_tokens=8, categories=("code", "edit"), repeats=3)
+    report = run_router_bench(config, progress=False)
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["rows"] == report["rows"] and (tmp_path / "r.png").stat().st_size > 0
     assert {(r["strategy"], r["category"]) for r in saved["rows"]} == {(s, c) for s in STRATEGIES for c in ("code", "edit", "all")}

@@ -9,6 +9,7 @@ from specserve.cluster.config import AppConfig
 from specserve.data.prompts import load_prompts
 from specserve.bench.serve import (
     RequestRecord,
+    RowConfig,
     ServeBenchConfig,
     configs_for,
     format_table,
@@ -88,10 +89,10 @@ def test_mixed_prompts_take_the_categories_in_turn_and_the_warmup_others():
 
 
 def test_only_specserve_rows_send_spec_and_every_row_asks_the_same_otherwise():
-    pinned = ServeBenchConfig("serve-spec[prompt-lookup]", "serve", URL, "smollm2", "prompt-lookup", 4)
-    default = ServeBenchConfig("serve-default", "serve", URL, "smollm2")
+    pinned = RowConfig("serve-spec[prompt-lookup]", "serve", URL, "smollm2", "prompt-lookup", 4)
+    default = RowConfig("serve-default", "serve", URL, "smollm2")
     # Even a peer config that carries a draft (it never should) sends no spec: the backend decides.
-    peer = ServeBenchConfig("peer[vllm]", "peer", "http://127.0.0.1:8100", "other-id", "prompt-lookup", 4)
+    peer = RowConfig("peer[vllm]", "peer", "http://127.0.0.1:8100", "other-id", "prompt-lookup", 4)
     bodies = {c.name: request_body(c, "Name two planets.", 16) for c in (pinned, default, peer)}
     assert bodies["serve-spec[prompt-lookup]"]["spec"] == {"draft": "prompt-lookup", "window": 4}
     assert "spec" not in bodies["serve-default"] and "spec" not in bodies["peer[vllm]"]
@@ -142,8 +143,8 @@ def test_nothing_completed_is_a_row_of_failures_not_an_exception():
 
 
 def _rows() -> list[dict]:
-    peer = ServeBenchConfig("peer[vllm]", "peer", "http://127.0.0.1:8100", "smollm2")
-    spec = ServeBenchConfig("serve-spec[prompt-lookup-colocated]", "serve", URL, "smollm2", "prompt-lookup-colocated", 4)
+    peer = RowConfig("peer[vllm]", "peer", "http://127.0.0.1:8100", "smollm2")
+    spec = RowConfig("serve-spec[prompt-lookup-colocated]", "serve", URL, "smollm2", "prompt-lookup-colocated", 4)
     rows = []
     for config, steps in ((peer, 0), (spec, 5)):
         for concurrency, rate in ((1, math.inf), (4, 2.0), (4, math.inf)):
@@ -188,22 +189,27 @@ def test_the_local_stack_serves_every_draft_plus_prompt_lookup_colocated_or_only
         local_stack_config("auto", ["nope"])
 
 
-def test_the_local_stacks_stream_interval_reaches_the_application_and_bad_counts_are_refused(tmp_path):
-    from specserve.bench.serve import run_serve_bench
-
+def test_the_local_stacks_stream_interval_reaches_the_application_and_bad_counts_are_refused():
     args = local_stack_config("auto", ["prompt-lookup-colocated"], stream_interval=8)["applications"][0]["args"]
     assert AppConfig(**args).ingress_config().stream_interval == 8
-    for repeats, interval in ((0, 1), (1, 0)):   # refused before anything starts
+    for repeats, interval in ((0, 1), (1, 0)):   # refused when the options are made, before anything starts
         with pytest.raises(ValueError, match="--repeats and --stream-interval must be >= 1"):
-            run_serve_bench(tmp_path / "b.json", tmp_path / "b.png", None, 4, 8, [1], [math.inf], None, 4, None, [],
-                            "auto", repeats=repeats, stream_interval=interval)
+            ServeBenchConfig(repeats=repeats, stream_interval=interval)
+
+
+def test_the_options_check_the_categories_and_the_window_when_made():
+    assert ServeBenchConfig().categories == ("chat",)   # ShareGPT: the serving-benchmark standard
+    # Blanks and repeats dropped, as --categories "code, ,code,edit" gives them.
+    assert ServeBenchConfig(categories=("code", " ", "code", "edit")).categories == ("code", "edit")
+    with pytest.raises(ValueError, match="--window must be >= 1"):
+        ServeBenchConfig(window=0)
 
 
 def test_no_prefix_reuse_salts_each_row_and_round_and_sends_the_same_prompt():
     salts = {salt_for("serve-target-only", 16, math.inf, 0), salt_for("serve-target-only", 16, math.inf, 1),
              salt_for("peer[vllm]", 16, math.inf, 0)}
     assert len(salts) == 3 and salt_for("peer[vllm]", 16, math.inf, 0) in salts   # deterministic
-    peer = ServeBenchConfig("peer[vllm]", "peer", URL, "m")
+    peer = RowConfig("peer[vllm]", "peer", URL, "m")
     salted = request_body(peer, "Name two planets.", 16, cache_salt="abc")
     assert salted["cache_salt"] == "abc" and salted["messages"] == request_body(peer, "Name two planets.", 16)["messages"]
     assert "cache_salt" not in request_body(peer, "Name two planets.", 16)

@@ -1,5 +1,5 @@
-"""The command line: bad arguments fail fast with a clear message; a real run prints the JSON
-object the issue specifies."""
+"""The command line: bad arguments fail fast with a clear message; each benchmark's flags are its
+options object's fields, with the same defaults; a real run prints one JSON object per prompt."""
 
 import json
 import subprocess
@@ -49,6 +49,50 @@ def test_help_on_every_command():
                  ["zoo", "--help"], ["zoo", "list", "--help"], ["zoo", "train", "--help"]):
         result = specserve(*args, timeout=60)
         assert result.returncode == 0 and "Usage" in result.stdout, (args, result.stderr)
+
+
+# A flag whose name is not its field's.
+FIELD_OF_FLAG = {"prompts": "num_prompts", "peer": "peers", "learn_snapshot": "learn_snapshot_requests"}
+# Flags that set the process, not the benchmark (torch threads, before the run).
+NOT_OPTIONS = {"threads"}
+
+
+def as_held(flag_default, field_default):
+    """A flag's default as the options object holds it: "1,4,16" -> (1, 4, 16), [] -> ()."""
+    if isinstance(field_default, tuple) and isinstance(flag_default, str):
+        return tuple(type(field_default[0])(x) for x in flag_default.split(","))
+    if isinstance(field_default, tuple) and isinstance(flag_default, list):
+        return tuple(flag_default)
+    return flag_default
+
+
+@pytest.mark.parametrize("command, config_class", [
+    ("engine", "specserve.bench.engine.EngineBenchConfig"),
+    ("policies", "specserve.bench.policies.PoliciesBenchConfig"),
+    ("router", "specserve.bench.router.RouterBenchConfig"),
+    ("serve", "specserve.bench.serve.ServeBenchConfig"),
+    ("soak", "specserve.bench.soak.SoakBenchConfig"),
+])
+def test_a_bench_commands_flags_are_its_options_with_the_same_defaults(command, config_class):
+    """The command builds the options object from its flags, and both write the defaults down (the
+    command line must not import torch to show its help): every field has a flag, and a default
+    written twice is the same twice."""
+    import dataclasses
+    import importlib
+
+    import typer.main
+
+    from specserve.cli.main import app
+
+    module, _, name = config_class.rpartition(".")
+    defaults = {f.name: f.default for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
+    flags = typer.main.get_command(app).commands["bench"].commands[command].params
+    by_field = {FIELD_OF_FLAG.get(p.name, p.name): p.default for p in flags if p.name not in NOT_OPTIONS}
+    assert set(by_field) == set(defaults)
+    for field, flag_default in by_field.items():
+        if field == "categories" and flag_default is None:
+            continue   # not given: the command passes the options' own default
+        assert as_held(flag_default, defaults[field]) == defaults[field], (command, field)
 
 
 @pytest.mark.reference
