@@ -149,6 +149,7 @@ def test_a_snapshot_is_read_from_the_policy_endpoints_body_or_as_itself():
     (["--load-mode", "bursts"], "--load-mode: choose from steady, waves"),
     (["--load-rounds", "0"], "--load-rounds must be >= 1"),
 ])
+@pytest.mark.slow
 def test_bad_arguments_fail_before_the_model_loads(args, message, tmp_path):
     result = subprocess.run([sys.executable, "-m", "specserve.cli.main", "bench", "policies", *args,
                              "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")],

@@ -98,6 +98,7 @@ def test_the_ablation_shows_which_feature_carries_alpha():
 
 
 @pytest.mark.reference
+@pytest.mark.slow
 def test_a_tiny_real_run_writes_every_strategy(tmp_path):
     config = RouterBenchConfig(json_path=tmp_path / "r.json", plot_path=tmp_path / "r.png", prompts_per_category=1,
                                warmup_per_category=1, max_tokens=8, categories=("code", "edit"), repeats=3)

@@ -36,6 +36,7 @@ def specserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         (["bench", "router", "--switches", "-1"], "--switches must be >= 0"),
     ],
 )
+@pytest.mark.slow
 def test_bad_arguments_exit_non_zero_with_a_clear_error(args, message):
     result = specserve(*args, timeout=60)
     assert result.returncode != 0

@@ -33,6 +33,7 @@ def pair(tmp_path_factory):
     return target, save_tiny_pair(target, trained_hsr_head(target, steps=60), tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.mark.slow
 def test_a_replica_without_the_sessions_states_asks_for_them_and_gets_them(pair):
     target_model, head_dir = pair
 
@@ -59,6 +60,7 @@ def test_a_replica_without_the_sessions_states_asks_for_them_and_gets_them(pair)
     asyncio.run(run())
 
 
+@pytest.mark.slow
 def test_the_step_loop_resends_states_to_a_cold_draft_replica(pair):
     # Through the loop: a draft replica that lost a session's states mid-request (a restart, a
     # reshuffle) is re-sent them, and the output stays the target's own.
@@ -79,6 +81,7 @@ def test_the_step_loop_resends_states_to_a_cold_draft_replica(pair):
     assert state.out == expected and state.stats.accepted > 0
 
 
+@pytest.mark.slow
 def test_a_pooled_target_cache_never_hands_out_another_requests_states(pair):
     target = Target(pair[0])
     target.verify_one(PROMPT, Proposal.empty(), GREEDY)

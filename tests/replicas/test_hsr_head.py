@@ -39,6 +39,7 @@ def states(target, tokens: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("drafted", [1, 2, 3])
 @pytest.mark.parametrize("exact", [1, 6, 17])
+@pytest.mark.slow
 def test_unrolled_training_computes_what_drafting_computes(target, head, exact, drafted):
     tokens = list(range(30, 54))
     assert step_matches_inference(head, tokens, states(target, tokens), exact, drafted) < 1e-4
@@ -54,6 +55,7 @@ def test_the_target_keeps_the_states_of_exactly_its_cached_positions(target):
     assert torch.allclose(kept, states(target, context[:-1]), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_first_step_proposes_nothing_and_stale_states_are_asked_for_again(head):
     draft = HSRDraft("hsr", head)
     assert draft.propose([1, 2, 3], 3, GREEDY, None).tokens == []      # no target states yet
@@ -65,6 +67,7 @@ def test_first_step_proposes_nothing_and_stale_states_are_asked_for_again(head):
     assert err.value.have == 0
 
 
+@pytest.mark.slow
 def test_a_trained_head_reads_the_targets_states(target, head):
     untrained = build_hsr_head(target, list(range(VOCAB))).eval()
     rates = {}
@@ -82,6 +85,7 @@ def test_a_trained_head_reads_the_targets_states(target, head):
 
 
 @pytest.mark.parametrize("window", [1, 2, 4, 7])
+@pytest.mark.slow
 def test_chain_equals_target_only(target, head, window):
     for prompt in PROMPTS:
         expected = speculative_generate(Target(target), None, prompt, 40, GREEDY).token_ids
@@ -91,6 +95,7 @@ def test_chain_equals_target_only(target, head, window):
 
 
 @pytest.mark.parametrize("shape", [TreeShape(3, 2, 6), TreeShape(5, 3, 12), TreeShape(4, 4, 30)], ids=str)
+@pytest.mark.slow
 def test_tree_equals_target_only(target, head, shape):
     for prompt in PROMPTS:
         expected = speculative_generate(Target(target), None, prompt, 40, GREEDY).token_ids
@@ -98,6 +103,7 @@ def test_tree_equals_target_only(target, head, shape):
         assert_greedy_equal(target, prompt, got.token_ids, expected, f"hsr tree {shape}")
 
 
+@pytest.mark.slow
 def test_saved_without_embeddings_loads_by_folder_as_an_hsr_draft(target, head, tmp_path):
     folder = save_tiny_pair(target, head, tmp_path)
     from safetensors import safe_open

@@ -65,6 +65,7 @@ print(json.dumps({"growth_mb": (second - first) / 2**20}))
 
 @pytest.mark.reference
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallinfo2 is glibc's")
+@pytest.mark.slow
 def test_new_shapes_do_not_pile_up_kernels_in_reduced_precision(tmp_path):
     """Each new matrix shape made torch keep ~2.8 MB of oneDNN kernels (bfloat16, CPU), 1024
     shapes per cache by default: a replica's memory crept up with every new prompt length.

@@ -75,6 +75,7 @@ def hsr_head(target):
      "hsr-chain", "hsr-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain"],
 )
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
+@pytest.mark.slow
 def test_first_two_tokens_follow_the_target(target, hsr_head, case, params):
     target, prompt = target
     draft = {
