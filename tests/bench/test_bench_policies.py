@@ -170,6 +170,7 @@ def engine():
 
 
 @pytest.mark.reference
+@pytest.mark.slow
 def test_a_tiny_run_writes_every_expected_row(engine, tmp_path):
     json_path, plot_path = tmp_path / "policies.json", tmp_path / "policies.png"
     window_policies, _, _ = registered_policies()
@@ -239,6 +240,7 @@ def test_load_rows_in_waves(engine, tmp_path):
 
 
 @pytest.mark.reference
+@pytest.mark.slow
 def test_warm_rows_can_start_from_a_snapshot_learned_in_process(engine, tmp_path):
     config = PoliciesBenchConfig(
         json_path=tmp_path / "p.json", plot_path=tmp_path / "p.png", prompts_per_category=1, max_tokens=6,

@@ -20,6 +20,7 @@ def test_no_snapshot_and_a_redis_outage_are_said_plainly():
     assert "Redis unreachable (ConnectionError: refused)" in text and "no snapshot yet" in text
 
 
+@pytest.mark.slow
 def test_the_cli_says_what_to_do_when_nothing_is_up(tmp_path):
     import os
     import subprocess

@@ -39,6 +39,7 @@ def test_json_round_trip_and_cache(tmp_path):
     assert built == [1] and second.project(doc) == pytest.approx(first.project(doc), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_real_prompts_code_and_prose_land_apart():
     tokenizer, _ = load_tokenizer_and_config()
     corpus = [p for c in ("code", "chat", "summarise", "edit") for p in list(training_prompts(c))[:50]]
