@@ -1,5 +1,7 @@
 """`specserve policy`'s table, from a snapshot the policy service computes from real counters."""
 
+import pytest
+
 from specserve.cli.policy_view import format_policy
 from specserve.policies.priors import compute_snapshot
 from specserve.policies.stats import StatsKey
