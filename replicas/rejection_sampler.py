@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from specserve.replicas import cpu_row_ops
-from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample
+from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample, uniform
 from specserve.replicas.step import Proposal
 
 
@@ -82,7 +82,7 @@ def _verify_point_masses(
         p = logits_to_probs(target_logits[row], params)
         for child in children[row]:
             x = proposal.tokens[child]
-            u = torch.rand((), generator=generator).item()
+            u = uniform(generator)
             if u < p[x].item():          # accept x with probability p(x)
                 path.append(child)
                 row = child + 1
@@ -103,7 +103,7 @@ def _verify_sampled_chain(
     q = proposal.draft_probs
     p = logits_to_probs(target_logits, params)          # [γ + 1, V]
     for i, x in enumerate(proposal.tokens):
-        u = torch.rand((), generator=generator).item()
+        u = uniform(generator)
         # q(x) > 0 because x was drawn from q; p(x) >= q(x): always accept.
         if u * q[i, x].item() < p[i, x].item():
             continue

@@ -65,6 +65,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def uniform(generator: torch.Generator | None) -> float:
+    """One draw from U[0, 1), made on the generator's own device (a CUDA generator cannot fill a CPU
+    tensor, and a CPU one cannot fill a CUDA tensor)."""
+    return torch.rand((), generator=generator, device=None if generator is None else generator.device).item()
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token id from a 1-D probability vector."""
     return int(torch.multinomial(probs, 1, generator=generator).item())

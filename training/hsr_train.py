@@ -103,14 +103,15 @@ def step_matches_inference(head: HSRHead, tokens: list[int], features: torch.Ten
     (For tests; here because it documents the training/inference correspondence.)"""
     from specserve.replicas.drafts.hsr_draft import HSRSession
 
-    outputs = unrolled_outputs(head, torch.tensor([tokens]), features[None].float(), drafted)
+    device = features.device
+    outputs = unrolled_outputs(head, torch.tensor([tokens], device=device), features[None].float(), drafted)
     session = HSRSession(head)
     session.sync(tokens[: exact + 1], features[:exact], 0)
     hidden = session.root_hidden()
     keys, values = session.keys, session.values
     for i in range(1, drafted):
-        z = head.inputs(torch.tensor([[tokens[exact + i]]]), hidden)
-        hidden, k, v = head.step(z, torch.tensor([exact + i]), keys, values)
+        z = head.inputs(torch.tensor([[tokens[exact + i]]], device=device), hidden)
+        hidden, k, v = head.step(z, torch.tensor([exact + i], device=device), keys, values)
         keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
     p = exact + drafted - 1   # the position of the drafted-th token's input
     return float((outputs[drafted - 1][0, p - 1] - hidden[0, -1]).abs().max())

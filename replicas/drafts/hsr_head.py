@@ -242,7 +242,7 @@ def build_hsr_head(target, head_token_ids: list[int]) -> HSRHead:
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[torch.tensor(head_token_ids)])
         head.norm.weight.copy_(target.model.norm.weight)
     head.embed_tokens.weight.requires_grad_(False)
-    return head.float()
+    return head.float().to(target.device)
 
 
 AutoConfig.register(HSRConfig.model_type, HSRConfig, exist_ok=True)

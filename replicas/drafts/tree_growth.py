@@ -69,8 +69,10 @@ class TreeGrowth:
         else:
             widths = [shape.top_k] * len(self.frontier)
         k = max(widths)
+        # The level's choice runs on the host: [F, k] values, one copy instead of a device sync per node.
         top = logp.topk(k, dim=-1)
-        cand = (torch.tensor(parent_scores)[:, None] + top.values).flatten()   # [F * k]
+        values, indices = top.values.cpu(), top.indices.cpu()                 # [F, k]
+        cand = (torch.tensor(parent_scores)[:, None] + values).flatten()      # [F * k]
         allowed = (torch.arange(k)[None, :] < torch.tensor(widths)[:, None]).flatten()
         if shape.threshold > 0:   # θ_l on the path probability, in log space
             allowed &= cand > math.log(shape.threshold * self.level / shape.depth)
@@ -80,7 +82,7 @@ class TreeGrowth:
         first = len(self.tokens)
         for flat in order:
             row, col = divmod(flat, k)
-            self.tokens.append(int(top.indices[row, col]))
+            self.tokens.append(int(indices[row, col]))
             self.parents.append(self.frontier[row])
             self.score.append(float(cand[flat]))
         self.frontier = list(range(first, len(self.tokens)))
