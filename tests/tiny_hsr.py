@@ -19,13 +19,13 @@ from tiny_models import VOCAB
 def teacher_batch(target, seed: int, batch: int = 8, length: int = 48) -> dict:
     """The target's own sampled continuations of random prompts, with its hidden states."""
     gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(1, VOCAB, (batch, 4), generator=gen)   # 0 is the pad id
+    prompts = torch.randint(1, VOCAB, (batch, 4), generator=gen).to(target.device)   # 0 is the pad id
     torch.manual_seed(seed)
     with torch.inference_mode():
         tokens = target.generate(prompts, max_new_tokens=length - 4, do_sample=True, top_k=0,
                                  pad_token_id=0, eos_token_id=None)
         features, final = feature_and_final(target(tokens, output_hidden_states=True).hidden_states)
-    weights = torch.ones(tokens.shape, dtype=torch.float32)
+    weights = torch.ones(tokens.shape, dtype=torch.float32, device=tokens.device)
     weights[:, -1] = 0
     return {"tokens": tokens.clone(), "features": features.clone(), "final": final.clone(), "weights": weights}
 

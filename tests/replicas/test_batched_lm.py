@@ -39,7 +39,7 @@ def test_sampled_chains_carry_the_rows_of_q():
     model = tiny_model("llama", seed=3)
     params = SamplingParams(temperature=1.0)
     got = BatchedDraftLM("d", model, slots=4).propose_chains(
-        asks(CONTEXTS, [2, 3, 1, 2], params), [torch.Generator().manual_seed(i) for i in range(4)])
+        asks(CONTEXTS, [2, 3, 1, 2], params), [torch.Generator(model.device).manual_seed(i) for i in range(4)])
     for proposal, window in zip(got, [2, 3, 1, 2]):
         assert proposal.draft_probs.shape == (window, model.config.vocab_size)
         # Each drafted token was drawn from its own row: it has probability > 0 there.

@@ -34,7 +34,7 @@ def head(target):
 
 def states(target, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return target(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-2][0]
+        return target(torch.tensor([tokens], device=target.device), output_hidden_states=True).hidden_states[-2][0]
 
 
 @pytest.mark.parametrize("drafted", [1, 2, 3])
@@ -111,7 +111,7 @@ def test_saved_without_embeddings_loads_by_folder_as_an_hsr_draft(target, head, 
         assert "embed_tokens.weight" not in saved.keys() and "fc.weight" in saved.keys()
     loaded = load_causal_lm(str(folder), dtype="float32", device="cpu")
     assert isinstance(loaded.model, HSRHead)
-    assert torch.equal(loaded.model.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert torch.equal(loaded.model.embed_tokens.weight, target.get_input_embeddings().weight.cpu())
     draft = draft_from_model("h", loaded.model)
     assert isinstance(draft, HSRDraft)
     prompt = PROMPTS[0]

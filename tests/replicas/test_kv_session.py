@@ -13,7 +13,7 @@ PROMPT = [3, 17, 42, 8, 8, 61, 5]
 def sequential_logits(model, tokens: list[int]) -> torch.Tensor:
     """Last-position logits of a fresh, cache-free forward: the ground truth."""
     with torch.inference_mode():
-        return model(torch.tensor([tokens])).logits[0, -1]
+        return model(torch.tensor([tokens], device=model.device)).logits[0, -1]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
