@@ -8,7 +8,7 @@ OpenAI's error body, or gRPC ``INVALID_ARGUMENT``. Both protocols share one path
 
 HTTP formats the events as OpenAI JSON or Server-Sent Events; gRPC as protobuf messages.
 
-What the ingress does when things break (issue 15, DESIGN.md §7):
+What the ingress does when things break (docs/design.md §7):
 - a target replica that dies mid-generation (or whose step fails) does not end the request: it
   resumes on a target replica from the tokens already produced (the prompt plus those tokens is
   the new prompt, the tokens left the new ``max_tokens``), so a stream continues where it stopped;

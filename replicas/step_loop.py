@@ -9,7 +9,7 @@ drive a ``Scheduler`` through it.
 
 A draft is a ``DraftServer`` (in-process or colocated) or a draft deployment behind a Serve handle
 (``RemoteDraft``); both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs
-its requests their speculation (they go on with plain decoding), never the requests (DESIGN.md §7).
+its requests their speculation (they go on with plain decoding), never the requests (docs/design.md §7).
 
 Tokens reach their requests on the event loop's thread, never from the model thread
 (``asyncio`` objects are not thread-safe), and after the next forward has started, so that a

@@ -14,7 +14,7 @@ request may start from that snapshot (``spec.prior`` in the response says which)
 touches Redis on the request path.
 
 A draft replica that fails mid-request costs speed, never the request: its requests go on with
-plain decoding (DESIGN.md §7). A client that leaves cancels its request: it leaves the batch at
+plain decoding (docs/design.md §7). A client that leaves cancels its request: it leaves the batch at
 the next step and its KV slot is freed.
 """
 

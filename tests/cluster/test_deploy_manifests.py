@@ -444,7 +444,7 @@ def test_grafana_dashboard_reads_only_metrics_specserve_exports():
     defined = _defined_metrics()
     assert used and used <= defined, f"the dashboard reads metrics nobody exports: {sorted(used - defined)}"
     # The router's decisions, switches, predicted vs realised acceptance, τ, windows, acceptance by
-    # position and speculation off: the panels issue 14 asks for.
+    # position and speculation off: the panels a routing dashboard needs.
     for name in ("specserve_router_decisions", "specserve_router_switches", "specserve_router_predicted_alpha",
                  "specserve_router_realised_alpha", "specserve_router_mean_accepted_len", "specserve_spec_decode_window",
                  "specserve_spec_decode_num_accepted_tokens_per_pos", "specserve_spec_decode_speculation_off"):
