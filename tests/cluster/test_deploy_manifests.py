@@ -29,6 +29,7 @@ from ray.serve.schema import (
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, AppConfig, draft_deployment
 from specserve.cluster.serve_config import BUILDER, GRPC_SERVICER, model_threads
+from dockerfile import dockerfile_instructions
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SIZED_DEPLOYMENTS = (INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, draft_deployment(PROMPT_LOOKUP))
@@ -346,24 +347,7 @@ def test_cluster_yaml_mounts_the_auth_token_on_every_node():
 
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
-    lines, current = [], ""
-    for raw in (DEPLOY / "Dockerfile").read_text().splitlines():
-        line = raw.strip()
-        if not current and (not line or line.startswith("#")):
-            continue
-        if line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            current += line[:-1] + " "
-            continue
-        lines.append(current + line)
-        current = ""
-    pairs = []
-    for line in lines:
-        instruction, _, rest = line.partition(" ")
-        pairs.append((instruction.upper(), rest.strip()))
-    return pairs
+    return dockerfile_instructions(DEPLOY / "Dockerfile")
 
 
 def _dockerfile_ray_image() -> str:

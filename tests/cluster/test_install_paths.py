@@ -28,6 +28,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
+from dockerfile import dockerfile_instructions
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
@@ -115,22 +116,7 @@ def _build_and_check_wheel(source: Path, out: Path) -> None:
 
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
-    lines, current = [], ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        line = raw.strip()
-        if line.startswith("#") or (not current and not line):
-            continue
-        if line.endswith("\\"):
-            current += line[:-1] + " "
-            continue
-        lines.append(current + line)
-        current = ""
-    pairs = []
-    for line in lines:
-        instruction, _, rest = line.partition(" ")
-        pairs.append((instruction.upper(), rest.strip()))
-    return pairs
+    return dockerfile_instructions(DOCKERFILE)
 
 
 def _shell_commands(run: str) -> list[list[str]]:

@@ -15,7 +15,7 @@ from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
 from specserve.replicas.target import Target
-from specserve.routing.draft_router import EXPLORE, NO_GAIN, PINNED, PREDICTED, LearnedDraftRouter
+from specserve.routing.draft_router import NO_GAIN, PINNED, PREDICTED, LearnedDraftRouter
 from specserve.replicas.engine import run_batch, speculative_generate
 from tiny_models import perturbed, tiny_model
 
