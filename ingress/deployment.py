@@ -138,7 +138,7 @@ _GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUT
 
 class StepFailed(RuntimeError):
     """A target replica failed a request mid-stream: its step failed (an item with a
-    ``StreamError``) or its stream ended without a last item. The request resumes elsewhere from
+    ``StepError``) or its stream ended without a last item. The request resumes elsewhere from
     the tokens it has."""
 
 
@@ -298,8 +298,8 @@ class Ingress:
                 yield Event(text_tail, [], "length", {"resumed": resumed},
                             {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done})
                 return
-            logger.warning("request %s: its target replica failed after %d tokens (%s); resuming (attempt %d)",
-                           prepared.id, done, type(err).__name__, resumed)
+            logger.warning("request %s: its target replica failed after %d tokens (%s: %s); resuming (attempt %d)",
+                           prepared.id, done, type(err).__name__, err, resumed)
             request = self._continuation(prepared.spec_request, text.token_ids, resumed)
             deadline = deadline or time.monotonic() + self.config.resume_timeout_s
             if isinstance(err, _BUSY):

@@ -12,9 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from specserve.replicas.request import AUTO_DRAFT
-
-from specserve.replicas.scheduler import NO_DRAFT   # spec.draft: "auto", the router decides; "none", no speculation
+from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT   # spec.draft: "auto", the router decides; "none", no speculation
 
 __all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET", "MAX_STOP_CHARS"]
 

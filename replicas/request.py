@@ -21,7 +21,7 @@ from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, StepResult, TreeShape
 
 NO_DRAFT = "none"
-# The draft is chosen by the replica's draft router (``router/``) when the request's prefill is
+# The draft is chosen by the replica's draft router (``routing/``) when the request's prefill is
 # done: the features it reads include the target's perplexity on the prompt.
 AUTO_DRAFT = "auto"
 
@@ -72,7 +72,7 @@ class SpecRequest:
 
 
 @dataclass(frozen=True)
-class StreamError:
+class StepError:
     """Why a replica gave up a request before its end: its step failed (the model raised). The
     ingress resumes the request on a replica from the tokens already streamed."""
 
@@ -84,14 +84,15 @@ class StreamItem:
     """What a target replica streams to the ingress for one request: the tokens verified since the
     last item. The last item says why the request ended (``finish_reason``) and, from a served
     replica, what speculation did (``spec``, the response's ``spec`` object), or that it failed
-    (``error``, with no tokens: those queued behind the failure are dropped, and the ingress
-    resumes from what it received)."""
+    (``error``, with no tokens: tokens verified before the failure but not yet sent, merged into a
+    pending item or held back for ``stream_interval``, are dropped, and the ingress resumes from
+    what it received)."""
 
     token_ids: list[int]
     finish_reason: str | None = None   # "stop", "length" or "abort"; None: more items follow
     spec: dict | None = None           # the replica's summary, on the last item (``TargetDeployment``)
     cached_tokens: int = 0             # prompt tokens the KV slot already held, on the last item (usage)
-    error: StreamError | None = None
+    error: StepError | None = None
 
     @property
     def last(self) -> bool:
@@ -180,7 +181,7 @@ class RequestState:
             self.finish_reason = reason
             self.send(StreamItem([], reason))
 
-    def fail(self, error: StreamError) -> None:
+    def fail(self, error: StepError) -> None:
         """End the request because its step failed; the stream says so instead of finishing."""
         if not self.done:
             self.finish_reason = "error"
@@ -192,7 +193,7 @@ class RequestState:
 
 
 class DraftRouter(Protocol):
-    """Chooses the draft of each ``AUTO_DRAFT`` request (``specserve.router``): once the prefill is
+    """Chooses the draft of each ``AUTO_DRAFT`` request (``specserve.routing``): once the prefill is
     done (``route``), then again every step (``revisit``: a draft name to switch to, or None to
     keep it); ``finish`` sees the request end. Every answer is a configured draft or NO_DRAFT."""
 
@@ -222,4 +223,3 @@ class StaticPolicy:
 
     def observe(self, record: StepRecord) -> None:
         pass
-

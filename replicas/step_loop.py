@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from specserve.replicas.drafts.base import NeedFeatures, vocabulary_error
-from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest, StreamError, StreamItem
+from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest, StepError, StreamItem
 from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.step import Proposal, ProposeRequest, Speculation, StepRecord
 
@@ -202,6 +202,6 @@ class StepLoop:
                 self.failures += 1
                 self.last_error = f"{type(err).__name__}: {err}"
                 for state in [*self.scheduler.running, *self.scheduler.waiting]:
-                    state.fail(StreamError(self.last_error))
+                    state.fail(StepError(self.last_error))
                 self._deliver()
 

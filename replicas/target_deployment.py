@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from ray import serve
@@ -67,8 +67,8 @@ class TargetConfig:
     # Slots kept beyond the batch for finished requests' KV caches, a prefix cache for follow-up
     # turns; each is one more sequence of KV memory (a whole ``max_model_len`` when preallocated).
     kv_sessions_idle: int = 4
-    # Requests verified together in one forward: the deployment's ``max_ongoing_requests``, so
-    # every request Serve sends the replica is in the batch, none waits inside it for a slot.
+    # Requests verified together in one forward; more wait for a slot. 16 matches the shipped
+    # target deployment's ``max_ongoing_requests``, so there every request Serve sends is in the batch.
     max_batch: int = 16
     # Prompt tokens prefilled per step (``Scheduler``): a long prompt stalls the running requests
     # for at most one chunk's forward, and a typical chat prompt still fits in one.
@@ -86,6 +86,7 @@ class TargetConfig:
     max_model_len: int | None = None
 
 
+@runtime_checkable
 class ServedPolicy(Policy, Protocol):
     """A replica's policy (``policies.per_request.PolicyByRequest``) also names the rule it applies
     to each request: the response's ``spec.policy``."""
@@ -117,8 +118,9 @@ class TargetDeployment:
         requests with its background tasks (``routing/router_factory.py``); None: they get
         ``config.default_draft``."""
         drafts = drafts or {}
-        self.config = config
-        self.policy = policy
+        if not isinstance(policy, ServedPolicy):
+            raise TypeError(f"the replica's policy must name the rule it applies to each request (name_for): "
+                            f"{type(policy).__name__} does not; wrap it in policies.per_request.PolicyByRequest")
         self.loaded = load_causal_lm(config.model, dtype=config.dtype)
         # Ray sets OMP_NUM_THREADS to num_cpus; the model thread sets torch's count itself.
         threads = config.torch_threads or torch.get_num_threads()
@@ -138,12 +140,11 @@ class TargetDeployment:
             target.kv.reserve()
         self.stats_name = config.stats_name or Path(config.model).name.removesuffix(".gguf")
         self.routing = None if router is None else router(self.stats_name, list(drafts), self.loaded.tokenizer)
-        self.router = None if self.routing is None else self.routing.router
         self.learning = learning(self.stats_name) if learning is not None else None
         self._priors: dict[str, dict] = {}   # request id -> the warm start a routed request began from
         self.scheduler = Scheduler(
             target, policy, self.loaded.eos_token_ids, prefill_chunk=config.prefill_chunk,
-            max_running=config.max_batch, router=self.router, default_draft=config.default_draft,
+            max_running=config.max_batch, router=None if self.routing is None else self.routing.router, default_draft=config.default_draft,
             observers=self.learning.observers if self.learning is not None else (),
             on_draft=[self._routed] if self.learning is not None else ())
         self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory)
@@ -187,7 +188,7 @@ class TargetDeployment:
         start it began from, and the router's decision."""
         spec = state.stats.summary()
         if not asked.speculation.plain:
-            spec["policy"] = self.policy.name_for(state)
+            spec["policy"] = self.scheduler.policy.name_for(state)
         if prior is not None:
             spec["prior"] = prior
         if state.routing is not None:
@@ -234,9 +235,9 @@ class TargetDeployment:
 
     async def recent_routes(self, count: int = 50) -> list[dict]:
         """This replica's router's latest finished decisions with outcomes, oldest first."""
-        if self.router is None:
+        if self.routing is None:
             return []
-        return list(self.router.recent)[-count:]
+        return list(self.routing.router.recent)[-count:]
 
     async def load(self) -> dict:
         """What the replica holds now: requests in the batch and waiting, the KV slots they hold

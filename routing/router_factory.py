@@ -3,7 +3,7 @@ factory with the target's arguments, as it ships ``policies.replica_learning``'s
 
 The TF-IDF topic basis depends on the target's tokenizer, so it is made on the replica's machine:
 read from the local cache when present, else fitted from ``corpus`` (texts the caller supplies:
-the application passes ``cluster.prompts.topic_corpus``, prompts no benchmark uses) and cached.
+the application passes ``data.prompts.topic_corpus``, prompts no benchmark uses) and cached.
 Without a corpus (or when it cannot be read, e.g. the dataset packages are not installed) the
 router runs on length, perplexity and repetition alone, and says so in the log.
 """

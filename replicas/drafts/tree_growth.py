@@ -69,7 +69,8 @@ class TreeGrowth:
         else:
             widths = [shape.top_k] * len(self.frontier)
         k = max(widths)
-        # The level's choice runs on the host: [F, k] values, one copy instead of a device sync per node.
+        # The level's choice runs on the host: two [F, k] copies per level instead of a device sync
+        # per node.
         top = logp.topk(k, dim=-1)
         values, indices = top.values.cpu(), top.indices.cpu()                 # [F, k]
         cand = (torch.tensor(parent_scores)[:, None] + values).flatten()      # [F * k]

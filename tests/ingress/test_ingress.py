@@ -10,7 +10,7 @@ import pytest
 from specserve.ingress.deployment import IngressConfig, Prepared, _openai_error
 from specserve.ingress.openai_api import OpenAIError
 from specserve.replicas.sampling import SamplingParams
-from specserve.replicas.request import SpecRequest, StreamError, StreamItem
+from specserve.replicas.request import SpecRequest, StepError, StreamItem
 from specserve.ingress.deployment import Ingress as IngressDeployment
 
 Ingress = IngressDeployment.func_or_class   # the class behind the Serve deployment
@@ -94,7 +94,7 @@ def prepared() -> Prepared:
 
 
 def test_a_failed_step_resumes_on_another_replica_and_the_spec_says_so():
-    failed = StreamItem([], error=StreamError("RuntimeError: the model raised"))
+    failed = StreamItem([], error=StepError("RuntimeError: the model raised"))
     replicas = Replicas([StreamItem([0, 1]), failed], [StreamItem([2, 3], "length", SPEC, cached_tokens=2)])
     text, ids, last = asyncio.run(ingress(replicas)._generate(prepared()))
     assert (text, ids, last.finish_reason) == ("abcd", [0, 1, 2, 3], "length")
@@ -120,7 +120,7 @@ def test_a_stop_string_on_the_last_item_keeps_the_replicas_spec():
 
 
 def test_a_step_failure_with_no_attempts_left_is_a_503_with_retry_after_over_http_and_unavailable_over_grpc():
-    replicas = Replicas([StreamItem([0]), StreamItem([], error=StreamError("RuntimeError: boom"))])
+    replicas = Replicas([StreamItem([0]), StreamItem([], error=StepError("RuntimeError: boom"))])
     with pytest.raises(OpenAIError) as raised:
         asyncio.run(ingress(replicas, resume_attempts=0)._generate(prepared()))
     error = raised.value

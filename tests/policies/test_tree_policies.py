@@ -346,7 +346,7 @@ def test_tree_policy_adapts_only_unpinned_tree_requests_and_forgets_finished_one
 # ---- end to end: the in-process engine --------------------------------------------------------------
 
 def run_engine(target_model, draft_model, policy, max_tokens: int) -> tuple[list[int], list[StepRecord]]:
-    """One tree request through the scheduler and step loop, as ``router.engine.run_batch`` runs
+    """One tree request through the scheduler and step loop, as ``replicas.engine.run_batch`` runs
     it; returns the tokens and the step records (which run_batch does not expose)."""
     scheduler = Scheduler(Target(target_model), policy)
     loop = StepLoop(scheduler, {"near": in_process_server("near", DraftLM("near", draft_model))}, InlineWorker())

@@ -11,7 +11,7 @@ import torch
 
 from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.model_store import REFERENCE_TARGET
-from specserve.replicas.request import SpecRequest, StreamItem
+from specserve.replicas.request import SpecRequest, StaticPolicy, StreamItem
 from specserve.replicas.target_deployment import UNHEALTHY_AFTER_FAILED_STEPS, TargetConfig, TargetDeployment
 
 pytestmark = pytest.mark.reference
@@ -130,3 +130,10 @@ def test_only_the_last_item_carries_the_spec_summary_the_replica_built_once(repl
     assert last.spec["draft"] == "none" and last.spec["steps"] == 6 and "policy" not in last.spec
     again = asyncio.run(items(SpecRequest(text, 6, request_id="again")))[-1]
     assert again.cached_tokens == len(text) - 1   # the slot kept the prompt's KV (the root is fed again)
+
+
+def test_a_policy_that_cannot_name_its_rule_is_refused_before_the_model_loads():
+    # The response's spec.policy names the rule each request ran under; a bare StaticPolicy cannot,
+    # and finding out at the end of a streamed request would cost the client its response.
+    with pytest.raises(TypeError, match="PolicyByRequest"):
+        Replica(TargetConfig("no-such-model"), policy=StaticPolicy())

@@ -7,9 +7,6 @@ import logging
 import pytest
 import torch
 
-from specserve.replicas.draft_server import DraftServer
-from specserve.replicas.drafts.draft_lm import DraftLM
-from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, RequestState, SpecRequest
@@ -17,7 +14,8 @@ from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
 from specserve.replicas.target import Target
 from specserve.routing.draft_router import NO_GAIN, PINNED, PREDICTED, LearnedDraftRouter
 from specserve.replicas.engine import run_batch, speculative_generate
-from tiny_models import perturbed, tiny_model
+from tiny_servers import servers
+from tiny_models import tiny_model
 
 GREEDY = SamplingParams()
 REPETITIVE = [5, 6, 7, 8] * 10          # what prompt lookup lives on
@@ -165,12 +163,6 @@ def test_decision_and_outcome_are_json_log_lines(caplog):
 
 
 # --- on tiny real models: routing never changes the output ---------------------------------
-
-
-def servers(model):
-    near = perturbed(model, seed=1)
-    return {"near": DraftServer("near", worker=InlineWorker(), make_draft=lambda: DraftLM("near", near)),
-            "prompt-lookup": DraftServer("prompt-lookup", worker=InlineWorker(), make_draft=PromptLookupDraft)}
 
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6], [1, 2, 3, 4, 1, 2, 3, 4, 1], list(range(20, 50)), [3, 3, 3, 9]]
