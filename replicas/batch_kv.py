@@ -54,10 +54,10 @@ class Feed:
     """
 
     slot: int
-    tokens: list[int]
-    logits_rows: int = 1
-    parents: list[int] | None = None
-    committed: int | None = None   # None: all of them
+    tokens: list[int]                  # [n]
+    logits_rows: int = 1               # forward returns [logits_rows, V] for this feed
+    parents: list[int] | None = None   # [n]; None: a chain
+    committed: int | None = None       # None: all of them
 
 
 def _structure(feed: Feed) -> tuple[list[int], torch.Tensor]:
@@ -86,6 +86,7 @@ class SlotLayer(DynamicLayer):
         self.plan = plan
         self.slots = slots
         self.capacity = capacity
+        # (keys, values), each [slots, kv_heads, capacity, head_dim]
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -243,9 +244,9 @@ class BatchKV:
                 raise ValueError(f"slot {f.slot}: logits_rows must be in 1..{len(f.tokens)} (its tokens), got {f.logits_rows}")
         width = max(len(f.tokens) for f in feeds)
         if self._fast is not None and self._fast.flat_usable(width, self.device, self._dtype):
-            logits = self._forward_flat(feeds, width)
+            logits = self._forward_flat(feeds, width)     # per feed: [f.logits_rows, V]
         else:
-            logits = self._forward_padded(feeds, width)
+            logits = self._forward_padded(feeds, width)   # per feed: [f.logits_rows, V]
         for f in feeds:
             committed = len(f.tokens) if f.committed is None else f.committed
             self.tokens[f.slot].extend(f.tokens[:committed])
@@ -264,8 +265,10 @@ class BatchKV:
         length = max(c + len(f.tokens) for c, f in zip(cached, feeds))
         self._ensure_capacity(length)
         total = sum(len(f.tokens) for f in feeds)
+        # As tensors (T = total, W = width, R = the feeds' logits_rows summed): ids, positions [T];
+        # token_slots, columns [1, T]; sequences [len(feeds), 4]; keep [R].
         ids, positions, token_slots, columns, sequences, keep, rows = [], [], [], [], [], [], []
-        mask = torch.full((total, width), float("-inf"))
+        mask = torch.full((total, width), float("-inf"))   # [T, W]
         start = 0
         for f, c in zip(feeds, cached):
             n = len(f.tokens)
@@ -286,7 +289,7 @@ class BatchKV:
             layer.allocate(fast.kv_heads, fast.head_dim, fast.head_dim, self._dtype, self.device)
             buffers.append(layer.buffers)
         logits = fast.flat(torch.tensor(ids), torch.tensor(positions), step, buffers, torch.tensor(keep),
-                           getattr(self.model, "_specserve_feature_tap", None))
+                           getattr(self.model, "_specserve_feature_tap", None))   # [R, V]
         self._fed_rows = rows
         out, at = [], 0
         for f in feeds:
@@ -301,11 +304,11 @@ class BatchKV:
         lengths = [len(self.tokens[s]) for s in range(lo, hi)]
         kv_len = max(lengths) + width
         self._ensure_capacity(kv_len)
-        rows = hi - lo
-        ids = torch.zeros(rows, width, dtype=torch.long)
-        positions = torch.zeros(rows, width, dtype=torch.long)
-        columns = torch.zeros(rows, width, dtype=torch.long)
-        allowed = torch.zeros(rows, width, kv_len, dtype=torch.bool)
+        rows = hi - lo   # B = rows, S = width below
+        ids = torch.zeros(rows, width, dtype=torch.long)                # [B, S]
+        positions = torch.zeros(rows, width, dtype=torch.long)          # [B, S]
+        columns = torch.zeros(rows, width, dtype=torch.long)            # [B, S]
+        allowed = torch.zeros(rows, width, kv_len, dtype=torch.bool)    # [B, S, kv_len]
         by_slot = {f.slot: f for f in feeds}
         for r in range(rows):
             cached = lengths[r]
@@ -326,13 +329,14 @@ class BatchKV:
             positions[r, pad:] = cached + torch.tensor(depths) - 1
             allowed[r, pad:, cached:cached + n] = block
         dtype = self._dtype
-        mask = torch.zeros(rows, 1, width, kv_len, dtype=dtype)
+        mask = torch.zeros(rows, 1, width, kv_len, dtype=dtype)   # [B, 1, S, kv_len], additive
         mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
         plan = self._plan
         plan.lo, plan.hi, plan.kv_len = lo, hi, kv_len
         plan.rows = torch.arange(lo, hi, device=self.device)[:, None].expand(rows, width).contiguous()
         plan.columns = columns.to(self.device)
         keep = max(f.logits_rows for f in feeds)
+        # logits: [B, keep, V] either way
         if self._fast is not None:
             logits = self._fast(ids.to(self.device), positions.to(self.device), mask.to(self.device),
                                 self.cache.layers, keep, getattr(self.model, "_specserve_feature_tap", None))

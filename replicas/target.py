@@ -94,10 +94,10 @@ class _Features:
     Grows by doubling, so a step appends without copying the whole history."""
 
     def __init__(self):
-        self.rows: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None   # [allocated positions, H]
         self.known = 0
 
-    def put(self, first: int, rows: torch.Tensor) -> None:
+    def put(self, first: int, rows: torch.Tensor) -> None:   # rows: [n, H]
         """Rows for positions ``first..``; everything after ``first`` is replaced."""
         if first > self.known:   # a gap: earlier states are unknown, so none can be trusted
             self.known = 0
@@ -142,7 +142,7 @@ class Target:
         if store.rows is None:
             return None
         end = min(store.known, common_prefix_len(self.kv.tokens[slot], context), len(context) - 1)
-        return store.rows[start:max(start, end)]
+        return store.rows[start:max(start, end)]   # [end - start, H]
 
     def _keep_features(self, feeds: list[Feed], firsts: list[int], keep: list[list[int]] | None = None) -> None:
         """After a forward: each feed's tapped rows (``keep[i]``: which of its tokens) at ``firsts[i]``."""
@@ -179,11 +179,11 @@ class Target:
         # Feed row j predicts known_next[j]; a chunk that ends the prompt without ``next_token``
         # has no target for its last row, so that row's logits come back too and are dropped.
         feed = Feed(slot, fed, rows + len(fed) - len(known_next) if rows else 1)
-        logits = self.kv.forward([feed])[0]
+        logits = self.kv.forward([feed])[0]   # [feed.logits_rows, V]
         self._keep_features([feed], [first])
         nll = 0.0
         if rows:
-            wanted = torch.tensor(known_next[-rows:], device=logits.device)
+            wanted = torch.tensor(known_next[-rows:], device=logits.device)   # [rows]
             nll = float(-torch.log_softmax(logits[:rows].float(), -1).gather(-1, wanted[:, None]).sum())
         return Prefilled(len(fed), len(missing) - len(fed), nll, rows)
 
@@ -204,6 +204,8 @@ class Target:
             missing = self.kv.sync(item.slot, item.context[:-1]) + item.context[-1:]
             firsts.append(len(item.context) - len(missing))
             proposal = item.proposal
+            # Feed tokens: [len(missing) + n], n = len(proposal); logits come back for the root
+            # (missing[-1]) and the n nodes.
             if proposal.is_chain:
                 feeds.append(Feed(item.slot, missing + proposal.tokens, len(proposal) + 1))
             else:
@@ -212,11 +214,12 @@ class Target:
                 tail = len(missing)
                 parents = list(range(-1, tail - 1)) + [tail - 1 if p < 0 else tail + p for p in proposal.parents]
                 feeds.append(Feed(item.slot, missing + proposal.tokens, len(proposal) + 1, parents, committed=tail))
-        logits = self.kv.forward(feeds)
+        logits = self.kv.forward(feeds)   # per feed: [n + 1, V]
         results: list[StepResult] = []
         kept: list[list[int]] = []
         for item, feed, rows, error in zip(items, feeds, logits, errors):
             proposal = item.proposal
+            # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
             path, bonus = verify(rows, proposal, item.params, item.generator)
             accepted = [proposal.tokens[i] for i in path]
             tail = len(feed.tokens) - len(proposal)

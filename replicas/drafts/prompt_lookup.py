@@ -4,6 +4,16 @@ No model, so no cost beyond an n-gram search; it pays where outputs copy their i
 (summaries, edits, code that repeats identifiers). Longer n-grams are tried first because a
 longer match predicts its continuation better; among equal matches the most recent wins,
 because generation tends to repeat what it just wrote.
+
+Example, with the defaults ``max_ngram=3, min_ngram=1``::
+
+    context = [1, 2, 3, 4, 2, 3], window 4 -> [4, 2, 3]
+        # the 3-gram [4, 2, 3] occurs nowhere earlier; the 2-gram [2, 3] does, at index 1, and
+        # what followed it is [4, 2, 3]: the context ends before the window's 4 tokens
+    context = [1, 2, 3, 4, 2, 3, 5, 2, 3], window 2 -> [5, 2]
+        # [2, 3] occurs at indices 1 and 4: the most recent wins, [5, 2, 3] cut to the window
+    context = [1, 2, 3, 9, 7, 3, 8, 1, 2, 3], window 2 -> [9, 7]
+        # the 3-gram [1, 2, 3] at index 0 beats the more recent 1-gram [3] at index 5
 """
 
 from __future__ import annotations

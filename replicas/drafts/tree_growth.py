@@ -41,6 +41,25 @@ def decayed_width(top_k: int, level: int, parent_prob: float) -> int:
 
 
 class TreeGrowth:
+    """One tree, grown a level per ``grow`` call from the draft's logits for the frontier.
+
+    Example, EAGLE-2 rule, ``TreeShape(depth=3, top_k=2, budget=5)``, 4 tokens; each frontier
+    row is written as its softmax, each candidate as parent:token (path probability = exp of
+    its cumulative score)::
+
+        level 1  root -> [.6, .3, .05, .05]
+                 candidates root:0 (.6), root:1 (.3)           keep both: n0 = 0, n1 = 1
+        level 2  n0 -> [.05, .05, .5, .4]   n1 -> [.9, .05, .03, .02]
+                 candidates n0:2 (.30), n1:0 (.27), n0:3 (.24), n1:1 (.015)
+                 keep the k = 2 best: n2 = 2 under n0, n3 = 0 under n1; n0:3 is dropped
+                 although n0 is the likelier parent
+        level 3  n2 -> [.7, .2, .05, .05]   n3 -> [.05, .9, .03, .02]
+                 candidates n3:1 (.243), n2:0 (.21), n2:1 (.06), n3:0 (.0135)
+                 the budget has room for one: n4 = 1 under n3
+
+        proposal: tokens [0, 1, 2, 0, 1], parents [-1, -1, 0, 1, 3]
+    """
+
     def __init__(self, shape: TreeShape):
         self.shape = shape
         self.tokens: list[int] = []
@@ -74,7 +93,7 @@ class TreeGrowth:
         top = logp.topk(k, dim=-1)
         values, indices = top.values.cpu(), top.indices.cpu()                 # [F, k]
         cand = (torch.tensor(parent_scores)[:, None] + values).flatten()      # [F * k]
-        allowed = (torch.arange(k)[None, :] < torch.tensor(widths)[:, None]).flatten()
+        allowed = (torch.arange(k)[None, :] < torch.tensor(widths)[:, None]).flatten()   # [F * k]
         if shape.threshold > 0:   # θ_l on the path probability, in log space
             allowed &= cand > math.log(shape.threshold * self.level / shape.depth)
         # EAGLE-2 keeps the level's k best; SAGE keeps every node its width and θ allow.
