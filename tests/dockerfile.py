@@ -1,7 +1,9 @@
-"""A Dockerfile read as Docker reads it, for the manifest and install-path tests."""
+"""A Dockerfile read as Docker reads it, and shell commands split as a shell runs them, for the
+manifest and install-path tests."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 
@@ -22,3 +24,18 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
         instruction, _, rest = line.partition(" ")
         pairs.append((instruction.upper(), rest.strip()))
     return pairs
+
+
+def shell_commands(run: str) -> list[list[str]]:
+    """A shell command line's commands (split on && || ; | &), as word lists."""
+    lexer = shlex.shlex(run, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    commands, words = [], []
+    for token in [*lexer, ";"]:
+        if token in (";", "&&", "||", "|", "&"):
+            if words:
+                commands.append(words)
+            words = []
+        else:
+            words.append(token)
+    return commands

@@ -29,7 +29,7 @@ from ray.serve.schema import (
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, AppConfig, draft_deployment
 from specserve.cluster.serve_config import BUILDER, GRPC_SERVICER, model_threads
-from dockerfile import dockerfile_instructions
+from dockerfile import dockerfile_instructions, shell_commands
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SIZED_DEPLOYMENTS = (INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, draft_deployment(PROMPT_LOOKUP))
@@ -362,22 +362,9 @@ def _dockerfile_ray_image() -> str:
 
 
 def _run_commands() -> list[list[str]]:
-    """Each RUN's shell commands (split on && and ;), as word lists."""
-    commands = []
-    for instruction, rest in _dockerfile_instructions():
-        if instruction != "RUN":
-            continue
-        lexer = shlex.shlex(rest, posix=True, punctuation_chars=";&|")
-        lexer.whitespace_split = True
-        words = []
-        for token in [*lexer, ";"]:
-            if token in (";", "&&", "||", "|"):
-                if words:
-                    commands.append(words)
-                words = []
-            else:
-                words.append(token)
-    return commands
+    """Each RUN's shell commands (split on && || ; | &), as word lists."""
+    return [words for instruction, rest in _dockerfile_instructions() if instruction == "RUN"
+            for words in shell_commands(rest)]
 
 
 def test_dockerfile_builds_on_ray():

@@ -28,7 +28,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
-from dockerfile import dockerfile_instructions
+from dockerfile import dockerfile_instructions, shell_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
@@ -117,21 +117,6 @@ def _build_and_check_wheel(source: Path, out: Path) -> None:
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
     return dockerfile_instructions(DOCKERFILE)
-
-
-def _shell_commands(run: str) -> list[list[str]]:
-    """A RUN's shell commands (split on && || ; |), as word lists."""
-    lexer = shlex.shlex(run, posix=True, punctuation_chars=";&|")
-    lexer.whitespace_split = True
-    commands, words = [], []
-    for token in [*lexer, ";"]:
-        if token in (";", "&&", "||", "|", "&"):
-            if words:
-                commands.append(words)
-            words = []
-        else:
-            words.append(token)
-    return commands
 
 
 def _pip_installs_cwd(words: list[str]) -> bool:
@@ -256,7 +241,7 @@ def assemble_docker_image(image: Path, extra_ignores: tuple[str, ...] = ()) -> P
                 for f in matches:
                     target = posixpath.join(dest_dir, posixpath.basename(f)) if into_dir else dest_dir
                     _copy(ROOT / f, image / target.lstrip("/"))
-        elif instruction == "RUN" and any(_pip_installs_cwd(words) for words in _shell_commands(rest)):
+        elif instruction == "RUN" and any(_pip_installs_cwd(words) for words in shell_commands(rest)):
             return image / workdir.lstrip("/")
     pytest.fail("deploy/Dockerfile never runs `pip install .`")
 
@@ -337,7 +322,7 @@ def _setup_folders(config: dict) -> list[str]:
     for key in ("setup_commands", "head_setup_commands", "worker_setup_commands"):
         for command in config.get(key) or []:
             cwd = None
-            for words in _shell_commands(command):
+            for words in shell_commands(command):
                 if words[0] == "cd" and len(words) == 2:
                     cwd = words[1]
                 elif any(posixpath.basename(w) == "setup.sh" for w in words):
