@@ -1,18 +1,17 @@
 """Serving benchmark: specserve under load, beside the in-process engine and any OpenAI-compatible
 peer (``vllm serve``), in one run.
 
-Rows (configurations), all on the same prompts (ShareGPT chat by default; ``--categories`` mixes
-code, chat, summarise and edit, in turn), greedy, the same ``max_tokens``, streamed, so that
-every row's TTFT and ITL are measured the same way:
+By default it brings up the shipped default (``deploy/serve.yaml``: every draft placed by
+measurement) and measures it on a mixed set, code, chat, summarise and edit prompts in turn
+(``--categories``). Rows (configurations), all on the same prompts, greedy, the same
+``max_tokens``, streamed, so that every row's TTFT and ITL are measured the same way:
 
 - ``serve-target-only``: the deployment with ``spec.draft = "none"``, plain (batched) decoding;
 - ``serve-default``: a request with no ``spec`` at all, i.e. what any OpenAI client gets: the
   deployment's default draft, its policy (goodput by default) choosing each step's window;
 - ``serve-spec[<draft>]``: one row per draft the deployment serves (or ``--drafts``), with that
   draft and a pinned window γ (``--adaptive``: the draft only, the deployment's policy choosing
-  each step's window, as for ``serve-default``). A ``<draft>-colocated`` draft is the same draft
-  inside the target replica (no handle call per step); the local stack the benchmark brings up serves
-  ``prompt-lookup-colocated`` beside the drafts of ``deploy/serve.yaml``;
+  each step's window, as for ``serve-default``);
 - ``in-process-spec[<draft>]``: the in-process engine with one draft and γ, one stream (it is the
   floor of what the served path can cost, so it runs at concurrency 1 only), with as many torch
   threads as a served target replica when the benchmark brings the local stack up;
@@ -32,7 +31,8 @@ their own choices before the measured requests, as ``bench router``'s warm-up do
 draft, and after the pinned rows it would have seen this very prompt's α with each draft. In the
 loaded runs it has (from the concurrency-1 pass): there the router row is an upper bound. (The
 handles' warm-up, 8 tokens of the first prompt with every row, shows it that prompt too.)
-``drafts`` per row counts the draft each request ended on.
+``drafts`` per row counts the draft each request ended on; ``meta.placement`` says where each
+draft ran and the figures that placed it (``GET /v1/models``), and the plot's title names it.
 
 At concurrency 1 the rows take turns prompt by prompt, so a noisy neighbour slows them alike;
 ``step_overhead_vs_in_process`` = a served row's ms/step over the in-process row's on the same
@@ -58,10 +58,9 @@ import httpx
 
 from specserve.bench.engine import machine_info
 from specserve.cluster.config import PROMPT_LOOKUP
-from specserve.data.prompts import check_categories, load_prompts
+from specserve.data.prompts import CATEGORIES, check_categories, load_prompts
 from specserve.ingress.auth import client_headers
 
-BENCH_CATEGORY = "chat"   # ShareGPT first turns: the serving-benchmark standard
 NO_DRAFT = "none"
 
 
@@ -95,10 +94,6 @@ class RequestRecord:
     draft: str = ""         # the draft the request ended on (the router's, after any switch)
     draft_s: float = 0.0    # inside the step loop: waiting for proposals ...
     verify_s: float = 0.0   # ... and verifying them (the rest of a request's time is transport)
-
-
-def colocated_name(draft: str) -> str:
-    return f"{draft}-colocated"
 
 
 def row_name(kind: str, label: str) -> str:
@@ -169,23 +164,26 @@ def mixed_prompts(categories: list[str], n: int, offset: int = 0) -> list[tuple[
     return [(c, lists[c][i]) for i in range(per) for c in categories][:n]
 
 
-def local_stack_config(dtype: str, drafts: list[str] | None, stream_interval: int = 1) -> dict:
-    """The default application (deploy/serve.yaml) plus prompt lookup colocated in the target
-    replica, restricted to ``drafts`` when given: every draft model deployed costs start-up time
-    and memory that a run measuring only prompt lookup need not pay."""
+def local_stack_config(dtype: str, drafts: list[str] | None, stream_interval: int = 1,
+                       only_drafts: bool = False) -> dict:
+    """The shipped default application (deploy/serve.yaml) with ``dtype`` and ``stream_interval``.
+    ``only_drafts``: restricted to ``drafts`` (every draft model loaded costs start-up time and
+    memory that a run measuring only prompt lookup need not pay), which changes what
+    ``serve-default`` measures: not the shipped default any more."""
     from specserve.cluster.serve_config import TARGET_REPLICAS, app_serve_config, local_serve_config
 
     args = local_serve_config()["applications"][0]["args"]
     args["dtype"] = dtype
     args["stream_interval"] = stream_interval
-    available = [*args["drafts"], {"name": colocated_name(PROMPT_LOOKUP), "colocated": True}]
+    available = list(args["drafts"])
     if drafts is not None:
         names = [d["name"] for d in available]
         unknown = [d for d in drafts if d not in names]
         if unknown:
             raise ValueError(f"--drafts: the local stack serves {', '.join(names)}, not {', '.join(unknown)} "
                              f"(give --server URL to measure another deployment)")
-        available = [d for d in available if d["name"] in drafts]
+        if only_drafts:
+            available = [d for d in available if d["name"] in drafts]
     args["drafts"] = available
     kept = [d["name"] for d in available]
     if args.get("default_draft") not in kept:
@@ -414,12 +412,13 @@ class ServeBenchConfig:
     rates: tuple[float, ...] = (2.0, math.inf)   # Poisson arrivals/s: 2 keeps ~4 in flight; inf: all at once
     window: int = 4                    # the pinned γ of the serve-spec and in-process rows
     adaptive: bool = False             # serve-spec rows name their draft only: the deployment's policy picks γ
-    categories: tuple[str, ...] = (BENCH_CATEGORY,)   # the prompts', in turn (checked; blanks and repeats dropped)
+    categories: tuple[str, ...] = CATEGORIES   # the prompts', in turn (checked; blanks and repeats dropped)
     router_warmup: int = 0             # other prompts per category sent with no spec first, for the routers to learn
     dtype: str = "auto"                # of the in-process engine and of the local stack
-    repeats: int = 1                   # rounds of the loaded runs, the rows taking turns: one run scatters ±10%
+    repeats: int = 2                   # rounds of the loaded runs, the rows taking turns: one run scatters ±10%
     stream_interval: int = 1           # tokens per streamed piece of the local stack (peers: start them the same)
     no_prefix_reuse: bool = False      # a cache_salt per row, round and concurrency: no prefix cache another filled
+    only_drafts: bool = False          # the local stack serves only ``drafts`` (not the shipped default any more)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_tokens < 1 or self.repeats < 1 or self.stream_interval < 1:
@@ -469,7 +468,7 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
 
     started = config.server is None
     if started:
-        serve_config = local_stack_config(config.dtype, drafts, config.stream_interval)
+        serve_config = local_stack_config(config.dtype, drafts, config.stream_interval, config.only_drafts)
         print("bringing the local stack up (specserve up)...", flush=True)
         server = local.up(serve_config).http_url
     else:
@@ -564,16 +563,15 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
 
     inproc = next((c for c in configs if c.backend == "in-process"), None)
     overhead = {}
-    if inproc is not None:   # served rows with the in-process row's draft (or its colocated twin) and window
+    if inproc is not None:   # served rows with the in-process row's draft and window
         overhead = {c.name: step_overhead(records, c.name, inproc.name) for c in configs
-                    if c.backend == "serve" and c.window == inproc.window
-                    and c.draft in (inproc.draft, colocated_name(inproc.draft))}
+                    if c.backend == "serve" and c.window == inproc.window and c.draft == inproc.draft}
     result = {
         "meta": {"server": server, "model": model, "dtype": config.dtype, "prompts": config.num_prompts,
                  "categories": categories, "prompt_categories": [c for c, _ in labelled], "adaptive": config.adaptive,
                  "router_warmup": routed_warmup, "max_tokens": max_tokens, "window": config.window, "repeats": repeats,
                  "stream_interval": config.stream_interval, "no_prefix_reuse": config.no_prefix_reuse,
-                 "drafts": chosen, "in_process": in_process,
+                 "drafts": chosen, "placement": listed.get("placement", {}), "in_process": in_process,
                  "in_process_threads": in_process_threads or torch.get_num_threads(),
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},
                  "concurrencies": list(config.concurrency), "rates": [_rate(r) for r in config.rates],
@@ -658,10 +656,12 @@ def plot(runs: list[dict], meta: dict, path: Path) -> list[str]:
     handles += [Line2D([], [], color="grey", linestyle=styles[r], label=f"rate {r} req/s") for r in rates]
     legend = fig.legend(handles=handles, loc="center left", bbox_to_anchor=(0.78, 0.5), fontsize=7, frameon=False)
     machine = meta["machine"]
-    fig.suptitle(f"{meta['model']} {meta['dtype']}, greedy, {meta['prompts']} ShareGPT prompts, {meta['max_tokens']} "
-                 f"tokens, serve-spec γ={meta['window']}{', no prefix reuse' if meta.get('no_prefix_reuse') else ''}; "
-                 f"{machine.get('cpu_model', 'CPU')}, {machine['cpu_count']} CPUs, load {machine['load_avg_1m']}",
-                 fontsize=9)
+    placed = ", ".join(f"{d} {p['where']}" for d, p in (meta.get("placement") or {}).items())
+    fig.suptitle(f"{meta['model']} {meta['dtype']}, greedy, {meta['prompts']} prompts ({'/'.join(meta.get('categories', []))}), "
+                 f"{meta['max_tokens']} tokens, serve-spec γ={meta['window']}"
+                 f"{', no prefix reuse' if meta.get('no_prefix_reuse') else ''}; "
+                 f"{machine.get('cpu_model', 'CPU')}, {machine['cpu_count']} CPUs, load {machine['load_avg_1m']}"
+                 + (f"\ndrafts placed: {placed}" if placed else ""), fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.78, 1))   # the right margin holds the legend
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

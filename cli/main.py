@@ -445,22 +445,23 @@ def bench_serve(
     json_path: Path = typer.Option(Path("bench-serve.json"), "--json", help="Where to write the results."),
     plot_path: Path = typer.Option(Path("bench-serve.png"), "--plot", help="Where to write the plot."),
     server: Optional[str] = typer.Option(None, help="A running specserve deployment (http://HOST:PORT); default: bring the local stack up and down."),
-    drafts: Optional[str] = typer.Option(None, help="Comma-separated drafts, a serve-spec[<draft>] row each; default: every draft the deployment lists in /v1/models (the local stack: deploy/serve.yaml's drafts and prompt-lookup-colocated)."),
+    drafts: Optional[str] = typer.Option(None, help="Comma-separated drafts, a serve-spec[<draft>] row each; default: every draft the deployment lists in /v1/models (the local stack: deploy/serve.yaml's)."),
     peer: list[str] = typer.Option([], "--peer", help="NAME=URL of any OpenAI-compatible server (e.g. vllm=http://127.0.0.1:8100), measured as row peer[NAME] with the same requests and no specserve fields; repeatable."),
     in_process: str = typer.Option("prompt-lookup", "--in-process", help="Draft of the in-process-spec row (concurrency 1), or 'none' for no in-process row."),
-    prompts: int = typer.Option(12, help="ShareGPT prompts per run (concurrency 16 binds only with more than 16)."),
+    prompts: int = typer.Option(12, help="Prompts per run, the categories in turn (concurrency 16 binds only with more than 16)."),
     max_tokens: int = typer.Option(64, help="New tokens per request."),
     concurrency: str = typer.Option("1,4,8,16", help="Comma-separated concurrency limits."),
     rates: str = typer.Option("2,inf", help="Comma-separated Poisson arrival rates in requests/s (inf: all at once). At 2 req/s about 4 requests are in flight, so the limits 4-8 bind."),
     window: int = typer.Option(4, help="The pinned window γ of the serve-spec and in-process rows."),
     adaptive: bool = typer.Option(False, "--adaptive", help="serve-spec rows name their draft only: the deployment's policy picks each step's window, as for serve-default (the in-process row keeps --window)."),
-    categories: Optional[str] = typer.Option(None, help="Comma-separated prompt categories (code,chat,summarise,edit), in turn; default: chat (ShareGPT)."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated prompt categories (code,chat,summarise,edit), in turn; default: all four."),
     router_warmup: int = typer.Option(0, "--router-warmup", help="Other prompts per category sent with no spec before measuring, so the replicas' draft routers learn first; serve-default then runs first on each prompt."),
     dtype: str = typer.Option("auto", help="dtype of the in-process engine and of the local stack it brings up."),
     threads: Optional[int] = typer.Option(None, help="torch threads of the in-process engine."),
-    repeats: int = typer.Option(1, help="Rounds of the loaded runs (concurrency > 1), the rows taking turns; each row's figures are over all rounds, its tok/s per round in the JSON."),
+    repeats: int = typer.Option(2, help="Rounds of the loaded runs (concurrency > 1), the rows taking turns; each row's figures are over all rounds, its tok/s per round in the JSON."),
     stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed piece of the local stack (its stream_interval); start peers with the same (vLLM: --stream-interval)."),
     no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="Send every row's and round's requests with a cache_salt of their own (vLLM's field, specserve's too), so that no server answers from a prefix cache another row or round filled: engine throughput, not cache hits. Peers must accept cache_salt. By default the same prompts repeat across rows and rounds, as a chat service's do."),
+    only_drafts: bool = typer.Option(False, "--only-drafts", help="The local stack serves only --drafts (faster to start; serve-default then measures that app, not the shipped default)."),
 ) -> None:
     """Load generator (Poisson arrivals, concurrency limits): target-only, the deployment's default and
     each draft pinned, beside the in-process engine and any OpenAI-compatible peers, in one run.
@@ -496,6 +497,7 @@ def bench_serve(
             repeats=repeats,
             stream_interval=stream_interval,
             no_prefix_reuse=no_prefix_reuse,
+            only_drafts=only_drafts,
         ))
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
         fail(str(err))

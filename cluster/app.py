@@ -1,5 +1,6 @@
-"""The Serve application builder: ingress -> target -> one deployment per draft (or colocated
-drafts), and with a Redis URL the policy service (ingress -> policy for ``GET /v1/policy``).
+"""The Serve application builder: ingress -> target (with the drafts placed inside it) -> a
+deployment per draft placed separately (``cluster/placement.py``), and with a Redis URL the
+policy service (ingress -> policy for ``GET /v1/policy``).
 
     serve run specserve.cluster.app:app                  # defaults: the reference models
     serve run deploy/serve.yaml                          # the same builder, args and deployments from YAML
@@ -10,10 +11,13 @@ Deployments get their defaults here; Serve's config file overrides them by name 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.cluster.config import INGRESS_DEPLOYMENT, INSIDE, POLICY_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.cluster.placement import measure, plan
 from specserve.data.prompts import topic_corpus
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.replica_learning import ReplicaLearningFactory
@@ -37,11 +41,13 @@ SESSION_AFFINITY = RequestRouterConfig(
 PREFIX_AFFINITY = RequestRouterConfig(request_router_class=PREFIX_AFFINITY_ROUTER)
 
 
-def build_app(args: AppConfig) -> Application:
+def build_app(args: AppConfig, measure_costs=measure) -> Application:
+    """``measure_costs``: how an ``auto`` model draft's costs are measured (``placement.measure``)."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
-    # A colocated draft is built inside each target replica from its spec; the others are deployments.
+    placements = plan(config, measure_costs)
+    # A draft placed inside is built in each target replica from its spec; the others are deployments.
     drafts = {
-        spec.name: spec.model_dump() if spec.colocated else DraftDeployment.options(
+        spec.name: spec.model_dump() if placements[spec.name].where == INSIDE else DraftDeployment.options(
             name=draft_deployment(spec.name), request_router_config=SESSION_AFFINITY
         ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle)
         for spec in config.drafts
@@ -61,7 +67,8 @@ def build_app(args: AppConfig) -> Application:
     if config.redis_url:
         policy = PolicyService.options(name=POLICY_DEPLOYMENT).bind(config.redis_url, config.redis_prefix,
                                                                     router_retrain=retrain if config.router else None)
-    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, config.ingress_config(), policy)
+    ingress = replace(config.ingress_config(), placement={name: p.to_dict() for name, p in placements.items()})
+    return Ingress.options(name=INGRESS_DEPLOYMENT).bind(target, ingress, policy)
 
 
 # The reference models with every default, for `serve run specserve.cluster.app:app` and

@@ -9,6 +9,7 @@ Deployment names are fixed: ``ingress``, ``target`` and ``draft-<name>`` for eac
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,6 +22,7 @@ INGRESS_DEPLOYMENT = "ingress"
 TARGET_DEPLOYMENT = "target"
 POLICY_DEPLOYMENT = "policy"
 PROMPT_LOOKUP = "prompt-lookup"
+AUTO, INSIDE, SEPARATE = "auto", "inside", "separate"   # draft placements
 
 
 def draft_deployment(name: str) -> str:
@@ -40,10 +42,12 @@ class DraftSpec(BaseModel):
         "folder, a .gguf file, a model-cache name or a zoo draft (smollm2-draft-2l, smollm2-hsr). Empty: "
         "prompt lookup, which needs no model.",
     )
-    colocated: bool = Field(
-        False,
-        description="Run the draft inside each target replica instead of as its own deployment: no handle "
-        "call per step (6-7 ms measured here), but it scales and fails with the target.",
+    placement: Literal["auto", "inside", "separate"] = Field(
+        AUTO,
+        description="Where the draft runs: inside each target replica (no handle call per step; it scales and "
+        "fails with the target), separate (its own deployment draft-<name>: a device of its own, scaling apart), "
+        "or auto: chosen by measured cost at build time (cluster/placement.py): model-free drafts inside, a model "
+        "draft inside when its in-replica step costs less than a handle call plus its forwards elsewhere.",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="torch threads in each draft replica; default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
@@ -68,7 +72,7 @@ class AppConfig(BaseModel):
     dtype: str = Field("auto", description="auto (bfloat16 where the hardware runs it natively, else float32), float32, bfloat16.")
     drafts: list[DraftSpec] = Field(
         default_factory=lambda: [DraftSpec(name=PROMPT_LOOKUP)],
-        description="One deployment per draft.",
+        description="The drafts the target can speculate with; each runs where its placement says.",
     )
     default_draft: str = Field(PROMPT_LOOKUP, description="The draft for requests that name none (or 'auto') when the router is off: a draft name or 'none'.")
     router: bool = Field(True, description="Choose the draft of requests that name none (or 'auto') per request with the "

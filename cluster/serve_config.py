@@ -13,14 +13,14 @@ from pathlib import Path
 
 import yaml
 
-from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, draft_deployment
+from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROMPT_LOOKUP, SEPARATE, TARGET_DEPLOYMENT, draft_deployment
 
 APP_NAME = "specserve"
 BUILDER = "specserve.cluster.app:build_app"
 GRPC_SERVICER = "specserve.ingress.specserve_pb2_grpc.add_SpecServeServicer_to_server"
 
 
-# The package's trained drafts (specserve zoo), each its own deployment, selectable by name.
+# The package's trained drafts (specserve zoo), selectable by name; placed by measurement.
 ZOO_DRAFTS = ("smollm2-draft-2l", "smollm2-hsr")
 
 # CPU accounting, in this one place: a deployment that runs a model asks Ray for as many CPUs as
@@ -52,14 +52,22 @@ def _drafts(args: dict) -> list[dict]:
     return args.get("drafts", [{"name": PROMPT_LOOKUP}])
 
 
+def separate(spec: dict) -> bool:
+    """Whether a draft spec runs as its own deployment, as the config file must know before the
+    build: a draft placed ``separate``. An ``auto`` one is placed at build time by measurement
+    (``cluster/placement.py``); on one kind of hardware that is inside the target, and should it
+    come out separate its deployment runs with the code's defaults."""
+    return spec.get("placement") == SEPARATE
+
+
 def model_threads(args: dict) -> dict[str, int | None]:
     """The torch threads of each deployment that runs a model, by deployment name: the target's
-    ``torch_threads`` and that of each draft with a model that runs as its own deployment (a
-    colocated draft runs on the target's model thread). ``None``: not set, so the replica runs
-    as many as it asks Ray for (Ray's ``OMP_NUM_THREADS`` = ``num_cpus``)."""
+    ``torch_threads`` and that of each draft model placed as its own deployment (a draft inside
+    the target runs on the target's model thread). ``None``: not set, so the replica runs as
+    many as it asks Ray for (Ray's ``OMP_NUM_THREADS`` = ``num_cpus``)."""
     threads: dict[str, int | None] = {TARGET_DEPLOYMENT: args.get("torch_threads")}
     for spec in _drafts(args):
-        if spec.get("model") and not spec.get("colocated"):
+        if spec.get("model") and separate(spec):
             threads[draft_deployment(spec["name"])] = spec.get("torch_threads")
     return threads
 
@@ -77,7 +85,7 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
     args = copy.deepcopy(args)
     args["torch_threads"] = args.get("torch_threads") or TARGET_THREADS
     for spec in args.get("drafts", []):
-        if spec.get("model") and not spec.get("colocated"):
+        if spec.get("model") and separate(spec):
             spec["torch_threads"] = spec.get("torch_threads") or DRAFT_MODEL_THREADS
     threads = model_threads(args)
 
@@ -96,7 +104,7 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
     drafts = []
     for spec in _drafts(args):
         name = draft_deployment(spec["name"])
-        if spec.get("colocated"):
+        if not separate(spec):
             continue
         if name in threads:   # a draft model's forward waits for no one but its step
             drafts.append(deployment(name, threads[name], 64, 1, 32))
@@ -127,14 +135,12 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
 
 def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
     """The reference target with prompt lookup and the zoo's drafts, sized for one small machine
-    (2 cores here): two target replicas of one thread each and each zoo draft one thread, so the
-    application asks for more CPUs than the machine has cores. See ``cpus_requested`` for why that is honest, and how
-    the local Ray cluster is sized for it."""
+    (2 cores here): two target replicas of one thread each, every draft placed by measurement
+    (inside the targets, on this hardware: no draft deployment holds a CPU the targets need)."""
     return app_serve_config({
         "dtype": "auto", "torch_threads": TARGET_THREADS, "default_draft": PROMPT_LOOKUP, "default_window": 4,
         "max_model_len": LOCAL_MAX_MODEL_LEN,
-        "drafts": [{"name": PROMPT_LOOKUP},
-                   *({"name": name, "model": name, "torch_threads": DRAFT_MODEL_THREADS} for name in ZOO_DRAFTS)],
+        "drafts": [{"name": PROMPT_LOOKUP}, *({"name": name, "model": name} for name in ZOO_DRAFTS)],
     }, http_port, grpc_port, TARGET_REPLICAS)
 
 

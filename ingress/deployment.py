@@ -76,6 +76,8 @@ class IngressConfig:
     resume_attempts: int = 3             # continuations of one request after its target replica failed
     resume_timeout_s: float = 60.0       # how long a continuation may wait for a replica to take it
     retry_after_s: int = 5               # what a 503 tells the client to wait
+    # draft -> where it runs and why ({"where", "reason", "figures"}, ``cluster/placement.py``)
+    placement: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass
@@ -357,6 +359,7 @@ class Ingress:
         return {"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
             "max_model_len": self.max_context, "drafts": self.config.draft_names, "policies": list(POLICIES),
+            "placement": self.config.placement,
         }]}
 
     @api.get("/v1/policy")

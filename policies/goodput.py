@@ -30,6 +30,9 @@ call it made the whole step wait for). A busy step prices every token at the ste
 so windows shrink with load: at batch 16 on this CPU a γ = 1 pays from α ≈ 0.25, a γ = 4 only
 from α ≈ 0.6. A tree is kept whole (priced at its node budget) or dropped.
 
+The replica's start-up probe (``replicas/cost_probe.py``) gives the first verify points and draft
+costs (``seed_costs``), so that the first requests are priced by measurement, not by nothing.
+
 A request whose client pinned its window or tree keeps it. Until both are measured it speculates
 (α̂ counts as measured after ``min_steps`` drafting steps of the draft, or at once when requests
 bring the cluster's prior: one empty first step of prompt lookup must not switch it off, which
@@ -219,6 +222,16 @@ class GoodputPolicy:
                 return replace(spec, window=window)
             fed = positions = spec.window
         return spec if self.explores(state.id, draft, fed, positions, batch_size) else PLAIN
+
+    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None:
+        """Costs measured before any step (batch 1): verify (forward tokens, ms) points and each
+        draft's ms per drafted position; the replica's steps push them out of the history."""
+        for cost in verify:
+            self._costs.append(cost)
+            self._costs_by_load.setdefault(load_bucket(1), deque(maxlen=self._history)).append(cost)
+        self._fits.clear()
+        for draft, ms in draft_ms_per_position.items():
+            self._draft_share.setdefault(draft, deque(maxlen=self._history)).append(ms)
 
     def observe(self, record: StepRecord) -> None:
         self.base.observe(record)

@@ -8,9 +8,18 @@ window policy updates only the requests it chose for.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from specserve.policies.registry import POLICIES, build_policy
 from specserve.replicas.request import RequestState
 from specserve.replicas.step import Speculation, StepRecord
+
+
+@runtime_checkable
+class PricesSteps(Protocol):
+    """A policy that prices steps with measured costs, and takes the replica's start-up ones."""
+
+    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None: ...
 
 
 class PolicyByRequest:
@@ -19,6 +28,18 @@ class PolicyByRequest:
             raise ValueError(f"unknown policy {default!r}; choose from {', '.join(POLICIES)}")
         self.default = default
         self.instances: dict[str, object] = {}
+        self._seed: tuple | None = None   # the start-up probe's costs, for instances made later
+
+    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None:
+        """The replica's costs measured at start, to every policy that prices with them (now, and
+        each created later)."""
+        self._seed = (verify, draft_ms_per_position)
+        for policy in self.instances.values():
+            self._seed_one(policy)
+
+    def _seed_one(self, policy) -> None:
+        if isinstance(policy, PricesSteps) and self._seed is not None:   # only the cost-aware ones
+            policy.seed_costs(*self._seed)
 
     def name_for(self, state: RequestState) -> str:
         return state.request.policy or self.default
@@ -26,6 +47,7 @@ class PolicyByRequest:
     def _instance(self, name: str):
         if name not in self.instances:
             self.instances[name] = build_policy(name)
+            self._seed_one(self.instances[name])
         return self.instances[name]
 
     def choose(self, state: RequestState, batch_size: int) -> Speculation:

@@ -5,7 +5,7 @@ It runs in one of three places:
 - as its own Ray Serve deployment (``draft_deployment.DraftDeployment``): drafts scale and fail apart from the
   target, on their own GPUs, and a step pays one handle call for all its requests (measured 6-7 ms
   inside a replica on the 2-core machines here, 3.7 ms from an idle driver);
-- inside each target replica (``DraftSpec.colocated``): no call at all, sharing the target's model
+- inside each target replica (``DraftSpec.placement``, inside): no call at all, sharing the target's model
   thread. Worth it when proposing is cheap next to the hop (prompt lookup: 0.5 ms) or the draft is
   small enough to sit beside the target;
 - in-process (``specserve generate``, ``bench engine``, tests), built from a draft factory.
@@ -47,7 +47,7 @@ class DraftServer:
                  kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None):
         """``model``: a draft LM or HSR head to load (None: prompt lookup). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
-        model work runs on; a colocated draft shares the target's."""
+        model work runs on; a draft inside the target replica shares the target's."""
         self.name = name
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
         self._generators: dict[str, torch.Generator] = {}
@@ -58,9 +58,12 @@ class DraftServer:
         # Chains of a causal-LM draft are drafted for all of a call's sessions together.
         self._batched: BatchedDraftLM | None = None
         self.device = torch.device("cpu")
+        self._features_size: int | None = None
         if make_draft is not None:
             probe = make_draft()
             self._needs_features = bool(getattr(probe, "needs_features", False))
+            if self._needs_features and draft_model(probe) is not None:
+                self._features_size = int(draft_model(probe).config.hidden_size)
             self._adopt(draft_model(probe))
             if draft_model(probe) is None:
                 self._stateless = probe
@@ -72,6 +75,8 @@ class DraftServer:
         else:
             loaded = load_causal_lm(model, dtype=dtype)
             self._needs_features = isinstance(loaded.model, HSRHead)
+            if self._needs_features:
+                self._features_size = int(loaded.model.config.hidden_size)
             self._adopt(loaded.model)
             self.pool = SessionPool(lambda: draft_from_model(name, loaded.model), keep_idle=kv_sessions_idle)
         logger.info("draft %s ready (%s)", name, model or ("in-process" if make_draft else "prompt lookup, no model"))
@@ -98,6 +103,24 @@ class DraftServer:
         if self._stateless is not None:   # an n-gram search: cheaper than a thread hand-off
             return [self._propose_one(self._stateless, ask) for ask in asks]
         return await self._worker.run(self._propose_pooled, asks)
+
+    def propose_now(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
+        """``propose_batch`` on the calling thread, which must be the one the draft's model work runs
+        on (the start-up cost probe, ``cost_probe``); the asks' sessions are released after."""
+        try:
+            if self._stateless is not None:
+                return [self._propose_one(self._stateless, ask) for ask in asks]
+            return self._propose_pooled(asks)
+        finally:
+            for ask in asks:
+                self._generators.pop(ask.session_id, None)
+            if self.pool is not None:
+                self._release_caches([ask.session_id for ask in asks])
+
+    @property
+    def features_size(self) -> int | None:
+        """The target hidden size a hidden-state-reuse draft reads; None for the others."""
+        return self._features_size
 
     def _propose_pooled(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
         replies: list[Proposal | NeedFeatures | None] = [None] * len(asks)

@@ -38,8 +38,17 @@ class ModelWorker:
         if self.threads:
             torch.set_num_threads(self.threads)
 
+    def call(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)`` on the model thread, waiting for it here: start-up work outside an event
+        loop (the replica's constructor), timed with the thread count that serves."""
+        return self._pool.submit(self._timed, fn, args).result()
+
     async def run(self, fn: Callable[..., T], *args) -> T:
         return await self.submit(fn, *args)
+
+    def close(self) -> None:
+        """End the model thread once its work is done (a worker made for one job)."""
+        self._pool.shutdown(wait=True)
 
     def submit(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
         """Start ``fn(*args)`` on the model thread now; the caller awaits the future when it
@@ -66,6 +75,9 @@ class InlineWorker:
     event loop while a forward runs."""
 
     name = "inline"
+
+    def call(self, fn: Callable[..., T], *args) -> T:
+        return fn(*args)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         return fn(*args)

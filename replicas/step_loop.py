@@ -7,7 +7,7 @@ drive a ``Scheduler`` through it.
     deliver the previous step's tokens                        # while the forward runs
     await work
 
-A draft is a ``DraftServer`` (in-process or colocated) or a draft deployment behind a Serve handle
+A draft is a ``DraftServer`` (in-process, or inside the target replica) or a draft deployment behind a Serve handle
 (``RemoteDraft``); both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs
 its requests their speculation (they go on with plain decoding), never the requests (docs/design.md §7).
 

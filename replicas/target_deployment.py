@@ -21,6 +21,7 @@ the next step and its KV slot is freed.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -34,6 +35,7 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from specserve.replicas.cost_probe import ProbedCosts, draft_ms_per_position, verify_points
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
@@ -93,6 +95,9 @@ class ServedPolicy(Policy, Protocol):
 
     def name_for(self, state: RequestState) -> str: ...
 
+    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None:
+        """The replica's costs measured at start (``cost_probe``), for the policies that price steps."""
+
 
 def merged(item: StreamItem, queue: asyncio.Queue) -> StreamItem:
     """``item`` and the items queued behind it as one: each item the replica yields is a message
@@ -111,7 +116,7 @@ class TargetDeployment:
                  drafts: dict[str, DeploymentHandle | dict] | None = None,
                  learning: Callable[[str], object] | None = None, router: Callable[..., object] | None = None):
         """``policy``: chooses each request's speculation per step (``specserve.policies``).
-        ``drafts``: a handle per draft deployment, or the ``DraftSpec`` fields of a colocated draft.
+        ``drafts``: a handle per draft deployment, or the ``DraftSpec`` fields of a draft placed inside.
         ``learning``: called with the stats name, what the replica learns with: the statistics,
         metrics and warm starts (``policies.replica_learning``); None: nothing. ``router``: called
         with the stats name, the draft names and the tokenizer, the draft router of ``auto``
@@ -119,8 +124,9 @@ class TargetDeployment:
         ``config.default_draft``."""
         drafts = drafts or {}
         if not isinstance(policy, ServedPolicy):
-            raise TypeError(f"the replica's policy must name the rule it applies to each request (name_for): "
-                            f"{type(policy).__name__} does not; wrap it in policies.per_request.PolicyByRequest")
+            raise TypeError(f"the replica's policy must name the rule it applies to each request (name_for) and "
+                            f"take the replica's measured costs (seed_costs): {type(policy).__name__} does not; "
+                            "wrap it in policies.per_request.PolicyByRequest")
         self.loaded = load_causal_lm(config.model, dtype=config.dtype)
         # Ray sets OMP_NUM_THREADS to num_cpus; the model thread sets torch's count itself.
         threads = config.torch_threads or torch.get_num_threads()
@@ -151,10 +157,19 @@ class TargetDeployment:
         self._released_at = -math.inf
         self._task: asyncio.Task | None = None
         self._probe()   # the model runs before the replica reports healthy (and a reserved cache is allocated)
+        # Priced before it serves: the router and the policy start from this replica's own costs.
+        inside = {name: d for name, d in resolved.items() if isinstance(d, DraftServer)}
+        self.costs = self._worker.call(self._measure_costs, inside)
+        policy.seed_costs(self.costs.verify, self.costs.draft_ms_per_position)
+        if self.routing is not None:
+            self.routing.router.costs.seed_verify(self.costs.verify)
+            for name, ms in self.costs.draft_ms_per_position.items():
+                self.routing.router.costs.seed(name, ms)
         self._background: list[asyncio.Task] | None = None   # learning's tasks, once started
-        logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s", config.model,
+        logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s; measured costs: %s", config.model,
                     self.loaded.model.device, self.loaded.model.dtype, threads, config.max_batch,
-                    ", ".join(drafts) or "none")
+                    ", ".join(f"{n} ({'inside' if n in inside else 'separate'})" for n in drafts) or "none",
+                    json.dumps(self.costs.to_dict()))
 
     def _ensure_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -262,6 +277,15 @@ class TargetDeployment:
             target.kv.reset(slot)
         if not math.isfinite(done.nll):
             raise RuntimeError("the model's output is not finite")
+
+    def _measure_costs(self, inside: dict[str, DraftServer]) -> ProbedCosts:
+        """On the model thread: the verify forward's cost by tokens fed, and each in-replica
+        draft's per drafted position (``cost_probe``), on the last KV slot (free at start)."""
+        target = self.scheduler.target
+        return ProbedCosts(
+            verify=verify_points(target, target.slots - 1),
+            draft_ms_per_position={name: draft_ms_per_position(d.propose_now, target.vocab, d.features_size)
+                                   for name, d in inside.items()})
 
     async def check_health(self) -> None:
         """Healthy means the model runs: a stuck forward, a dead step loop, steps failing in a row

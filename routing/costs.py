@@ -12,8 +12,13 @@ Language Models" (Eq. 1) per draft d at window γ, for one request in a batch of
 and the plain candidate (no speculation) emits one token per ``c0 + c1·B`` ms. The router takes
 each draft at its best γ (``best``), as the per-step window policy will then adapt it.
 
-Until a draft has proposed here its cost is unknown and taken as 0 (optimistic: the router tries
-it and measures), unless the cluster's snapshot gave one (``seed``).
+Nothing is priced with a placeholder. The replica measures the verify forward and each of its
+in-replica drafts before it serves (``replicas/cost_probe.py``, through ``seed_verify`` and
+``seed``); the cluster's snapshot may seed a draft's cost too. A draft whose cost is still unknown
+(a separate deployment no request has drafted with here) is no candidate: ``best`` prices it at
+0 tokens/s, so "none" or a measured draft wins until a request that names it measures it. (An
+unknown draft priced at 0 ms, as "optimistic" exploration, won every first decision: 1996 tokens/s
+against 1000 for none, and sent requests to the costliest draft.)
 """
 
 from __future__ import annotations
@@ -34,8 +39,14 @@ class StepCosts:
         self._history = history_steps
 
     def seed(self, draft: str, ms_per_position: float) -> None:
-        """A draft's cost from elsewhere (the cluster's priors) until this replica measures it."""
+        """A draft's cost from elsewhere (the start-up probe, the cluster's priors) until this
+        replica's steps measure it."""
         self._seeded[draft] = max(0.0, float(ms_per_position))
+
+    def seed_verify(self, points) -> None:
+        """(forward tokens, ms) of verify forwards measured before serving; real steps push them
+        out of the history."""
+        self._verify.extend(points)
 
     def observe(self, record: StepRecord) -> None:
         if record.batch_size:
@@ -47,17 +58,18 @@ class StepCosts:
             if positions > 0:
                 self._draft.setdefault(draft, deque(maxlen=self._history)).append(ms / positions)
 
-    def draft_ms(self, draft: str) -> float:
-        """ms per drafted position (the median of recent steps: robust to a slow one)."""
+    def draft_ms(self, draft: str) -> float | None:
+        """ms per drafted position (the median of recent steps: robust to a slow one); None while
+        unknown."""
         measured = self._draft.get(draft)
         if measured:
             ordered = sorted(measured)
             return ordered[len(ordered) // 2]
-        return self._seeded.get(draft, 0.0)
+        return self._seeded.get(draft)
 
     def verify_model(self) -> tuple[float, float]:
-        """(c0, c1) of verify ms ≈ c0 + c1·tokens; flat (1 ms, 0) until measured, which only
-        scales every candidate alike."""
+        """(c0, c1) of verify ms ≈ c0 + c1·tokens; flat (1 ms, 0) until measured (only an
+        in-process engine without the start-up probe), which scales every candidate alike."""
         return fit_verify_ms(self._verify) or (1.0, 0.0)
 
     def step_ms(self, draft_ms: float, window: int, batch_size: int) -> float:
@@ -65,8 +77,11 @@ class StepCosts:
         return window * draft_ms + c0 + c1 * max(1, batch_size) * (1 + window)
 
     def best(self, alpha: float, draft: str, batch_size: int) -> tuple[float, int]:
-        """(tokens per second, γ) of ``draft`` at its best window for per-token acceptance α."""
+        """(tokens per second, γ) of ``draft`` at its best window for per-token acceptance α;
+        (0, 0) while its cost is unknown: no candidate."""
         a = self.draft_ms(draft)
+        if a is None:
+            return 0.0, 0
         rates = [(1e3 * expected_emitted(alpha, g) / self.step_ms(a, g, batch_size), g)
                  for g in range(1, self.window_max + 1)]
         return max(rates, key=lambda r: (r[0], -r[1]))

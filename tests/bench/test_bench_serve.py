@@ -48,7 +48,7 @@ def test_bad_peers_say_what_to_write(specs, message):
 
 
 def test_drafts_default_to_every_served_draft_and_unknown_ones_are_named():
-    served = ["prompt-lookup", "smollm2-hsr", "prompt-lookup-colocated"]
+    served = ["prompt-lookup", "smollm2-hsr", "smollm2-draft-2l"]
     assert parse_drafts(None) is None
     assert resolve_drafts(None, served) == served
     assert resolve_drafts(parse_drafts(" smollm2-hsr,prompt-lookup,smollm2-hsr "), served) == ["smollm2-hsr", "prompt-lookup"]
@@ -144,7 +144,7 @@ def test_nothing_completed_is_a_row_of_failures_not_an_exception():
 
 def _rows() -> list[dict]:
     peer = RowConfig("peer[vllm]", "peer", "http://127.0.0.1:8100", "smollm2")
-    spec = RowConfig("serve-spec[prompt-lookup-colocated]", "serve", URL, "smollm2", "prompt-lookup-colocated", 4)
+    spec = RowConfig("serve-spec[prompt-lookup]", "serve", URL, "smollm2", "prompt-lookup", 4)
     rows = []
     for config, steps in ((peer, 0), (spec, 5)):
         for concurrency, rate in ((1, math.inf), (4, 2.0), (4, math.inf)):
@@ -161,27 +161,31 @@ def test_rows_carry_their_whole_config_and_the_table_shows_unknowns_as_dashes():
     assert rows[1]["rate"] == 2.0 and rows[0]["rate"] == "inf"   # JSON has no infinity
     table = format_table(rows).splitlines()
     assert table[2].startswith("peer[vllm] ") and table[2].split()[-4:] == ["-", "-", "-", "-"]
-    assert table[5].startswith("serve-spec[prompt-lookup-colocated]") and table[5].split()[-1] == "1.80"
+    assert table[5].startswith("serve-spec[prompt-lookup]") and table[5].split()[-1] == "1.80"
 
 
 def test_the_plot_has_a_legend_entry_for_every_row_and_rate(tmp_path):
     meta = {"model": "smollm2", "dtype": "bfloat16", "prompts": 1, "max_tokens": 9, "window": 4,
-            "machine": {"cpu_count": 2, "load_avg_1m": 0.5}}
+            "machine": {"cpu_count": 2, "load_avg_1m": 0.5}, "placement": {"prompt-lookup": {"where": "inside"}}}
     labels = plot(_rows(), meta, tmp_path / "bench.png")
-    assert labels == ["peer[vllm]", "serve-spec[prompt-lookup-colocated]", "rate 2.0 req/s", "rate inf req/s"]
+    assert labels == ["peer[vllm]", "serve-spec[prompt-lookup]", "rate 2.0 req/s", "rate inf req/s"]
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_the_local_stack_serves_every_draft_plus_prompt_lookup_colocated_or_only_those_asked_for():
-    everything = local_stack_config("bfloat16", None)["applications"][0]
-    names = [d["name"] for d in everything["args"]["drafts"]]
-    assert names[0] == "prompt-lookup" and names[-1] == "prompt-lookup-colocated" and len(names) >= 3
-    assert everything["args"]["dtype"] == "bfloat16"
+def test_the_local_stack_is_the_shipped_default_unless_told_to_serve_only_some_drafts():
+    from specserve.cluster.serve_config import local_serve_config
 
-    only = local_stack_config("auto", ["prompt-lookup-colocated"])["applications"][0]
-    assert only["args"]["drafts"] == [{"name": "prompt-lookup-colocated", "colocated": True}]
-    assert only["args"]["default_draft"] == "prompt-lookup-colocated"   # the default must be a served draft
-    # A colocated draft runs inside the target replica: no deployment of its own to configure.
+    shipped = local_serve_config()["applications"][0]
+    everything = local_stack_config("bfloat16", None)["applications"][0]
+    assert everything["args"] == {**shipped["args"], "dtype": "bfloat16", "stream_interval": 1}
+    assert everything["deployments"] == shipped["deployments"]
+    # Naming drafts picks rows, not the app: serve-default still measures the shipped default.
+    assert local_stack_config("bfloat16", ["prompt-lookup"])["applications"][0]["args"]["drafts"] == shipped["args"]["drafts"]
+
+    only = local_stack_config("auto", ["smollm2-hsr"], only_drafts=True)["applications"][0]
+    assert only["args"]["drafts"] == [{"name": "smollm2-hsr", "model": "smollm2-hsr"}]
+    assert only["args"]["default_draft"] == "smollm2-hsr"   # the default must be a served draft
+    # Placed by measurement (inside, on one kind of hardware): no deployment of its own to configure.
     assert sorted(d["name"] for d in only["deployments"]) == ["ingress", "target"]
     for app in (everything, only):   # what the application builder will be given must be valid
         AppConfig(**app["args"])
@@ -190,7 +194,7 @@ def test_the_local_stack_serves_every_draft_plus_prompt_lookup_colocated_or_only
 
 
 def test_the_local_stacks_stream_interval_reaches_the_application_and_bad_counts_are_refused():
-    args = local_stack_config("auto", ["prompt-lookup-colocated"], stream_interval=8)["applications"][0]["args"]
+    args = local_stack_config("auto", ["prompt-lookup"], stream_interval=8)["applications"][0]["args"]
     assert AppConfig(**args).ingress_config().stream_interval == 8
     for repeats, interval in ((0, 1), (1, 0)):   # refused when the options are made, before anything starts
         with pytest.raises(ValueError, match="--repeats and --stream-interval must be >= 1"):
@@ -198,7 +202,7 @@ def test_the_local_stacks_stream_interval_reaches_the_application_and_bad_counts
 
 
 def test_the_options_check_the_categories_and_the_window_when_made():
-    assert ServeBenchConfig().categories == ("chat",)   # ShareGPT: the serving-benchmark standard
+    assert ServeBenchConfig().categories == ("code", "chat", "summarise", "edit")   # the mixed set
     # Blanks and repeats dropped, as --categories "code, ,code,edit" gives them.
     assert ServeBenchConfig(categories=("code", " ", "code", "edit")).categories == ("code", "edit")
     with pytest.raises(ValueError, match="--window must be >= 1"):

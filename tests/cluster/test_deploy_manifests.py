@@ -27,12 +27,13 @@ from ray.serve.schema import (
     gRPCOptionsSchema,
 )
 
-from specserve.cluster.config import INGRESS_DEPLOYMENT, PROMPT_LOOKUP, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.cluster.config import INGRESS_DEPLOYMENT, INSIDE, PROMPT_LOOKUP, SEPARATE, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.cluster.placement import plan
 from specserve.cluster.serve_config import BUILDER, GRPC_SERVICER, model_threads
 from dockerfile import dockerfile_instructions, shell_commands
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-SIZED_DEPLOYMENTS = (INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, draft_deployment(PROMPT_LOOKUP))
+SIZED_DEPLOYMENTS = (INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT)
 SIZING_KEYS = ("ray_actor_options", "max_ongoing_requests", "autoscaling_config")
 
 
@@ -198,8 +199,12 @@ def test_rayservice_app_args_are_a_valid_app_config():
     assert PROMPT_LOOKUP in config.draft_names, f"{where}: args.drafts should include {PROMPT_LOOKUP!r}, got {config.draft_names}"
     assert app["args"].get("dtype") == "auto", f"{where}: args.dtype should be 'auto', got {app['args'].get('dtype')!r}"
     # Serve refuses a config entry for a deployment the app does not build, and a deployment
-    # without an entry runs with the code's CPU defaults.
-    expected = {INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, *(draft_deployment(name) for name in config.draft_names)}
+    # without an entry runs with the code's CPU defaults. Every model draft is placed outright
+    # (its own GPUs), so the build measures nothing.
+    placements = plan(config, measure_costs=lambda spec, _: pytest.fail(f"{where}: {spec.name} placed by a build-time measurement"))
+    assert placements[PROMPT_LOOKUP].where == INSIDE
+    expected = {INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT,
+                *(draft_deployment(name) for name, p in placements.items() if p.where == SEPARATE)}
     configured = set(_deployments(_rayservice_serve_config(), where))
     assert configured == expected, (
         f"{where}: deployments {sorted(configured)} should be exactly those build_app creates from args: {sorted(expected)}"

@@ -8,7 +8,6 @@ import yaml
 from specserve.cluster.config import PROMPT_LOOKUP, TARGET_DEPLOYMENT, AppConfig, draft_deployment
 from specserve.cluster.serve_config import (
     BUILDER,
-    DRAFT_MODEL_THREADS,
     TARGET_THREADS,
     ZOO_DRAFTS,
     app_serve_config,
@@ -61,28 +60,32 @@ def test_each_model_asks_ray_for_the_threads_it_runs():
     assert cpus[TARGET_DEPLOYMENT] == args.torch_threads
     models = [spec for spec in args.drafts if spec.model]
     assert [spec.name for spec in models] == list(ZOO_DRAFTS)
-    for spec in models:
-        assert spec.torch_threads == DRAFT_MODEL_THREADS
-        assert cpus[draft_deployment(spec.name)] == spec.torch_threads, spec.name
-    assert cpus[draft_deployment(PROMPT_LOOKUP)] < 1   # no model: an event loop
 
 
-def test_the_local_ray_cluster_has_room_for_every_replica_on_two_cores():
+def test_the_shipped_config_deploys_no_draft_replica_the_placement_puts_inside_the_target():
     config = local_serve_config()
-    # Two one-thread target replicas and 1 thread for each zoo draft, on 2 cores: more than the machine ...
-    requested = cpus_requested(config)
-    assert requested == pytest.approx(2 * 1 + 2 * 0.1 + 2 * 0.1 + 2 * 1)
-    # ... so `specserve up` starts Ray with that many logical CPUs, and never fewer than the cores.
-    assert local_ray_cpus(config, cores=2) == 5
+    args = AppConfig.model_validate(config["applications"][0]["args"])
+    # Every draft is placed by measurement (auto), which on one kind of hardware is inside the
+    # target: so no draft deployment holds a CPU the target replicas need.
+    assert {spec.placement for spec in args.drafts} == {"auto"}
+    assert set(_num_cpus(config)) == {"ingress", TARGET_DEPLOYMENT}
+    # What the CPUs pay for is what runs: two one-thread target replicas and the ingress's event loops.
+    assert cpus_requested(config) == pytest.approx(2 * 1 + 2 * 0.1)
+    assert local_ray_cpus(config, cores=2) == 3
     assert local_ray_cpus(config, cores=16) == 16
 
 
 def test_any_app_gets_an_entry_for_exactly_its_deployments_sized_by_its_threads():
     config = app_serve_config({"target": "/models/t", "torch_threads": 3, "drafts": [
         {"name": PROMPT_LOOKUP}, {"name": "lm", "model": "/models/d"}, {"name": "big", "model": "/models/b", "torch_threads": 2},
-        {"name": "near", "model": "/models/d", "colocated": True}]})
+        {"name": "near", "model": "/models/d", "placement": "inside"},
+        {"name": "measured", "model": "/models/d"}]})
+    for spec in config["applications"][0]["args"]["drafts"][:3]:
+        spec["placement"] = "separate"
+    config = app_serve_config(config["applications"][0]["args"])
     args = AppConfig.model_validate(config["applications"][0]["args"])
+    # Only drafts placed separate have deployments (an auto one is placed when the app is built).
     assert _num_cpus(config) == {"ingress": 0.1, "target": 3, "draft-prompt-lookup": 0.1, "draft-lm": 1, "draft-big": 2}
-    assert {d.name: d.torch_threads for d in args.drafts} == {PROMPT_LOOKUP: None, "lm": 1, "big": 2, "near": None}
+    assert {d.name: d.torch_threads for d in args.drafts} == {PROMPT_LOOKUP: None, "lm": 1, "big": 2, "near": None, "measured": None}
     default = app_serve_config({"target": "/models/t"})
     assert default["applications"][0]["args"]["torch_threads"] == _num_cpus(default)["target"] == TARGET_THREADS

@@ -54,7 +54,7 @@ RESUME_TIMEOUT_S = 45
 def _config(draft_path: str, keys_file: str) -> dict:
     args = {**local_serve_config()["applications"][0]["args"], "dtype": "float32", "max_batch": TARGET_SLOTS,
             "api_keys_file": keys_file, "resume_timeout_s": RESUME_TIMEOUT_S,
-            "drafts": [{"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path}]}
+            "drafts": [{"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path, "placement": "separate"}]}
     config = app_serve_config(args, target_replicas=2)
     deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
     deployments["target"].update(max_ongoing_requests=TARGET_SLOTS, max_queued_requests=TARGET_QUEUE)

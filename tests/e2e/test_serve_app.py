@@ -1,7 +1,8 @@
-"""End to end on a real local Ray cluster: `specserve up` with the reference target, prompt lookup,
-a real-weights draft LM (the target's first two layers) and the zoo's hidden-state-reuse head as
-separate deployments (and inside the target replica), a real redis-server, then HTTP through the
-unmodified `openai` client and gRPC through the generated stubs.
+"""End to end on a real local Ray cluster: `specserve up` with the reference target, prompt lookup
+(placed by measurement: inside the target replica, and a second one forced separate), a
+real-weights draft LM (the target's first two layers) and the zoo's hidden-state-reuse head as
+separate deployments (and the head inside the target replica), a real redis-server, then HTTP
+through the unmodified `openai` client and gRPC through the generated stubs.
 
 Greedy output through the served path must equal the in-process target-only greedy output token
 for token (float32), whatever the draft, window or tree.
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.reference, pytest.mark.slow]
 MODEL = "smollm2-135m-instruct"
 DRAFT_LM = "first-2-layers"
 HSR = "smollm2-hsr"   # from the package's zoo: reads the target's hidden states
+LOOKUP_SEPARATE = "lookup-separate"   # prompt lookup as a deployment of its own
 PROMPTS = [
     "Summarise in one sentence: The quick brown fox jumps over the lazy dog. The dog did not react.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -45,9 +47,10 @@ NEW_TOKENS = 24
 
 def _test_config(draft_path: str) -> dict:
     args = {**local_serve_config()["applications"][0]["args"], "dtype": "float32", "drafts": [
-        {"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path},
-        {"name": "lookup-in-target", "colocated": True},   # prompt lookup inside the target replica
-        {"name": HSR, "model": HSR}, {"name": "hsr-in-target", "model": HSR, "colocated": True}]}
+        {"name": "prompt-lookup"},   # model-free, auto: inside the target replica
+        {"name": DRAFT_LM, "model": draft_path, "placement": "separate"},
+        {"name": LOOKUP_SEPARATE, "placement": "separate"},
+        {"name": HSR, "model": HSR, "placement": "separate"}, {"name": "hsr-in-target", "model": HSR, "placement": "inside"}]}
     # An entry for exactly each deployment this app builds (Serve refuses one it does not), each
     # model asking for the CPUs of its torch threads.
     config = app_serve_config(args)
@@ -100,8 +103,28 @@ def chat(client, prompt: str, spec: dict | None = None, **kwargs):
         extra_body={"spec": spec or {}, "return_token_ids": True}, **kwargs)
 
 
-def test_models_lists_the_target(client):
+def test_models_lists_the_target_and_where_each_draft_runs(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    placement = client.models.list().data[0].model_extra["placement"]
+    assert {d: p["where"] for d, p in placement.items()} == {
+        "prompt-lookup": "inside", DRAFT_LM: "separate", LOOKUP_SEPARATE: "separate", HSR: "separate",
+        "hsr-in-target": "inside"}
+    assert placement["prompt-lookup"]["reason"].startswith("model-free") and placement[HSR]["reason"] == "configured"
+
+
+def test_under_load_an_unmeasured_draft_is_not_chosen_over_none(client, expected):
+    """Before any request has drafted with them, the separate drafts' costs are unknown to the
+    replicas (their start-up probe measures the drafts inside): the router must not send requests
+    to them on a guess, however good their acceptance looks. The drafts inside are priced."""
+    separate = {DRAFT_LM, LOOKUP_SEPARATE, HSR}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: chat(client, PROMPTS[i % len(PROMPTS)]), range(8)))
+    for i, out in enumerate(outs):
+        assert out.choices[0].model_extra["token_ids"] == expected[i % len(PROMPTS)]
+        router = out.model_extra["spec"]["router"]
+        assert router["choice"] not in separate, router
+        assert all(router["tokens_per_s"][d] == 0 for d in separate), router["tokens_per_s"]
+        assert router["tokens_per_s"]["none"] > 0 and router["tokens_per_s"]["prompt-lookup"] > 0
 
 
 @pytest.mark.parametrize("spec", [
@@ -110,7 +133,7 @@ def test_models_lists_the_target(client):
     {"draft": DRAFT_LM, "window": 3},
     {"draft": DRAFT_LM, "tree": {"depth": 3, "top_k": 2, "budget": 6}},
     {"draft": "prompt-lookup", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
-    {"draft": "lookup-in-target", "window": 4},
+    {"draft": LOOKUP_SEPARATE, "window": 4},
     # The target's hidden states cross the hop to the HSR deployment, or stay in the replica.
     {"draft": HSR, "window": 3},
     {"draft": "hsr-in-target", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
@@ -136,7 +159,7 @@ def test_auto_requests_are_routed_and_the_decision_is_visible_everywhere(served,
     through the Ray dashboard's log API, token authentication on."""
     from specserve.cluster.local import auth_token
 
-    drafts = {"none", "prompt-lookup", DRAFT_LM, "lookup-in-target", HSR, "hsr-in-target"}
+    drafts = {"none", "prompt-lookup", DRAFT_LM, LOOKUP_SEPARATE, HSR, "hsr-in-target"}
     routed = []
     for prompt, want in zip(PROMPTS, expected):
         out = chat(client, prompt)
@@ -337,7 +360,8 @@ def test_cli_status_and_generate_on_the_server(served, expected):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     deployments = report["application"]["deployments"]
-    assert {"ingress", "target", "draft-prompt-lookup", f"draft-{DRAFT_LM}"} <= set(deployments)
+    assert {"ingress", "target", f"draft-{LOOKUP_SEPARATE}", f"draft-{DRAFT_LM}"} <= set(deployments)
+    assert "draft-prompt-lookup" not in deployments   # placed inside the target
     # Serving: healthy, or scaling (the ingress here scales at one ongoing request, and the request
     # the previous test abandoned may still be finishing).
     serving = ("HEALTHY", "UPSCALING", "DOWNSCALING")

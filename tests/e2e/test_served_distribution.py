@@ -106,7 +106,8 @@ def stack(target, tmp_path_factory) -> tuple:
         "target": str(home / "target"), "served_model_name": MODEL, "dtype": "float32",
         "torch_threads": 1,   # tiny models run fastest on one thread
         "max_batch": CONCURRENCY, "default_draft": "none",
-        "drafts": [{"name": "hsr", "model": str(head)}, {"name": "near", "model": str(near)}],
+        "drafts": [{"name": "hsr", "model": str(head), "placement": "separate"},
+                   {"name": "near", "model": str(near), "placement": "separate"}],
     })
 
 

@@ -1,4 +1,4 @@
-"""A draft server outside Ray (the class a deployment wraps, and what a colocated draft is): an
+"""A draft server outside Ray (the class a deployment wraps, and what a draft placed inside the target is): an
 HSR head tells the target it needs hidden states, and a replica that never saw a session asks for
 them from the start, which the target's step loop then sends, so the proposal is the one a warm
 replica would make."""

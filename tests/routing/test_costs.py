@@ -16,7 +16,7 @@ def record(forward_tokens, verify_ms, steps=(), draft_ms_by=()):
 
 def test_draft_cost_is_per_drafted_position_of_each_draft():
     costs = StepCosts()
-    assert costs.draft_ms("lm") == 0.0   # unknown: optimistic
+    assert costs.draft_ms("lm") is None   # unknown
     costs.seed("lm", 3.0)
     assert costs.draft_ms("lm") == 3.0
     # Two drafts proposed concurrently in one step: each is priced by its own time.
@@ -47,3 +47,13 @@ def test_best_window_grows_with_acceptance_and_shrinks_with_cost():
     assert costs.best(0.9, "dear", 1)[1] < high[1]
     # Near-useless drafting loses to plain decoding; good drafting wins.
     assert costs.best(0.05, "dear", 1)[0] < costs.plain(1) < costs.best(0.9, "cheap", 1)[0]
+
+
+def test_an_unpriced_draft_is_no_candidate_and_the_probe_seeds_the_verify_line():
+    costs = StepCosts()
+    costs.seed_verify([(1, 22.0), (3, 24.0), (5, 26.0), (7, 28.0)])   # what the start-up probe measured
+    assert costs.verify_model() == (pytest.approx(21.0), pytest.approx(1.0))
+    # A draft nobody measured is worth nothing, whatever its acceptance: "none" beats it.
+    assert costs.best(0.95, "unmeasured", 1) == (0.0, 0) and costs.plain(1) > 0
+    costs.seed("unmeasured", 2.0)
+    assert costs.best(0.95, "unmeasured", 1)[0] > costs.plain(1)

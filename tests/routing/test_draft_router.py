@@ -172,6 +172,8 @@ def test_routed_and_switched_requests_equal_the_target_alone():
     model = tiny_model("llama", seed=0)
     # Switch at every chance (a negative margin), twice, so requests change draft mid-flight.
     router = LearnedDraftRouter(["prompt-lookup", "near"], revisit_every=2, switch_margin=-1.0, max_switches=2, log=False)
+    for draft in router.drafts:   # priced, as a replica's start-up probe prices its drafts
+        router.costs.seed(draft, 0.5)
     requests = [SpecRequest(p, 24, GREEDY, AUTO_DRAFT, 3, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
     got = run_batch(Target(model, slots=8), servers(model), requests, router=router)
     for prompt, gen in zip(PROMPTS, got):

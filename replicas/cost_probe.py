@@ -1,0 +1,100 @@
+"""A step's costs measured before a replica serves: what the draft router and the load-aware
+policy price with until the replica's own steps replace them, and what draft placement
+(``cluster/placement.py``) compares.
+
+Unmeasured, a cost model can only guess, and a guess of "free" (a draft at 0 ms, a flat verify
+line) sent every first request to the costliest draft: served, the router's first decision saw
+1996 tokens/s for every draft against 1000 for none. So the replica times, on its own model
+thread and device:
+
+    verify    one request's forward feeding 1 + γ tokens (γ = 0, 2, 4, 6) at a short context,
+              through ``Target.verify``: the points of b(γ) = c0 + c1·(1 + γ) at batch 1
+    a_d       a draft's ms per drafted position: a proposal of 5 positions minus one of 1,
+              over 4, so that the session's prefill (paid once per request) cancels out
+
+Each is the median of ``rounds`` repetitions, after one unmeasured warm-up. Batch-1 points do not
+price a loaded step (the forward's cost per token grows past the CPU's flat region): the
+replica's real steps replace them within a few dozen steps (``StepCosts``, ``GoodputPolicy``
+keep a bounded history, and the load-aware policy fits a line per load bucket).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import Proposal, ProposeRequest
+from specserve.replicas.target import Target, VerifyItem
+
+PROBE_CONTEXT = 64          # prompt tokens of each probe: a short chat turn
+VERIFY_WINDOWS = (0, 2, 4, 6)
+DRAFT_POSITIONS = (1, 5)
+
+
+@dataclass(frozen=True)
+class ProbedCosts:
+    """What a replica measured at start: verify (forward tokens, ms) at batch 1, and each draft's
+    ms per drafted position."""
+
+    verify: tuple[tuple[int, float], ...]
+    draft_ms_per_position: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"verify_ms": {str(tokens): round(ms, 3) for tokens, ms in self.verify},
+                "draft_ms_per_position": {d: round(ms, 3) for d, ms in self.draft_ms_per_position.items()}}
+
+
+def probe_tokens(vocab: int, count: int = PROBE_CONTEXT, start: int = 0) -> list[int]:
+    """Ordinary token ids (no special ones at the start of the vocabulary), repeating: what a
+    probe feeds. The costs measured do not depend on which tokens they are."""
+    low = min(1000, vocab // 2)
+    return [low + (start + 7 * i) % (vocab - low) for i in range(count)]
+
+
+def verify_points(target: Target, slot: int, rounds: int = 3, clock=time.perf_counter) -> tuple[tuple[int, float], ...]:
+    """(forward tokens, median ms) of one request's verify forward feeding 1 + γ tokens, γ in
+    ``VERIFY_WINDOWS``, on KV slot ``slot`` (reset before and after: its prefix cache is lost)."""
+    context = probe_tokens(target.vocab)
+    points = []
+    for window in VERIFY_WINDOWS:
+        times = []
+        for r in range(rounds + 1):
+            target.kv.reset(slot)
+            try:
+                target.prefill(slot, context[:-1], len(context), next_token=context[-1])
+                proposal = Proposal.chain(probe_tokens(target.vocab, window, start=r + 1))
+                t0 = clock()
+                target.verify([VerifyItem(slot, context, proposal, SamplingParams())])
+                if r:   # the first round warms up
+                    times.append(1e3 * (clock() - t0))
+            finally:
+                target.kv.reset(slot)
+        points.append((1 + window, statistics.median(times)))
+    return tuple(points)
+
+
+def draft_ms_per_position(propose_now, vocab: int, features_size: int | None = None, rounds: int = 3,
+                          clock=time.perf_counter) -> float:
+    """a_d of a draft: ``propose_now(asks)`` answers a list of ``ProposeRequest`` on the calling
+    thread (``DraftServer.propose_now``); ``features_size``: the target's hidden size when the
+    draft reuses its hidden states (random rows: the cost does not depend on them)."""
+    import torch
+
+    context = probe_tokens(vocab)
+    # The target's hidden states of the positions it has verified: all but the root.
+    features = None if features_size is None else torch.randn(len(context) - 1, features_size)
+    by_positions = {}
+    for positions in DRAFT_POSITIONS:
+        times = []
+        for r in range(rounds + 1):
+            ask = ProposeRequest(f"cost-probe-{positions}-{r}", context, positions, None, SamplingParams(),
+                                 features=features, features_start=0)
+            t0 = clock()
+            propose_now([ask])
+            if r:
+                times.append(1e3 * (clock() - t0))
+        by_positions[positions] = statistics.median(times)
+    short, long = DRAFT_POSITIONS
+    return max(0.0, (by_positions[long] - by_positions[short]) / (long - short))
