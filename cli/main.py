@@ -221,7 +221,7 @@ def up(
 
 @app.command()
 def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Deployments with their status and replica counts, and every address."""
+    """Deployments with their status and replica counts, where each draft runs, and every address."""
     from specserve.cluster import local
 
     try:
@@ -235,6 +235,11 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
     typer.echo(f"application: {application['status']} {application['message']}".rstrip())
     for name, d in application["deployments"].items():
         typer.echo(f"  {name:24s} {d['status']:10s} replicas={d['replicas']}")
+    for name, placed in (report.get("placement") or {}).items():
+        figures = placed.get("figures") or {}
+        measured = (f": {figures['inside_ms_per_step']} ms/step inside vs {figures['separate_ms_per_step']} separate"
+                    if figures else "")
+        typer.echo(f"  draft {name:18s} {placed['where']:8s} ({placed['reason']}{measured})")
     for key in ("http", "grpc", "dashboard", "metrics"):
         typer.echo(f"{key:10s} {report[key]}")
     redis = report["redis"]

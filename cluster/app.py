@@ -17,7 +17,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, INSIDE, POLICY_DEPLOYMENT, TARGET_DEPLOYMENT, AppConfig, draft_deployment
-from specserve.cluster.placement import measure, plan
+from specserve.cluster.placement import plan
 from specserve.data.prompts import topic_corpus
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.replica_learning import ReplicaLearningFactory
@@ -41,10 +41,10 @@ SESSION_AFFINITY = RequestRouterConfig(
 PREFIX_AFFINITY = RequestRouterConfig(request_router_class=PREFIX_AFFINITY_ROUTER)
 
 
-def build_app(args: AppConfig, measure_costs=measure) -> Application:
-    """``measure_costs``: how an ``auto`` model draft's costs are measured (``placement.measure``)."""
+def build_app(args: AppConfig) -> Application:
+    # Serve calls a builder with exactly one argument: the app's args.
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args)
-    placements = plan(config, measure_costs)
+    placements = plan(config)
     # A draft placed inside is built in each target replica from its spec; the others are deployments.
     drafts = {
         spec.name: spec.model_dump() if placements[spec.name].where == INSIDE else DraftDeployment.options(

@@ -224,7 +224,23 @@ def status() -> dict:
         "dashboard": state.dashboard_url,
         "metrics": state.metrics_url or None,
         "redis": {"url": state.redis_url, "pid": state.redis_pid, "up": ping(state.redis_url)},
+        "placement": draft_placement(state.http_url),
     }
+
+
+def draft_placement(http_url: str, timeout_s: float = 5.0) -> dict | None:
+    """Where each draft runs and why (``GET /v1/models``' ``placement``); None when the ingress
+    does not answer."""
+    import httpx
+
+    from specserve.ingress.auth import client_headers
+
+    try:
+        response = httpx.get(http_url + "/v1/models", headers=client_headers(), timeout=timeout_s)
+        response.raise_for_status()
+        return response.json()["data"][0].get("placement")
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
 
 
 def _leave_serve() -> None:

@@ -362,6 +362,8 @@ def test_cli_status_and_generate_on_the_server(served, expected):
     deployments = report["application"]["deployments"]
     assert {"ingress", "target", f"draft-{LOOKUP_SEPARATE}", f"draft-{DRAFT_LM}"} <= set(deployments)
     assert "draft-prompt-lookup" not in deployments   # placed inside the target
+    assert report["placement"]["prompt-lookup"]["where"] == "inside"
+    assert report["placement"][DRAFT_LM] == {"where": "separate", "reason": "configured"}
     # Serving: healthy, or scaling (the ingress here scales at one ongoing request, and the request
     # the previous test abandoned may still be finishing).
     serving = ("HEALTHY", "UPSCALING", "DOWNSCALING")
