@@ -8,7 +8,7 @@ drive a ``Scheduler`` through it.
     await work
 
 A draft is a ``DraftServer`` (in-process, or inside the target replica) or a draft deployment behind a Serve handle
-(``RemoteDraft``); both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs
+(``remote_draft.RemoteDraft``, every call bounded in time); both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs
 its requests their speculation (they go on with plain decoding), never the requests (docs/design.md §7).
 
 Tokens reach their requests on the event loop's thread, never from the model thread
@@ -32,22 +32,6 @@ from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.step import Proposal, ProposeRequest, Speculation, StepRecord
 
 logger = logging.getLogger("ray.serve")
-
-
-class RemoteDraft:
-    """A draft deployment behind a Serve handle, answering as an in-process ``DraftServer`` does."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def info(self) -> dict:
-        return await self.handle.info.remote()
-
-    async def propose_batch(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
-        return await self.handle.propose_batch.remote(asks)
-
-    async def release(self, session_ids: list[str]) -> None:
-        await self.handle.release.remote(session_ids)
 
 
 class StepLoop:

@@ -42,7 +42,8 @@ from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.native_memory import release_free_memory
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, Policy, RequestState, SpecRequest, StreamItem
 from specserve.replicas.scheduler import Scheduler
-from specserve.replicas.step_loop import RemoteDraft, StepLoop
+from specserve.replicas.remote_draft import RemoteDraft
+from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 
 logger = logging.getLogger("ray.serve")
@@ -140,7 +141,7 @@ class TargetDeployment:
             else:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).
-                resolved[name] = RemoteDraft(d.options(session_id=self.replica_id))
+                resolved[name] = RemoteDraft(d.options(session_id=self.replica_id), name)
         target = Target(self.loaded.model, slots=config.max_batch + config.kv_sessions_idle, max_len=config.max_model_len)
         if config.max_model_len is not None:
             target.kv.reserve()

@@ -6,7 +6,8 @@ Language Models" (Eq. 1) per draft d at window γ, for one request in a batch of
     G_d(γ) = E(α_d, γ) / (γ·a_d + b(γ))        tokens per ms
     E(α, γ) = (1 − α^(γ+1)) / (1 − α)           emitted tokens per step (bonus included)
     a_d      the draft's ms per drafted position (its batched forward), measured per draft
-    b(γ)     the verify forward: c0 + c1 · B·(1 + γ) ms, least squares over recent steps
+    b(γ)     the verify forward: c0 + c1 · B·(1 + γ) ms, least squares over recent steps of
+             the same load bucket (``stats.load_bucket``: b1, b4, b8, b8+), else over all
              (the batch's other requests are priced at the same window)
 
 and the plain candidate (no speculation) emits one token per ``c0 + c1·B`` ms. The router takes
@@ -19,6 +20,11 @@ in-replica drafts before it serves (``replicas/cost_probe.py``, through ``seed_v
 0 tokens/s, so "none" or a measured draft wins until a request that names it measures it. (An
 unknown draft priced at 0 ms, as "optimistic" exploration, won every first decision: 1996 tokens/s
 against 1000 for none, and sent requests to the costliest draft.)
+
+Why a line per load bucket: a token fed costs more in a loaded forward than alone (on 2 cores a
+drafted token adds ~0.5 ms at batch 1 and 1.5-2.2 ms at batch 16), and one line through every
+batch size (and the start-up probe's batch-1 points) priced speculation at 16 at once at the
+batch-1 slope: served, the default then drafted at τ 1.42 and ran at 0.95x target-only.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 from collections import deque
 
 from specserve.policies.goodput import expected_emitted
+from specserve.policies.stats import load_bucket
 from specserve.policies.window import fit_verify_ms
 from specserve.replicas.step import StepRecord
 
@@ -34,6 +41,8 @@ class StepCosts:
     def __init__(self, history_steps: int = 128, window_max: int = 8):
         self.window_max = window_max
         self._verify: deque[tuple[int, float]] = deque(maxlen=history_steps)    # (forward tokens, ms)
+        self._verify_by_load: dict[str, deque[tuple[int, float]]] = {}          # the same, per load bucket
+        self._fits: dict[str | None, tuple[float, float]] = {}                   # until the next step
         self._draft: dict[str, deque[float]] = {}                              # draft -> ms per drafted position
         self._seeded: dict[str, float] = {}
         self._history = history_steps
@@ -45,12 +54,18 @@ class StepCosts:
 
     def seed_verify(self, points) -> None:
         """(forward tokens, ms) of verify forwards measured before serving; real steps push them
-        out of the history."""
-        self._verify.extend(points)
+        out of the history. Measured alone: batch 1."""
+        for point in points:
+            self._add_verify(1, point)
+
+    def _add_verify(self, batch_size: int, point: tuple[int, float]) -> None:
+        self._verify.append(point)
+        self._verify_by_load.setdefault(load_bucket(batch_size), deque(maxlen=self._history)).append(point)
+        self._fits.clear()
 
     def observe(self, record: StepRecord) -> None:
         if record.batch_size:
-            self._verify.append((record.forward_tokens, record.verify_ms))
+            self._add_verify(record.batch_size, (record.forward_tokens, record.verify_ms))
         for draft, ms in record.draft_ms_by:
             # A draft's requests are drafted in one batched forward per position: the step costs
             # the deepest proposal's positions.
@@ -67,13 +82,18 @@ class StepCosts:
             return ordered[len(ordered) // 2]
         return self._seeded.get(draft)
 
-    def verify_model(self) -> tuple[float, float]:
-        """(c0, c1) of verify ms ≈ c0 + c1·tokens; flat (1 ms, 0) until measured (only an
+    def verify_model(self, batch_size: int | None = None) -> tuple[float, float]:
+        """(c0, c1) of verify ms ≈ c0 + c1·tokens at ``batch_size``'s load bucket (when its steps
+        span two sizes), else over all recent steps; flat (1 ms, 0) until measured (only an
         in-process engine without the start-up probe), which scales every candidate alike."""
-        return fit_verify_ms(self._verify) or (1.0, 0.0)
+        key = None if batch_size is None else load_bucket(max(1, batch_size))
+        if key not in self._fits:
+            local = None if key is None else fit_verify_ms(self._verify_by_load.get(key, ()))
+            self._fits[key] = local or fit_verify_ms(self._verify) or (1.0, 0.0)
+        return self._fits[key]
 
     def step_ms(self, draft_ms: float, window: int, batch_size: int) -> float:
-        c0, c1 = self.verify_model()
+        c0, c1 = self.verify_model(batch_size)
         return window * draft_ms + c0 + c1 * max(1, batch_size) * (1 + window)
 
     def best(self, alpha: float, draft: str, batch_size: int) -> tuple[float, int]:

@@ -7,6 +7,7 @@ end with a retriable error, never a 500 and never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import math
@@ -504,3 +505,36 @@ def test_a_repeated_prompt_goes_to_the_replica_that_holds_its_prefix(served):
     salted = httpx.post(served.http_url + "/v1/chat/completions", json={**body, "cache_salt": "tenant-b"},
                         headers=headers(), timeout=300)
     assert salted.status_code == 200 and salted.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_draft_deployment_with_no_running_replica_costs_a_deadline_not_the_target(served, engine, expected):
+    """A draft deployment whose replica cannot be placed (a lost node, a full cluster: here it asks
+    for a resource no node has) has no replica to answer: Serve's handle would queue a call for
+    ever. The call is cut at its deadline, the draft is marked down, the request goes on by plain
+    decoding with the target's exact output, and the next calls fail at once."""
+    from ray import serve
+
+    from specserve.replicas.draft_deployment import DraftDeployment
+    from specserve.replicas.engine import run_batch
+    from specserve.replicas.remote_draft import DraftUnavailable, RemoteDraft
+    from specserve.replicas.request import SpecRequest
+
+    app = DraftDeployment.options(name="draft-unplaceable", ray_actor_options={"num_cpus": 0, "resources": {"no-such-node": 1}}
+                                  ).bind("unplaceable", None, "float32", 1, 0)
+    handle = serve.run(app, name="unplaceable-draft", route_prefix=None, _blocking=False)
+    try:
+        remote = RemoteDraft(handle, "unplaceable", min_deadline_s=2.0, cooldown_s=600.0)
+        prompt = engine.encode(PROMPTS[3])
+        start = time.monotonic()
+        got = run_batch(Target(engine.loaded.model), {"unplaceable": remote},
+                        [SpecRequest(prompt, NEW_TOKENS, SamplingParams(), "unplaceable", 3, request_id="r0")],
+                        eos_token_ids=engine.loaded.eos_token_ids)[0]
+        assert got.token_ids == expected[3]
+        assert remote.down and "no answer within 2.0 s" in remote.last_error
+        assert time.monotonic() - start < 2.0 + 60.0   # one deadline, then plain decoding
+        quick = time.monotonic()
+        with pytest.raises(DraftUnavailable, match="is down"):
+            asyncio.run(remote.propose_batch([]))
+        assert time.monotonic() - quick < 1.0
+    finally:
+        serve.delete("unplaceable-draft", _blocking=False)

@@ -57,3 +57,16 @@ def test_an_unpriced_draft_is_no_candidate_and_the_probe_seeds_the_verify_line()
     assert costs.best(0.95, "unmeasured", 1) == (0.0, 0) and costs.plain(1) > 0
     costs.seed("unmeasured", 2.0)
     assert costs.best(0.95, "unmeasured", 1)[0] > costs.plain(1)
+
+
+def test_a_loaded_step_is_priced_by_the_line_of_its_own_load():
+    costs = StepCosts()
+    costs.seed_verify([(1, 20.0), (5, 22.0)])          # alone: 0.5 ms per token fed
+    for tokens in (16, 32, 48, 64):                    # 16 at once: 2 ms per token fed
+        costs.observe(record(tokens, 40.0 + 2.0 * tokens, [("lookup", 0)] * 16))
+    assert costs.verify_model(1) == (pytest.approx(19.5), pytest.approx(0.5))
+    assert costs.verify_model(16) == (pytest.approx(40.0), pytest.approx(2.0))
+    costs.seed("lookup", 0.1)
+    # At α = 0.3 drafting pays alone and does not at 16 at once.
+    assert costs.best(0.3, "lookup", 1)[0] > costs.plain(1)
+    assert costs.best(0.3, "lookup", 16)[0] < costs.plain(16)
