@@ -283,10 +283,14 @@ class TargetDeployment:
         """On the model thread: the verify forward's cost by tokens fed, and each in-replica
         draft's per drafted position (``cost_probe``), on the last KV slot (free at start)."""
         target = self.scheduler.target
-        return ProbedCosts(
-            verify=verify_points(target, target.slots - 1),
-            draft_ms_per_position={name: draft_ms_per_position(d.propose_now, target.vocab, d.features_size)
-                                   for name, d in inside.items()})
+        drafts = {}
+        for name, draft in inside.items():
+            try:
+                drafts[name] = draft_ms_per_position(draft.propose_now, target.vocab, draft.features_size)
+            except Exception as err:  # noqa: BLE001 - an unmeasured draft is only unpriced (the router skips it)
+                logger.warning("draft %s: its cost could not be measured (%s: %s); the router will not choose it "
+                               "until a request that names it measures it", name, type(err).__name__, err)
+        return ProbedCosts(verify=verify_points(target, target.slots - 1), draft_ms_per_position=drafts)
 
     async def check_health(self) -> None:
         """Healthy means the model runs: a stuck forward, a dead step loop, steps failing in a row

@@ -364,7 +364,8 @@ def _streams_with_a_kill(served, deployment: str, bodies: list[dict], kill_after
         futures = [pool.submit(streamed, served.http_url, body, first.set) for body in bodies]
         assert first.wait(120)
         time.sleep(kill_after_s)
-        victims = replicas(deployment)
+        # A replica killed by the test before may still be on its way back (Serve restarts it).
+        victims = wait_until(lambda: replicas(deployment), timeout=120)
         assert victims, deployment
         kill(victims[0])
         return [f.result(timeout=600) for f in futures]
@@ -521,7 +522,9 @@ def test_a_draft_deployment_with_no_running_replica_costs_a_deadline_not_the_tar
 
     app = DraftDeployment.options(name="draft-unplaceable", ray_actor_options={"num_cpus": 0, "resources": {"no-such-node": 1}}
                                   ).bind("unplaceable", None, "float32", 1, 0)
-    handle = serve.run(app, name="unplaceable-draft", route_prefix=None, _blocking=False)
+    # serve.run waits for the application to be healthy, which this one never is: its private
+    # twin can return at once.
+    handle = serve._run(app, _blocking=False, name="unplaceable-draft", route_prefix=None)
     try:
         remote = RemoteDraft(handle, "unplaceable", min_deadline_s=2.0, cooldown_s=600.0)
         prompt = engine.encode(PROMPTS[3])
