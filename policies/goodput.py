@@ -60,8 +60,8 @@ import random
 from collections import Counter, deque
 from dataclasses import replace
 
-from specserve.policies.stats import load_bucket
-from specserve.policies.window import estimate_alpha, fit_verify_ms
+from specserve.policies.load_lines import LoadLines
+from specserve.policies.window import estimate_alpha
 from specserve.replicas.request import RequestState
 from specserve.replicas.step import PLAIN, Speculation, StepRecord
 
@@ -88,16 +88,11 @@ class GoodputPolicy:
         self.explore_share = explore_share
         self._credit: dict[str, float] = {}   # request id -> exploring credit (ms), plainly decoding requests
         self.alpha_max = alpha_max
-        self._costs: deque[tuple[int, float]] = deque(maxlen=history_steps)   # (forward tokens, verify ms)
-        self._costs_by_load: dict[str, deque[tuple[int, float]]] = {}        # the same, per load bucket
+        self._lines = LoadLines(history_steps)   # verify ms by forward tokens, per load bucket
         self._outcomes: dict[str, deque[tuple[int, int]]] = {}                 # draft -> (n, γ) per step
         # draft -> per step, its call's ms per request that drafted with it and per drafted position
         self._draft_share: dict[str, deque[float]] = {}
         self._history = history_steps
-        self._last_fit: tuple[float, float] | None = None
-        # cost_model's answer per load bucket until the next step is observed: it is asked for
-        # every request of a step, and each fit is a least squares over the history.
-        self._fits: dict[str | None, tuple[float, float] | None] = {}
         # A request's first credit is a random part of its window's price, so that requests that
         # arrived together do not all explore in the same step.
         self.rng = rng if rng is not None else random.Random()
@@ -132,26 +127,9 @@ class GoodputPolicy:
         return estimate_alpha(own, self.alpha_max, (prior, self.request_prior_steps))
 
     def cost_model(self, batch_size: int | None = None) -> tuple[float, float] | None:
-        """(a, b) of verify_ms ≈ a + b · tokens: from the steps of ``batch_size``'s load bucket
-        when they span two sizes, else from all recent steps, else the last line that did; None
-        until recent steps have spanned two sizes."""
-        key = None if batch_size is None else load_bucket(batch_size)
-        if key not in self._fits:
-            self._fits[key] = self._fit(batch_size)
-        return self._fits[key]
-
-    def _fit(self, batch_size: int | None) -> tuple[float, float] | None:
-        if batch_size is not None:
-            local = fit_verify_ms(self._costs_by_load.get(load_bucket(batch_size), ()))
-            if local is not None:
-                return local
-        # A steady batch decoding plainly feeds the same tokens every step and fits no line; the
-        # last line measured still prices a window (without it every request would speculate
-        # again, unmeasured, once such steps filled the history).
-        pooled = fit_verify_ms(self._costs)
-        if pooled is not None:
-            self._last_fit = pooled
-        return self._last_fit
+        """(a, b) of verify_ms ≈ a + b · tokens at ``batch_size``'s load bucket (``LoadLines``);
+        None until recent steps have spanned two sizes."""
+        return self._lines.line(batch_size)
 
     def gains(self, draft: str, window: int, batch_size: int, fed: int | None = None,
               alpha: float | None = None) -> list[float] | None:
@@ -226,20 +204,15 @@ class GoodputPolicy:
     def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None:
         """Costs measured before any step (batch 1): verify (forward tokens, ms) points and each
         draft's ms per drafted position; the replica's steps push them out of the history."""
-        for cost in verify:
-            self._costs.append(cost)
-            self._costs_by_load.setdefault(load_bucket(1), deque(maxlen=self._history)).append(cost)
-        self._fits.clear()
+        for tokens, ms in verify:
+            self._lines.add(1, tokens, ms)
         for draft, ms in draft_ms_per_position.items():
             self._draft_share.setdefault(draft, deque(maxlen=self._history)).append(ms)
 
     def observe(self, record: StepRecord) -> None:
         self.base.observe(record)
         if record.batch_size:
-            cost = (record.forward_tokens, record.verify_ms)
-            self._costs.append(cost)
-            self._fits.clear()
-            self._costs_by_load.setdefault(load_bucket(record.batch_size), deque(maxlen=self._history)).append(cost)
+            self._lines.add(record.batch_size, record.forward_tokens, record.verify_ms)
         # Credit belongs to requests still in the batch (a running request is in every step's record).
         running = {step.request_id for step in record.requests}
         self._credit = {i: c for i, c in self._credit.items() if i in running}

@@ -21,10 +21,9 @@ in-replica drafts before it serves (``replicas/cost_probe.py``, through ``seed_v
 unknown draft priced at 0 ms, as "optimistic" exploration, won every first decision: 1996 tokens/s
 against 1000 for none, and sent requests to the costliest draft.)
 
-Why a line per load bucket: a token fed costs more in a loaded forward than alone (on 2 cores a
-drafted token adds ~0.5 ms at batch 1 and 1.5-2.2 ms at batch 16), and one line through every
-batch size (and the start-up probe's batch-1 points) priced speculation at 16 at once at the
-batch-1 slope: served, the default then drafted at τ 1.42 and ran at 0.95x target-only.
+Why a line per load bucket (``policies/load_lines.py``): one line through every batch size (and
+the start-up probe's batch-1 points) priced speculation at 16 at once at the batch-1 slope:
+served, the default then drafted at τ 1.42 and ran at 0.95x target-only.
 """
 
 from __future__ import annotations
@@ -32,17 +31,14 @@ from __future__ import annotations
 from collections import deque
 
 from specserve.policies.goodput import expected_emitted
-from specserve.policies.stats import load_bucket
-from specserve.policies.window import fit_verify_ms
+from specserve.policies.load_lines import LoadLines
 from specserve.replicas.step import StepRecord
 
 
 class StepCosts:
     def __init__(self, history_steps: int = 128, window_max: int = 8):
         self.window_max = window_max
-        self._verify: deque[tuple[int, float]] = deque(maxlen=history_steps)    # (forward tokens, ms)
-        self._verify_by_load: dict[str, deque[tuple[int, float]]] = {}          # the same, per load bucket
-        self._fits: dict[str | None, tuple[float, float]] = {}                   # until the next step
+        self._verify = LoadLines(history_steps)   # verify ms by forward tokens, per load bucket
         self._draft: dict[str, deque[float]] = {}                              # draft -> ms per drafted position
         self._seeded: dict[str, float] = {}
         self._history = history_steps
@@ -55,17 +51,12 @@ class StepCosts:
     def seed_verify(self, points) -> None:
         """(forward tokens, ms) of verify forwards measured before serving; real steps push them
         out of the history. Measured alone: batch 1."""
-        for point in points:
-            self._add_verify(1, point)
-
-    def _add_verify(self, batch_size: int, point: tuple[int, float]) -> None:
-        self._verify.append(point)
-        self._verify_by_load.setdefault(load_bucket(batch_size), deque(maxlen=self._history)).append(point)
-        self._fits.clear()
+        for tokens, ms in points:
+            self._verify.add(1, tokens, ms)
 
     def observe(self, record: StepRecord) -> None:
         if record.batch_size:
-            self._add_verify(record.batch_size, (record.forward_tokens, record.verify_ms))
+            self._verify.add(record.batch_size, record.forward_tokens, record.verify_ms)
         for draft, ms in record.draft_ms_by:
             # A draft's requests are drafted in one batched forward per position: the step costs
             # the deepest proposal's positions.
@@ -86,11 +77,7 @@ class StepCosts:
         """(c0, c1) of verify ms ≈ c0 + c1·tokens at ``batch_size``'s load bucket (when its steps
         span two sizes), else over all recent steps; flat (1 ms, 0) until measured (only an
         in-process engine without the start-up probe), which scales every candidate alike."""
-        key = None if batch_size is None else load_bucket(max(1, batch_size))
-        if key not in self._fits:
-            local = None if key is None else fit_verify_ms(self._verify_by_load.get(key, ()))
-            self._fits[key] = local or fit_verify_ms(self._verify) or (1.0, 0.0)
-        return self._fits[key]
+        return self._verify.line(batch_size) or (1.0, 0.0)
 
     def step_ms(self, draft_ms: float, window: int, batch_size: int) -> float:
         c0, c1 = self.verify_model(batch_size)
