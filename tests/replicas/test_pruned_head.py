@@ -78,14 +78,14 @@ def save_with_target(tmp_path, frozen_head: bool):
     save_without_embeddings(draft, tmp_path / "draft", embeddings_from=str(tmp_path / "target"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "draft", local_files_only=True, dtype=torch.float32)
     attach_from_target(loaded, tmp_path / "target")
-    return target, draft, loaded
+    return target, draft, loaded.to(draft.device)
 
 
 def test_saved_without_embeddings_and_attached_from_the_target(tmp_path):
     target, draft, loaded = save_with_target(tmp_path, frozen_head=False)
     assert loaded.config.embeddings_from == str(tmp_path / "target")
-    assert torch.equal(loaded.model.embed_tokens.weight, target.model.embed_tokens.weight)
-    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(loaded.model.embed_tokens.weight.cpu(), target.model.embed_tokens.weight.cpu())
+    ids = torch.tensor([[5, 6, 7, 8]], device=draft.device)
     # Everything but the embeddings went through float16: close, not equal.
     assert torch.allclose(loaded(input_ids=ids).logits, draft(input_ids=ids).logits, atol=2e-2)
 
