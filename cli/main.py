@@ -190,6 +190,7 @@ def up(
     http_port: int = typer.Option(8000, help="HTTP (OpenAI API) port."),
     grpc_port: int = typer.Option(9000, help="gRPC port."),
     timeout: float = typer.Option(900.0, help="Seconds to wait for every deployment to be healthy."),
+    prometheus: bool = typer.Option(False, "--prometheus", help="Also start a Prometheus server (Debian's `prometheus` on PATH) that scrapes the cluster's metrics; Ray's dashboard reads from it."),
 ) -> None:
     """Start (or join) a local Ray cluster and a Redis server, deploy specserve, wait until healthy."""
     from specserve.cluster import local
@@ -211,12 +212,13 @@ def up(
     typer.secho("starting Ray, Redis and the application (the first start loads the models)...", err=True)
     try:
         state = local.up(serve_config, redis_url=redis_url, http_port=http_port, grpc_port=grpc_port,
-                         timeout_s=timeout, on_progress=progress)
+                         timeout_s=timeout, on_progress=progress, prometheus=prometheus)
     except (RuntimeError, TimeoutError, ConnectionError, FileNotFoundError) as err:
         fail(f"{err}\n(`specserve down` stops whatever was started)")
     typer.echo(f"specserve is up\n  HTTP       {state.http_url}/v1   (OpenAI API)\n  gRPC       {state.grpc_address}"
                f"\n  dashboard  {state.dashboard_url}\n  metrics    {state.metrics_url or '(cluster started elsewhere)'}"
-               f"\n  redis      {state.redis_url}")
+               f"\n  redis      {state.redis_url}"
+               + (f"\n  prometheus {state.prometheus_url}" if state.prometheus_url else ""))
 
 
 @app.command()
@@ -242,6 +244,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
         typer.echo(f"  draft {name:18s} {placed['where']:8s} ({placed['reason']}{measured})")
     for key in ("http", "grpc", "dashboard", "metrics"):
         typer.echo(f"{key:10s} {report[key]}")
+    if report.get("prometheus"):
+        typer.echo(f"{'prometheus':10s} {report['prometheus']}")
     redis = report["redis"]
     typer.echo(f"{'redis':10s} {redis['url']} ({'up' if redis['up'] else 'DOWN'}"
                f"{', pid ' + str(redis['pid']) if redis['pid'] else ', not started by specserve'})")

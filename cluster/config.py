@@ -119,6 +119,9 @@ class AppConfig(BaseModel):
                                  "replica after its own failed (0: fail it with a retriable 503).")
     resume_timeout_s: float = Field(60.0, gt=0, description="How long a continuation waits for a target replica "
                                     "to take it before the request ends with a retriable 503.")
+    first_token_timeout_s: float = Field(120.0, gt=0, description="How long a new request waits for its first "
+                                         "token (queued, admitted, prefilled) before it ends with a retriable 503: "
+                                         "a target deployment with no running replica answers fast, not never.")
 
     @model_validator(mode="after")
     def _drafts_known(self) -> "AppConfig":
@@ -139,7 +142,8 @@ class AppConfig(BaseModel):
         return IngressConfig(self.target, self.model_id, self.draft_names, self.default_draft, self.default_window,
                              api_keys_file=self.api_keys_file, max_model_len=self.max_model_len, max_body_bytes=self.max_body_bytes,
                              stream_interval=self.stream_interval,
-                             resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s)
+                             resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s,
+                             first_token_timeout_s=self.first_token_timeout_s)
 
     @property
     def model_id(self) -> str:

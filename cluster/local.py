@@ -24,6 +24,7 @@ from pathlib import Path
 # order (the ray CLI, the dashboard's REST API) get the mode or the token passed explicitly.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
+from specserve.cluster.prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusServer  # noqa: E402
 from specserve.cluster.redis_server import RedisServer, free_port, ping  # noqa: E402
 from specserve.cluster.serve_config import (  # noqa: E402
     APP_NAME,
@@ -49,6 +50,8 @@ class LocalState:
     metrics_url: str = ""
     redis_url: str = ""
     redis_pid: int | None = None   # set only when specserve started the Redis server
+    prometheus_url: str = ""
+    prometheus_pid: int | None = None
     app_name: str = APP_NAME
 
     @classmethod
@@ -79,8 +82,8 @@ def _ray_cli() -> str:
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 
-def _ray(*args: str, timeout_s: float = 120, check: bool = False) -> subprocess.CompletedProcess:
-    env = {**CLUSTER_ENV, **os.environ, "RAY_AUTH_MODE": "token"}
+def _ray(*args: str, timeout_s: float = 120, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**CLUSTER_ENV, **os.environ, **(env or {}), "RAY_AUTH_MODE": "token"}
     return subprocess.run([_ray_cli(), *args], capture_output=True, text=True, timeout=timeout_s, env=env, check=check)
 
 
@@ -107,13 +110,14 @@ def _machine_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _start_ray(metrics_port: int, num_cpus: int) -> None:
-    """``num_cpus``: Ray's logical CPUs, which may exceed the cores (``local_ray_cpus``)."""
+def _start_ray(metrics_port: int, num_cpus: int, prometheus_url: str | None = None) -> None:
+    """``num_cpus``: Ray's logical CPUs, which may exceed the cores (``local_ray_cpus``);
+    ``prometheus_url``: where the dashboard reads metrics from (Ray's ``RAY_PROMETHEUS_HOST``)."""
     if auth_token() is None:
         _ray("get-auth-token", "--generate", timeout_s=60, check=True)
     result = _ray("start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
                   "--metrics-export-port", str(metrics_port), "--num-cpus", str(num_cpus), "--disable-usage-stats",
-                  timeout_s=300)
+                  timeout_s=300, env={"RAY_PROMETHEUS_HOST": prometheus_url} if prometheus_url else None)
     if result.returncode != 0:
         raise RuntimeError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
 
@@ -174,7 +178,9 @@ def wait_healthy(app_name: str, timeout_s: float, on_progress: Callable[[dict], 
 
 
 def up(config: dict | None = None, redis_url: str | None = None, http_port: int = 8000, grpc_port: int = 9000,
-       timeout_s: float = 600.0, on_progress: Callable[[dict], None] = lambda s: None) -> LocalState:
+       timeout_s: float = 600.0, on_progress: Callable[[dict], None] = lambda s: None,
+       prometheus: bool = False) -> LocalState:
+    """``prometheus``: also start a Prometheus server scraping the cluster (``prometheus_server``)."""
     config = config or local_serve_config()
     state = LocalState.load() or LocalState()
     if redis_url is not None:
@@ -185,13 +191,15 @@ def up(config: dict | None = None, redis_url: str | None = None, http_port: int 
         server = RedisServer.start(state_dir())
         state.redis_url, state.redis_pid = server.url, server.pid
     config = with_overrides(config, http_port=http_port, grpc_port=grpc_port, redis_url=state.redis_url)
+    prometheus_port = free_port() if prometheus and not state.prometheus_url else None
     if not _ray_running():
         metrics_port = free_port()
         # Each model asks Ray for the CPUs it runs threads on, which on one machine add up to
         # more than its cores (the target and its drafts take turns within a step; see
         # serve_config.cpus_requested): Ray gets that many logical CPUs, so every replica of the
         # config can be placed. A cluster this machine already belongs to is used as it is.
-        _start_ray(metrics_port, local_ray_cpus(config, _machine_cpus()))
+        _start_ray(metrics_port, local_ray_cpus(config, _machine_cpus()),
+                   f"http://127.0.0.1:{prometheus_port}" if prometheus_port else state.prometheus_url or None)
         state.ray_started = True
         state.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     state.dashboard_url = state.dashboard_url or f"http://127.0.0.1:{DASHBOARD_PORT}"
@@ -207,6 +215,13 @@ def up(config: dict | None = None, redis_url: str | None = None, http_port: int 
     state.save()
     deploy(config, state.dashboard_url)
     connect()
+    if prometheus_port:
+        import ray
+
+        temp_dir = Path(ray._private.worker._global_node.get_temp_dir_path())   # private in Ray 2.60
+        server = PrometheusServer.start(state_dir(), temp_dir / SERVICE_DISCOVERY_FILE, prometheus_port)
+        state.prometheus_url, state.prometheus_pid = server.url, server.pid
+        state.save()
     wait_healthy(app_name, timeout_s, on_progress)
     return state
 
@@ -224,6 +239,7 @@ def status() -> dict:
         "dashboard": state.dashboard_url,
         "metrics": state.metrics_url or None,
         "redis": {"url": state.redis_url, "pid": state.redis_pid, "up": ping(state.redis_url)},
+        "prometheus": state.prometheus_url or None,
         "placement": draft_placement(state.http_url),
     }
 
@@ -296,5 +312,8 @@ def down() -> list[str]:
     if state.redis_pid:
         RedisServer(state.redis_url, state.redis_pid).stop()
         stopped.append(f"redis-server pid {state.redis_pid}")
+    if state.prometheus_pid:
+        PrometheusServer(state.prometheus_url, state.prometheus_pid).stop()
+        stopped.append(f"prometheus pid {state.prometheus_pid}")
     LocalState.path().unlink(missing_ok=True)
     return stopped

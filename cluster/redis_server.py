@@ -7,9 +7,7 @@ replicas, and Redis is an optimisation of learning, never a dependency of servin
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -17,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+
+from specserve.cluster.processes import stop_pid
 
 
 def redis_server_binary() -> str:
@@ -75,20 +75,4 @@ class RedisServer:
         return server
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        try:
-            os.kill(self.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                # Reap it if it is our child; otherwise just watch for it to go.
-                if os.waitpid(self.pid, os.WNOHANG)[0] == self.pid:
-                    return
-            except ChildProcessError:
-                try:
-                    os.kill(self.pid, 0)
-                except ProcessLookupError:
-                    return
-            time.sleep(0.05)
-        os.kill(self.pid, signal.SIGKILL)
+        stop_pid(self.pid, timeout_s)

@@ -44,6 +44,23 @@ MODEL_FREE_CPUS = 0.1     # the ingress and prompt lookup: an event loop and no 
 # is allocated for this many positions at start (0.9 GB in bfloat16), so memory stays flat.
 LOCAL_MAX_MODEL_LEN = 2048
 TARGET_QUEUE = 32         # requests an ingress replica holds for the target beyond its replicas' slots
+# Target autoscaling (Serve's autoscaling_config): from ``target_replicas`` (what this machine
+# holds, running from the start: a replica takes seconds to load and probe, too long to wait for
+# under a burst) up to twice that when each replica averages more than TARGET_ONGOING requests
+# (its batch is then full enough that another replica pays). Up after UPSCALE_DELAY_S of such load,
+# down after DOWNSCALE_DELAY_S below it: a replica's start costs more than a short lull saves.
+# Replicas beyond what the cluster has room for wait (pending) until a node joins: on KubeRay its
+# autoscaler adds one for them (deploy/rayservice.yaml), on one machine they never start and the
+# running ones serve. A removed replica stops taking requests and finishes those it has for up to
+# GRACEFUL_SHUTDOWN_S; a stream still running then resumes on another replica (ingress/deployment.py).
+TARGET_ONGOING = 8
+UPSCALE_DELAY_S = 10.0
+DOWNSCALE_DELAY_S = 300.0
+GRACEFUL_SHUTDOWN_S = 300.0
+# Serve's proxies run on the head node only (proxy_location HeadOnly): the ingress runs there too,
+# so that losing a worker node never loses the streams' edge (the ingress is where a request
+# resumes after its target replica is lost). Ray gives every head node this resource.
+HEAD_NODE = {"node:__internal_head__": 0.001}
 REQUEST_TIMEOUT_S = 900   # a request past this is cancelled: it leaves its batch and frees its KV
 
 
@@ -78,9 +95,9 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
     deployment the app does not have), and each model's ``num_cpus`` equal to its torch threads
     (``TARGET_THREADS`` and ``DRAFT_MODEL_THREADS`` unless the args give them).
 
-    ``target_replicas`` target replicas run from the start (``min_replicas``: a replica takes tens
-    of seconds to load, too long to wait for under a burst). The ingress and prompt lookup, which
-    are cheap, scale out under load.
+    ``target_replicas`` target replicas run from the start and autoscaling adds as many again
+    under load (``TARGET_ONGOING``); the ingress, on the head node with the proxy, and prompt
+    lookup, which are cheap, scale out under load.
     """
     args = copy.deepcopy(args)
     args["torch_threads"] = args.get("torch_threads") or TARGET_THREADS
@@ -101,6 +118,13 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
             "health_check_timeout_s": 30,
         }
 
+    target = deployment(TARGET_DEPLOYMENT, threads[TARGET_DEPLOYMENT], 16, 2 * target_replicas, TARGET_ONGOING,
+                        target_replicas)
+    target["autoscaling_config"].update(upscale_delay_s=UPSCALE_DELAY_S, downscale_delay_s=DOWNSCALE_DELAY_S)
+    target["graceful_shutdown_timeout_s"] = GRACEFUL_SHUTDOWN_S
+    # Back-pressure: past this many requests waiting in one ingress replica for a target slot, a
+    # new one is a 503 with Retry-After, not an unbounded queue.
+    target["max_queued_requests"] = TARGET_QUEUE
     drafts = []
     for spec in _drafts(args):
         name = draft_deployment(spec["name"])
@@ -122,15 +146,20 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
             "import_path": BUILDER,
             "args": args,
             "deployments": [
-                deployment(INGRESS_DEPLOYMENT, MODEL_FREE_CPUS, 256, 2, 32),
-                {**deployment(TARGET_DEPLOYMENT, threads[TARGET_DEPLOYMENT], 16, target_replicas, 8, target_replicas),
-                 # Back-pressure: past this many requests waiting in one ingress replica for a
-                 # target slot, a new one is a 503 with Retry-After, not an unbounded queue.
-                 "max_queued_requests": TARGET_QUEUE},
+                with_resources(deployment(INGRESS_DEPLOYMENT, MODEL_FREE_CPUS, 256, 2, 32), HEAD_NODE),
+                target,
                 *drafts,
             ],
         }],
     }
+
+
+def with_resources(entry: dict, resources: dict[str, float]) -> dict:
+    """A deployment entry whose replicas also need these Ray resources (a node label such as
+    ``{"target_node": 1}`` given to ``ray start --resources``, or a node's own ``node:...``)."""
+    options = entry.setdefault("ray_actor_options", {})
+    options["resources"] = {**options.get("resources", {}), **resources}
+    return entry
 
 
 def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
@@ -145,11 +174,12 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
 
 
 def cpus_requested(config: dict) -> float:
-    """The logical CPUs a Serve config's deployments ask for with every replica up (each entry's
-    ``num_cpus`` times its ``max_replicas``, or ``num_replicas``, or 1).
+    """The logical CPUs a Serve config's deployments ask for with the replicas they start with
+    (each entry's ``num_cpus`` times its ``min_replicas``, or ``num_replicas``, or 1). Replicas
+    autoscaling adds beyond those need room the cluster has or gains (a node added for them).
 
-    On one machine this is more than its cores (the local default: 1 + 1 target replicas and 1 + 1
-    draft models, on 2 cores), and ``specserve up`` starts its local Ray cluster with this many logical CPUs rather
+    On one machine this can be more than its cores (two one-thread target replicas and a draft
+    model placed ``separate``, on 2 cores), and ``specserve up`` starts its local Ray cluster with this many logical CPUs rather
     than shrinking each model's share below the threads it runs. The cores are time-shared, not
     double-booked: a target replica's step first waits for its drafts' proposals and then runs
     its verify forward, so its threads and the drafts' are not busy at the same time (the drafts
@@ -163,7 +193,7 @@ def cpus_requested(config: dict) -> float:
             cpus = (entry.get("ray_actor_options") or {}).get("num_cpus")
             if cpus is None:
                 continue
-            replicas = (entry.get("autoscaling_config") or {}).get("max_replicas") or entry.get("num_replicas") or 1
+            replicas = (entry.get("autoscaling_config") or {}).get("min_replicas") or entry.get("num_replicas") or 1
             total += cpus * (replicas if isinstance(replicas, int) else 1)   # num_replicas may be "auto"
     return total
 
@@ -196,10 +226,11 @@ def with_overrides(config: dict, *, http_port: int | None = None, grpc_port: int
             if app.get("import_path") == BUILDER:
                 app.setdefault("args", {})["redis_url"] = redis_url
                 # With a Redis the app has a policy service: its entry makes it count in the CPUs
-                # the local cluster is sized for (an event loop, no model).
+                # the local cluster is sized for (an event loop, no model), and keeps it on the
+                # head node beside the ingress, where it takes no worker's room from a target.
                 deployments = app.setdefault("deployments", [])
                 if not any(d.get("name") == POLICY_DEPLOYMENT for d in deployments):
                     deployments.append({"name": POLICY_DEPLOYMENT, "num_replicas": 1,
-                                        "ray_actor_options": {"num_cpus": MODEL_FREE_CPUS},
+                                        "ray_actor_options": {"num_cpus": MODEL_FREE_CPUS, "resources": dict(HEAD_NODE)},
                                         "health_check_period_s": 10, "health_check_timeout_s": 30})
     return config

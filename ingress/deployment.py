@@ -14,8 +14,10 @@ What the ingress does when things break (docs/design.md §7):
   the new prompt, the tokens left the new ``max_tokens``), so a stream continues where it stopped;
   greedy output is unchanged, a sampled one keeps the target's distribution (the continuation
   draws from a fresh seed derived from the request's). If no replica takes the continuation
-  within ``resume_timeout_s`` the request ends with a retriable error (503 + ``Retry-After``,
-  gRPC ``UNAVAILABLE``) instead of hanging;
+  within ``resume_timeout_s`` (or a new request gets no first token within ``first_token_timeout_s``:
+  a target deployment without a running replica) the request ends with a retriable error
+  (503 + ``Retry-After``, gRPC ``UNAVAILABLE``) instead of hanging; every other call to another
+  deployment is bounded by ``call_timeout_s``;
 - a full target (Serve's ``max_queued_requests`` reached) is a 503 with ``Retry-After`` at once,
   not an unbounded queue;
 - with API keys configured (``ingress/auth.py``) every route but ``/health`` needs one (401 /
@@ -75,6 +77,10 @@ class IngressConfig:
     stream_interval: int = 1             # tokens per streamed piece at least (the first piece excepted)
     resume_attempts: int = 3             # continuations of one request after its target replica failed
     resume_timeout_s: float = 60.0       # how long a continuation may wait for a replica to take it
+    # How long a new request may wait for its first token (queued, admitted, prefilled): a target
+    # deployment with no running replica must not hold a client forever.
+    first_token_timeout_s: float = 120.0
+    call_timeout_s: float = 10.0         # any other call to another deployment (policy service, routes)
     retry_after_s: int = 5               # what a 503 tells the client to wait
     # draft -> where it runs and why ({"where", "reason", "figures"}, ``cluster/placement.py``)
     placement: dict[str, dict] = field(default_factory=dict)
@@ -250,7 +256,8 @@ class Ingress:
     async def _events(self, prepared: Prepared) -> AsyncIterator[Event]:
         text = TextStream(self.tokenizer, prepared.stop)
         prompt_tokens = len(prepared.spec_request.prompt_ids)
-        request, resumed, deadline = prepared.spec_request, 0, None
+        request, resumed = prepared.spec_request, 0
+        deadline: float | None = time.monotonic() + self.config.first_token_timeout_s   # None once tokens flow
         while True:
             # _by_reference=False: the stream's items come over gRPC, not through Ray's object store:
             # each item is a message, and the ingress spent a fifth of a core relaying 16 streams.
@@ -287,7 +294,7 @@ class Ingress:
             except _RESUMABLE as caught:
                 err = caught
             except _BUSY as caught:
-                if deadline is None:   # not taken at all: the client retries
+                if not resumed:   # not taken at all: the client retries
                     raise self._unavailable(f"every target replica is busy or restarting ({type(caught).__name__})") from caught
                 err = caught           # a continuation waits (until its deadline) for a replica
             stream.cancel()
@@ -321,8 +328,8 @@ class Ingress:
                        request_id=f"{original.request_id}-r{attempt}")
 
     async def _items(self, stream, deadline: float | None) -> AsyncIterator[StreamItem]:
-        """The stream's items; the first one within ``deadline`` (a continuation must be taken by
-        a replica in time, or the request ends with a retriable error instead of hanging)."""
+        """The stream's items; the first one within ``deadline`` (a request or its continuation must
+        be answered by a replica in time, or it ends with a retriable error instead of hanging)."""
         iterator = stream.__aiter__()
         if deadline is not None:
             try:
@@ -331,7 +338,7 @@ class Ingress:
                 return
             except asyncio.TimeoutError:
                 stream.cancel()
-                raise self._unavailable("no target replica took the rest of the request in time") from None
+                raise self._unavailable("no target replica answered in time") from None
             yield first
         async for item in iterator:
             yield item
@@ -369,7 +376,8 @@ class Ingress:
             raise OpenAIError("this deployment has no policy service: give the application a redis_url",
                               status=404, code="policy_service_not_configured")
         try:
-            snapshot, status = await asyncio.gather(self.policy.snapshot.remote(), self.policy.status.remote())
+            snapshot, status = await asyncio.wait_for(
+                asyncio.gather(self.policy.snapshot.remote(), self.policy.status.remote()), self.config.call_timeout_s)
         except Exception as err:  # noqa: BLE001 - the service is down: say so, do not fail the ingress
             raise OpenAIError(f"the policy service is not answering ({type(err).__name__}); retry shortly",
                               status=503, type="server_error", code="policy_service_unavailable") from err
@@ -383,13 +391,13 @@ class Ingress:
         source, routes = "cluster", None
         if self.policy is not None:
             try:
-                routes = await self.policy.recent_routes.remote(limit)
+                routes = await asyncio.wait_for(self.policy.recent_routes.remote(limit), self.config.call_timeout_s)
             except Exception:  # noqa: BLE001 - fall back to a replica's own view
                 routes = None
         if routes is None:
             source = "replica"
             try:
-                routes = await self.target.recent_routes.remote(limit)
+                routes = await asyncio.wait_for(self.target.recent_routes.remote(limit), self.config.call_timeout_s)
             except Exception as err:  # noqa: BLE001
                 raise OpenAIError(f"no target replica is answering ({type(err).__name__}); retry shortly",
                                   status=503, type="server_error", code="target_unavailable") from err

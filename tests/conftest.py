@@ -81,10 +81,10 @@ def wait_until(fetch: Callable[[], object], done: Callable[[object], bool] = boo
 
 
 @contextlib.contextmanager
-def local_stack(config: dict, home: Path, timeout_s: float = 900):
+def local_stack(config: dict, home: Path, timeout_s: float = 900, **up_options):
     """``specserve up`` with the Serve ``config`` on free ports: a real local Ray cluster, a real
     redis-server and the application, healthy; ``specserve down`` when the block ends, which stops
-    exactly what ``up`` started. Its state file lives in ``home`` (``SPECSERVE_HOME``), which
+    exactly what ``up`` started (``up_options``: the rest of ``up``'s options). Its state file lives in ``home`` (``SPECSERVE_HOME``), which
     stays set while the block runs (the CLI finds the stack through it)."""
     from specserve.cluster import local
     from specserve.cluster.redis_server import free_port
@@ -92,7 +92,7 @@ def local_stack(config: dict, home: Path, timeout_s: float = 900):
     previous = os.environ.get("SPECSERVE_HOME")
     os.environ["SPECSERVE_HOME"] = str(home)
     try:
-        yield local.up(config, http_port=free_port(), grpc_port=free_port(), timeout_s=timeout_s)
+        yield local.up(config, http_port=free_port(), grpc_port=free_port(), timeout_s=timeout_s, **up_options)
     finally:
         local.down()
         if previous is None:

@@ -8,6 +8,7 @@ import yaml
 from specserve.cluster.config import PROMPT_LOOKUP, TARGET_DEPLOYMENT, AppConfig, draft_deployment
 from specserve.cluster.serve_config import (
     BUILDER,
+    TARGET_REPLICAS,
     TARGET_THREADS,
     ZOO_DRAFTS,
     app_serve_config,
@@ -69,8 +70,9 @@ def test_the_shipped_config_deploys_no_draft_replica_the_placement_puts_inside_t
     # target: so no draft deployment holds a CPU the target replicas need.
     assert {spec.placement for spec in args.drafts} == {"auto"}
     assert set(_num_cpus(config)) == {"ingress", TARGET_DEPLOYMENT}
-    # What the CPUs pay for is what runs: two one-thread target replicas and the ingress's event loops.
-    assert cpus_requested(config) == pytest.approx(2 * 1 + 2 * 0.1)
+    # What the CPUs pay for is what runs from the start: two one-thread target replicas and an
+    # ingress's event loop (the replicas autoscaling adds wait for room: a node joining).
+    assert cpus_requested(config) == pytest.approx(2 * 1 + 0.1)
     assert local_ray_cpus(config, cores=2) == 3
     assert local_ray_cpus(config, cores=16) == 16
 
@@ -89,3 +91,17 @@ def test_any_app_gets_an_entry_for_exactly_its_deployments_sized_by_its_threads(
     assert {d.name: d.torch_threads for d in args.drafts} == {PROMPT_LOOKUP: None, "lm": 1, "big": 2, "near": None, "measured": None}
     default = app_serve_config({"target": "/models/t"})
     assert default["applications"][0]["args"]["torch_threads"] == _num_cpus(default)["target"] == TARGET_THREADS
+
+
+def test_the_shipped_config_autoscales_the_target_and_keeps_the_ingress_beside_the_proxy():
+    config = local_serve_config()
+    assert config["proxy_location"] == "HeadOnly"
+    entries = {d["name"]: d for d in config["applications"][0]["deployments"]}
+    target = entries[TARGET_DEPLOYMENT]
+    scaling = target["autoscaling_config"]
+    assert scaling["min_replicas"] == TARGET_REPLICAS < scaling["max_replicas"]
+    assert scaling["upscale_delay_s"] < scaling["downscale_delay_s"]
+    # A removed replica finishes its streams (a longer one resumes elsewhere), bounded.
+    assert target["graceful_shutdown_timeout_s"] > 0
+    # Losing a worker node never loses the ingress, where streams resume: it runs with the proxy.
+    assert entries["ingress"]["ray_actor_options"]["resources"] == {"node:__internal_head__": pytest.approx(0.001)}

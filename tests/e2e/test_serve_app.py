@@ -13,9 +13,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -43,6 +45,7 @@ PROMPTS = [
     "Repeat after me: the rain in Spain stays mainly in the plain.",
 ]
 NEW_TOKENS = 24
+HAS_PROMETHEUS = shutil.which("prometheus") is not None
 
 
 def _test_config(draft_path: str) -> dict:
@@ -72,7 +75,8 @@ def served(engine, tmp_path_factory):
     """The whole stack, once for the module; `down` stops exactly what `up` started."""
     home = tmp_path_factory.mktemp("specserve-home")
     draft_path = first_layers_draft(engine, home / DRAFT_LM)
-    with local_stack(_test_config(str(draft_path)), home) as state:
+    # With Prometheus where it is installed (./setup.sh installs it where it can).
+    with local_stack(_test_config(str(draft_path)), home, prometheus=HAS_PROMETHEUS) as state:
         yield state
 
 
@@ -482,3 +486,33 @@ def test_speculation_metrics_reach_the_prometheus_endpoint(served, client):
               if line.startswith(("ray_specserve_spec_decode_num_drafts{", "ray_specserve_spec_decode_num_drafts_total{"))]
     assert any('draft="prompt-lookup"' in line and float(line.rsplit(" ", 1)[1]) > 0 for line in drafts), \
         [line for line in text.splitlines() if "spec_decode_num_drafts" in line]
+
+
+def dashboard_queries() -> dict[str, str]:
+    """Each query of the Grafana dashboard in deploy/, as Grafana sends it: every target, and a
+    rate interval of a minute. Keyed by panel title and legend."""
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "specserve-routing.json").read_text())
+    return {f"{panel['title']} [{t.get('legendFormat', t['refId'])}]":
+            t["expr"].replace("$target", ".+").replace("$__rate_interval", "1m")
+            for panel in dashboard["panels"] for t in panel["targets"]}
+
+
+def test_every_panel_of_the_grafana_dashboard_has_data_in_prometheus(served, client):
+    """`specserve up --prometheus` scrapes the cluster through Ray's service discovery; after
+    routed traffic each query of the dashboard returns data, as its panels would in Grafana."""
+    from specserve.cluster.prometheus_server import PrometheusServer
+
+    if not HAS_PROMETHEUS:
+        pytest.skip("no prometheus on PATH (Debian: apt-get install prometheus; ./setup.sh does as root)")
+    assert served.prometheus_url and local.status()["prometheus"] == served.prometheus_url
+    prometheus = PrometheusServer(served.prometheus_url, served.prometheus_pid)
+    queries = dashboard_queries()
+    assert len(queries) >= 10
+
+    def empty() -> list[str]:
+        for i in range(2):   # routed traffic in the window each rate looks at
+            chat(client, PROMPTS[i], {"draft": "auto"})
+        return [name for name, query in queries.items() if not prometheus.query(query)]
+
+    missing = wait_until(empty, lambda left: not left, timeout=180, interval=5)
+    assert not missing, f"no data for: {missing}"
