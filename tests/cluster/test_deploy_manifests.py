@@ -192,6 +192,31 @@ def test_every_replica_fits_a_node_it_may_be_placed_on():
             assert fits, f"{platform}: no node matching {selector} has {wants} for a replica of {name!r}"
 
 
+def test_the_autoscaler_can_add_nodes_for_every_replica_the_deployments_may_scale_to():
+    """Serve's replicas beyond the cluster's room wait for a node: both platforms run an
+    autoscaler, and each node group's largest size holds every replica pinned to it at
+    max_replicas (GPUs and CPUs), so scaling out is never stuck on a group's cap."""
+    assert _rayservice()["spec"]["rayClusterConfig"].get("enableInTreeAutoscaling") is True
+    groups = {
+        "RayService": [(g.get("labels") or {}, _group_resources(g), g.get("maxReplicas", 1))
+                       for g in _ray_groups(_rayservice())],
+        "deploy/cluster.yaml": [(t.get("labels") or {}, {k: float(v) for k, v in (t.get("resources") or {}).items()},
+                                 t.get("max_workers", 1)) for t in _cluster_yaml()["available_node_types"].values()],
+    }
+    deployments = _deployments(_rayservice_serve_config(), "serveConfigV2").items()
+    for platform, kinds in groups.items():
+        for labels, resources, most in kinds:
+            pinned = [(name, e) for name, e in deployments
+                      if (e.get("ray_actor_options") or {}).get("label_selector") and
+                      _satisfies(labels, e["ray_actor_options"]["label_selector"])]
+            for key, option in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
+                wanted = sum(e["ray_actor_options"].get(option, 1 if key == "CPU" else 0) *
+                             (e.get("autoscaling_config") or {}).get("max_replicas", e.get("num_replicas", 1))
+                             for _, e in pinned)
+                assert wanted <= resources.get(key, 0) * most + 1e-9, \
+                    f"{platform}: {labels} holds {resources.get(key, 0) * most} {key} at most, its deployments may want {wanted}"
+
+
 def test_rayservice_app_args_are_a_valid_app_config():
     where = "deploy/rayservice.yaml serveConfigV2"
     app = _specserve_app(_rayservice_serve_config(), where)
