@@ -373,6 +373,37 @@ def zoo_corpus(
     typer.echo(f"corpus in {out or transcripts_dir().parent}")
 
 
+@zoo_app.command("answers")
+def zoo_answers(
+    out: Optional[Path] = typer.Option(None, help="Folder of answer chunks (default: the package's training/answers)."),
+    conversations: int = typer.Option(8000, help="Held-out ShareGPT conversations to answer (first and a later turn each)."),
+    chunks: Optional[int] = typer.Option(None, help="Stop after this many new chunks (default: finish)."),
+    slots: int = typer.Option(32, help="Requests batched at once."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Generate the self-distilled answers (the target's greedy answers, token ids only) with the
+    batched engine. Resumes where a stopped run left off."""
+    from tqdm import tqdm
+
+    from specserve.training.answers import ANSWERS_DIR, build
+
+    set_threads(threads)
+    bar = tqdm(desc="zoo answers", unit="chunk")
+
+    def on_chunk(done: int, total: int, tokens: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        bar.set_postfix(tokens=tokens)
+
+    try:
+        folder = build(out or ANSWERS_DIR, conversations, slots=slots, chunks=chunks, on_chunk=on_chunk)
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    finally:
+        bar.close()
+    typer.echo(f"answers in {folder}")
+
+
 @zoo_app.command("train")
 def zoo_train(
     name: str = typer.Argument(..., help="A recipe from `specserve zoo list`."),
