@@ -31,6 +31,9 @@ class PositionReport:
     reach: list[int] = field(default_factory=list)   # reach[k]: chains whose first k tokens matched
     served_emitted: int = 0
     served_steps: int = 0
+    # Answers the served draft ended differently from plain decoding: none in float32; in
+    # bfloat16 a verify of several tokens rounds differently from one token's, and near-ties flip.
+    diverged: int = 0
 
     def __post_init__(self):
         self.reach = self.reach or [0] * (self.steps + 1)
@@ -48,7 +51,7 @@ class PositionReport:
 
     def summary(self, window: int) -> dict:
         return {"alpha_by_position": self.alpha, "offline_tau": self.tau(window), "served_tau": self.served_tau,
-                "chains": self.reach[0], "window": window}
+                "chains": self.reach[0], "window": window, "diverged": self.diverged}
 
 
 @torch.no_grad()
@@ -88,7 +91,7 @@ def probe(engine, draft: str, prompts: list[list[int]], max_tokens: int = 96, wi
             report.reach[k] += n
         engine.reset_caches()
         served = engine.generate_ids(ids, GenerateRequest("", max_tokens, draft, window))
-        assert served.token_ids == answer, "greedy drafting changed the output"
+        report.diverged += served.token_ids != answer
         report.served_emitted += served.stats.emitted
         report.served_steps += served.stats.steps
     return report
