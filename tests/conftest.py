@@ -1,4 +1,5 @@
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -120,3 +121,30 @@ def run_without_a_compiler(code: str, tmp_path: Path) -> list[str]:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split()
+
+
+def stream_chat(url: str, body: dict, headers: dict | None = None, on_first: Callable[[], object] | None = None,
+                timeout: float = 300) -> tuple[list[int], dict | None, dict | None]:
+    """(token ids, the last chunk's spec, an in-band error) of one streamed chat request;
+    ``on_first`` is called when the first token arrives (not just the role chunk)."""
+    import httpx
+
+    ids, spec, error = [], None, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers,
+                      timeout=timeout) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+                continue
+            choice = chunk["choices"][0] if chunk["choices"] else {}
+            ids.extend(choice.get("token_ids", []))
+            if ids and on_first is not None:
+                on_first()
+                on_first = None
+            if choice.get("finish_reason"):
+                spec = chunk.get("spec")
+    return ids, spec, error

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import first_layers_draft, local_stack, wait_until
+from conftest import first_layers_draft, local_stack, stream_chat, wait_until
 from specserve.cluster import local
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
 from specserve.replicas.sampling import SamplingParams
@@ -104,25 +104,7 @@ def chat_body(i: int, spec: dict | None = None, stream: bool = False, max_tokens
 
 def streamed(url: str, body: dict, on_first=None) -> tuple[list[int], dict | None, dict | None]:
     """(token ids, the last chunk's spec, an in-band error) of one streamed chat request."""
-    ids, spec, error = [], None, None
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, headers=headers(),
-                      timeout=300) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                error = chunk["error"]
-                continue
-            new = chunk["choices"][0].get("token_ids", []) if chunk["choices"] else []
-            ids.extend(new)
-            if new and on_first is not None:   # generation has started (not just the role chunk)
-                on_first()
-                on_first = None
-            if chunk["choices"] and chunk["choices"][0].get("finish_reason"):
-                spec = chunk.get("spec")
-    return ids, spec, error
+    return stream_chat(url, body, headers(), on_first)
 
 
 def text_of(engine, ids: list[int]) -> str:

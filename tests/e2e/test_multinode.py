@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import signal
 import threading
 import time
@@ -23,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from conftest import first_layers_draft, local_stack, wait_until
+from conftest import first_layers_draft, local_stack, stream_chat, wait_until
 from specserve.cluster import local
 from specserve.cluster.config import TARGET_DEPLOYMENT, draft_deployment
 from specserve.cluster.redis_server import free_port
@@ -139,23 +138,7 @@ class Streams:
         self.futures.append(self.pool.submit(self._one, chat_body(i, max_tokens), started))
 
     def _one(self, body: dict, started: threading.Event) -> tuple[list[int], dict | None, dict | None]:
-        ids, spec, error = [], None, None
-        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=600) as response:
-            assert response.status_code == 200, response.read()
-            for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    error = chunk["error"]
-                    continue
-                choice = chunk["choices"][0] if chunk["choices"] else {}
-                ids.extend(choice.get("token_ids", []))
-                if ids:
-                    started.set()
-                if choice.get("finish_reason"):
-                    spec = chunk.get("spec")
-        return ids, spec, error
+        return stream_chat(self.url, body, on_first=started.set, timeout=600)
 
     def results(self) -> list[tuple[list[int], dict | None, dict | None]]:
         return [f.result(timeout=600) for f in self.futures]
