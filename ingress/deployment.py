@@ -257,7 +257,10 @@ class Ingress:
         text = TextStream(self.tokenizer, prepared.stop)
         prompt_tokens = len(prepared.spec_request.prompt_ids)
         request, resumed = prepared.spec_request, 0
-        deadline: float | None = time.monotonic() + self.config.first_token_timeout_s   # None once tokens flow
+        # By when the next item must come: the first token's deadline, then none while tokens
+        # flow, then a continuation's (set at its first failure, kept through the ones after).
+        deadline: float | None = time.monotonic() + self.config.first_token_timeout_s
+        continuing = False   # ``deadline`` is a continuation's
         while True:
             # _by_reference=False: the stream's items come over gRPC, not through Ray's object store:
             # each item is a message, and the ingress spent a fifth of a core relaying 16 streams.
@@ -266,7 +269,7 @@ class Ingress:
                 async for item in self._items(stream, deadline):
                     if item.error is not None:
                         raise StepFailed(f"the target's step failed: {item.error.message}")
-                    deadline = None
+                    deadline, continuing = None, False
                     delta = text.push(item.token_ids)
                     finish, spec = item.finish_reason, item.spec
                     if text.stopped:
@@ -310,7 +313,8 @@ class Ingress:
             logger.warning("request %s: its target replica failed after %d tokens (%s: %s); resuming (attempt %d)",
                            prepared.id, done, type(err).__name__, err, resumed)
             request = self._continuation(prepared.spec_request, text.token_ids, resumed)
-            deadline = deadline or time.monotonic() + self.config.resume_timeout_s
+            if not continuing:
+                deadline, continuing = time.monotonic() + self.config.resume_timeout_s, True
             if isinstance(err, _BUSY):
                 await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 

@@ -119,11 +119,18 @@ def build(out: Path = ANSWERS_DIR, conversations: int = 8000, dtype: str = "auto
     engine = engine or SpecEngine.load(dtype=dtype, slots=slots)
     plan = planned_prompts(engine.tokenizer, conversations)
     total = (len(plan) + CHUNK - 1) // CHUNK
-    (out / "meta.json").write_text(json.dumps({
+    meta = {
         "target": engine.loaded.name, "dtype": str(engine.loaded.model.dtype), "answer_tokens": ANSWER_TOKENS,
         "context_tokens": CONTEXT_TOKENS, "conversations": conversations, "first_conversation": SHAREGPT_HELD_OUT,
         "prompts": len(plan), "chunks": total, "greedy": True, "engine": "SpecEngine.generate_batch_ids, draft none",
-    }, indent=2) + "\n")
+    }
+    if (out / "meta.json").exists() and any(out.glob("answers-*.npz")):
+        before = json.loads((out / "meta.json").read_text())
+        changed = {k: (before.get(k), v) for k, v in meta.items() if before.get(k) != v}
+        if changed:   # the chunks already there answer another plan
+            raise ValueError(f"{out} holds answers made with other settings {changed}: resume with the same ones, "
+                             "or build into another folder")
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     done = 0
     for c in range(total):
         path = out / f"answers-{c:05d}.npz"

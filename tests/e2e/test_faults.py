@@ -59,6 +59,8 @@ def _config(draft_path: str, keys_file: str) -> dict:
     config = app_serve_config(args, target_replicas=2)
     deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
     deployments["target"].update(max_ongoing_requests=TARGET_SLOTS, max_queued_requests=TARGET_QUEUE)
+    # Two replicas, whatever room the machine has: the back-pressure arithmetic counts on it.
+    deployments["target"]["autoscaling_config"].update(max_replicas=2)
     # One ingress replica, so the back-pressure arithmetic is one queue.
     deployments["ingress"]["autoscaling_config"].update(min_replicas=1, max_replicas=1)
     return config
