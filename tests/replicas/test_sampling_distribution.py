@@ -18,6 +18,7 @@ from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.drafts.hsr_draft import HSRDraft
 from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
+from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.sampling import SamplingParams, logits_to_probs
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
@@ -71,7 +72,7 @@ def hsr_head(target):
 
 @pytest.mark.parametrize(
     "case",
-    ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "pruned-head-chain",
+    ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "suffix-tree", "pruned-head-chain",
      "hsr-chain", "hsr-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain"],
 )
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
@@ -84,6 +85,7 @@ def test_first_two_tokens_follow_the_target(target, hsr_head, case, params):
         "draft-lm-tree": DraftLM("near", perturbed(target, seed=1)),
         "prompt-lookup-chain": PromptLookupDraft(),
         "prompt-lookup-tree": PromptLookupDraft(),
+        "suffix-tree": SuffixDraft(),
         # q = 0 on every odd token: the residual max(0, p - q) must give them their mass.
         "pruned-head-chain": DraftLM("pruned", pruned_copy(target, head=list(range(0, VOCAB, 2)))),
         # Reads the target's hidden states, which the prefill already gives it: it drafts from step 1.
