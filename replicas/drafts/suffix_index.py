@@ -123,10 +123,11 @@ class SuffixIndex:
 
     # ---- speculation --------------------------------------------------------------------------
 
-    def match(self, context: list[int]) -> tuple[Node | None, int]:
-        """The node of the longest suffix of ``context`` (shorter than ``depth``) that has a
-        continuation here, and its length; (None, 0) when not even its last token has one."""
-        longest = min(len(context), self.depth - 1)
+    def match(self, context: list[int], longest: int | None = None) -> tuple[Node | None, int]:
+        """The node of the longest suffix of ``context`` (at most ``longest`` tokens, shorter than
+        ``depth``) that has a continuation here, and its length; (None, 0) when not even its last
+        token has one."""
+        longest = min(len(context), self.depth - 1, self.depth - 1 if longest is None else longest)
         for length in range(longest, 0, -1):
             node = self.root
             for tok in context[len(context) - length:]:
@@ -142,12 +143,13 @@ class SuffixIndex:
         """Draft from the longest match: a chain (``top_k`` 1) or a tree of at most ``max_tokens``
         nodes, each node's score at least ``min_token_prob``, at most ``max_spec_factor · p`` (and
         ``max_depth``) deep."""
-        node, length = self.match(context)
+        wanted = max_tokens if max_depth is None else min(max_depth, max_tokens)
+        # The pattern and what is drafted below it share the trie's depth: leave room to draft.
+        node, length = self.match(context, max(1, self.depth - wanted))
         spec = Speculation(match_len=length)
         if node is None or max_tokens <= 0:
             return spec
-        max_depth = min(max_tokens if max_depth is None else max_depth, math.ceil(max_spec_factor * length),
-                        self.depth - length)
+        max_depth = min(wanted, math.ceil(max_spec_factor * length), self.depth - length)
         # Best-first: the candidate with the highest score joins next; its children become
         # candidates. Heap entries: (-score, tie-break, token, its node, parent index, depth).
         frontier: list[tuple[float, int, int, Node, int, int]] = []

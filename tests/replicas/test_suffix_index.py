@@ -97,3 +97,12 @@ def test_a_tree_grows_best_first_and_its_score_sums_its_paths():
     # 3 (0.75), then 3's child 4 (0.5) before 6 (0.25): best first across branches.
     assert spec.tokens == [3, 4, 6] and spec.parents == [-1, 0, -1]
     assert spec.scores == pytest.approx([0.75, 0.5, 0.25]) and spec.score == pytest.approx(1.5)
+
+
+def test_a_long_match_leaves_the_trie_room_to_draft():
+    # depth 6: a 5-token match would leave 1 token below it; the match is cut to leave the 3 asked.
+    index = SuffixIndex(depth=6)
+    seq = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    index.add(seq)
+    spec = index.speculate([1, 2, 3, 4, 5], max_tokens=3, max_spec_factor=2.0)
+    assert spec.match_len == 3 and spec.tokens == [6, 7, 8]
