@@ -47,7 +47,7 @@ FRESH = [
     "Explain how a refrigerator keeps food cold, for a curious ten-year-old.",
     "Write a JavaScript function that debounces another function, with comments.",
 ]
-NEW_TOKENS = 128
+NEW_TOKENS = 160
 TARGET_SLOTS = 12   # max_ongoing_requests of a target replica: one replica holds what two ran after a node loss
 TARGET_LABEL, DRAFT_LABEL = "specserve_target", "specserve_draft"
 
