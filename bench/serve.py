@@ -94,6 +94,7 @@ class RequestRecord:
     draft: str = ""         # the draft the request ended on (the router's, after any switch)
     draft_s: float = 0.0    # inside the step loop: waiting for proposals ...
     verify_s: float = 0.0   # ... and verifying them (the rest of a request's time is transport)
+    replica: str = ""       # the target replica that answered (specserve's spec.replica)
 
 
 def row_name(kind: str, label: str) -> str:
@@ -214,12 +215,16 @@ def salt_for(*labels) -> str:
     return hashlib.sha1(repr(labels).encode()).hexdigest()[:16]
 
 
-def request_body(config: RowConfig, prompt: str, max_tokens: int, cache_salt: str | None = None) -> dict:
+def request_body(config: RowConfig, prompt: str, max_tokens: int, cache_salt: str | None = None,
+                 system: str | None = None) -> dict:
     """The OpenAI chat request every row sends: greedy, streamed, usage in the last chunk. Only
     specserve rows carry ``spec``: a peer gets nothing it does not know (vLLM rejects no extra
     field, but another server may, and the request must be the same a plain client sends), but
     for ``cache_salt`` when the run asks for it (``--no-prefix-reuse``: vLLM's field too)."""
-    body = {"model": config.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    messages = [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    body = {"model": config.model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
@@ -248,8 +253,8 @@ async def chat_chunks(client: httpx.AsyncClient, url: str, body: dict):
 
 
 async def http_request(client: httpx.AsyncClient, config: RowConfig, prompt: str, max_tokens: int,
-                       record: RequestRecord, cache_salt: str | None = None) -> None:
-    body = request_body(config, prompt, max_tokens, cache_salt)
+                       record: RequestRecord, cache_salt: str | None = None, system: str | None = None) -> None:
+    body = request_body(config, prompt, max_tokens, cache_salt, system)
     start = last = time.perf_counter()
     record.start_s = start
     try:
@@ -270,6 +275,7 @@ async def http_request(client: httpx.AsyncClient, config: RowConfig, prompt: str
                 record.mean_accepted_len = spec["mean_accepted_len"]
                 record.draft_s = spec["draft_ms_per_step"] * spec["steps"] / 1e3
                 record.verify_s = spec["verify_ms_per_step"] * spec["steps"] / 1e3
+                record.replica = spec.get("replica", "")
             if chunk.get("usage"):
                 record.output_tokens = chunk["usage"]["completion_tokens"]
         record.latency_s = time.perf_counter() - start
@@ -312,7 +318,7 @@ def in_process_request(engine, prompt_ids: list[int], config: RowConfig, max_tok
 
 
 async def load_run(prompts: list[str], config: RowConfig, concurrency: int, rate: float, max_tokens: int,
-                   seed: int = 0, cache_salt: str | None = None) -> tuple[list[RequestRecord], float]:
+                   seed: int = 0, cache_salt: str | None = None, system: str | None = None) -> tuple[list[RequestRecord], float]:
     """All prompts to the row's server, Poisson arrivals at ``rate``, at most ``concurrency`` in flight.
     The seed is the same for every row, so every row sees the same arrival times."""
     rng = random.Random(seed)
@@ -325,7 +331,7 @@ async def load_run(prompts: list[str], config: RowConfig, concurrency: int, rate
 
         async def one(i: int) -> None:
             async with gate:
-                await http_request(client, config, prompts[i], max_tokens, records[i], cache_salt)
+                await http_request(client, config, prompts[i], max_tokens, records[i], cache_salt, system)
 
         start = time.perf_counter()
         tasks = []

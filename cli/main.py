@@ -543,6 +543,35 @@ def bench_serve(
         fail(str(err))
 
 
+@bench_app.command("suffix")
+def bench_suffix(
+    json_path: Path = typer.Option(Path("bench-suffix.json"), "--json", help="Where to write the results."),
+    plot_path: Path = typer.Option(Path("bench-suffix.png"), "--plot", help="Where to write the plot."),
+    server: Optional[str] = typer.Option(None, help="A running specserve deployment with a suffix draft (http://HOST:PORT); default: the local stack (the shipped default, a suffix draft added if it lists none), brought up and down."),
+    prompts: int = typer.Option(16, help="Prompts, the categories in turn; each asked twice per row."),
+    max_tokens: int = typer.Option(128, help="New tokens per request."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated prompt categories; default: chat,code."),
+    concurrency: int = typer.Option(1, help="Requests in flight at once."),
+    restate: str = typer.Option("system", help="How a prompt comes back: system (under a system prompt: alike, not the same) or exact."),
+    suffix: str = typer.Option("suffix", help="The suffix draft's name in the deployment."),
+    dtype: str = typer.Option("auto", help="dtype of the local stack."),
+) -> None:
+    """The suffix draft's cluster index on prompts asked again: each row (target-only, prompt
+    lookup, suffix, the default) cold, then warm, the warm requests split by whether the replica
+    that answered first answered again or another one did (outputs shared through Redis).
+
+    A default run (16 prompts x 128 tokens, 4 rows, 2 rounds) takes about 10 minutes on 2 cores."""
+    from specserve.bench.suffix import SuffixBenchConfig, run_suffix_bench
+
+    try:
+        run_suffix_bench(SuffixBenchConfig(
+            json_path=json_path, plot_path=plot_path, server=server, num_prompts=prompts, max_tokens=max_tokens,
+            categories=tuple(_names(categories) or SuffixBenchConfig.categories), concurrency=concurrency,
+            restate=restate, suffix=suffix, dtype=dtype))
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as err:
+        fail(str(err))
+
+
 @bench_app.command("policies")
 def bench_policies(
     json_path: Path = typer.Option(Path("bench-policies.json"), "--json", help="Where to write the rows."),

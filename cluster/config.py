@@ -23,6 +23,8 @@ TARGET_DEPLOYMENT = "target"
 POLICY_DEPLOYMENT = "policy"
 PROMPT_LOOKUP = "prompt-lookup"
 AUTO, INSIDE, SEPARATE = "auto", "inside", "separate"   # draft placements
+SUFFIX = "suffix"                                       # the model-free draft of earlier outputs
+SHIPPED_ANSWERS = "answers"                             # seed_outputs: the answers shipped with specserve
 
 
 def draft_deployment(name: str) -> str:
@@ -42,6 +44,17 @@ class DraftSpec(BaseModel):
         "folder, a .gguf file, a model-cache name or a zoo draft (smollm2-draft-2l, smollm2-hsr). Empty: "
         "prompt lookup, which needs no model.",
     )
+    method: Literal["prompt-lookup", "suffix"] | None = Field(
+        None,
+        description="How a draft without a model drafts: prompt-lookup (what followed the context's last n-gram "
+        "earlier in the request) or suffix (SuffixDecoding: the request's own tokens and the earlier outputs of "
+        "every target replica for the same cache_salt, shared through Redis). Empty: prompt-lookup.",
+    )
+    seed_outputs: str | None = Field(
+        None,
+        description="suffix only: a folder of answer chunks (`specserve zoo answers`) that every tenant's index "
+        "starts from; `answers`: the target's own answers shipped with specserve.",
+    )
     placement: Literal["auto", "inside", "separate"] = Field(
         AUTO,
         description="Where the draft runs: inside each target replica (no handle call per step; it scales and "
@@ -59,6 +72,18 @@ class DraftSpec(BaseModel):
             raise ValueError(f"a draft cannot be named {self.name!r}: that name means {'no speculation' if self.name == NO_DRAFT else 'the router decides'}")
         if self.name == PROMPT_LOOKUP and self.model is not None:
             raise ValueError(f"{PROMPT_LOOKUP!r} is the model-free draft; give the draft LM {self.model!r} another name")
+        if self.method is not None and self.model is not None:
+            raise ValueError(f"draft {self.name!r}: method {self.method!r} drafts without a model; a draft with a model drafts with it")
+        if self.seed_outputs is not None and self.method != SUFFIX:
+            raise ValueError(f"draft {self.name!r}: seed_outputs seeds a suffix draft's index; set method: suffix")
+        if self.method == SUFFIX and self.placement == SEPARATE:
+            raise ValueError(f"draft {self.name!r}: a suffix draft runs inside the target replica, whose finished "
+                             "requests feed its index; placement separate is not possible")
+        if self.seed_outputs == SHIPPED_ANSWERS:
+            from specserve.training.answers import ANSWERS_DIR
+            self.seed_outputs = str(ANSWERS_DIR)
+        if self.seed_outputs is not None and not Path(self.seed_outputs).is_dir():
+            raise ValueError(f"draft {self.name!r}: seed_outputs {self.seed_outputs!r} is not a folder")
         return self
 
 

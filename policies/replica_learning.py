@@ -1,10 +1,12 @@
 """What a target replica learns from and with: its statistics collector and speculation metrics,
-and with a Redis URL the exporter of its counts and the cache of the policy service's snapshot,
-from which new requests start (warm start).
+and with a Redis URL the exporter of its counts, the cache of the policy service's snapshot,
+from which new requests start (warm start), and the exchange of finished outputs with the
+target's other replicas (the suffix draft's cluster index, ``output_exchange``).
 
 Built by the application (``cluster/app.py``) as a factory and called inside each target replica
 with the target's name, so that the replica (``replicas/``) needs nothing from this layer but
-these five calls: ``observers``, ``start``, ``finish``, ``background`` and the factory itself.
+these calls: ``observers``, ``start``, ``finish``, ``share_output``, ``receive_outputs``,
+``background`` and the factory itself.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 
+from specserve.policies.output_exchange import OutputExchange
 from specserve.policies.priors import warm_start
 from specserve.policies.redis_stats import RedisStats
 from specserve.policies.snapshot_cache import SnapshotCache
@@ -27,10 +30,12 @@ class ReplicaLearning:
         self.target = target
         self.collector = StatsCollector(target)
         self.metrics = SpecMetrics(target)
-        self.exporter = self.snapshots = None
+        self.exporter = self.snapshots = self.outputs = None
+        self._receive: Callable[[str | None, object], None] | None = None
         if redis_url:
             store = RedisStats(redis_url, redis_prefix)
             self.exporter, self.snapshots = RedisExporter(self.collector, store), SnapshotCache(store)
+            self.outputs = OutputExchange(redis_url, redis_prefix, target)
 
     @property
     def observers(self) -> list[Callable[[StepRecord], None]]:
@@ -38,10 +43,22 @@ class ReplicaLearning:
         return [self.collector.observe, self.metrics.observe]
 
     def background(self) -> list[Coroutine]:
-        """The replica's background tasks: flushing counts, refreshing the snapshot."""
+        """The replica's background tasks: flushing counts, refreshing the snapshot, and with a
+        receiver of outputs, exchanging them."""
         if self.exporter is None:
             return []
-        return [self.exporter.run_forever(), self.snapshots.run_forever()]
+        exchange = [] if self._receive is None else [self.outputs.run_forever(self._receive)]
+        return [self.exporter.run_forever(), self.snapshots.run_forever(), *exchange]
+
+    def share_output(self, cache_salt: str | None, tokens) -> None:
+        """A finished output for the target's other replicas (nothing without Redis)."""
+        if self.outputs is not None and self._receive is not None:
+            self.outputs.share(cache_salt, tokens)
+
+    def receive_outputs(self, receive: Callable[[str | None, object], None]) -> None:
+        """Exchange outputs, handing the other replicas' to ``receive`` (called off the event
+        loop: it must only queue). Without a receiver the replica shares none."""
+        self._receive = receive
 
     def start(self, request: SpecRequest, batch_size: int = 1) -> tuple[SpecRequest, dict | None]:
         """Count the request, and start it from the cluster's prior (``priors.warm_start``, at the

@@ -24,12 +24,14 @@ from collections.abc import Callable
 
 import torch
 
+from specserve.data.answers import answer_outputs
 from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, propose
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_draft import MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
+from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.session_pool import SessionPool
@@ -44,8 +46,10 @@ MAX_GENERATORS = 4096
 
 class DraftServer:
     def __init__(self, name: str, model: str | None = None, dtype: str = "auto", torch_threads: int | None = None,
-                 kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None):
-        """``model``: a draft LM or HSR head to load (None: prompt lookup). ``make_draft``: build
+                 kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None,
+                 method: str | None = None, seed_outputs: str | None = None):
+        """``model``: a draft LM or HSR head to load; None: the model-free ``method``, prompt lookup
+        or suffix (its index seeded with the answers in ``seed_outputs``). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
         model work runs on; a draft inside the target replica shares the target's."""
         self.name = name
@@ -59,6 +63,8 @@ class DraftServer:
         self._batched: BatchedDraftLM | None = None
         self.device = torch.device("cpu")
         self._features_size: int | None = None
+        # A suffix draft learns from finished outputs: the target replica feeds it (``remember``).
+        self.suffix: SuffixDraft | None = None
         if make_draft is not None:
             probe = make_draft()
             self._needs_features = bool(getattr(probe, "needs_features", False))
@@ -67,8 +73,13 @@ class DraftServer:
             self._adopt(draft_model(probe))
             if draft_model(probe) is None:
                 self._stateless = probe
+                self.suffix = probe if isinstance(probe, SuffixDraft) else None
             else:
                 self.pool = SessionPool(make_draft, keep_idle=kv_sessions_idle)
+        elif model is None and method == "suffix":
+            seed = answer_outputs(seed_outputs) if seed_outputs else None
+            self._stateless = self.suffix = SuffixDraft(seed=seed)
+            self._needs_features = False
         elif model is None:
             self._stateless = PromptLookupDraft()
             self._needs_features = False
@@ -79,7 +90,8 @@ class DraftServer:
                 self._features_size = int(loaded.model.config.hidden_size)
             self._adopt(loaded.model)
             self.pool = SessionPool(lambda: draft_from_model(name, loaded.model), keep_idle=kv_sessions_idle)
-        logger.info("draft %s ready (%s)", name, model or ("in-process" if make_draft else "prompt lookup, no model"))
+        logger.info("draft %s ready (%s)", name, model or ("in-process" if make_draft else "suffix, no model" if self.suffix
+                                                           else "prompt lookup, no model"))
 
     def _adopt(self, model) -> None:
         if model is not None:

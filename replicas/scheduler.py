@@ -233,7 +233,7 @@ class Scheduler:
             start = features_from
             features = self.target.features(state.context, start, state.slot)
         return ProposeRequest(state.id, state.context, spec.window, spec.tree, state.request.params,
-                              state.draft_seed, features, start)
+                              state.draft_seed, features, start, state.request.cache_salt)
 
     # ---- model work ---------------------------------------------------------------------------
 

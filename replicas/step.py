@@ -135,6 +135,8 @@ class ProposeRequest:
     ``seed`` seeds the draft's own random stream when it samples (derived from the request's
     seed, never equal to the target's stream). A hidden-state-reuse draft also gets the target's
     hidden states of context positions ``features_start..``: the ones it has not been sent yet.
+    ``cache_salt`` is the request's tenant: a draft that learns from other requests' outputs
+    drafts only from those of the same salt.
     """
 
     session_id: str
@@ -145,6 +147,7 @@ class ProposeRequest:
     seed: int | None = None
     features: torch.Tensor | None = None
     features_start: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

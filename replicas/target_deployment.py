@@ -26,6 +26,7 @@ import logging
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -53,6 +54,11 @@ logger = logging.getLogger("ray.serve")
 UNHEALTHY_AFTER_FAILED_STEPS = 3
 # Freed native memory goes back to the OS when the replica runs out of work, at most this often.
 RELEASE_MEMORY_EVERY_S = 2.0
+# Finished outputs join the suffix drafts' indexes this often; shorter ones are not worth it.
+SUFFIX_BUILD_EVERY_S = 0.5
+MIN_REMEMBERED = 8
+# Other replicas' outputs waiting for the next build (the oldest go first beyond).
+MAX_ARRIVED = 4096
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,7 @@ class TargetDeployment:
         for name, d in drafts.items():
             if isinstance(d, dict):
                 resolved[name] = DraftServer(name, d["model"], config.dtype, kv_sessions_idle=config.kv_sessions_idle,
-                                             worker=self._worker)
+                                             worker=self._worker, method=d.get("method"), seed_outputs=d.get("seed_outputs"))
             else:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).
@@ -167,6 +173,12 @@ class TargetDeployment:
             for name, ms in self.costs.draft_ms_per_position.items():
                 self.routing.router.costs.seed(name, ms)
         self._background: list[asyncio.Task] | None = None   # learning's tasks, once started
+        # Suffix drafts inside learn from finished outputs: this replica's at once, the others'
+        # through the learning's exchange (queued by its thread in ``_arrived``, taken here).
+        self._suffixes = [d.suffix for d in inside.values() if d.suffix is not None]
+        self._arrived: deque[tuple[str | None, object]] = deque(maxlen=MAX_ARRIVED)
+        if self._suffixes and self.learning is not None:
+            self.learning.receive_outputs(lambda salt, tokens: self._arrived.append((salt, tokens)))
         logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s; measured costs: %s", config.model,
                     self.loaded.model.device, self.loaded.model.dtype, threads, config.max_batch,
                     ", ".join(f"{n} ({'inside' if n in inside else 'separate'})" for n in drafts) or "none",
@@ -178,7 +190,8 @@ class TargetDeployment:
             self._task = loop.create_task(self.loop.serve_forever())
         if self._background is None:
             work = [*(self.learning.background() if self.learning is not None else ()),
-                    *(self.routing.background() if self.routing is not None else ())]
+                    *(self.routing.background() if self.routing is not None else ()),
+                    *([self._build_suffix_indexes()] if self._suffixes else ())]
             self._background = [loop.create_task(w) for w in work]
 
     async def _release_free_memory(self) -> None:
@@ -188,6 +201,32 @@ class TargetDeployment:
         if now - self._released_at >= RELEASE_MEMORY_EVERY_S:
             self._released_at = now
             await self._worker.run(release_free_memory)
+
+    def _remember(self, state: RequestState) -> None:
+        """A finished request's output, for the suffix drafts here and on every other replica."""
+        if len(state.out) < MIN_REMEMBERED or state.finish_reason == "error":
+            return
+        for suffix in self._suffixes:
+            suffix.remember(state.out, state.request.cache_salt)
+        if self.learning is not None:
+            self.learning.share_output(state.request.cache_salt, state.out)
+
+    async def _build_suffix_indexes(self) -> None:
+        """Outputs join the suffix drafts' arrays in batches, built off the event loop (a build
+        is a few numpy sorts: ~0.3 s for 600k tokens here), installed on it."""
+        while True:
+            await asyncio.sleep(SUFFIX_BUILD_EVERY_S)
+            try:
+                while self._arrived:
+                    salt, tokens = self._arrived.popleft()
+                    for suffix in self._suffixes:
+                        suffix.remember(tokens, salt)
+                for suffix in self._suffixes:
+                    builds = suffix.pending()
+                    if builds:
+                        suffix.install(await asyncio.to_thread(suffix.build, builds))
+            except Exception:  # noqa: BLE001 - the index stays as it was; serving goes on
+                logger.exception("building the suffix index failed")
 
     def _routed(self, state: RequestState, previous: str | None) -> None:
         """A draft the router chose (or switched to): statistics count the request under it, and
@@ -200,9 +239,10 @@ class TargetDeployment:
 
     def _spec(self, state: RequestState, asked: SpecRequest, prior: dict | None) -> dict:
         """The response's ``spec``, built once, when the request finishes: what speculation did
-        (``SpecStats.summary``), the policy that adapted it (unless it asked for none), the warm
+        (``SpecStats.summary``), the replica that answered, the policy that adapted it (unless it asked for none), the warm
         start it began from, and the router's decision."""
         spec = state.stats.summary()
+        spec["replica"] = self.replica_id[:12]   # which target replica answered (the dashboard's view of balance)
         if not asked.speculation.plain:
             spec["policy"] = self.scheduler.policy.name_for(state)
         if prior is not None:
@@ -243,6 +283,8 @@ class TargetDeployment:
                 if item.last:
                     return
         finally:
+            if self._suffixes and state.done:
+                self._remember(state)
             self._priors.pop(request.request_id, None)
             if self.learning is not None:
                 self.learning.finish(request.request_id)

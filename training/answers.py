@@ -15,7 +15,7 @@ Prompts, in a fixed order and interleaved so that a partial build already holds 
 - ``code``: the HumanEval problems no benchmark uses, in both wordings.
 Answers are greedy, at most ``ANSWER_TOKENS`` new tokens, in the dtype the target is served in.
 
-Layout: ``answers-NNNNN.npz`` per chunk of ``CHUNK`` prompts (``tokens``: prompt + answer ids of
+Layout (``data/answers.py``): ``answers-NNNNN.npz`` per chunk of ``CHUNK`` prompts (``tokens``: prompt + answer ids of
 every sequence, concatenated, int32; ``lengths``, ``prompt_lens``, ``kinds``), written atomically:
 an interrupted build resumes at the first missing chunk. ``meta.json`` says how they were made.
 """
@@ -23,31 +23,20 @@ an interrupted build resumes at the first missing chunk. ``meta.json`` says how 
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-import numpy as np
-
+from specserve.data.answers import Answer, save_chunk
 from specserve.data.prompts import SHAREGPT_HELD_OUT, looks_english, sharegpt_conversations, training_prompts
 from specserve.replicas.prompt_ids import encode_chat
 
 ANSWER_TOKENS = 256
 CONTEXT_TOKENS = 1024
 CHUNK = 64
-KINDS = ("chat", "turn", "code")
 ANSWERS_DIR = Path(__file__).parent / "answers"
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
-
-
-@dataclass
-class Answer:
-    kind: str
-    prompt_len: int
-    tokens: list[int]   # prompt + answer
 
 
 def _conversation_prompts(tokenizer, conversations: int) -> Iterator[tuple[str, list[int]]]:
@@ -85,27 +74,6 @@ def planned_prompts(tokenizer, conversations: int) -> list[tuple[str, list[int]]
         if i % every == every - 1 and code:
             plan.append(code.pop(0))
     return plan + code
-
-
-def save_chunk(path: Path, answers: list[Answer]) -> None:
-    tmp = path.with_name(path.name + ".partial.npz")
-    np.savez_compressed(tmp, tokens=np.concatenate([np.asarray(a.tokens, dtype=np.int32) for a in answers]),
-                        lengths=np.asarray([len(a.tokens) for a in answers], dtype=np.int32),
-                        prompt_lens=np.asarray([a.prompt_len for a in answers], dtype=np.int32),
-                        kinds=np.asarray([KINDS.index(a.kind) for a in answers], dtype=np.int8))
-    os.replace(tmp, path)   # atomic: a stop mid-write leaves no half chunk
-
-
-def load_chunk(path: Path) -> list[Answer]:
-    with np.load(path) as data:
-        ends = np.cumsum(data["lengths"])
-        return [Answer(KINDS[int(kind)], int(prompt_len), tokens.tolist())
-                for kind, prompt_len, tokens in zip(data["kinds"], data["prompt_lens"], np.split(data["tokens"], ends[:-1]))]
-
-
-def load_answers(folder: Path = ANSWERS_DIR) -> list[Answer]:
-    return [a for path in sorted(folder.glob("answers-*.npz")) if not path.name.endswith(".partial.npz")
-            for a in load_chunk(path)]
 
 
 def build(out: Path = ANSWERS_DIR, conversations: int = 8000, dtype: str = "auto", slots: int = 32,

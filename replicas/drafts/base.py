@@ -116,8 +116,11 @@ def needs_features(draft) -> bool:
 
 
 def propose(draft: Draft, ask: ProposeRequest, generator: torch.Generator | None) -> Proposal:
-    """The proposal ``ask`` wants of ``draft``: a tree, or a chain of ``ask.window`` tokens."""
+    """The proposal ``ask`` wants of ``draft``: a tree, or a chain of ``ask.window`` tokens. A
+    draft that reads other requests' outputs (``by_cache_salt``) is told the request's tenant."""
     extra = {"features": ask.features, "features_start": ask.features_start} if needs_features(draft) else {}
+    if getattr(draft, "by_cache_salt", False):
+        extra["cache_salt"] = ask.cache_salt
     if ask.tree is not None:
         return draft.propose_tree(ask.context, ask.tree, **extra)
     return draft.propose(ask.context, ask.window, ask.params, generator, **extra)

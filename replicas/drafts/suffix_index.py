@@ -146,31 +146,45 @@ class SuffixIndex:
         wanted = max_tokens if max_depth is None else min(max_depth, max_tokens)
         # The pattern and what is drafted below it share the trie's depth: leave room to draft.
         node, length = self.match(context, max(1, self.depth - wanted))
-        spec = Speculation(match_len=length)
-        if node is None or max_tokens <= 0:
-            return spec
-        max_depth = min(wanted, math.ceil(max_spec_factor * length), self.depth - length)
-        # Best-first: the candidate with the highest score joins next; its children become
-        # candidates. Heap entries: (-score, tie-break, token, its node, parent index, depth).
-        frontier: list[tuple[float, int, int, Node, int, int]] = []
-        order = 0
+        return grow(node, length, _children, self.depth, wanted, max_tokens, max_spec_factor, min_token_prob, top_k)
 
-        def offer(at: Node, score: float, parent: int, depth: int) -> None:
-            nonlocal order
-            if depth > max_depth:
-                return
-            total = sum(c.count for c in at.children.values())
-            for tok, child in sorted(at.children.items(), key=lambda kv: -kv[1].count)[:top_k]:
-                heapq.heappush(frontier, (-score * child.count / total, order, tok, child, parent, depth))
-                order += 1
 
-        offer(node, 1.0, -1, 1)
-        while frontier and len(spec.tokens) < max_tokens:
-            neg, _, tok, child, parent, depth = heapq.heappop(frontier)
-            if -neg < min_token_prob:
-                break   # every candidate left scores lower still
-            spec.tokens.append(tok)
-            spec.parents.append(parent)
-            spec.scores.append(-neg)
-            offer(child, -neg, len(spec.tokens) - 1, depth + 1)
+def _children(node: Node, top_k: int) -> tuple[int, list]:
+    total = sum(c.count for c in node.children.values())
+    best = sorted(node.children.items(), key=lambda kv: (-kv[1].count, kv[0]))[:top_k]
+    return total, [(tok, child.count, child) for tok, child in best]
+
+
+def grow(node, length: int, children, depth: int, wanted: int, max_tokens: int, max_spec_factor: float,
+         min_token_prob: float, top_k: int) -> Speculation:
+    """Best-first growth below a matched node of ``length`` tokens, for any index whose
+    ``children(node, top_k)`` gives (Σ counts of every child, the ``top_k`` most frequent as
+    (token, count, child node)): the candidate with the highest score joins next and its
+    children become candidates, down to ``min(wanted, ⌈max_spec_factor · length⌉, depth − length)``."""
+    spec = Speculation(match_len=length)
+    if node is None or max_tokens <= 0:
         return spec
+    max_depth = min(wanted, math.ceil(max_spec_factor * length), depth - length)
+    # Heap entries: (-score, tie-break, token, its node, parent index, depth).
+    frontier: list[tuple[float, int, int, object, int, int]] = []
+    order = 0
+
+    def offer(at, score: float, parent: int, level: int) -> None:
+        nonlocal order
+        if level > max_depth:
+            return
+        total, best = children(at, top_k)
+        for tok, count, child in best:
+            heapq.heappush(frontier, (-score * count / total, order, tok, child, parent, level))
+            order += 1
+
+    offer(node, 1.0, -1, 1)
+    while frontier and len(spec.tokens) < max_tokens:
+        neg, _, tok, child, parent, level = heapq.heappop(frontier)
+        if -neg < min_token_prob:
+            break   # every candidate left scores lower still
+        spec.tokens.append(tok)
+        spec.parents.append(parent)
+        spec.scores.append(-neg)
+        offer(child, -neg, len(spec.tokens) - 1, level + 1)
+    return spec

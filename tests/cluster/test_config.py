@@ -28,7 +28,19 @@ def test_bad_app_configs(fields, message):
     ({"name": "auto"}, "cannot be named 'auto'"),
     ({"name": "prompt-lookup", "model": "x"}, "is the model-free draft"),
     ({"name": "Bad Name", "model": "x"}, "should match pattern"),
+    ({"name": "s", "method": "suffix", "model": "x"}, "drafts without a model"),
+    ({"name": "s", "seed_outputs": "answers"}, "set method: suffix"),
+    ({"name": "s", "method": "suffix", "placement": "separate"}, "runs inside the target replica"),
+    ({"name": "s", "method": "suffix", "seed_outputs": "/nowhere"}, "is not a folder"),
+    ({"name": "s", "method": "ngram"}, "Input should be 'prompt-lookup' or 'suffix'"),
 ])
 def test_bad_draft_specs(fields, message):
     with pytest.raises(ValidationError, match=message):
         DraftSpec.model_validate(fields)
+
+
+def test_the_shipped_answers_seed_a_suffix_draft_by_name():
+    from specserve.training.answers import ANSWERS_DIR
+
+    spec = DraftSpec(name="suffix", method="suffix", seed_outputs="answers")
+    assert spec.seed_outputs == str(ANSWERS_DIR) and any(ANSWERS_DIR.glob("answers-*.npz"))

@@ -88,3 +88,20 @@ def test_a_pooled_target_cache_never_hands_out_another_requests_states(pair):
     other = [9, 9, 9, 1, 2]
     assert len(target.features(other)) == 0                   # no common prefix: nothing
     assert torch.equal(target.features(PROMPT[:4] + [40]), target.features(PROMPT)[:4])
+
+
+def test_a_suffix_draft_server_drafts_from_its_seed_answers_and_what_it_is_told_to_remember(tmp_path):
+    from specserve.data.answers import Answer, save_chunk
+
+    save_chunk(tmp_path / "answers-00000.npz", [Answer("chat", 2, [1, 2, 30, 31, 32, 33])])
+    server = DraftServer("suffix", method="suffix", seed_outputs=str(tmp_path))
+    assert server.suffix is not None and server.suffix.seed.tokens == 4   # the answer, not its prompt
+
+    def ask(context, salt=None):
+        return asyncio.run(server.propose_batch([ProposeRequest("s", context, 3, None, GREEDY, cache_salt=salt)]))[0]
+
+    assert ask([9, 30, 31, 32]).tokens == [33]
+    assert ask([9, 40, 41, 42]).tokens == []
+    server.suffix.remember([40, 41, 42, 43, 44], cache_salt="t")
+    server.suffix.refresh()
+    assert ask([9, 40, 41, 42], salt="t").tokens == [43, 44] and ask([9, 40, 41, 42]).tokens == []

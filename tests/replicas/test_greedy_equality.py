@@ -25,6 +25,8 @@ def models(request):
     return target, {
         "prompt-lookup": PromptLookupDraft(),
         "suffix": SuffixDraft(),
+        # The cluster's arrays drafting too: continuations of these prompts the target never says.
+        "suffix-seeded": SuffixDraft(seed=[list(range(20, 70)), [1, 2, 3, 4, 5, 6, 7, 8] * 3, [5, 6, 9, 10, 11, 12, 13]]),
         "near": DraftLM("near", perturbed(target, seed=1)),
         "far": DraftLM("far", tiny_model(request.param, seed=7, layers=1)),
     }

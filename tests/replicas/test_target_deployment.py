@@ -137,3 +137,44 @@ def test_a_policy_that_cannot_name_its_rule_is_refused_before_the_model_loads():
     # and finding out at the end of a streamed request would cost the client its response.
     with pytest.raises(TypeError, match="PolicyByRequest"):
         Replica(TargetConfig("no-such-model"), policy=StaticPolicy())
+
+
+def test_a_prompt_answered_on_one_replica_is_drafted_from_its_answer_on_another(tmp_path):
+    """The suffix draft inside two replicas sharing outputs through a real Redis: the second
+    replica drafts the repeat from the first one's answer, and the output is the same; another
+    tenant's repeat gets nothing from it."""
+    from specserve.cluster.redis_server import RedisServer
+    from specserve.policies.replica_learning import ReplicaLearningFactory
+
+    server = RedisServer.start(tmp_path)
+    suffix = {"suffix": {"model": None, "method": "suffix", "seed_outputs": None}}
+
+    def make() -> Replica:
+        return Replica(TargetConfig(REFERENCE_TARGET, dtype="float32", max_batch=4), policy=PolicyByRequest("static"),
+                       drafts=suffix, learning=ReplicaLearningFactory(server.url, "app"))
+
+    async def answer(replica, text, salt=None):
+        request = SpecRequest(text, 64, draft="suffix", window=4, pinned=True, request_id=f"r-{salt}", cache_salt=salt)
+        items = [item async for item in replica.generate(request)]
+        return [t for item in items for t in item.token_ids], items[-1].spec
+
+    async def scenario():
+        first, second = make(), make()
+        text = prompt(first, "Describe how a bicycle works in a few sentences.")
+        tokens, cold = await answer(first, text)
+        await answer(second, prompt(second, "Hello!"))        # starts the second replica's exchange
+        for _ in range(100):                                  # Redis, then the next build there
+            if second._suffixes[0].remembered >= len(tokens):
+                break
+            await asyncio.sleep(0.1)
+        again, warm = await answer(second, text)
+        other, isolated = await answer(second, text, salt="tenant-b")
+        return tokens, cold, again, warm, other, isolated
+
+    try:
+        tokens, cold, again, warm, other, isolated = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert again == tokens == other
+    assert warm["mean_accepted_len"] >= 3.0 > cold["mean_accepted_len"] + 1   # ≤ 4 a step at window 4
+    assert isolated["mean_accepted_len"] < 2.0

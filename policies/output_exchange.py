@@ -1,0 +1,114 @@
+"""Finished outputs shared between a target's replicas through Redis: what the suffix draft's
+cluster index learns from (``replicas/drafts/suffix.py``).
+
+    <prefix>:outputs:<target>    stream, capped (``MAXLEN ~ max_outputs``): one entry per finished
+                                 output: ``r`` the replica, ``s`` its cache_salt (absent: none),
+                                 ``t`` its token ids (int32, little-endian bytes)
+
+Each replica appends its own outputs in batches (one pipeline per ``interval_s``) and reads the
+others' from the last entry it saw; a replica that starts reads the whole stream first: the
+capped stream is the snapshot a new replica rebuilds its index from. Its own outputs it already
+remembered when they finished, so it skips them.
+
+Nothing here is on the request path, and Redis being away costs only the sharing: an unsent
+batch is kept (bounded: the oldest outputs go first) and sent when Redis answers. A batch whose
+reply was lost may arrive twice, which only counts those outputs twice in the indexes; outputs
+carry no secret beyond their tenant's, and a request reads only its own tenant's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import redis
+
+logger = logging.getLogger("ray.serve")
+
+# Outputs waiting to be sent while Redis is away; beyond, the oldest are dropped.
+MAX_UNSENT = 1024
+READ_BATCH = 512
+
+
+class OutputExchange:
+    def __init__(self, url: str, prefix: str, target: str, interval_s: float = 1.0, max_outputs: int = 20000,
+                 timeout_s: float = 2.0):
+        self.url = url
+        self.key = f"{prefix}:outputs:{target}"
+        self.interval_s = interval_s
+        self.max_outputs = max_outputs
+        self.replica = uuid.uuid4().hex.encode()
+        # Bytes, not text: the tokens travel as raw int32.
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                           retry_on_timeout=False)
+        self._unsent: deque[tuple[str | None, bytes]] = deque(maxlen=MAX_UNSENT)
+        self._last_id = b"0-0"   # the stream from its start: the snapshot
+        self._down_since: float | None = None
+        self.sent = self.received = 0
+
+    def share(self, cache_salt: str | None, tokens) -> None:
+        """Queue a finished output for the other replicas (sent at the next exchange)."""
+        self._unsent.append((cache_salt, np.asarray(tokens, dtype="<i4").tobytes()))
+
+    def exchange_once(self, receive: Callable[[str | None, np.ndarray], None]) -> int:
+        """Send the queued outputs, then hand every other replica's new ones to ``receive``;
+        returns how many were received. Blocking: call it in a thread (``receive`` runs there too,
+        so it must only queue)."""
+        try:
+            self._send()
+            received = self._read(receive)
+        except (redis.RedisError, OSError) as err:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                logger.warning("sharing outputs through %s failed (%s: %s); retried every %.1f s",
+                               self.url.split("@")[-1], type(err).__name__, err, self.interval_s)
+            return 0
+        if self._down_since is not None:
+            logger.warning("outputs are shared through Redis again")
+            self._down_since = None
+        return received
+
+    def _send(self) -> None:
+        if not self._unsent:
+            return
+        batch = list(self._unsent)
+        pipe = self.client.pipeline(transaction=False)
+        for salt, tokens in batch:
+            fields = {b"r": self.replica, b"t": tokens}
+            if salt is not None:
+                fields[b"s"] = salt.encode()
+            pipe.xadd(self.key, fields, maxlen=self.max_outputs, approximate=True)
+        pipe.execute()
+        for _ in batch:   # what arrived meanwhile stays queued
+            self._unsent.popleft()
+        self.sent += len(batch)
+
+    def _read(self, receive: Callable[[str | None, np.ndarray], None]) -> int:
+        received = 0
+        while True:
+            answer = self.client.xread({self.key: self._last_id}, count=READ_BATCH)
+            entries = answer[0][1] if answer else []
+            for entry_id, fields in entries:
+                self._last_id = entry_id
+                if fields.get(b"r") == self.replica or b"t" not in fields:
+                    continue
+                salt = fields[b"s"].decode() if b"s" in fields else None
+                receive(salt, np.frombuffer(fields[b"t"], dtype="<i4").astype(np.int32))
+                received += 1
+            if len(entries) < READ_BATCH:
+                break
+        self.received += received
+        return received
+
+    async def run_forever(self, receive: Callable[[str | None, np.ndarray], None]) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.exchange_once, receive)
+            except Exception:  # noqa: BLE001 - sharing never takes the replica down
+                logger.exception("output exchange failed unexpectedly")
+            await asyncio.sleep(self.interval_s)
