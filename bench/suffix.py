@@ -29,13 +29,12 @@ from pathlib import Path
 from specserve.bench.engine import machine_info
 from specserve.bench.serve import (NO_DRAFT, RequestRecord, RowConfig, load_run, local_stack_config, mixed_prompts,
                                    salt_for, served_model, summarise)
-from specserve.cluster.config import PROMPT_LOOKUP, SHIPPED_ANSWERS, SUFFIX
+from specserve.cluster.config import PROMPT_LOOKUP, SUFFIX
+from specserve.cluster.serve_config import SUFFIX_DRAFT
 from specserve.ingress.auth import client_headers
 
 RESTATEMENTS = ("system", "exact")
 SYSTEM = "You are a helpful assistant. Answer the user's request."
-# A suffix draft for a local stack whose config lists none (seeded with the shipped answers).
-SUFFIX_DRAFT = {"name": SUFFIX, "method": SUFFIX, "seed_outputs": SHIPPED_ANSWERS}
 
 
 @dataclass(frozen=True, kw_only=True)

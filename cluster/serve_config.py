@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from specserve.cluster.config import INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROMPT_LOOKUP, SEPARATE, TARGET_DEPLOYMENT, draft_deployment
+from specserve.cluster.config import (INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROMPT_LOOKUP, SEPARATE, SHIPPED_ANSWERS, SUFFIX,
+                                      TARGET_DEPLOYMENT, draft_deployment)
 
 APP_NAME = "specserve"
 BUILDER = "specserve.cluster.app:build_app"
@@ -22,6 +23,8 @@ GRPC_SERVICER = "specserve.ingress.specserve_pb2_grpc.add_SpecServeServicer_to_s
 
 # The package's trained drafts (specserve zoo), selectable by name; placed by measurement.
 ZOO_DRAFTS = ("smollm2-draft-2l", "smollm2-hsr")
+# The suffix draft, its index seeded with the target's own answers shipped with specserve.
+SUFFIX_DRAFT = {"name": SUFFIX, "method": SUFFIX, "seed_outputs": SHIPPED_ANSWERS}
 
 # CPU accounting, in this one place: a deployment that runs a model asks Ray for as many CPUs as
 # it runs torch threads (num_cpus = torch_threads), so Ray's books show what the replicas really
@@ -163,13 +166,13 @@ def with_resources(entry: dict, resources: dict[str, float]) -> dict:
 
 
 def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
-    """The reference target with prompt lookup and the zoo's drafts, sized for one small machine
+    """The reference target with prompt lookup, the suffix draft and the zoo's drafts, sized for one small machine
     (2 cores here): two target replicas of one thread each, every draft placed by measurement
     (inside the targets, on this hardware: no draft deployment holds a CPU the targets need)."""
     return app_serve_config({
         "dtype": "auto", "torch_threads": TARGET_THREADS, "default_draft": PROMPT_LOOKUP, "default_window": 4,
         "max_model_len": LOCAL_MAX_MODEL_LEN,
-        "drafts": [{"name": PROMPT_LOOKUP}, *({"name": name, "model": name} for name in ZOO_DRAFTS)],
+        "drafts": [{"name": PROMPT_LOOKUP}, dict(SUFFIX_DRAFT), *({"name": name, "model": name} for name in ZOO_DRAFTS)],
     }, http_port, grpc_port, TARGET_REPLICAS)
 
 

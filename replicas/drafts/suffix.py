@@ -20,6 +20,10 @@ thread → ``install``); ``refresh`` does all three in place. Deviation from the
 tree is updated per output and evicts per request; here outputs join in batches, which is what
 sharing them across replicas does anyway.
 
+Memory: a request's trie costs ~3 KB a context token at depth 24 (Python objects), so only the
+latest ``requests`` tries are kept (more than a replica runs at once); the cluster's arrays cost
+12 bytes a token, ``remembered_tokens`` per tenant for at most ``salts`` tenants, and the seed.
+
 Like every draft it is correct from the tokens alone (``base``): a request's trie is found by
 its context (``_own``), rebuilt if this replica has none, and extended with what was accepted.
 """
@@ -72,7 +76,7 @@ class SuffixDraft:
     by_cache_salt = True
 
     def __init__(self, depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
-                 remembered_tokens: int = 1 << 18, requests: int = 64, salts: int = 64,
+                 remembered_tokens: int = 1 << 18, requests: int = 32, salts: int = 64,
                  seed: Iterable[Sequence[int]] | SuffixArray | None = None, recent_tokens: int = RECENT_TOKENS):
         self.depth = depth
         self.max_spec_factor = max_spec_factor
