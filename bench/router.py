@@ -329,6 +329,7 @@ def run_router_bench(config: RouterBenchConfig, engine: SpecEngine | None = None
     from tqdm import tqdm
 
     from specserve.replicas.model_store import zoo_dir, zoo_drafts
+    from specserve.training.answers import ANSWERS_DIR
 
     categories = list(config.categories)
     prompts_per_category, warmup_per_category = config.prompts_per_category, config.warmup_per_category
@@ -337,7 +338,7 @@ def run_router_bench(config: RouterBenchConfig, engine: SpecEngine | None = None
     machine_before = machine_info()
     if engine is None:
         zoo = [d for d in zoo_drafts() if (zoo_dir() / d / "config.json").exists()]
-        engine = SpecEngine.load(dtype=config.dtype, draft_models=zoo)
+        engine = SpecEngine.load(dtype=config.dtype, draft_models=zoo, suffix_seed=ANSWERS_DIR)
     candidates = [*engine.drafts, NO_DRAFT]
     basis = topic_basis(engine.loaded.name, engine.tokenizer, topic_corpus, 8)
     encoded = {c: [engine.encode(t) for t in ts] for c, ts in texts.items()}

@@ -57,7 +57,7 @@ from pathlib import Path
 import httpx
 
 from specserve.bench.engine import machine_info
-from specserve.cluster.config import PROMPT_LOOKUP
+from specserve.cluster.config import PROMPT_LOOKUP, SUFFIX
 from specserve.data.prompts import CATEGORIES, check_categories, load_prompts
 from specserve.ingress.auth import client_headers
 
@@ -455,7 +455,7 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
     if in_process is not None:
         from specserve.replicas.model_store import zoo_drafts
 
-        runnable = [PROMPT_LOOKUP, *zoo_drafts()]
+        runnable = [PROMPT_LOOKUP, SUFFIX, *zoo_drafts()]
         if in_process not in runnable:
             raise ValueError(f"--in-process runs one of {', '.join(runnable)} (or none), got {in_process!r}")
     categories = list(config.categories)
@@ -487,7 +487,10 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
         engine = None
         in_process_threads = None
         if in_process is not None:
-            engine = SpecEngine.load(dtype=config.dtype, draft_models=[] if in_process == PROMPT_LOOKUP else [in_process])
+            from specserve.training.answers import ANSWERS_DIR
+
+            engine = SpecEngine.load(dtype=config.dtype, draft_models=[] if in_process in (PROMPT_LOOKUP, SUFFIX) else [in_process],
+                                     suffix_seed=ANSWERS_DIR if in_process == SUFFIX else None)
             prompt_ids = [engine.encode(p) for p in prompts]
             if started:
                 # The same torch threads as a served target replica, so that the per-step

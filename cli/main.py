@@ -443,7 +443,7 @@ def zoo_export(
 
 @zoo_app.command("eval")
 def zoo_eval(
-    drafts: list[str] = typer.Argument(..., help="Drafts to evaluate: zoo names or folders."),
+    drafts: list[str] = typer.Argument(..., help="Drafts to evaluate: zoo names or folders, or suffix (seeded with the shipped answers)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the rows here."),
     prompts: int = typer.Option(4, help="Benchmark prompts per category (held out from training)."),
     max_tokens: int = typer.Option(64, help="New tokens per prompt."),

@@ -12,11 +12,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from specserve.data.answers import answer_outputs
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.drafts.base import Draft, draft_model, vocabulary_error
 from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
+from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
 from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.sampling import SamplingParams
@@ -156,9 +159,15 @@ class SpecEngine:
         dtype: str = "auto",
         device: str | None = None,
         slots: int = 16,
+        suffix_seed: str | Path | None = None,
     ) -> "SpecEngine":
+        """``suffix_seed``: also a suffix draft, its index seeded with the answers in this folder
+        (``data/answers.py``). In-process it remembers no output of its own: every request finds
+        the index as it started (a benchmark's rows must not warm each other)."""
         loaded = load_causal_lm(target, dtype=dtype, device=device)
         drafts: dict[str, Draft] = {PromptLookupDraft.name: PromptLookupDraft()}
+        if suffix_seed is not None:
+            drafts[SuffixDraft.name] = SuffixDraft(seed=answer_outputs(suffix_seed))
         for name in draft_models:
             lm = load_causal_lm(name, dtype=dtype, device=device)
             drafts[lm.name] = draft_from_model(lm.name, lm.model)

@@ -250,7 +250,11 @@ def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int =
     from specserve.replicas.engine import GenerateRequest, SpecEngine
     from tqdm import tqdm
 
-    engine = SpecEngine.load(dtype=dtype, draft_models=drafts)
+    from specserve.training.answers import ANSWERS_DIR
+
+    # "suffix": the model-free suffix draft, seeded with the shipped answers (held out, as training data is).
+    engine = SpecEngine.load(dtype=dtype, draft_models=[d for d in drafts if d != "suffix"],
+                             suffix_seed=ANSWERS_DIR if "suffix" in drafts else None)
     names = [n for n in engine.drafts if n != "prompt-lookup"]
     probe = engine.encode(load_prompts("chat", 1)[0])
     target_ms = forward_ms(engine.loaded.model, probe)

@@ -51,6 +51,7 @@ HAS_PROMETHEUS = shutil.which("prometheus") is not None
 def _test_config(draft_path: str) -> dict:
     args = {**local_serve_config()["applications"][0]["args"], "dtype": "float32", "drafts": [
         {"name": "prompt-lookup"},   # model-free, auto: inside the target replica
+        {"name": "suffix", "method": "suffix", "seed_outputs": "answers"},   # fed by every replica's outputs
         {"name": DRAFT_LM, "model": draft_path, "placement": "separate"},
         {"name": LOOKUP_SEPARATE, "placement": "separate"},
         {"name": HSR, "model": HSR, "placement": "separate"}, {"name": "hsr-in-target", "model": HSR, "placement": "inside"}]}
@@ -111,7 +112,7 @@ def test_models_lists_the_target_and_where_each_draft_runs(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     placement = client.models.list().data[0].model_extra["placement"]
     assert {d: p["where"] for d, p in placement.items()} == {
-        "prompt-lookup": "inside", DRAFT_LM: "separate", LOOKUP_SEPARATE: "separate", HSR: "separate",
+        "prompt-lookup": "inside", "suffix": "inside", DRAFT_LM: "separate", LOOKUP_SEPARATE: "separate", HSR: "separate",
         "hsr-in-target": "inside"}
     assert placement["prompt-lookup"]["reason"].startswith("model-free") and placement[HSR]["reason"] == "configured"
 
@@ -140,6 +141,8 @@ def test_under_load_an_unmeasured_draft_is_not_chosen_over_none(client, expected
     {"draft": LOOKUP_SEPARATE, "window": 4},
     # The target's hidden states cross the hop to the HSR deployment, or stay in the replica.
     {"draft": HSR, "window": 3},
+    # Drafts from the earlier requests' outputs (shared through Redis) and the seed answers.
+    {"draft": "suffix", "window": 4},
     {"draft": "hsr-in-target", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
 ], ids=lambda s: "-".join(str(v) for v in s.values()))
 def test_served_greedy_equals_in_process_target_only(client, expected, spec):

@@ -39,3 +39,15 @@ def test_generate_reports_usage_and_reset_forgets_caches(engine):
     assert any(engine.target.kv.tokens)
     engine.reset_caches()
     assert all(tokens == [] for tokens in engine.target.kv.tokens)
+
+
+def test_a_seeded_suffix_draft_drafts_the_answer_it_was_seeded_with_and_stays_exact(engine, tmp_path):
+    from specserve.data.answers import Answer, save_chunk
+
+    ids = engine.encode("Name three colours of the rainbow.")
+    plain = engine.generate_ids(ids, GenerateRequest("", 24, "none", 0))
+    save_chunk(tmp_path / "answers-00000.npz", [Answer("chat", len(ids), ids + plain.token_ids)])
+    seeded = SpecEngine.load(dtype="float32", suffix_seed=tmp_path)
+    assert "suffix" in seeded.drafts
+    got = seeded.generate_ids(ids, GenerateRequest("", 24, "suffix", 4))
+    assert got.token_ids == plain.token_ids and got.stats.mean_accepted_len > 3.0
