@@ -4,6 +4,7 @@ array or several as the trie gives over all their sequences."""
 import random
 
 import numpy as np
+import pytest
 
 from specserve.replicas.drafts.suffix_array import SuffixArray, SuffixArrays
 from specserve.replicas.drafts.suffix_index import SuffixIndex
@@ -73,3 +74,20 @@ def test_speculation_over_arrays_equals_the_tries_over_all_their_sequences():
 def test_empty_arrays_speculate_nothing():
     assert SuffixArrays([SuffixArray([], depth=6)]).speculate([1, 2], 4).tokens == []
     assert SuffixArrays([]).speculate([1, 2], 4).tokens == []
+
+
+def test_the_c_kernel_finds_and_splits_exactly_as_numpy_does():
+    rng = random.Random(2)
+    seqs = sequences(rng, 60, vocab=9)
+    fast, slow = SuffixArray(seqs, depth=6), SuffixArray(seqs, depth=6)
+    if fast._c is None:
+        pytest.skip("no C compiler here: numpy is the only path")
+    slow._c = None
+    for _ in range(300):
+        pattern = [rng.randrange(9) for _ in range(rng.randrange(1, 6))]
+        found = [(lo, hi) if hi > lo else "empty" for lo, hi in (fast.find(pattern), slow.find(pattern))]
+        assert found[0] == found[1], pattern
+        lo, hi = fast.find(pattern[:-1]) if len(pattern) > 1 else (0, fast.tokens)
+        offset = len(pattern) - 1
+        got, want = fast.continuations(lo, hi, offset), slow.continuations(lo, hi, offset)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want)), pattern
