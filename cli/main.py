@@ -404,6 +404,25 @@ def zoo_answers(
     typer.echo(f"answers in {folder}")
 
 
+@zoo_app.command("features")
+def zoo_features(
+    out: Optional[Path] = typer.Option(None, help="Cache folder (default: next to the model cache)."),
+    context: int = typer.Option(256, help="Prompt tokens the target reads before each answer (the recipe's choice)."),
+    chunks: Optional[int] = typer.Option(None, help="Stop after this many new shards (default: every answers chunk)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Cache the target's hidden states over the self-distilled answers (its low, middle and high
+    layers and its final state, bfloat16, on disk) for the EAGLE-3 recipe. Resumes, and adds the
+    answers chunks generated since."""
+    from specserve.training.features import build_features
+
+    set_threads(threads)
+    try:
+        typer.echo(f"feature cache in {build_features(out, context=context, chunks=chunks)}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
 @zoo_app.command("train")
 def zoo_train(
     name: str = typer.Argument(..., help="A recipe from `specserve zoo list`."),

@@ -78,8 +78,9 @@ def verify_points(target: Target, slot: int, rounds: int = 3, clock=time.perf_co
 def draft_ms_per_position(propose_now, vocab: int, features_size: int | None = None, rounds: int = 3,
                           clock=time.perf_counter) -> float:
     """a_d of a draft: ``propose_now(asks)`` answers a list of ``ProposeRequest`` on the calling
-    thread (``DraftServer.propose_now``); ``features_size``: the target's hidden size when the
-    draft reuses its hidden states (random rows: the cost does not depend on them)."""
+    thread (``DraftServer.propose_now``); ``features_size``: the width of the target states a
+    draft that reuses them reads per position (``DraftServer.features_size``: n·H for n layers;
+    random rows: the cost does not depend on them)."""
     import torch
 
     context = probe_tokens(vocab)

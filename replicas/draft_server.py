@@ -29,7 +29,7 @@ from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, pro
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_draft import MissingFeatures
-from specserve.replicas.drafts.hsr_head import HSRHead
+from specserve.replicas.drafts.hsr_head import HSRHead, feature_layers
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.model_store import load_causal_lm
@@ -63,13 +63,14 @@ class DraftServer:
         self._batched: BatchedDraftLM | None = None
         self.device = torch.device("cpu")
         self._features_size: int | None = None
+        self._feature_layers: list[int] | None = None
         # A suffix draft learns from finished outputs: the target replica feeds it (``remember``).
         self.suffix: SuffixDraft | None = None
         if make_draft is not None:
             probe = make_draft()
             self._needs_features = bool(getattr(probe, "needs_features", False))
             if self._needs_features and draft_model(probe) is not None:
-                self._features_size = int(draft_model(probe).config.hidden_size)
+                self._reads(draft_model(probe))
             self._adopt(draft_model(probe))
             if draft_model(probe) is None:
                 self._stateless = probe
@@ -87,11 +88,16 @@ class DraftServer:
             loaded = load_causal_lm(model, dtype=dtype)
             self._needs_features = isinstance(loaded.model, HSRHead)
             if self._needs_features:
-                self._features_size = int(loaded.model.config.hidden_size)
+                self._reads(loaded.model)
             self._adopt(loaded.model)
             self.pool = SessionPool(lambda: draft_from_model(name, loaded.model), keep_idle=kv_sessions_idle)
         logger.info("draft %s ready (%s)", name, model or ("in-process" if make_draft else "suffix, no model" if self.suffix
                                                            else "prompt lookup, no model"))
+
+    def _reads(self, head) -> None:
+        """A hidden-state-reuse head: which of the target's layers it reads, and their width."""
+        self._feature_layers = feature_layers(head.config)
+        self._features_size = len(self._feature_layers) * int(head.config.hidden_size)
 
     def _adopt(self, model) -> None:
         if model is not None:
@@ -104,9 +110,11 @@ class DraftServer:
 
     async def info(self) -> dict:
         """What a target checks before it trusts this draft: whether proposals need its hidden
-        states, and the vocabulary the draft's ids come from (None: the target's own, as prompt
-        lookup copies them from the context)."""
-        return {"needs_features": self._needs_features, "vocab_size": self.vocab_size}
+        states and which (``feature_layers``: indices into transformers' ``hidden_states``, sent
+        side by side), and the vocabulary the draft's ids come from (None: the target's own, as
+        prompt lookup copies them from the context)."""
+        return {"needs_features": self._needs_features, "vocab_size": self.vocab_size,
+                **({"feature_layers": self._feature_layers} if self._feature_layers else {})}
 
     async def propose_batch(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
         """One proposal per ask, in order. An HSR head that holds fewer of a session's target
@@ -131,7 +139,8 @@ class DraftServer:
 
     @property
     def features_size(self) -> int | None:
-        """The target hidden size a hidden-state-reuse draft reads; None for the others."""
+        """The width of the target states a hidden-state-reuse draft reads per position (n·H for
+        n layers); None for the others."""
         return self._features_size
 
     def _propose_pooled(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:

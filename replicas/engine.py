@@ -16,8 +16,9 @@ from pathlib import Path
 
 from specserve.data.answers import answer_outputs
 from specserve.replicas.draft_server import DraftServer
-from specserve.replicas.drafts.base import Draft, draft_model, vocabulary_error
+from specserve.replicas.drafts.base import Draft, draft_model, needs_features, vocabulary_error
 from specserve.replicas.drafts.factory import draft_from_model
+from specserve.replicas.drafts.hsr_head import feature_layers
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
@@ -147,6 +148,8 @@ class SpecEngine:
             error = vocabulary_error(name, None if model is None else model.config.vocab_size, self.target.vocab)
             if error is not None:
                 raise ValueError(error)
+            if needs_features(draft) and model is not None:   # kept from the first forward on
+                self.target.tap_features(feature_layers(model.config))
         self.drafts = drafts
         self.servers = {name: in_process_server(name, draft) for name, draft in drafts.items()}
         self.max_context = getattr(target.model.config, "max_position_embeddings", None)

@@ -266,7 +266,7 @@ class LlamaForward:
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache_layers, keep: int,
                  tap=None) -> torch.Tensor:
         """ids, positions: [B, S]; mask: [B, 1, S, kv_len] additive; returns logits [B, keep, V].
-        ``tap`` (a ``target.FeatureTap``) receives the output of the decoder layer it watches."""
+        ``tap`` (a ``target.FeatureTap``) receives the outputs of the decoder layers it watches."""
         B, S = ids.shape
         nq, nkv, D = self.heads, self.kv_heads, self.head_dim
         h = F.embedding(ids, self.embed)                       # [B, S, hidden]
@@ -295,8 +295,8 @@ class LlamaForward:
             keys, values = cache_layers[index].update(k, v)    # [B, nkv, kv_len, D] views
             attn = _attention(q, keys, values, mask, blocks).transpose(1, 2).reshape(B, S, nq * D)
             h = _mlp(layer, h, attn, rows)
-            if tap is not None and tap.layer is layer.module:
-                tap.last = h.clone() if rows else h   # the next layer adds to h in place
+            if tap is not None and (tapped := tap.layer_of(layer.module)) is not None:
+                tap.keep(tapped, h.clone() if rows else h)   # the next layer adds to h in place
         _, x = _add_rms_norm(h[:, -keep:].contiguous(), None, self.norm, self.eps, rows)
         logits = self.lm_head(x)
         return logits if self.to_full_vocab is None else self.to_full_vocab(logits)
@@ -318,7 +318,7 @@ class LlamaForward:
 
         Why flat: padded to the longest feed, one request verifying 5 tokens made every row of a
         batch of 16 five tokens wide (80 tokens through every linear instead of 20). Here every
-        linear, norm and rotary runs over exactly the tokens fed. ``tap.last`` is [1, T, hidden]."""
+        linear, norm and rotary runs over exactly the tokens fed. Each tapped output is [1, T, hidden]."""
         T = ids.shape[0]
         nq, nkv, D = self.heads, self.kv_heads, self.head_dim
         h = F.embedding(ids, self.embed)                       # [T, hidden]
@@ -335,8 +335,8 @@ class LlamaForward:
                 raise RuntimeError("the flat step could not write its keys and values into the slot cache")
             attn = cpu_attention.attention(q[0], keys, values, step.sequences, step.mask, step.length)
             h = _mlp(layer, h, attn, True)
-            if tap is not None and tap.layer is layer.module:
-                tap.last = h[None].clone()   # the next layer adds to h in place
+            if tap is not None and (tapped := tap.layer_of(layer.module)) is not None:
+                tap.keep(tapped, h[None].clone())   # the next layer adds to h in place
         _, x = _add_rms_norm(h[keep], None, self.norm, self.eps, True)
         logits = self.lm_head(x)
         return logits if self.to_full_vocab is None else self.to_full_vocab(logits)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StreamItem
 from specserve.replicas.step import PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, StepRecord
-from specserve.replicas.target import Target, VerifyItem
+from specserve.replicas.target import DEFAULT_FEATURE_LAYERS, Target, VerifyItem
 
 logger = logging.getLogger("ray.serve")
 
@@ -224,14 +224,15 @@ class Scheduler:
                 plan.asks.setdefault(state.request.draft, []).append((state, spec))
         return plan
 
-    def propose_request(self, state: RequestState, spec: Speculation, features_from: int | None = None) -> ProposeRequest:
+    def propose_request(self, state: RequestState, spec: Speculation, features_from: int | None = None,
+                        feature_layers=DEFAULT_FEATURE_LAYERS) -> ProposeRequest:
         """The ask for ``state``'s draft; a hidden-state-reuse draft also gets the target states
-        from ``features_from`` (None: no states)."""
+        of ``feature_layers`` (its config's, side by side) from ``features_from`` (None: no states)."""
         features = None
         start = 0
         if features_from is not None:
             start = features_from
-            features = self.target.features(state.context, start, state.slot)
+            features = self.target.features(state.context, start, state.slot, feature_layers)
         return ProposeRequest(state.id, state.context, spec.window, spec.tree, state.request.params,
                               state.draft_seed, features, start, state.request.cache_salt)
 

@@ -134,7 +134,8 @@ class ProposeRequest:
 
     ``seed`` seeds the draft's own random stream when it samples (derived from the request's
     seed, never equal to the target's stream). A hidden-state-reuse draft also gets the target's
-    hidden states of context positions ``features_start..``: the ones it has not been sent yet.
+    hidden states of context positions ``features_start..``: the ones it has not been sent yet,
+    [n, n_layers·H] (the layers its config names, side by side).
     ``cache_salt`` is the request's tenant: a draft that learns from other requests' outputs
     drafts only from those of the same salt.
     """

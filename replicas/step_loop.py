@@ -29,6 +29,7 @@ from dataclasses import replace
 from specserve.replicas.drafts.base import NeedFeatures, vocabulary_error
 from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest, StepError, StreamItem
 from specserve.replicas.scheduler import Scheduler
+from specserve.replicas.target import DEFAULT_FEATURE_LAYERS
 from specserve.replicas.step import Proposal, ProposeRequest, Speculation, StepRecord
 
 logger = logging.getLogger("ray.serve")
@@ -44,6 +45,7 @@ class StepLoop:
         self.worker = worker
         self._clock = clock
         self._info: dict[str, dict] = {}
+        self._asked_every_draft = False
         self._disabled: dict[str, str] = {}   # draft -> why it is not used
         self._wake = asyncio.Event()
         self._draft_ms: dict[str, float] = {}   # this step's time per draft (they run concurrently)
@@ -75,8 +77,27 @@ class StepLoop:
                 self._disabled[name] = error
                 logger.error("%s; requests for it are decoded without speculation", self._disabled[name])
                 return None
+            if info.get("needs_features"):
+                try:   # the target keeps the layers this draft reads from its next forward on
+                    self.scheduler.target.tap_features(info.get("feature_layers") or DEFAULT_FEATURE_LAYERS)
+                except ValueError as err:
+                    self._disabled[name] = f"draft {name!r} reads hidden states this target lacks: {err}"
+                    logger.error("%s; requests for it are decoded without speculation", self._disabled[name])
+                    return None
             self._info[name] = info
         return self._info[name]
+
+    async def _ask_every_draft(self) -> None:
+        """Every draft's ``info`` before the first forward: a hidden-state-reuse draft's layers
+        must be tapped while prompts are prefilled (a request routed to it after its prefill
+        would otherwise have no states for its prompt). A draft that does not answer is asked
+        again when a request first uses it."""
+        self._asked_every_draft = True
+        names = list(self.drafts)
+        answers = await asyncio.gather(*(self.draft_info(name) for name in names), return_exceptions=True)
+        for name, answer in zip(names, answers):
+            if isinstance(answer, BaseException):
+                logger.warning("draft %s: no info before the first step (%s: %s)", name, type(answer).__name__, answer)
 
     async def _propose(self, name: str, entries: list[tuple[RequestState, Speculation]]) -> dict[str, Proposal]:
         t0 = self._clock()
@@ -92,10 +113,11 @@ class StepLoop:
             if info is None:
                 raise RuntimeError(self._disabled[name])
             hsr = bool(info.get("needs_features"))
+            layers = info.get("feature_layers") or DEFAULT_FEATURE_LAYERS
             pending = [(state, spec, state.features_sent if hsr else None) for state, spec in entries]
             out: dict[str, Proposal] = {}
             for _ in range(2):   # a draft replica that lacks a session's states asks once from where
-                asks = [self.scheduler.propose_request(state, spec, start) for state, spec, start in pending]
+                asks = [self.scheduler.propose_request(state, spec, start, layers) for state, spec, start in pending]
                 if hsr:   # views of the target's buffers: send only the rows
                     asks = [ask if ask.features is None else replace(ask, features=ask.features.clone()) for ask in asks]
                 replies = await draft.propose_batch(asks)
@@ -144,6 +166,8 @@ class StepLoop:
         if plan.empty:
             self._deliver()
             return None
+        if not self._asked_every_draft:
+            await self._ask_every_draft()
         t0 = self._clock()
         proposals: dict[str, Proposal] = {}
         self._draft_ms: dict[str, float] = {}

@@ -1,7 +1,8 @@
 """The target side of a step: score every request's proposal in one forward and keep what it accepts.
 
 A ``Target`` holds the model, the KV caches of up to ``slots`` requests (``BatchKV``) and, for
-hidden-state-reuse drafts, the tapped hidden states of each slot's cached positions.
+hidden-state-reuse drafts, the tapped hidden states of each slot's cached positions (per decoder
+layer: an EAGLE-3 head reads several, side by side).
 ``verify`` takes one ``VerifyItem`` per request (its slot, context, proposal, sampling) and runs
 them through a single forward; acceptance is then decided per request by the rejection sampler,
 unchanged, so batching changes nothing a request sees but its latency.
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.rejection_sampler import verify
 from specserve.replicas.sampling import SamplingParams
@@ -27,26 +29,41 @@ from specserve.replicas.step import Proposal, StepResult
 
 
 class FeatureTap:
-    """The output of one decoder layer in the model's last forward: the hidden states a
-    hidden-state-reuse draft reads (``replicas/drafts/hsr_head.py``). One per model; forwards run
-    one at a time (one model thread per replica), so the slot is safe."""
+    """The outputs of the decoder layers it watches in the model's last forward: the hidden states
+    hidden-state-reuse drafts read (``replicas/drafts/hsr_head.py``), one layer for a Sparrow-style
+    head, several for an EAGLE-3 one. One per model, shared by every ``Target`` over it (each keeps
+    the layers its drafts asked for); forwards run one at a time (one model thread per replica),
+    so ``last`` is safe."""
 
-    def __init__(self, layer: torch.nn.Module):
-        self.layer = layer   # a forward of our own (llama_forward) fills ``last`` itself
-        self.last: torch.Tensor | None = None
-        layer.register_forward_hook(self._keep)
+    def __init__(self, layers: torch.nn.ModuleList):
+        self._layers = layers
+        self._watched: dict[torch.nn.Module, int] = {}   # decoder layer module -> its index
+        self.last: dict[int, torch.Tensor] = {}           # decoder layer index -> its output
 
-    def _keep(self, module, args, output) -> None:
-        self.last = output[0] if isinstance(output, tuple) else output
+    def watch(self, layer: int) -> None:
+        """Keep decoder layer ``layer``'s output from the next forward on. A forward of our own
+        (llama_forward) fills ``last`` itself; a Hugging Face forward through the hook."""
+        module = self._layers[layer]
+        if module not in self._watched:
+            self._watched[module] = layer
+            module.register_forward_hook(
+                lambda m, args, out: self.keep(layer, out[0] if isinstance(out, tuple) else out))
+
+    def layer_of(self, module: torch.nn.Module) -> int | None:
+        """The index of ``module`` if it is a watched decoder layer."""
+        return self._watched.get(module)
+
+    def keep(self, layer: int, output: torch.Tensor) -> None:
+        self.last[layer] = output
 
 
-def feature_tap(model, layer: int = -2) -> FeatureTap | None:
-    """The model's tap on decoder layer ``layer`` (-2: the second-to-last, Sparrow's ``h^h``);
-    None for a model without a list of at least two decoder layers."""
+def feature_tap(model) -> FeatureTap | None:
+    """The model's tap on its decoder layers (watching none until asked); None for a model
+    without a list of at least two decoder layers."""
     tap = getattr(model, "_specserve_feature_tap", None)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if tap is None and layers is not None and len(layers) >= 2:
-        tap = FeatureTap(layers[layer])
+        tap = FeatureTap(layers)
         model._specserve_feature_tap = tap
     return tap
 
@@ -122,35 +139,72 @@ class Prefilled(NamedTuple):
     scored: int = 0
 
 
+# The hidden state a target keeps from the start: Sparrow's ``h^h`` (``hsr_head``'s default).
+DEFAULT_FEATURE_LAYERS = (-2,)
+
+
 class Target:
-    def __init__(self, model, slots: int = 1, max_len: int | None = None):
+    def __init__(self, model, slots: int = 1, max_len: int | None = None,
+                 feature_layers: tuple[int, ...] = DEFAULT_FEATURE_LAYERS):
+        """``feature_layers``: hidden states (indices into transformers' ``hidden_states``) kept
+        for hidden-state-reuse drafts from the first forward; ``tap_features`` adds more."""
         self.model = model
         self.kv = BatchKV(model, slots, max_len=max_len)
         self.vocab = vocab_size(model)
         self._tap = feature_tap(model)
-        self._features = [_Features() for _ in range(slots)]
+        # Per slot, per tapped decoder layer: its rows. Layers apart, so that one added later
+        # (a draft that arrived later) costs no other layer its rows.
+        self._features: list[dict[int, _Features]] = [{} for _ in range(slots)]
+        if self._tap is not None:
+            self.tap_features(feature_layers)
 
     @property
     def slots(self) -> int:
         return self.kv.slots
 
-    def features(self, context: list[int], start: int = 0, slot: int = 0) -> torch.Tensor | None:
-        """The hidden states this target holds for ``context`` in ``slot`` (a view), from
-        ``start``: rows up to the root at most, and only where the slot holds these very tokens
-        (a reused slot may hold another request's). None without a tap."""
-        store = self._features[slot]
-        if store.rows is None:
+    def _decoder_layer(self, index: int) -> int:
+        return decoder_layer(index, len(self.model.model.layers))
+
+    def tap_features(self, layers) -> bool:
+        """Keep the hidden states ``layers`` (indices into transformers' ``hidden_states``, as a
+        draft's config names them) of every position fed from now on. False for a model without
+        a tap (not a decoder-layer list). Raises ``ValueError`` for an index that is no decoder
+        layer's output. A layer added while requests run has no rows for what they fed before:
+        their drafts that read it propose nothing until a new request fills the slot."""
+        if self._tap is None:
+            return False
+        for index in layers:
+            layer = self._decoder_layer(index)
+            self._tap.watch(layer)
+            for stores in self._features:
+                stores.setdefault(layer, _Features())
+        return True
+
+    def features(self, context: list[int], start: int = 0, slot: int = 0,
+                 layers=DEFAULT_FEATURE_LAYERS) -> torch.Tensor | None:
+        """The hidden states ``layers`` this target holds for ``context`` in ``slot``, side by side
+        ([end - start, len(layers)·H]; a view for one layer), from ``start``: rows up to the root
+        at most, and only where the slot holds these very tokens (a reused slot may hold another
+        request's). None without a tap or with a layer not tapped (``tap_features``)."""
+        stores = [self._features[slot].get(self._decoder_layer(i)) if self._tap is not None else None for i in layers]
+        if any(store is None or store.rows is None for store in stores):
             return None
-        end = min(store.known, common_prefix_len(self.kv.tokens[slot], context), len(context) - 1)
-        return store.rows[start:max(start, end)]   # [end - start, H]
+        end = min(min(store.known for store in stores), common_prefix_len(self.kv.tokens[slot], context),
+                  len(context) - 1)
+        rows = [store.rows[start:max(start, end)] for store in stores]   # [end - start, H] each
+        return rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1)
 
     def _keep_features(self, feeds: list[Feed], firsts: list[int], keep: list[list[int]] | None = None) -> None:
         """After a forward: each feed's tapped rows (``keep[i]``: which of its tokens) at ``firsts[i]``."""
-        if self._tap is None or self._tap.last is None:
+        if self._tap is None:
             return
-        for i, feed in enumerate(feeds):
-            fed = self.kv.fed_rows(self._tap.last, i)   # [n, H], padding dropped
-            self._features[feed.slot].put(firsts[i], fed if keep is None else fed[keep[i]])
+        for layer in self._features[0]:
+            out = self._tap.last.get(layer)
+            if out is None:   # watched since the last forward
+                continue
+            for i, feed in enumerate(feeds):
+                fed = self.kv.fed_rows(out, i)   # [n, H], padding dropped
+                self._features[feed.slot][layer].put(firsts[i], fed if keep is None else fed[keep[i]])
 
     def swap(self, a: int, b: int) -> None:
         """Slots ``a`` and ``b`` exchange caches and hidden states (the scheduler keeps busy slots

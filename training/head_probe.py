@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.training.corpus import feature_and_final
+from specserve.replicas.drafts.hsr_head import feature_layers, stack_features
 from specserve.training.hsr_train import unrolled_outputs
 
 
@@ -61,7 +61,7 @@ def offline_reach(model, head, tokens: list[int], prompt_len: int, steps: int) -
     device = head.device
     ids = torch.tensor([tokens], device=device)
     hidden = model(ids, output_hidden_states=True).hidden_states
-    features = feature_and_final(hidden)[0].to(head.dtype)
+    features = stack_features(hidden, feature_layers(head.config)).to(head.dtype)   # [1, T, n·H]
     head_ids = head.head_token_ids(device)
     # Row i of step j predicts token i + 2 from the exact feature at i + 1 - j.
     preds = [head_ids[head.head_logits(out).argmax(-1)][0].tolist() for out in unrolled_outputs(head, ids, features, steps)]

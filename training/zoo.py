@@ -1,6 +1,7 @@
 """The draft zoo: named recipes for drafts distilled from the reference target.
 
     specserve zoo corpus                      # once: the target's answers and reading + hidden states (resumable)
+    features.build_features()                 # once, for smollm2-eagle3: the committed answers' feature cache (resumable)
     specserve zoo list
     specserve zoo train NAME [--steps N]      # resumable: run it again to go on
     specserve zoo export NAME                 # into the package's zoo folder, loadable by name
@@ -14,7 +15,9 @@ the weights exported are those that validate best on them. Two kinds of draft:
 - ``standalone``: a small Llama (the target's first layers, retrained) with a pruned head; it
   drafts from tokens alone, so it can run anywhere, for any request.
 - ``hsr``: a hidden-state-reuse head (Sparrow Eq. 1): one layer reading the target's
-  second-to-last hidden states, trained with unrolled steps (``training/hsr_train.py``).
+  second-to-last hidden states, trained with unrolled steps (``training/hsr_train.py``); or, with
+  ``feature_layers``, an EAGLE-3 head fusing several of them, trained on the feature cache of the
+  committed answers instead of the corpus (``training/features.py``, ``training/eagle3.py``).
 
 An exported draft does not store its token embeddings nor its head: they are the target's
 (embeddings and output rows), frozen during training, and at half precision the embeddings alone
@@ -41,6 +44,7 @@ from specserve.replicas.model_store import (
     zoo_dir,
 )
 from specserve.training import corpus as zoo_corpus
+from specserve.training import eagle3
 from specserve.training.distill import (
     DistillConfig,
     best_path,
@@ -69,6 +73,15 @@ class Recipe:
     # draft learns to produce states the target's output layer reads, with far fewer parameters
     # to fit from a small corpus.
     train_head: bool = False
+    # hsr: the target's hidden states the head reads (indices into transformers' hidden_states);
+    # several are fused (EAGLE-3). None: the second-to-last layer's alone.
+    feature_layers: tuple[int, ...] | None = None
+    # hsr: weight of the cross-entropy on the next answer token beside the KL (hsr_train.py).
+    ce_weight: float = 0.0
+    # "corpus" (training/corpus.py) or "features" (training/features.py: the committed answers).
+    data: str = "corpus"
+    warmup_steps: int = 50
+    export_dtype: str = "float16"
 
 
 RECIPES = {
@@ -78,6 +91,13 @@ RECIPES = {
         Recipe("smollm2-hsr", "hsr", "hidden-state-reuse head: FC(e_t + h_t-1) into one decoder layer "
                "(from the target's last), 8k-token head, 2 unrolled steps", head_tokens=8192, unroll=2, lr=2e-3,
                steps=1500),
+        # Choices and measurements: training/eagle3.py. 1,500 steps of 8 answers: ~2.4 passes over
+        # the ~5k training answers (a step took 13 s on the 2-core machine here, shared).
+        Recipe("smollm2-eagle3", "hsr", "EAGLE-3 head: the target's hidden states 2, 15 and -2 fused, FC(e_t + h_t-1) "
+               "into one decoder layer (from the target's last), 16k-token head, 6 unrolled steps, KL + 0.2 CE, on "
+               "the feature cache of the committed answers", head_tokens=16384, unroll=6, seq_len=320, batch=8,
+               lr=1e-3, steps=1500, warmup_steps=100, feature_layers=(2, 15, -2), ce_weight=0.2, data="features",
+               export_dtype="bfloat16"),
     )
 }
 
@@ -93,7 +113,8 @@ def work_dir(name: str) -> Path:
 
 
 def _build(spec: Recipe, target, head: list[int]):
-    model = build_hsr_head(target, head) if spec.kind == "hsr" else build_student(target, spec.layers, head)
+    layers = list(spec.feature_layers) if spec.feature_layers else None
+    model = build_hsr_head(target, head, layers) if spec.kind == "hsr" else build_student(target, spec.layers, head)
     model.lm_head.weight.requires_grad_(spec.train_head)
     return model
 
@@ -105,14 +126,21 @@ def _loss(spec: Recipe, model, head_weight: torch.Tensor, autocast_bf16: bool):
 
 
 def train(name: str, steps: int | None = None, work: Path | None = None, corpus: Path | None = None,
-          batch: int | None = None, validation_every: int = zoo_corpus.VALIDATION_EVERY) -> Path:
+          batch: int | None = None, validation_every: int = zoo_corpus.VALIDATION_EVERY,
+          validate_every: int = 200, validation_sequences: int = 64) -> Path:
     """Distil ``name`` (resuming its checkpoint if there is one); returns the work directory.
-    ``steps`` and ``batch`` override the recipe's (a resumed run must keep the batch)."""
+    ``steps`` and ``batch`` override the recipe's (a resumed run must keep the batch).
+    ``corpus``: the corpus folder, or for a recipe trained on features the feature cache
+    (default ``features.features_dir()``). For those, ``validate_every`` steps the first
+    ``validation_sequences`` held-out answers are scored (``validation_every`` is the corpus's
+    split)."""
     from tqdm import tqdm
 
     spec = recipe(name)
     work = work or work_dir(name)
     work.mkdir(parents=True, exist_ok=True)
+    if spec.data == "features":
+        return eagle3.train_recipe(spec, work, corpus, steps, batch, validate_every, validation_sequences)
     corpus = corpus or zoo_corpus.corpus_dir()
     transcripts = zoo_corpus.transcripts_dir(corpus)
     for part in (corpus, *([transcripts] if transcripts.exists() else [])):
@@ -174,6 +202,8 @@ def export(name: str, work: Path | None = None, out: Path | None = None, corpus:
     checkpoint = work / "checkpoint.pt"
     if not checkpoint.exists():
         raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo train {name}` first")
+    if spec.data == "features":
+        return eagle3.export_recipe(spec, work, out or zoo_dir() / name)
     target = load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu")
     model = _build(spec, target.model, json.loads((work / "head_token_ids.json").read_text()))
     chosen = load_weights(best_path(checkpoint) if best_path(checkpoint).exists() else checkpoint, model)
@@ -225,14 +255,18 @@ def draft_ms(engine, name: str, context: list[int], reps: int = 20) -> float:
     from specserve.replicas.sampling import SamplingParams
     from specserve.replicas.step import Proposal
     from specserve.replicas.drafts.base import needs_features, propose
+    from specserve.replicas.drafts.hsr_head import feature_layers
     from specserve.replicas.step import ProposeRequest
 
     greedy = SamplingParams()
     draft = engine.drafts[name]
     engine.reset_caches()
+    layers = feature_layers(draft.head.config) if needs_features(draft) else None
+    if layers:   # SpecEngine taps its drafts' layers; a draft added to it later needs them too
+        engine.target.tap_features(layers)
     bonus = engine.target.verify_one(context, Proposal.empty(), greedy).emitted_tokens
     context = context + bonus
-    features = engine.target.features(context) if needs_features(draft) else None
+    features = engine.target.features(context, layers=layers) if layers else None
     ask = ProposeRequest("probe", context, 1, None, greedy, features=features)
     times = []
     for _ in range(reps + 3):
@@ -295,7 +329,14 @@ def write_card(folder: Path, rows: list[dict], meta: dict) -> Path:
     training = json.loads((folder / "training.json").read_text())
     config = json.loads((folder / "config.json").read_text())
     weights_mb = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
-    if training["kind"] == "hsr":
+    if training["kind"] == "hsr" and config.get("feature_layers"):
+        layers = config["feature_layers"]
+        arch = (f"EAGLE-3 head: the target's hidden states {layers} fused, `h = fuse(h_low ⊕ h_mid ⊕ h_high)` "
+                f"({len(layers) * config['hidden_size']} → {config['hidden_size']}), then `FC(e_t ⊕ h_(t-1))` "
+                f"({2 * config['hidden_size']} → {config['hidden_size']}) into one Llama decoder layer (initialised "
+                f"from the target's last), final norm, {len(config['head_token_ids'])}-token head; trained with "
+                f"{RECIPES[training['recipe']].unroll} unrolled steps (training-time test)")
+    elif training["kind"] == "hsr":
         arch = (f"hidden-state-reuse head (Sparrow Eq. 1): `FC(e_t ⊕ h_(t-1))` ({2 * config['hidden_size']} → "
                 f"{config['hidden_size']}) into one Llama decoder layer (initialised from the target's last), "
                 f"final norm, {len(config['head_token_ids'])}-token head; `h` = the target's second-to-last "
@@ -309,10 +350,12 @@ def write_card(folder: Path, rows: list[dict], meta: dict) -> Path:
         f"exported by `specserve zoo export {training['recipe']}`.", "",
         f"- **Architecture**: {arch}. Token embeddings{' and head rows' if config.get('head_from_target') else ''} "
         f"are the target's (frozen, not stored here: `embeddings_from: {config.get('embeddings_from')}`).",
-        f"- **Weights**: {weights_mb:.1f} MB, float16 safetensors.",
+        f"- **Weights**: {weights_mb:.1f} MB, {config.get('torch_dtype') or config.get('dtype') or 'float16'} safetensors.",
         f"- **Data**: {training['data']}.",
         f"- **Training**: {training['steps']} steps, {training['rows_seen']} rows seen, forward KL to the "
-        f"target over the head's tokens on scored positions; {training['train_seconds'] / 60:.0f} min on "
+        f"target over the head's tokens on scored positions"
+        + (f" plus {training['ce_weight']} x the cross-entropy on the answer's next token" if training.get("ce_weight") else "")
+        + f"; {training['train_seconds'] / 60:.0f} min on "
         f"{meta.get('machine', 'this machine')}; final training loss {training['final_loss']}"
         + (f"; exported: step {training['exported_step']}, the best validation KL ({training['validation_kl']:.3f}) "
            f"on held-out answers" if training.get("validation_kl") is not None else "") + ".",

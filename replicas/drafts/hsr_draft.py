@@ -7,11 +7,12 @@ once ``h_{p-1}`` has arrived. Drafting beyond the root feeds the head's own outp
 keys are thrown away after the proposal, and the next call re-feeds the accepted positions with
 the target's states, which verification has produced by then (as EAGLE does).
 
-The target's states arrive with each call (``features`` from ``features_start``). Any replica can
-serve a call: a draft that holds fewer rows than the call assumes raises ``MissingFeatures`` with
-the count it has, and the caller re-sends from there. On a request's first step the target has not
-run yet, so there are no states and the proposal is empty: the first token comes from the
-target's prefill, as in EAGLE.
+The target's states arrive with each call (``features`` from ``features_start``), one row per
+position: the head's layers side by side ([n, n_layers·H]) for a head that fuses several
+(EAGLE-3), fused here once as they arrive. Any replica can serve a call: a draft that holds fewer
+rows than the call assumes raises ``MissingFeatures`` with the count it has, and the caller
+re-sends from there. On a request's first step the target has not run yet, so there are no states
+and the proposal is empty: the first token comes from the target's prefill, as in EAGLE.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ class HSRSession:
     def __init__(self, head):
         self.head = head
         self.tokens: list[int] = []
-        self.features: torch.Tensor | None = None   # [N, H]: target states of positions 0..N-1
+        # [N, H]: target states of positions 0..N-1, fused when the head reads several layers
+        self.features: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None        # [1, heads, M, d]: positions 1..M, fed exactly
         self.values: torch.Tensor | None = None
 
@@ -76,6 +78,8 @@ class HSRSession:
         # A copy: in-process, ``features`` is a view of the target's buffer, which moves on.
         rows = features[self.known - features_start:].to(self.head.device, self.head.dtype, copy=True)
         rows = rows[: max(0, len(context) - 1 - self.known)]   # no state exists yet for the root
+        with torch.inference_mode():   # [n, n_layers·H] -> [n, H], once per row (EAGLE-3's fusion)
+            rows = self.head.fused(rows)
         self.features = rows if self.features is None else torch.cat([self.features, rows])
 
     @torch.inference_mode()

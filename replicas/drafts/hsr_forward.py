@@ -45,6 +45,7 @@ class HSRForward:
         self.intermediate = head.config.intermediate_size
         weights = lambda *linears: torch.cat([lin.weight.detach() for lin in linears])   # noqa: E731
         self.fc = Linear(weights(head.fc), None)
+        self.fuse = None if head.fuse is None else Linear(weights(head.fuse), None)
         self.qkv = Linear(weights(attn.q_proj, attn.k_proj, attn.v_proj), None)
         self.o = Linear(weights(attn.o_proj), None)
         self.gate_up = Linear(weights(mlp["gate_proj"], mlp["up_proj"]), None)
@@ -60,6 +61,10 @@ class HSRForward:
             size = max(1024, 2 * (last + 1))
             self._cos, self._sin = self.head.rope(torch.arange(size, device=positions.device), dtype)
         return self._cos[positions][None], self._sin[positions][None]
+
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's fusion, ``fuse(h^low ⊕ h^mid ⊕ h^high)``: [..., n·H] -> [..., H] (``HSRHead.fused``)."""
+        return self.fuse(features.contiguous())
 
     def inputs(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """Sparrow Eq. 1, ``FC(e_t ⊕ h_{t-1})``: token_ids [1, T], prev_hidden [1, T, H] -> [1, T, H]."""

@@ -21,6 +21,23 @@ Deviations from the paper, and why:
   layer reads) and the FC as ``[0 | I]`` (it passes ``h`` through); Sparrow does not say how it
   initialises, and from random the head learns markedly slower on our small budget.
 
+Fused multi-layer features (EAGLE-3: "EAGLE-3: Scaling up Inference Acceleration of Large
+Language Models via Training-Time Test"). With ``feature_layers`` naming n > 1 of the target's
+hidden states (low, middle, high), the head first fuses them into one state of the target's width:
+
+    h_t = fuse(h^low_t ⊕ h^mid_t ⊕ h^high_t)          fuse: Linear(n·H -> H), no bias
+    z_t = FC(e_t ⊕ h_{t-1})                            as above
+
+and drafting past the root feeds the head's own output o_t in place of the fused h, as EAGLE-3
+does. Deviations from EAGLE-3, and why:
+- EAGLE-3 feeds ``e_t`` and the fused state side by side into a decoder layer whose attention
+  reads 2H-wide inputs; here they go through Sparrow's ``FC(e ⊕ h)`` first, so the layer stays a
+  plain Llama layer (it starts as the target's last layer and runs the packed drafting path);
+- ``fuse`` starts as ``[0 | ... | I]`` on the deepest layer listed (EAGLE-3 starts from random):
+  the head then starts exactly where a single-layer head starts, and learns what the lower
+  layers add.
+A head with one feature layer (the default, ``feature_layer = -2``) has no ``fuse``.
+
 Registered with transformers' Auto classes like the pruned-head draft, so ``load_causal_lm``
 loads it from its folder, embeddings from the target (``embeddings_from``). It is not a causal LM
 on tokens alone: ``replicas/drafts/hsr_draft.py`` drives it with the target's hidden states.
@@ -43,7 +60,8 @@ class HSRConfig(PretrainedConfig):
     def __init__(self, vocab_size: int = 49152, hidden_size: int = 576, intermediate_size: int = 1536,
                  num_attention_heads: int = 9, num_key_value_heads: int = 3, head_dim: int | None = None,
                  rms_norm_eps: float = 1e-5, rope_theta: float = 10000.0, max_position_embeddings: int = 8192,
-                 head_token_ids: list[int] | None = None, feature_layer: int = -2, **kwargs):
+                 head_token_ids: list[int] | None = None, feature_layer: int = -2,
+                 feature_layers: list[int] | None = None, **kwargs):
         kwargs["tie_word_embeddings"] = False
         super().__init__(**kwargs)
         self.vocab_size = vocab_size
@@ -59,9 +77,14 @@ class HSRConfig(PretrainedConfig):
         # Which of the target's hidden states the head reads, as an index into transformers'
         # ``hidden_states`` tuple: -2 is the output of the second-to-last decoder layer.
         self.feature_layer = feature_layer
+        # EAGLE-3: several of them, fused (None: ``feature_layer`` alone). Same indexing.
+        self.feature_layers = [int(i) for i in feature_layers] if feature_layers else None
+        if self.feature_layers is not None and len(set(self.feature_layers)) != len(self.feature_layers):
+            raise ValueError(f"feature_layers must be distinct, got {self.feature_layers}")
 
     @classmethod
-    def for_target(cls, target_config, head_token_ids: list[int]) -> "HSRConfig":
+    def for_target(cls, target_config, head_token_ids: list[int],
+                   feature_layers: list[int] | None = None) -> "HSRConfig":
         rope = getattr(target_config, "rope_parameters", None) or {}
         return cls(
             vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
@@ -71,7 +94,35 @@ class HSRConfig(PretrainedConfig):
             head_dim=getattr(target_config, "head_dim", None), rms_norm_eps=target_config.rms_norm_eps,
             rope_theta=rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)),
             max_position_embeddings=target_config.max_position_embeddings, head_token_ids=head_token_ids,
+            feature_layers=list(feature_layers) if feature_layers and len(feature_layers) > 1 else None,
+            feature_layer=feature_layers[0] if feature_layers and len(feature_layers) == 1 else -2,
         )
+
+
+def feature_layers(config) -> list[int]:
+    """The target's hidden states a head reads, in the order its features concatenate them (an
+    index each into transformers' ``hidden_states``; configs saved before EAGLE-3 heads name one)."""
+    return list(getattr(config, "feature_layers", None) or [getattr(config, "feature_layer", -2)])
+
+
+def decoder_layer(index: int, num_layers: int) -> int:
+    """The decoder layer whose output is ``hidden_states[index]`` of a ``num_layers``-layer model.
+
+    transformers' tuple holds the embeddings, then every layer's output but the last, then the
+    last after the final norm: entry i > 0 is layer i - 1's output, entry -i (i >= 2) layer
+    L - i's. The embeddings (0) and the normed last state (-1, L) are no layer's output, and no
+    tap can read them."""
+    layer = index - 1 if index > 0 else num_layers + index
+    if not 0 <= layer <= num_layers - 2:
+        raise ValueError(f"hidden state {index} of a {num_layers}-layer model is not a decoder layer's output: "
+                         f"choose from 1..{num_layers - 1} or -{num_layers}..-2")
+    return layer
+
+
+def stack_features(hidden_states: tuple[torch.Tensor, ...], layers: list[int]) -> torch.Tensor:
+    """The features of a head reading ``layers``: those entries of transformers' ``hidden_states``
+    side by side, [..., T, n·H] (what ``Target.features`` hands a draft, and the cache stores)."""
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -164,6 +215,8 @@ class HSRHead(PrunedHeadMixin, PreTrainedModel):
         if len(set(ids)) != len(ids) or not all(0 <= t < config.vocab_size for t in ids):
             raise ValueError(f"head_token_ids must be distinct ids in [0, {config.vocab_size}), got {len(ids)} ids")
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        n = len(feature_layers(config))
+        self.fuse = nn.Linear(n * h, h, bias=False) if n > 1 else None
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(config)
         self.norm = RMSNorm(h, config.rms_norm_eps)
@@ -178,6 +231,23 @@ class HSRHead(PrunedHeadMixin, PreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
+
+    @property
+    def features_size(self) -> int:
+        """Width of one position's features from the target: n·H for n feature layers."""
+        return len(feature_layers(self.config)) * self.config.hidden_size
+
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's fusion of the target's layers into one state: [..., n·H] -> [..., H] (the
+        features themselves for a one-layer head)."""
+        if features.shape[-1] != self.features_size:
+            raise ValueError(f"features of width {features.shape[-1]}; this head reads {self.features_size} "
+                             f"(layers {feature_layers(self.config)} of width {self.config.hidden_size})")
+        if self.fuse is None:
+            return features
+        if (fast := hsr_forward.for_head(self)) is not None:
+            return fast.fused(features)
+        return self.fuse(features)
 
     def inputs(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """Eq. 1: ``FC(e_t ⊕ h_{t-1})``. token_ids [B, T], prev_hidden [B, T, H] -> [B, T, H]"""
@@ -224,10 +294,13 @@ class HSRHead(PrunedHeadMixin, PreTrainedModel):
         raise TypeError("an HSR head drafts from the target's hidden states: use HSRDraft, not a forward on tokens")
 
 
-def build_hsr_head(target, head_token_ids: list[int]) -> HSRHead:
-    """A head for ``target`` (a Llama-family model): its embeddings (frozen), its last layer as the
+def build_hsr_head(target, head_token_ids: list[int], layers: list[int] | None = None) -> HSRHead:
+    """A head for ``target`` (a Llama-family model) reading its hidden states ``layers`` (default:
+    the second-to-last layer's output alone): its embeddings (frozen), its last layer as the
     starting point of the head's layer, and its output rows for the head's tokens."""
-    head = HSRHead(HSRConfig.for_target(target.config, head_token_ids))
+    num_layers = len(target.model.layers)
+    decoder = [decoder_layer(i, num_layers) for i in (layers or [-2])]   # checks each index
+    head = HSRHead(HSRConfig.for_target(target.config, head_token_ids, layers))
     last = target.model.layers[-1].state_dict()
     missing, unexpected = head.layer.load_state_dict(last, strict=False)
     if missing or unexpected:
@@ -241,6 +314,12 @@ def build_hsr_head(target, head_token_ids: list[int]) -> HSRHead:
         head.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         head.lm_head.weight.copy_(target.get_output_embeddings().weight[torch.tensor(head_token_ids)])
         head.norm.weight.copy_(target.model.norm.weight)
+        if head.fuse is not None:
+            # [0 | ... | I] on the deepest layer: the fused state starts as that layer's output,
+            # the single-layer head's input (for [2, 15, -2], the state the copied last layer reads).
+            deepest = max(range(len(decoder)), key=decoder.__getitem__)
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, deepest * h:(deepest + 1) * h] = torch.eye(h)
     head.embed_tokens.weight.requires_grad_(False)
     return head.float().to(target.device)
 

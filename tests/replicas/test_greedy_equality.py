@@ -1,15 +1,18 @@
 """Speculative greedy output equals target-only greedy output, for every draft, window and tree,
-on tiny random models of three architectures (greedy equality holds for any weights)."""
+on tiny random models of three architectures (greedy equality holds for any weights), and for an
+EAGLE-3 head fusing several of a Llama target's layers."""
 
 import pytest
 from equality import assert_greedy_equal
 from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.hsr_draft import HSRDraft
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
 from specserve.replicas.engine import speculative_generate
+from tiny_hsr import FUSED_LAYERS, one_thread, trained_hsr_head
 from tiny_models import ARCHITECTURES, perturbed, tiny_model
 
 GREEDY = SamplingParams()
@@ -72,3 +75,32 @@ def test_near_draft_is_accepted_often_so_the_test_exercises_acceptance(models):
     target, drafts = models
     stats = speculative_generate(Target(target), drafts["near"], PROMPTS[2], NEW_TOKENS, GREEDY, window=4).stats
     assert 0.2 < stats.acceptance_rate, stats.summary()
+
+
+@pytest.fixture(scope="module")
+def fused():
+    """An EAGLE-3 head fusing two layers of a 3-layer Llama (an HSR head's layer is a copy of a
+    Llama layer, so Llama only; a 2-layer target has one layer to tap), briefly trained so that
+    its tokens are accepted and the equality covers accepted steps."""
+    target = tiny_model("llama", seed=0, layers=3)
+    return target, HSRDraft("eagle3", one_thread(lambda: trained_hsr_head(target, steps=100, unroll=3, layers=FUSED_LAYERS)))
+
+
+def assert_fused_equal(fused, label: str, **speculation) -> None:
+    target, draft = fused
+    accepted = 0
+    for prompt in PROMPTS:
+        got = speculative_generate(Target(target), draft, prompt, NEW_TOKENS, GREEDY, **speculation)
+        assert_greedy_equal(target, prompt, got.token_ids, reference(target, prompt), f"eagle3 {label}")
+        accepted += got.stats.accepted
+    assert accepted > 0, f"eagle3 {label} accepted nothing on any prompt"
+
+
+@pytest.mark.parametrize("window", range(1, 9))
+def test_fused_hsr_chain_equals_target_only(fused, window):
+    assert_fused_equal(fused, f"γ={window}", window=window)
+
+
+@pytest.mark.parametrize("shape", TREES, ids=str)
+def test_fused_hsr_tree_equals_target_only(fused, shape):
+    assert_fused_equal(fused, str(shape), tree=shape)

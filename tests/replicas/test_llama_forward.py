@@ -92,10 +92,14 @@ def test_the_hugging_face_module_still_computes_the_same_after_stacking():
 def test_the_feature_tap_sees_what_the_hugging_face_hook_sees():
     model = tiny_model("llama", seed=2, layers=3)
     tap = feature_tap(model)
+    for layer in (0, 1):   # several layers at once, as an EAGLE-3 head reads them
+        tap.watch(layer)
     hf_logits(model, PREFIX)
-    hooked = tap.last.clone()   # [1, S, hidden], from the module hook
+    hooked = {layer: out.clone() for layer, out in tap.last.items()}   # [1, S, hidden] each, from the module hooks
+    assert sorted(hooked) == [0, 1]
     BatchKV(model, slots=1).forward([Feed(0, PREFIX)])
-    torch.testing.assert_close(tap.last, hooked, rtol=0, atol=1e-5)
+    for layer, out in hooked.items():
+        torch.testing.assert_close(tap.last[layer], out, rtol=0, atol=1e-5)
 
 
 def test_a_pruned_head_draft_scatters_its_logits_to_the_full_vocabulary():

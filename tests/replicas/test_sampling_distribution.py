@@ -24,7 +24,7 @@ from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.engine import in_process_server, run_batch
-from tiny_hsr import trained_hsr_head
+from tiny_hsr import FUSED_LAYERS, one_thread, trained_hsr_head
 from tiny_models import VOCAB, perturbed, tiny_model
 
 RUNS = 3000
@@ -70,14 +70,26 @@ def hsr_head(target):
     return trained_hsr_head(target[0])
 
 
+@pytest.fixture(scope="module")
+def deep_target():
+    """For the EAGLE-3 head, which fuses two layers: a 2-layer target has one layer to tap."""
+    model = tiny_model("llama", seed=0, layers=3)
+    return model, lookup_friendly_prompt(model)
+
+
+@pytest.fixture(scope="module")
+def fused_head(deep_target):
+    return one_thread(lambda: trained_hsr_head(deep_target[0], layers=FUSED_LAYERS))
+
+
 @pytest.mark.parametrize(
     "case",
     ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "suffix-tree", "pruned-head-chain",
-     "hsr-chain", "hsr-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain"],
+     "hsr-chain", "hsr-tree", "hsr-fused-chain", "hsr-fused-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain"],
 )
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
 @pytest.mark.slow
-def test_first_two_tokens_follow_the_target(target, hsr_head, case, params):
+def test_first_two_tokens_follow_the_target(request, target, hsr_head, case, params):
     target, prompt = target
     draft = {
         "plain": None,
@@ -91,9 +103,15 @@ def test_first_two_tokens_follow_the_target(target, hsr_head, case, params):
         # Reads the target's hidden states, which the prefill already gives it: it drafts from step 1.
         "hsr-chain": HSRDraft("hsr", hsr_head),
         "hsr-tree": HSRDraft("hsr", hsr_head),
+        # EAGLE-3: the target's states of two layers, side by side, fused by the head.
+        "hsr-fused-chain": lambda: HSRDraft("eagle3", request.getfixturevalue("fused_head")),
+        "hsr-fused-tree": lambda: HSRDraft("eagle3", request.getfixturevalue("fused_head")),
         "bonus-draft-lm-chain": DraftLM("near", perturbed(target, seed=1)),
         "bonus-prompt-lookup-chain": PromptLookupDraft(),
     }[case]
+    if "fused" in case:   # its target and head are built for its own cases only
+        target, prompt = request.getfixturevalue("deep_target")
+        draft = draft()
     tree = TreeShape(2, 3, 6) if case.endswith("tree") else None
     # max_tokens = window + 1: room for a full window, so the second token can be a draft token
     # (window 2) or the bonus token after an accepted one (window 1).
