@@ -40,6 +40,7 @@ import torch
 from specserve.data.prompts import SHAREGPT_HELD_OUT, looks_english, sharegpt_conversations, training_prompts
 from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir
 from specserve.replicas.prompt_ids import encode_chat
+from specserve.training.distill import seeded_batches
 
 # Prompts per category. code is every held-out HumanEval problem in two wordings, edit every one
 # in one; chat and summarise fill the rest (summarise prompts are long and cost more to answer).
@@ -261,12 +262,4 @@ def batch_stream(sequences: list[Sequence], seq_len: int, batch: int, seed: int 
     if per_epoch == 0:
         raise ValueError(f"the corpus has {len(rows)} sequences, fewer than one batch of {batch}")
 
-    def batches(start: int):
-        b = start
-        while True:
-            epoch, i = divmod(b, per_epoch)
-            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch))
-            yield collate([rows[j] for j in order[i * batch:(i + 1) * batch].tolist()])
-            b += 1
-
-    return batches
+    return seeded_batches(len(rows), batch, lambda picked: collate([rows[j] for j in picked]), seed)

@@ -208,3 +208,20 @@ def train(
             save_checkpoint(checkpoint, model, optimizer, step, config)
     model.eval()
     return step
+
+
+def seeded_batches(count: int, batch: int, make: Callable[[list[int]], dict], seed: int = 0):
+    """``batches(start)`` for ``train`` over ``count`` items: batch ``b`` is ``make`` of a slice of
+    a seeded shuffle per epoch, a pure function of ``b``, so a resumed run sees exactly the
+    batches an unbroken one would."""
+    per_epoch = count // batch
+
+    def batches(start: int):
+        b = start
+        while True:
+            epoch, i = divmod(b, per_epoch)
+            order = torch.randperm(count, generator=torch.Generator().manual_seed(seed + epoch))
+            yield make(order[i * batch:(i + 1) * batch].tolist())
+            b += 1
+
+    return batches

@@ -51,6 +51,7 @@ from specserve.data.answers import KINDS, Answer, load_chunk
 from specserve.replicas.drafts.hsr_head import decoder_layer, stack_features
 from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir
 from specserve.training.answers import ANSWERS_DIR
+from specserve.training.distill import seeded_batches
 
 # Prompt tokens read before each answer: the whole prompt of two in three answers, and with it
 # the target agrees with its own answer token at 96% of positions after long prompts (90.6% at 64).
@@ -310,12 +311,4 @@ def batch_stream(cache: FeatureCache, sequences: list[CachedSequence], batch: in
     if per_epoch == 0:
         raise ValueError(f"the feature cache has {len(sequences)} training sequences, fewer than one batch of {batch}")
 
-    def batches(start: int):
-        b = start
-        while True:
-            epoch, i = divmod(b, per_epoch)
-            order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(seed + epoch))
-            yield collate([cache.row(sequences[j]) for j in order[i * batch:(i + 1) * batch].tolist()])
-            b += 1
-
-    return batches
+    return seeded_batches(len(sequences), batch, lambda picked: collate([cache.row(sequences[j]) for j in picked]), seed)

@@ -166,7 +166,7 @@ def test_auto_requests_are_routed_and_the_decision_is_visible_everywhere(served,
     through the Ray dashboard's log API, token authentication on."""
     from specserve.cluster.local import auth_token
 
-    drafts = {"none", "prompt-lookup", DRAFT_LM, LOOKUP_SEPARATE, HSR, "hsr-in-target"}
+    drafts = {"none", "prompt-lookup", "suffix", DRAFT_LM, LOOKUP_SEPARATE, HSR, "hsr-in-target"}
     routed = []
     for prompt, want in zip(PROMPTS, expected):
         out = chat(client, prompt)
