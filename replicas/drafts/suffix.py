@@ -53,7 +53,6 @@ class _Outputs:
 
     base: SuffixArray | None = None
     recent: SuffixArray | None = None
-    recent_outputs: list[np.ndarray] = field(default_factory=list)
     pending: list[np.ndarray] = field(default_factory=list)
     index: SuffixArrays | None = None   # seed + base + recent, read by speculation
 
@@ -115,7 +114,7 @@ class SuffixDraft:
         for salt, outputs in self._outputs.items():
             if not outputs.pending:
                 continue
-            recent = outputs.recent_outputs + outputs.pending
+            recent = (outputs.recent.token_arrays() if outputs.recent is not None else []) + outputs.pending
             outputs.pending = []
             size = sum(len(o) for o in recent)
             base_size = outputs.base.tokens if outputs.base is not None else 0
@@ -138,7 +137,7 @@ class SuffixDraft:
                 continue   # the tenant was evicted meanwhile
             if b.base is not None:
                 outputs.base = base
-            outputs.recent, outputs.recent_outputs = recent, list(b.recent)
+            outputs.recent = recent
             arrays = [a for a in (self.seed, outputs.base, outputs.recent) if a is not None]
             outputs.index = SuffixArrays(arrays)
 

@@ -8,19 +8,12 @@ import pytest
 
 from specserve.replicas.drafts.suffix_array import SuffixArray, SuffixArrays
 from specserve.replicas.drafts.suffix_index import SuffixIndex
+from test_suffix_index import dump
 
 
 def sequences(rng: random.Random, count: int, vocab: int = 6) -> list[list[int]]:
     # A small vocabulary, so that strings repeat and continuations branch.
     return [[rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
-
-
-def trie_counts(node, prefix=()) -> dict:
-    out = {}
-    for tok, child in node.children.items():
-        out[prefix + (tok,)] = child.count
-        out.update(trie_counts(child, prefix + (tok,)))
-    return out
 
 
 def array_counts(array: SuffixArray, lo: int, hi: int, offset: int, prefix=()) -> dict:
@@ -40,7 +33,7 @@ def test_every_string_counts_its_occurrences_as_in_the_trie():
     array = SuffixArray(seqs, depth=5)
     assert array.tokens == sum(map(len, seqs))
     # Top level: the array's first column holds every position, the trie's root every window.
-    assert array_counts(array, 0, array.tokens, 0) == trie_counts(trie.root)
+    assert array_counts(array, 0, array.tokens, 0) == dump(trie.root)
 
 
 def test_no_window_crosses_two_sequences_and_the_sequences_come_back():
