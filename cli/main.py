@@ -410,6 +410,7 @@ def zoo_features(
     context: int = typer.Option(256, help="Prompt tokens the target reads before each answer (the recipe's choice)."),
     chunks: Optional[int] = typer.Option(None, help="Stop after this many new shards (default: every answers chunk)."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
+    device: Optional[str] = typer.Option(None, help="Where the target runs, e.g. cuda (default: the CPU)."),
 ) -> None:
     """Cache the target's hidden states over the self-distilled answers (its low, middle and high
     layers and its final state, bfloat16, on disk) for the EAGLE-3 recipe. Resumes, and adds the
@@ -418,7 +419,7 @@ def zoo_features(
 
     set_threads(threads)
     try:
-        typer.echo(f"feature cache in {build_features(out, context=context, chunks=chunks)}")
+        typer.echo(f"feature cache in {build_features(out, context=context, chunks=chunks, device=device)}")
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 
@@ -429,6 +430,11 @@ def zoo_train(
     steps: Optional[int] = typer.Option(None, help="Train to this step (default: the recipe's)."),
     work: Optional[Path] = typer.Option(None, help="Checkpoint and log folder (default: in the model cache's parent)."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
+    batch: Optional[int] = typer.Option(None, help="Rows per step (default: the recipe's; a resumed run keeps its own)."),
+    device: Optional[str] = typer.Option(None, help="Where a recipe trained on the feature cache trains, e.g. cuda "
+                                                    "(default: the CPU)."),
+    validate_every: int = typer.Option(200, help="Steps between validations (the best-validating weights are exported)."),
+    validation_sequences: int = typer.Option(64, help="Held-out answers each validation scores (feature-cache recipes)."),
 ) -> None:
     """Distil a draft from the reference target; resumes from its checkpoint when run again."""
     from specserve.training.zoo import recipe, train
@@ -438,7 +444,13 @@ def zoo_train(
         recipe(name)
         if steps is not None and steps < 1:
             fail(f"--steps must be >= 1, got {steps}")
-        typer.echo(f"checkpoints and log in {train(name, steps=steps, work=work)}")
+        if batch is not None and batch < 1:
+            fail(f"--batch must be >= 1, got {batch}")
+        if validate_every < 1 or validation_sequences < 1:
+            fail("--validate-every and --validation-sequences must be >= 1")
+        work = train(name, steps=steps, work=work, batch=batch, device=device, validate_every=validate_every,
+                     validation_sequences=validation_sequences)
+        typer.echo(f"checkpoints and log in {work}")
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 
@@ -497,6 +509,52 @@ def zoo_eval(
             folder = Path(name) if Path(name).exists() else zoo_dir() / name
             if (folder / "training.json").exists():
                 typer.echo(f"model card: {write_card(folder, rows, meta)}")
+
+
+@zoo_app.command("probe")
+def zoo_probe(
+    draft: str = typer.Argument(..., help="A hidden-state-reuse draft: a zoo name or a folder."),
+    categories: str = typer.Option("chat,code", help="Benchmark prompt categories, comma-separated."),
+    prompts: int = typer.Option(6, help="Benchmark prompts per category (held out from training)."),
+    max_tokens: int = typer.Option(96, help="New tokens per prompt."),
+    window: int = typer.Option(4, help="The served window W (τ_W offline beside it)."),
+    steps: int = typer.Option(5, help="Drafted positions measured offline."),
+    dtype: str = typer.Option("float32", help="auto, float32 or bfloat16 (float32: served answers must equal plain decoding's)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the rows here."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """An HSR head's acceptance by drafted position, teacher-forced offline, beside the τ the
+    served engine realises at a fixed window, and how many answers left plain decoding's."""
+    from specserve.data.prompts import CATEGORIES, load_prompts
+    from specserve.replicas.drafts.hsr_draft import HSRDraft
+    from specserve.replicas.engine import SpecEngine
+    from specserve.training.head_probe import probe
+
+    wanted = [c.strip() for c in categories.split(",") if c.strip()]
+    unknown = sorted(set(wanted) - set(CATEGORIES))
+    if unknown or not wanted:
+        fail(f"--categories must name some of {', '.join(CATEGORIES)}; got {categories!r}")
+    if min(prompts, max_tokens, window, steps) < 1:
+        fail("--prompts, --max-tokens, --window and --steps must be >= 1")
+    set_threads(threads)
+    try:
+        engine = SpecEngine.load(dtype=dtype, draft_models=[draft])
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    name = next(n for n in engine.drafts if n != "prompt-lookup")
+    if not isinstance(engine.drafts[name], HSRDraft):
+        fail(f"{draft} is not a hidden-state-reuse head: the probe drafts from the target's states")
+    rows = []
+    for category in wanted:
+        ids = [engine.encode(p) for p in load_prompts(category, prompts)]
+        row = {"draft": name, "category": category, "dtype": dtype,
+               **probe(engine, name, ids, max_tokens, window, steps).summary(window)}
+        rows.append(row)
+        alphas = " / ".join(f"{a:.3f}" for a in row["alpha_by_position"])
+        typer.echo(f"{name} {category}: α by position {alphas}; τ_{window} offline {row['offline_tau']}, "
+                   f"served {row['served_tau']}; {row['diverged']} of {len(ids)} answers left plain decoding's")
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 @bench_app.command("serve")

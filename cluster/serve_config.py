@@ -22,7 +22,7 @@ GRPC_SERVICER = "specserve.ingress.specserve_pb2_grpc.add_SpecServeServicer_to_s
 
 
 # The package's trained drafts (specserve zoo), selectable by name; placed by measurement.
-ZOO_DRAFTS = ("smollm2-draft-2l", "smollm2-hsr")
+ZOO_DRAFTS = ("smollm2-draft-2l", "smollm2-eagle3")
 # The suffix draft, its index seeded with the target's own answers shipped with specserve.
 SUFFIX_DRAFT = {"name": SUFFIX, "method": SUFFIX, "seed_outputs": SHIPPED_ANSWERS}
 

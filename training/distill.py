@@ -92,6 +92,33 @@ def standalone_loss(student: PrunedHeadLlamaForCausalLM, head_weight: torch.Tens
     return loss
 
 
+@torch.no_grad()
+def standalone_metrics(student: PrunedHeadLlamaForCausalLM, head_weight: torch.Tensor, batches,
+                       autocast_bf16: bool = False) -> dict:
+    """Validation over ``batches`` in ``hsr_train.hsr_metrics``'s form with one step: the weighted
+    KL to the teacher, how often the student's argmax over its head is the next token (``top1``,
+    teacher-forced: the first drafted token's greedy acceptance) and the teacher's argmax
+    (``teacher_top1``)."""
+    kl = hits = teacher_hits = total = 0.0
+    for batch in batches:
+        tokens, weights = batch["tokens"], batch["weights"]
+        where = weights > 0
+        head = student.head_token_ids(tokens.device)
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+            hidden = student.model(input_ids=tokens).last_hidden_state
+            logits = student.head_logits(hidden[where]).float()
+        teacher = teacher_log_probs(batch["final"][where], head_weight)
+        following = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)[where]   # weight 0 on the last position
+        best = logits.argmax(-1)
+        w = weights[where]
+        kl += float(distill_loss(logits, teacher, w)) * float(w.sum())
+        hits += float((w * (head[best] == following)).sum())
+        teacher_hits += float((w * (best == teacher.argmax(-1))).sum())
+        total += float(w.sum())
+    total = max(total, 1e-9)
+    return {"kl": [kl / total], "top1": [hits / total], "teacher_top1": [teacher_hits / total], "positions": int(total)}
+
+
 @dataclass(frozen=True)
 class DistillConfig:
     steps: int

@@ -47,6 +47,7 @@ token counts (EAGLE-3 ranks the draft vocabulary the same way, over its training
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -59,7 +60,14 @@ from specserve.replicas.drafts.hsr_head import HSRHead, build_hsr_head
 from specserve.replicas.drafts.pruned_head import save_without_embeddings
 from specserve.replicas.model_store import bf16_is_fast, load_causal_lm
 from specserve.training import features as feature_cache
-from specserve.training.distill import DistillConfig, best_path, load_weights
+from specserve.training.distill import (
+    DistillConfig,
+    best_path,
+    build_student,
+    load_weights,
+    standalone_loss,
+    standalone_metrics,
+)
 from specserve.training.distill import train as train_loop
 from specserve.training.hsr_train import hsr_loss, hsr_metrics
 
@@ -99,9 +107,10 @@ def _log(file, record: dict) -> None:
 
 def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache: Path | None = None,
                       steps: int | None = None, batch: int | None = None, validate_every: int = 200,
-                      validation_sequences: int = 64, autocast_bf16: bool = False, checkpoint_every: int = 100) -> Path:
-    """Train ``model`` (an HSR head built for the recipe ``spec``) on the feature cache, resuming
-    ``work/checkpoint.pt``. The shards of the first start are pinned in ``work/data.json``: a
+                      validation_sequences: int = 64, autocast_bf16: bool = False, checkpoint_every: int = 100,
+                      device: str | None = None) -> Path:
+    """Train ``model`` (an HSR head or a standalone draft built for the recipe ``spec``) on the
+    feature cache, on ``device`` (default: where ``model`` is), resuming ``work/checkpoint.pt``. The shards of the first start are pinned in ``work/data.json``: a
     resumed run sees exactly the batches an unbroken one would, even if the cache grew since.
     Logs ``work/train.log`` (per step: loss; per validation: KL per step, top-1 per step, the
     first of which is the first drafted token's greedy acceptance) and plots it (``plot_training``)."""
@@ -109,14 +118,19 @@ def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache:
 
     data_file = work / "data.json"
     pinned = json.loads(data_file.read_text()) if data_file.exists() else None
-    reader = feature_cache.FeatureCache(cache, shards=pinned["shards"] if pinned else None)
-    if list(reader.layers) != list(spec.feature_layers):
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    # On an accelerator the whole cache moves into its memory; on the CPU rows stay memory-mapped.
+    reader = feature_cache.FeatureCache(cache, shards=pinned["shards"] if pinned else None,
+                                        device=device if device.type != "cpu" else None)
+    model.to(device)
+    head_weight = head_weight.to(device)
+    if spec.feature_layers is not None and list(reader.layers) != list(spec.feature_layers):
         raise ValueError(f"the feature cache in {reader.folder} holds layers {reader.layers}; {spec.name} reads "
                          f"{list(spec.feature_layers)}: build the cache with layers={tuple(spec.feature_layers)}")
     batch = batch or spec.batch
     if pinned is None:
         pinned = {"shards": reader.shards, "batch": batch, "cache": str(reader.folder),
-                  "settings": reader.meta["settings"]}
+                  "settings": reader.meta["settings"], "device": describe(device)}
         data_file.write_text(json.dumps(pinned, indent=2) + "\n")
     elif pinned["batch"] != batch:
         raise ValueError(f"{work} was started with batch {pinned['batch']}; a resumed run must keep it (got {batch})")
@@ -126,7 +140,10 @@ def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache:
     config = DistillConfig(steps=steps or spec.steps, lr=spec.lr, warmup_steps=spec.warmup_steps,
                            checkpoint_every=checkpoint_every, validate_every=validate_every,
                            autocast_bf16=autocast_bf16)
-    loss = hsr_loss(model, head_weight, spec.unroll, autocast_bf16, spec.ce_weight)
+    if spec.kind == "hsr":
+        loss = hsr_loss(model, head_weight, spec.unroll, autocast_bf16, spec.ce_weight)
+    else:
+        loss = standalone_loss(model, head_weight, autocast_bf16)
     log = (work / "train.log").open("a")
     bar = tqdm(total=config.steps, desc=f"zoo train {spec.name}", unit="step")
     started = time.monotonic()
@@ -140,7 +157,8 @@ def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache:
         _log(log, {"step": step, "loss": round(value, 5), "elapsed_s": round(time.monotonic() - started, 1)})
 
     def validate() -> float:   # lower is better: the mean KL over the unrolled steps
-        last.update(hsr_metrics(model, head_weight, spec.unroll, held_out, autocast_bf16))
+        last.update(hsr_metrics(model, head_weight, spec.unroll, held_out, autocast_bf16) if spec.kind == "hsr"
+                    else standalone_metrics(model, head_weight, held_out, autocast_bf16))
         return sum(last["kl"]) / len(last["kl"])
 
     def on_validate(step: int, value: float, best: bool) -> None:
@@ -161,6 +179,15 @@ def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache:
         log.close()
     plot_training(work)
     return work
+
+
+def describe(device: torch.device) -> str:
+    """The device a run trained on, for its card: the accelerator's name, or the CPU's."""
+    if device.type == "cuda":
+        return f"one {torch.cuda.get_device_name(device)} GPU"
+    import platform
+
+    return f"{os.cpu_count()} CPU cores ({platform.machine()})"
 
 
 def _moving_average(values: list[float], width: int) -> list[float]:
@@ -219,22 +246,27 @@ def best_or_last(work: Path) -> Path:
 
 
 def build_head(spec, target, head: list[int]) -> HSRHead:
-    """The recipe's head for ``target``: its feature layers, the head rows trained or frozen."""
-    model = build_hsr_head(target, head, list(spec.feature_layers))
+    """The recipe's draft for ``target``: an HSR head reading its feature layers, or a
+    standalone draft of ``spec.layers`` layers; the head rows trained or frozen."""
+    if spec.kind == "hsr":
+        model = build_hsr_head(target, head, list(spec.feature_layers) if spec.feature_layers else None)
+    else:
+        model = build_student(target, spec.layers, head)
     model.lm_head.weight.requires_grad_(spec.train_head)
     return model
 
 
 def train_recipe(spec, work: Path, cache: Path | None = None, steps: int | None = None, batch: int | None = None,
                  validate_every: int = 200, validation_sequences: int = 64, autocast_bf16: bool | None = None,
-                 checkpoint_every: int = 100) -> Path:
+                 checkpoint_every: int = 100, device: str | None = None) -> Path:
     """Train the recipe ``spec`` (a ``zoo.Recipe`` with ``feature_layers``) on the feature cache
     ``cache`` (default ``features.features_dir()``) into ``work``, resuming its checkpoint: the
     head's vocabulary counted on the cached training answers, the target the cache was built
     from. ``steps`` and ``batch`` override the recipe's (the learning rate's schedule spans
     ``steps``: a run resumed with other ``steps`` is not the unbroken run's). ``autocast_bf16``: the
-    head's forward under bfloat16 autocast (None: where the CPU has native bf16). A stopped run
-    loses at most ``checkpoint_every`` steps. Returns ``work``."""
+    head's forward under bfloat16 autocast (None: where ``device`` has native bf16). ``device``:
+    where it trains (default: the CPU; an accelerator holds the whole cache in its memory). A
+    stopped run loses at most ``checkpoint_every`` steps. Returns ``work``."""
     work.mkdir(parents=True, exist_ok=True)
     data_file = work / "data.json"
     pinned = json.loads(data_file.read_text())["shards"] if data_file.exists() else None
@@ -252,10 +284,11 @@ def train_recipe(spec, work: Path, cache: Path | None = None, steps: int | None 
     head_weight = target.get_output_embeddings().weight.detach()[torch.tensor(head)].clone()
     model = build_head(spec, target, head)
     del target, loaded
-    # float32 weights and optimizer state, bfloat16 autocast where the CPU has native bf16.
-    autocast = bf16_is_fast(torch.device("cpu")) if autocast_bf16 is None else autocast_bf16
+    # float32 weights and optimizer state, bfloat16 autocast where the device has native bf16.
+    device = torch.device(device or "cpu")
+    autocast = bf16_is_fast(device) if autocast_bf16 is None else autocast_bf16
     return train_on_features(spec, model, head_weight, work, reader.folder, steps, batch, validate_every,
-                             validation_sequences, autocast, checkpoint_every)
+                             validation_sequences, autocast, checkpoint_every, device)
 
 
 def export_recipe(spec, work: Path, out: Path) -> Path:
@@ -281,11 +314,12 @@ def export_recipe(spec, work: Path, out: Path) -> Path:
     answers = settings.get("answers", {})
     (out / "training.json").write_text(json.dumps({
         "recipe": spec.name, "kind": spec.kind, "description": spec.description, "steps": trained,
-        "rows_seen": trained * data["batch"], "train_seconds": round(seconds), "exported_step": chosen["step"],
+        "rows_seen": trained * data["batch"], "train_seconds": round(seconds), "trained_on": data.get("device"),
+        "exported_step": chosen["step"],
         "validation_kl": chosen.get("validation"),
         "validation_acceptance_1": checks.get(chosen["step"], {}).get("acceptance_1"),
         "final_loss": losses[-1]["loss"] if losses else None, "teacher": settings["target"],
-        "feature_layers": list(spec.feature_layers), "unroll": spec.unroll, "ce_weight": spec.ce_weight,
+        "feature_layers": list(spec.feature_layers) if spec.feature_layers else None, "unroll": spec.unroll, "ce_weight": spec.ce_weight,
         "data": f"the target's own greedy answers (<= {answers.get('answer_tokens')} new tokens) to held-out ShareGPT "
                 f"prompts (first turns, later turns with their context; from conversation "
                 f"#{answers.get('first_conversation')}) and HumanEval problems, read by the target with the last "

@@ -136,11 +136,12 @@ def write_shard(path: Path, model, answers: list[Answer], first_ordinal: int, la
 def build_features(out: Path | None = None, answers: Path = ANSWERS_DIR, layers: tuple[int, ...] = LAYERS,
                    context: int = CONTEXT, target: str = REFERENCE_TARGET, dtype: str = "auto",
                    chunks: int | None = None, batch_tokens: int = BATCH_TOKENS,
-                   on_shard: Callable[[int, int, int], None] | None = None) -> Path:
+                   on_shard: Callable[[int, int, int], None] | None = None, device: str | None = None) -> Path:
     """The feature cache of every answers chunk in ``answers`` into ``out`` (resuming: only the
     missing shards are computed; chunks generated since the last build are added). At most
     ``chunks`` new shards this call (all when None). ``on_shard(done, total, positions)`` after
-    each shard; None shows a tqdm bar. Returns ``out``.
+    each shard; None shows a tqdm bar. ``device``: where the target runs (default: the CPU; the
+    cache is the same wherever it is built, up to bfloat16 rounding). Returns ``out``.
 
     Raises ``ValueError`` when ``out`` holds shards built with other settings."""
     from tqdm import tqdm
@@ -149,7 +150,7 @@ def build_features(out: Path | None = None, answers: Path = ANSWERS_DIR, layers:
     chunk_files = sorted(p for p in answers.glob("answers-*.npz") if not p.name.endswith(".partial.npz"))
     if not chunk_files:
         raise FileNotFoundError(f"no answers in {answers}: run `specserve zoo answers` first")
-    loaded = load_causal_lm(target, dtype=dtype, device="cpu")
+    loaded = load_causal_lm(target, dtype=dtype, device=device or "cpu")
     model = loaded.model
     for index in layers:
         decoder_layer(index, len(model.model.layers))   # an index no layer outputs fails here, not mid-build
@@ -231,9 +232,13 @@ class CachedSequence:
 class FeatureCache:
     """A built cache, read lazily: ``row(seq)`` reads one sequence's rows from the memory maps."""
 
-    def __init__(self, folder: Path | None = None, shards: list[str] | None = None):
+    def __init__(self, folder: Path | None = None, shards: list[str] | None = None, device: str | None = None):
         """``shards``: only these (a training run pins the shards it started with, so a cache that
-        grew meanwhile does not change the batches of a resumed run)."""
+        grew meanwhile does not change the batches of a resumed run). ``device``: read every shard
+        whole into that device's memory at first use (an accelerator's: ~9 GB for the whole cache,
+        and a batch is then gathered there, not copied over from the page cache); None: read
+        rows lazily from the memory maps."""
+        self.device = torch.device(device) if device is not None else None
         self.folder = folder or features_dir()
         meta_file = self.folder / "meta.json"
         if not meta_file.exists():
@@ -257,6 +262,7 @@ class FeatureCache:
                     self.sequences.append(CachedSequence(s, int(start), int(length), int(context_len),
                                                          KINDS[int(kind)], int(answer)))
         self._maps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def layers(self) -> list[int]:
@@ -269,14 +275,24 @@ class FeatureCache:
                                       for name in ("tokens", "features", "final"))
         return self._maps[shard]
 
+    def _resident(self, shard: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if shard not in self._tensors:
+            tokens, features, final = self._arrays(shard)
+            self._tensors[shard] = (torch.from_numpy(np.array(tokens, dtype=np.int64)).to(self.device),
+                                    _from_bits(features).to(self.device), _from_bits(final).to(self.device))
+        return self._tensors[shard]
+
     def row(self, seq: CachedSequence) -> dict:
-        """``{tokens [T] int64, features [T, n·H] bf16, final [T, H] bf16, weights [T]}``: position
-        p is scored (weight 1) when it predicts an answer token (p >= context_len - 1), the last
-        never (nothing follows it)."""
-        tokens, features, final = self._arrays(seq.shard)
+        """``{tokens [T] int64, features [T, n·H] bf16, final [T, H] bf16, weights [T]}`` (on the
+        cache's device): position p is scored (weight 1) when it predicts an answer token
+        (p >= context_len - 1), the last never (nothing follows it)."""
         rows = slice(seq.start, seq.start + seq.length)
-        weights = (torch.arange(seq.length) >= seq.context_len - 1).float()
+        weights = (torch.arange(seq.length, device=self.device) >= seq.context_len - 1).float()
         weights[-1] = 0.0
+        if self.device is not None:
+            tokens, features, final = self._resident(seq.shard)
+            return {"tokens": tokens[rows], "features": features[rows], "final": final[rows], "weights": weights}
+        tokens, features, final = self._arrays(seq.shard)
         return {"tokens": torch.from_numpy(np.array(tokens[rows], dtype=np.int64)),
                 "features": _from_bits(features[rows]), "final": _from_bits(final[rows]), "weights": weights}
 

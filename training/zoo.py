@@ -86,17 +86,21 @@ class Recipe:
 
 RECIPES = {
     r.name: r for r in (
+        # The shipped weights: 7,248 steps of 32 answers on one GPU (6 min), the best validation at
+        # step 3,624 (~23 passes over the ~5k training answers; past it the validation KL rises).
         Recipe("smollm2-draft-2l", "standalone", "standalone draft LM: the target's first 2 layers, retrained, "
-               "8k-token head, frozen target embeddings", head_tokens=8192, layers=2, steps=2000),
+               "8k-token head, frozen target embeddings, on the feature cache's tokens and teacher", head_tokens=8192,
+               layers=2, batch=32, steps=7248, data="features"),
         Recipe("smollm2-hsr", "hsr", "hidden-state-reuse head: FC(e_t + h_t-1) into one decoder layer "
                "(from the target's last), 8k-token head, 2 unrolled steps", head_tokens=8192, unroll=2, lr=2e-3,
                steps=1500),
-        # Choices and measurements: training/eagle3.py. 1,500 steps of 8 answers: ~2.4 passes over
-        # the ~5k training answers (a step took 13 s on the 2-core machine here, shared).
+        # Choices and measurements: training/eagle3.py. The shipped weights: 2,287 steps of 32
+        # answers, ~14.6 passes over the ~5k training answers, in 5 min on one GPU (a step of 8
+        # took ~6 s on 2 CPU cores: on a CPU, expect ~15 h); still improving at the end.
         Recipe("smollm2-eagle3", "hsr", "EAGLE-3 head: the target's hidden states 2, 15 and -2 fused, FC(e_t + h_t-1) "
                "into one decoder layer (from the target's last), 16k-token head, 6 unrolled steps, KL + 0.2 CE, on "
-               "the feature cache of the committed answers", head_tokens=16384, unroll=6, seq_len=320, batch=8,
-               lr=1e-3, steps=1500, warmup_steps=100, feature_layers=(2, 15, -2), ce_weight=0.2, data="features",
+               "the feature cache of the committed answers", head_tokens=16384, unroll=6, seq_len=320, batch=32,
+               lr=1e-3, steps=2287, warmup_steps=100, feature_layers=(2, 15, -2), ce_weight=0.2, data="features",
                export_dtype="bfloat16"),
     )
 }
@@ -127,20 +131,21 @@ def _loss(spec: Recipe, model, head_weight: torch.Tensor, autocast_bf16: bool):
 
 def train(name: str, steps: int | None = None, work: Path | None = None, corpus: Path | None = None,
           batch: int | None = None, validation_every: int = zoo_corpus.VALIDATION_EVERY,
-          validate_every: int = 200, validation_sequences: int = 64) -> Path:
+          validate_every: int = 200, validation_sequences: int = 64, device: str | None = None) -> Path:
     """Distil ``name`` (resuming its checkpoint if there is one); returns the work directory.
     ``steps`` and ``batch`` override the recipe's (a resumed run must keep the batch).
     ``corpus``: the corpus folder, or for a recipe trained on features the feature cache
     (default ``features.features_dir()``). For those, ``validate_every`` steps the first
     ``validation_sequences`` held-out answers are scored (``validation_every`` is the corpus's
-    split)."""
+    split), on ``device`` (default: the CPU; the corpus recipes train on the CPU only)."""
     from tqdm import tqdm
 
     spec = recipe(name)
     work = work or work_dir(name)
     work.mkdir(parents=True, exist_ok=True)
     if spec.data == "features":
-        return eagle3.train_recipe(spec, work, corpus, steps, batch, validate_every, validation_sequences)
+        return eagle3.train_recipe(spec, work, corpus, steps, batch, validate_every, validation_sequences,
+                                   device=device)
     corpus = corpus or zoo_corpus.corpus_dir()
     transcripts = zoo_corpus.transcripts_dir(corpus)
     for part in (corpus, *([transcripts] if transcripts.exists() else [])):
@@ -323,6 +328,15 @@ def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int =
     return rows
 
 
+def _stored_dtype(folder: Path) -> str:
+    """The dtype the weights are stored in (the config's records what they were trained in)."""
+    from safetensors import safe_open
+
+    with safe_open(str(next(folder.glob("*.safetensors"))), framework="pt") as weights:
+        stored = weights.get_slice(next(iter(weights.keys()))).get_dtype()
+    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(stored, stored.lower())
+
+
 def write_card(folder: Path, rows: list[dict], meta: dict) -> Path:
     """``README.md`` beside a zoo draft's weights: what it is, what it was trained on and for how
     long, and what it measured on held-out prompts (``rows`` from ``evaluate``)."""
@@ -350,13 +364,13 @@ def write_card(folder: Path, rows: list[dict], meta: dict) -> Path:
         f"exported by `specserve zoo export {training['recipe']}`.", "",
         f"- **Architecture**: {arch}. Token embeddings{' and head rows' if config.get('head_from_target') else ''} "
         f"are the target's (frozen, not stored here: `embeddings_from: {config.get('embeddings_from')}`).",
-        f"- **Weights**: {weights_mb:.1f} MB, {config.get('torch_dtype') or config.get('dtype') or 'float16'} safetensors.",
+        f"- **Weights**: {weights_mb:.1f} MB, {_stored_dtype(folder)} safetensors.",
         f"- **Data**: {training['data']}.",
         f"- **Training**: {training['steps']} steps, {training['rows_seen']} rows seen, forward KL to the "
         f"target over the head's tokens on scored positions"
         + (f" plus {training['ce_weight']} x the cross-entropy on the answer's next token" if training.get("ce_weight") else "")
         + f"; {training['train_seconds'] / 60:.0f} min on "
-        f"{meta.get('machine', 'this machine')}; final training loss {training['final_loss']}"
+        f"{training.get('trained_on') or meta.get('machine', 'this machine')}; final training loss {training['final_loss']}"
         + (f"; exported: step {training['exported_step']}, the best validation KL ({training['validation_kl']:.3f}) "
            f"on held-out answers" if training.get("validation_kl") is not None else "") + ".",
         "", "## Measured on held-out prompts", "",

@@ -41,6 +41,8 @@ def in_process(*args: str):
         (["generate", "hello", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["generate", "hello", "--server", "ftp://x"], "--server must start with http://, https:// or grpc://"),
         (["zoo", "train", "nope"], "unknown draft recipe 'nope'"),
+        (["zoo", "probe", "smollm2-eagle3", "--categories", "poetry"], "--categories must name some of"),
+        (["zoo", "train", "smollm2-eagle3", "--batch", "0"], "--batch must be >= 1"),
         (["bench", "serve", "--concurrency", "0"], "--concurrency needs integers >= 1"),
         (["bench", "serve", "--categories", "code,poetry"], "--categories: choose from"),
         (["bench", "serve", "--router-warmup", "-1"], "--router-warmup must be >= 0"),

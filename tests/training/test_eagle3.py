@@ -92,6 +92,17 @@ def test_the_cache_holds_the_targets_states_over_each_answers_window(setup, cach
     assert [s.answer for s in validation] == [19, 39] and len(training) == ANSWERS - 2
 
 
+def test_a_cache_read_into_device_memory_gives_the_memory_mapped_rows(cache):
+    mapped, resident = feature_cache.FeatureCache(cache), feature_cache.FeatureCache(cache, device="cpu")
+    for seq in mapped.sequences[::7]:
+        row, again = mapped.row(seq), resident.row(seq)
+        assert row.keys() == again.keys() and all(torch.equal(row[k], again[k]) for k in row)
+    picked = mapped.sequences[:4]
+    a = feature_cache.collate([mapped.row(s) for s in picked])
+    b = feature_cache.collate([resident.row(s) for s in picked])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_stopped_build_resumes_with_the_missing_shard_only_and_other_settings_are_refused(setup, cache, tmp_path):
     import shutil
 
@@ -198,6 +209,39 @@ def test_the_export_is_small_loads_and_drafts_greedily_exact(setup, cache, tmp_p
         prompt = answer.tokens[:answer.prompt_len]
         expected = engine.generate_ids(prompt, GenerateRequest("", 16, "none", 0)).token_ids
         got = engine.generate_ids(prompt, GenerateRequest("", 16, "e3", 3))
+        assert got.token_ids == expected
+        drafted += sum(got.stats.windows)
+    assert drafted > 0
+
+
+STANDALONE = replace(recipe("smollm2-draft-2l"), layers=1, head_tokens=64, batch=4, lr=3e-3, warmup_steps=5)
+
+
+def test_a_standalone_draft_trains_on_the_cache_validates_and_exports_greedily_exact(setup, cache, tmp_path):
+    """The standalone draft LM learns from the same cache (its tokens and the target's final
+    states as the teacher), with one validated step: acceptance of its first drafted token."""
+    target, target_dir, _, answers = setup
+    work = eagle3.train_recipe(STANDALONE, tmp_path / "work", cache, steps=30, batch=4, validate_every=10,
+                               validation_sequences=8, checkpoint_every=10)
+    log = [json.loads(line) for line in (work / "train.log").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert len(losses) == 30 and sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses
+    checks = [r for r in log if "validation" in r]
+    assert [r["step"] for r in checks] == [10, 20, 30]
+    assert all(len(r["top1_by_step"]) == 1 and 0 <= r["acceptance_1"] <= 1 for r in checks)
+    assert checks[-1]["validation"] < checks[0]["validation"]
+    out = eagle3.export_recipe(STANDALONE, work, tmp_path / "draft")
+    training = json.loads((out / "training.json").read_text())
+    assert training["kind"] == "standalone" and training["feature_layers"] is None
+    loaded = load_causal_lm(str(out), dtype="float32", device="cpu")
+    assert loaded.model.config.num_hidden_layers == 1
+    engine = SpecEngine(load_causal_lm(str(target_dir), dtype="float32", device="cpu"),
+                        {"lm": draft_from_model("lm", loaded.model)}, slots=2)
+    drafted = 0
+    for answer in answers[:4]:
+        prompt = answer.tokens[:answer.prompt_len]
+        expected = engine.generate_ids(prompt, GenerateRequest("", 16, "none", 0)).token_ids
+        got = engine.generate_ids(prompt, GenerateRequest("", 16, "lm", 3))
         assert got.token_ids == expected
         drafted += sum(got.stats.windows)
     assert drafted > 0
