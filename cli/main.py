@@ -474,7 +474,7 @@ def zoo_export(
 
 @zoo_app.command("eval")
 def zoo_eval(
-    drafts: list[str] = typer.Argument(..., help="Drafts to evaluate: zoo names or folders, or suffix (seeded with the shipped answers)."),
+    drafts: list[str] = typer.Argument(..., help="Drafts to evaluate: zoo names or folders, suffix (seeded with the shipped answers), or tabed:NAME / tabed-static:NAME (a TABED ensemble of the draft LM NAME's full and last-turn views)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the rows here."),
     prompts: int = typer.Option(4, help="Benchmark prompts per category (held out from training)."),
     max_tokens: int = typer.Option(64, help="New tokens per prompt."),

@@ -31,6 +31,29 @@ def draft_deployment(name: str) -> str:
     return f"draft-{name}"
 
 
+class EnsembleSpec(BaseModel):
+    """A draft LM's chains as a TABED ensemble of its views (``replicas/drafts/ensemble.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    views: list[Literal["full", "last-turn"]] = Field(
+        ["full", "last-turn"], min_length=2,
+        description="The drafting views, rows of one batched draft forward: full (the whole context) and last-turn "
+        "(from the last user turn on: earlier turns and the system prompt dropped).",
+    )
+    weights: Literal["adaptive", "static"] = Field(
+        "adaptive", description="adaptive: each block's mix chosen from the verified tokens so far; static: the equal mix.")
+    distance: Literal["kl", "tvd", "matches"] = Field(
+        "matches", description="How a candidate mix is scored on verified positions: hard matches, or KL or TVD to the verified token.")
+    history: int | None = Field(None, ge=1, description="Verified positions scored (default: all of the request's).")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "EnsembleSpec":
+        if len(set(self.views)) != len(self.views):
+            raise ValueError(f"an ensemble's views must differ; got {self.views}")
+        return self
+
+
 class DraftSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -41,7 +64,7 @@ class DraftSpec(BaseModel):
     model: str | None = Field(
         None,
         description="A causal LM or hidden-state-reuse head that shares the target's tokenizer: a local "
-        "folder, a .gguf file, a model-cache name or a zoo draft (smollm2-draft-2l, smollm2-hsr). Empty: "
+        "folder, a .gguf file, a model-cache name or a zoo draft (smollm2-draft-2l, smollm2-eagle3, smollm2-hsr). Empty: "
         "prompt lookup, which needs no model.",
     )
     method: Literal["prompt-lookup", "suffix"] | None = Field(
@@ -54,6 +77,11 @@ class DraftSpec(BaseModel):
         None,
         description="suffix only: a folder of answer chunks (`specserve zoo answers`) that every tenant's index "
         "starts from; `answers`: the target's own answers shipped with specserve.",
+    )
+    ensemble: EnsembleSpec | None = Field(
+        None,
+        description="A draft LM only: draft its chains as a TABED ensemble of several views of the context, mixed "
+        "with weights adapted to what the target verified (trees: the full view alone).",
     )
     placement: Literal["auto", "inside", "separate"] = Field(
         AUTO,
@@ -74,6 +102,8 @@ class DraftSpec(BaseModel):
             raise ValueError(f"{PROMPT_LOOKUP!r} is the model-free draft; give the draft LM {self.model!r} another name")
         if self.method is not None and self.model is not None:
             raise ValueError(f"draft {self.name!r}: method {self.method!r} drafts without a model; a draft with a model drafts with it")
+        if self.ensemble is not None and self.model is None:
+            raise ValueError(f"draft {self.name!r}: an ensemble mixes views of a draft LM; give it a model")
         if self.seed_outputs is not None and self.method != SUFFIX:
             raise ValueError(f"draft {self.name!r}: seed_outputs seeds a suffix draft's index; set method: suffix")
         if self.method == SUFFIX and self.placement == SEPARATE:

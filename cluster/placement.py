@@ -96,7 +96,8 @@ def measure(spec: DraftSpec, config: AppConfig) -> PlacementCosts:
 
     worker = ModelWorker(f"placement-{spec.name}", threads=config.torch_threads or 1)
     try:
-        server = DraftServer(spec.name, spec.model, config.dtype, worker=worker, kv_sessions_idle=0)
+        server = DraftServer(spec.name, spec.model, config.dtype, worker=worker, kv_sessions_idle=0,
+                             ensemble=spec.ensemble.model_dump() if spec.ensemble else None)
         vocab = server.vocab_size or 1 << 15
         ms = worker.call(draft_ms_per_position, server.propose_now, vocab, server.features_size)
     finally:

@@ -27,6 +27,7 @@ import torch
 from specserve.data.answers import answer_outputs
 from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, propose
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
+from specserve.replicas.drafts.ensemble import EnsembleDraftLM, user_turn_marker
 from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_draft import MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead, feature_layers
@@ -47,11 +48,15 @@ MAX_GENERATORS = 4096
 class DraftServer:
     def __init__(self, name: str, model: str | None = None, dtype: str = "auto", torch_threads: int | None = None,
                  kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None,
-                 method: str | None = None, seed_outputs: str | None = None):
+                 method: str | None = None, seed_outputs: str | None = None, ensemble: dict | None = None,
+                 tokenizer=None):
         """``model``: a draft LM or HSR head to load; None: the model-free ``method``, prompt lookup
         or suffix (its index seeded with the answers in ``seed_outputs``). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
-        model work runs on; a draft inside the target replica shares the target's."""
+        model work runs on; a draft inside the target replica shares the target's. ``ensemble``:
+        the draft LM's chains are TABED ensembles of these views (``EnsembleDraftLM``'s keywords:
+        views, weights, distance, history); ``tokenizer`` finds the last-turn view's marker
+        in-process (a loaded model brings its own)."""
         self.name = name
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
         self._generators: dict[str, torch.Generator] = {}
@@ -77,6 +82,8 @@ class DraftServer:
                 self.suffix = probe if isinstance(probe, SuffixDraft) else None
             else:
                 self.pool = SessionPool(make_draft, keep_idle=kv_sessions_idle)
+                if ensemble:
+                    self._ensemble(draft_model(probe), ensemble, tokenizer)
         elif model is None and method == "suffix":
             seed = answer_outputs(seed_outputs) if seed_outputs else None
             self._stateless = self.suffix = SuffixDraft(seed=seed)
@@ -91,8 +98,21 @@ class DraftServer:
                 self._reads(loaded.model)
             self._adopt(loaded.model)
             self.pool = SessionPool(lambda: draft_from_model(name, loaded.model), keep_idle=kv_sessions_idle)
+            if ensemble:
+                self._ensemble(loaded.model, ensemble, loaded.tokenizer)
         logger.info("draft %s ready (%s)", name, model or ("in-process" if make_draft else "suffix, no model" if self.suffix
                                                            else "prompt lookup, no model"))
+
+    def _ensemble(self, model, ensemble: dict, tokenizer) -> None:
+        """Chains through a TABED ensemble of the draft LM's views (trees: the full view alone)."""
+        if isinstance(model, HSRHead):
+            raise ValueError(f"draft {self.name!r}: an ensemble mixes views of a draft LM; a hidden-state-reuse "
+                             "head reads the target's states, which have one view")
+        settings = {k: v for k, v in ensemble.items() if v is not None}
+        marker = settings.pop("turn_marker", None)
+        if marker is None:
+            marker = user_turn_marker(tokenizer) if tokenizer is not None else []
+        self._batched = EnsembleDraftLM(self.name, model, turn_marker=marker, **settings)
 
     def _reads(self, head) -> None:
         """A hidden-state-reuse head: which of the target's layers it reads, and their width."""
@@ -147,8 +167,8 @@ class DraftServer:
         replies: list[Proposal | NeedFeatures | None] = [None] * len(asks)
         chains = [i for i, ask in enumerate(asks) if ask.tree is None and ask.window > 0]
         if self._batched is not None and chains:
-            for start in range(0, len(chains), self._batched.kv.slots):
-                part = chains[start:start + self._batched.kv.slots]
+            for start in range(0, len(chains), self._batched.max_sessions):
+                part = chains[start:start + self._batched.max_sessions]
                 try:
                     proposals = self._batched.propose_chains([asks[i] for i in part],
                                                              [self._generator(asks[i]) for i in part])

@@ -52,12 +52,13 @@ class Generation:
     routing: dict | None = None   # the draft router's decision (``spec.router``), when one decided
 
 
-def in_process_server(name: str, draft: Draft) -> DraftServer:
+def in_process_server(name: str, draft: Draft, ensemble: dict | None = None, tokenizer=None) -> DraftServer:
     """``draft`` served in-process: a draft of its own (and KV cache) per session, all on the
-    draft's one model; a model-free draft (prompt lookup) serves every session as it is."""
+    draft's one model; a model-free draft (prompt lookup) serves every session as it is.
+    ``ensemble``: a draft LM's chains as a TABED ensemble of its views (``DraftServer``)."""
     model = draft_model(draft)
     make = (lambda: draft) if model is None else (lambda: draft_from_model(name, model))
-    return DraftServer(name, worker=InlineWorker(), make_draft=make)
+    return DraftServer(name, worker=InlineWorker(), make_draft=make, ensemble=ensemble, tokenizer=tokenizer)
 
 
 def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[SpecRequest],
@@ -136,9 +137,10 @@ def speculative_generate(
 
 class SpecEngine:
     def __init__(self, target: LoadedModel, drafts: dict[str, Draft], slots: int = 16,
-                 router: DraftRouter | None = None):
+                 router: DraftRouter | None = None, ensembles: dict[str, dict] | None = None):
         """``router``: the draft router of ``spec.draft`` "auto" requests (``routing/draft_router.py``);
-        a benchmark may swap it between runs."""
+        a benchmark may swap it between runs. ``ensembles``: the drafts (draft LMs) whose chains
+        are TABED ensembles, with their settings (``EnsembleDraftLM``'s keywords)."""
         self.loaded = target
         self.router = router
         self.tokenizer = target.tokenizer
@@ -151,7 +153,8 @@ class SpecEngine:
             if needs_features(draft) and model is not None:   # kept from the first forward on
                 self.target.tap_features(feature_layers(model.config))
         self.drafts = drafts
-        self.servers = {name: in_process_server(name, draft) for name, draft in drafts.items()}
+        self.ensembles = dict(ensembles or {})
+        self.servers = self._servers()
         self.max_context = getattr(target.model.config, "max_position_embeddings", None)
 
     @classmethod
@@ -163,10 +166,13 @@ class SpecEngine:
         device: str | None = None,
         slots: int = 16,
         suffix_seed: str | Path | None = None,
+        ensembles: dict[str, dict] | None = None,
     ) -> "SpecEngine":
         """``suffix_seed``: also a suffix draft, its index seeded with the answers in this folder
         (``data/answers.py``). In-process it remembers no output of its own: every request finds
-        the index as it started (a benchmark's rows must not warm each other)."""
+        the index as it started (a benchmark's rows must not warm each other). ``ensembles``:
+        drafts by name, each ``{"model": a draft LM, **EnsembleDraftLM's keywords}``: TABED
+        ensembles of that model's views."""
         loaded = load_causal_lm(target, dtype=dtype, device=device)
         drafts: dict[str, Draft] = {PromptLookupDraft.name: PromptLookupDraft()}
         if suffix_seed is not None:
@@ -174,13 +180,21 @@ class SpecEngine:
         for name in draft_models:
             lm = load_causal_lm(name, dtype=dtype, device=device)
             drafts[lm.name] = draft_from_model(lm.name, lm.model)
-        return cls(loaded, drafts, slots)
+        settings = {}
+        for name, ensemble in (ensembles or {}).items():
+            settings[name] = {k: v for k, v in ensemble.items() if k != "model"}
+            drafts[name] = draft_from_model(name, load_causal_lm(ensemble["model"], dtype=dtype, device=device).model)
+        return cls(loaded, drafts, slots, ensembles=settings)
+
+    def _servers(self) -> dict[str, DraftServer]:
+        return {name: in_process_server(name, draft, self.ensembles.get(name), self.tokenizer)
+                for name, draft in self.drafts.items()}
 
     def reset_caches(self) -> None:
         """Forget every KV cache. Slots otherwise keep their longest common prefix with the next
         request (a free prefix cache); benchmarks start each generation cold."""
         self.target.kv.reset()
-        self.servers = {name: in_process_server(name, draft) for name, draft in self.drafts.items()}
+        self.servers = self._servers()
 
     @property
     def draft_names(self) -> list[str]:

@@ -291,9 +291,12 @@ def evaluate(drafts: list[str], prompts_per_category: int = 4, max_tokens: int =
 
     from specserve.training.answers import ANSWERS_DIR
 
-    # "suffix": the model-free suffix draft, seeded with the shipped answers (held out, as training data is).
-    engine = SpecEngine.load(dtype=dtype, draft_models=[d for d in drafts if d != "suffix"],
-                             suffix_seed=ANSWERS_DIR if "suffix" in drafts else None)
+    # "suffix": the model-free suffix draft, seeded with the shipped answers (held out, as training data is);
+    # "tabed:MODEL" / "tabed-static:MODEL": a TABED ensemble of the draft LM MODEL's full and last-turn views.
+    ensembles = {d: {"model": d.split(":", 1)[1], "weights": "static" if d.startswith("tabed-static:") else "adaptive"}
+                 for d in drafts if d.startswith(("tabed:", "tabed-static:"))}
+    engine = SpecEngine.load(dtype=dtype, draft_models=[d for d in drafts if d != "suffix" and d not in ensembles],
+                             suffix_seed=ANSWERS_DIR if "suffix" in drafts else None, ensembles=ensembles)
     names = [n for n in engine.drafts if n != "prompt-lookup"]
     probe = engine.encode(load_prompts("chat", 1)[0])
     target_ms = forward_ms(engine.loaded.model, probe)

@@ -25,6 +25,11 @@ class BatchedDraftLM:
         self._used = [0] * slots   # a step counter per slot: the least recently used goes first
         self._tick = 0
 
+    @property
+    def max_sessions(self) -> int:
+        """Sessions one ``propose_chains`` call may hold."""
+        return self.kv.slots
+
     def release(self, session_id: str) -> None:
         """The session ended; its slot stays a prefix cache until another takes it."""
         for slot, owner in enumerate(self.owner):

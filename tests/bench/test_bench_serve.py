@@ -182,9 +182,9 @@ def test_the_local_stack_is_the_shipped_default_unless_told_to_serve_only_some_d
     # Naming drafts picks rows, not the app: serve-default still measures the shipped default.
     assert local_stack_config("bfloat16", ["prompt-lookup"])["applications"][0]["args"]["drafts"] == shipped["args"]["drafts"]
 
-    only = local_stack_config("auto", ["smollm2-hsr"], only_drafts=True)["applications"][0]
-    assert only["args"]["drafts"] == [{"name": "smollm2-hsr", "model": "smollm2-hsr"}]
-    assert only["args"]["default_draft"] == "smollm2-hsr"   # the default must be a served draft
+    only = local_stack_config("auto", ["smollm2-eagle3"], only_drafts=True)["applications"][0]
+    assert only["args"]["drafts"] == [{"name": "smollm2-eagle3", "model": "smollm2-eagle3"}]
+    assert only["args"]["default_draft"] == "smollm2-eagle3"   # the default must be a served draft
     # Placed by measurement (inside, on one kind of hardware): no deployment of its own to configure.
     assert sorted(d["name"] for d in only["deployments"]) == ["ingress", "target"]
     for app in (everything, only):   # what the application builder will be given must be valid

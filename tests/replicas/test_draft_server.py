@@ -105,3 +105,24 @@ def test_a_suffix_draft_server_drafts_from_its_seed_answers_and_what_it_is_told_
     server.suffix.remember([40, 41, 42, 43, 44], cache_salt="t")
     server.suffix.refresh()
     assert ask([9, 40, 41, 42], salt="t").tokens == [43, 44] and ask([9, 40, 41, 42]).tokens == []
+
+
+def test_a_draft_lm_served_as_an_ensemble_drafts_through_its_views_and_an_hsr_head_cannot_be_one(pair):
+    from specserve.replicas.drafts.ensemble import EnsembleDraftLM
+
+    target, head_dir = pair
+    folder = head_dir.parent / "target"   # the target as its own draft LM: every drafted token is its own
+    server = DraftServer("tabed", str(folder), "float32", ensemble={"views": ["full", "last-turn"], "weights": "adaptive",
+                                                                 "distance": "kl", "history": None,
+                                                                 "turn_marker": [5, 6]})
+    assert isinstance(server._batched, EnsembleDraftLM) and server._batched.marker == [5, 6]
+    proposal = asyncio.run(server.propose_batch([ProposeRequest("s", PROMPT, 3, None, GREEDY)]))[0]
+    # The first token: the argmax of the equal mix of the target reading its whole prompt and
+    # reading it from its last [5, 6] on (nothing verified yet).
+    last_turn = PROMPT[len(PROMPT) - 1 - PROMPT[::-1].index(5):]
+    with torch.inference_mode():
+        full_q, turn_q = (torch.softmax(target(torch.tensor([ids])).logits[0, -1], -1) for ids in (PROMPT, last_turn))
+    assert last_turn == [5, 6] and len(proposal.tokens) == 3
+    assert proposal.tokens[0] == int((0.5 * full_q + 0.5 * turn_q).argmax()) != int(full_q.argmax())
+    with pytest.raises(ValueError, match="hidden-state-reuse head"):
+        DraftServer("tabed", str(head_dir), "float32", ensemble={"views": ["full", "last-turn"]})

@@ -85,7 +85,8 @@ def fused_head(deep_target):
 @pytest.mark.parametrize(
     "case",
     ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "suffix-tree", "pruned-head-chain",
-     "hsr-chain", "hsr-tree", "hsr-fused-chain", "hsr-fused-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain"],
+     "hsr-chain", "hsr-tree", "hsr-fused-chain", "hsr-fused-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain",
+     "tabed-chain"],
 )
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
 @pytest.mark.slow
@@ -107,6 +108,8 @@ def test_first_two_tokens_follow_the_target(request, target, hsr_head, case, par
         "hsr-fused-chain": lambda: HSRDraft("eagle3", request.getfixturevalue("fused_head")),
         "hsr-fused-tree": lambda: HSRDraft("eagle3", request.getfixturevalue("fused_head")),
         "bonus-draft-lm-chain": DraftLM("near", perturbed(target, seed=1)),
+        # TABED: two views of the draft LM (the whole prompt, and from its last [4, 9] on) mixed.
+        "tabed-chain": DraftLM("tabed", perturbed(target, seed=1)),
         "bonus-prompt-lookup-chain": PromptLookupDraft(),
     }[case]
     if "fused" in case:   # its target and head are built for its own cases only
@@ -116,21 +119,25 @@ def test_first_two_tokens_follow_the_target(request, target, hsr_head, case, par
     # max_tokens = window + 1: room for a full window, so the second token can be a draft token
     # (window 2) or the bonus token after an accepted one (window 1).
     window = 1 if case.startswith("bonus-") else 2
-    pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS), window)
+    ensemble = {"turn_marker": [4, 9]} if case.startswith("tabed") else None
+    pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS), window, ensemble)
     if pvalue <= 1e-3:
         # Seeds are fixed, so a correct sampler still fails 1 case in 1,000 by chance, once and
         # for all. A second, disjoint block decides: a real bias fails both by a wide margin.
-        pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS, 2 * RUNS), window)
+        pvalue, accepted = goodness_of_fit(target, prompt, draft, params, tree, range(RUNS, 2 * RUNS), window,
+                                           ensemble)
     assert pvalue > 1e-3, f"{case}: chi-square p={pvalue:.2e} on two disjoint blocks of seeds"
     if draft is not None:   # the test means something only if draft tokens were accepted
         assert accepted > RUNS // 20, f"{case}: only {accepted} accepted draft tokens"
 
 
-def goodness_of_fit(target, prompt, draft, params, tree, seeds, window: int) -> tuple[float, int]:
+def goodness_of_fit(target, prompt, draft, params, tree, seeds, window: int, ensemble: dict | None = None
+                    ) -> tuple[float, int]:
     """Chi-square p-value of the sampled (t1, t2) pairs against the exact joint, and the number
-    of accepted draft tokens. One request per seed, all through one batched scheduler."""
+    of accepted draft tokens. One request per seed, all through one batched scheduler.
+    ``ensemble``: the draft LM's chains as a TABED ensemble with these settings."""
     name = "none" if draft is None else draft.name
-    servers = {} if draft is None else {name: in_process_server(name, draft)}
+    servers = {} if draft is None else {name: in_process_server(name, draft, ensemble)}
     requests = [SpecRequest(prompt, window + 1, SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed),
                             name, window, tree, f"seed-{seed}") for seed in seeds]
     gens = run_batch(Target(target, slots=BATCH), servers, requests)

@@ -1,0 +1,279 @@
+"""TABED ("Test-Time Adaptive Batched Ensemble Drafting"), on text: several drafting views of
+one draft LM, run as rows of one batched forward, their next-token distributions mixed with
+weights chosen at each drafting block from how every candidate mix fared on the tokens the
+target verified so far.
+
+Views (each a slot of one ``BatchKV`` per session, fed together):
+
+- ``full``: the whole context;
+- ``last-turn``: the context from the last user turn's opening tokens on (earlier turns and the
+  system prompt dropped); the whole context when it has no such marker.
+
+Mixing (the paper's Alg. 1): ``q = Σ_v w_v q_v``; greedy drafts its argmax, sampling draws from
+it, and that ``q`` is what the rejection test uses (``Proposal.draft_probs``), so the output is
+the target's exactly. Every drafted token is fed to every view.
+
+Weights: at each block, ``w* = argmin_j Σ_{t'} D(p_{t'}, q^j_{t'})`` over the candidates
+``w_j`` (the simplex grid with step 1/``grid``, for two views the paper's
+``[1 − j/n, j/n]``, n = 10), summed over the last ``history`` verified positions (all of the
+request's by default, the paper's choice); before any, equal weights. ``D``:
+
+- ``kl`` / ``tvd`` against the target's distribution at t', taken as one-hot on the token it
+  verified: exact under greedy decoding (the target's distribution there is that one-hot; KL =
+  −log q(y), TVD = 1 − q(y)); under sampling it stands in for the target's p, which stays on the
+  target — the deviation from the paper, which reads p;
+- ``matches`` (the default): minus the hard matches, the candidate mix's argmax equal to the
+  verified token. With only the verified token as the label, KL and TVD reward whichever view put
+  more mass on it and, when the views are close, settle on one of them; matches keep the mix
+  (measured on held-out later turns: α 0.415 with matches, 0.398 with KL, the full view alone's).
+
+Only positions the draft predicted from a correct prefix score: those up to and including a
+block's first rejected token. ``static`` weights keep the equal mix (the paper's MT).
+
+Per drafted position a session keeps, per view, the probabilities of the union of the views' top
+``TOP`` tokens and the rest's mass (a token outside them gets its view's residual mass spread
+evenly): enough to score every candidate once its token is known. Trees fall back to the full
+view alone (``DraftServer`` drafts them with one ``DraftLM`` per session).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from specserve.replicas.batch_kv import Feed
+from specserve.replicas.drafts.batched_lm import BatchedDraftLM
+from specserve.replicas.sampling import logits_to_probs, sample
+from specserve.replicas.step import Proposal, ProposeRequest
+
+VIEWS = ("full", "last-turn")
+DISTANCES = ("kl", "tvd", "matches")
+# Tokens per view whose probabilities a drafted position keeps for scoring the candidates later.
+TOP = 32
+# Verified positions a session keeps at most (``history`` None: all of them up to this).
+MAX_HISTORY = 1024
+# Sessions whose weights are kept; far more than a replica serves at once.
+MAX_SESSIONS = 4096
+
+
+def user_turn_marker(tokenizer) -> list[int]:
+    """The tokens that open a user turn in ``tokenizer``'s chat template: those between a system
+    message and a user message in a rendering of both, from the template's turn opener (its first
+    token) on. Empty when the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    system, user = "\u2063S\u2063", "\u2063U\u2063"
+    text = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                                         tokenize=False)
+    between = text[text.index(system) + len(system):text.index(user)]
+    ids = tokenizer.encode(between, add_special_tokens=False)
+    opener = tokenizer.encode(text, add_special_tokens=False)[:1]
+    if opener and opener[0] in ids:
+        last = len(ids) - 1 - ids[::-1].index(opener[0])
+        return ids[last:]
+    return ids
+
+
+def last_turn_start(context: list[int], marker: list[int], since: int = 0) -> int | None:
+    """Where the last occurrence of ``marker`` in ``context`` begins, searching from ``since``
+    on; None when there is none."""
+    n = len(marker)
+    for i in range(len(context) - n, max(since, 0) - 1, -1):
+        if n and context[i:i + n] == marker:
+            return i
+    return None
+
+
+def weight_grid(views: int, steps: int) -> torch.Tensor:
+    """Every weight vector on the simplex with coordinates in multiples of 1/``steps``, the
+    equal mix (or the nearest) first, then by distance from it: [J, views]."""
+    points = [c for c in itertools.product(range(steps + 1), repeat=views) if sum(c) == steps]
+    grid = torch.tensor(points, dtype=torch.float32) / steps
+    order = sorted(range(len(points)), key=lambda j: (float((grid[j] - 1 / views).abs().sum()), points[j]))
+    return grid[order]
+
+
+@dataclass
+class _Drafted:
+    """One drafted position, kept until the target has verified it."""
+
+    tokens: torch.Tensor     # [U] the union of the views' top tokens
+    probs: torch.Tensor      # [U, m] each view's probability of them
+    residual: torch.Tensor   # [m] each view's mass outside them, per token outside
+    token: int               # what the mix drafted there
+
+
+class _Session:
+    def __init__(self, candidates: int, history: int):
+        self.turn_start = 0          # last-turn view: where the last user turn starts
+        self.searched = 0            # the context length searched for it so far
+        self.history = history
+        self.scores: deque[torch.Tensor] = deque()
+        self.total = torch.zeros(candidates)   # the scores' sum, per candidate
+        self.pending: tuple[int, int, list[_Drafted]] | None = None   # (block start, root token, positions)
+
+    def add(self, score: torch.Tensor) -> None:
+        self.scores.append(score)
+        self.total += score
+        if len(self.scores) > self.history:
+            self.total -= self.scores.popleft()
+
+
+class EnsembleDraftLM(BatchedDraftLM):
+    def __init__(self, name: str, model, views: tuple[str, ...] = VIEWS, turn_marker: list[int] = (),
+                 weights: str = "adaptive", distance: str = "matches", history: int | None = None, grid: int = 10,
+                 slots: int = 32):
+        """``slots`` sessions, each holding a KV slot per view."""
+        unknown = sorted(set(views) - set(VIEWS))
+        if unknown or len(views) < 2 or len(set(views)) != len(views):
+            raise ValueError(f"an ensemble needs two or more distinct views of {', '.join(VIEWS)}; got {list(views)}")
+        if distance not in DISTANCES:
+            raise ValueError(f"distance must be one of {', '.join(DISTANCES)}; got {distance!r}")
+        if weights not in ("adaptive", "static"):
+            raise ValueError(f"weights must be adaptive or static; got {weights!r}")
+        super().__init__(name, model, slots * len(views))
+        self.views = tuple(views)
+        self.marker = list(turn_marker)
+        self.adaptive = weights == "adaptive"
+        self.distance = distance
+        self.history = min(history or MAX_HISTORY, MAX_HISTORY)
+        self.candidates = weight_grid(len(views), grid)   # [J, m], the equal mix first
+        self.sessions: dict[str, _Session] = {}
+
+    @property
+    def max_sessions(self) -> int:
+        return self.kv.slots // len(self.views)
+
+    def _session(self, session_id: str) -> _Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            # Bounded: a target that died never releases its sessions; the oldest go first.
+            while len(self.sessions) >= MAX_SESSIONS:
+                self.sessions.pop(next(iter(self.sessions)))
+            session = self.sessions[session_id] = _Session(len(self.candidates), self.history)
+        return session
+
+    def release(self, session_id: str) -> None:
+        for view in self.views:
+            super().release(f"{session_id}/{view}")
+        self.sessions.pop(session_id, None)
+
+    def weights_for(self, session_id: str) -> torch.Tensor:
+        """w*: the candidate with the least summed distance over the session's verified positions
+        (the equal mix first on ties, and before any)."""
+        session = self.sessions.get(session_id)
+        if not self.adaptive or session is None or not session.scores:
+            return self.candidates[0]
+        return self.candidates[int(torch.argmin(session.total))]
+
+    def _view_context(self, session: _Session, view: str, context: list[int]) -> list[int]:
+        if view == "full":
+            return context
+        if len(context) < session.searched:   # not a continuation: search it whole
+            session.turn_start = session.searched = 0
+        found = last_turn_start(context, self.marker, session.searched - len(self.marker) + 1)
+        if found is not None:
+            session.turn_start = found
+        session.searched = len(context)
+        return context[session.turn_start:]
+
+    def _learn(self, session: _Session, context: list[int]) -> None:
+        """Score every candidate on the last block's positions the target has verified since."""
+        if session.pending is None:
+            return
+        start, root, drafted = session.pending
+        session.pending = None
+        if len(context) <= start or context[start - 1] != root:
+            return   # not this session's continuation
+        for i, position in enumerate(drafted):
+            if start + i >= len(context):
+                break
+            verified = context[start + i]
+            session.add(self._score(position, verified))
+            if position.token != verified:
+                break   # later positions were drafted after a wrong token
+
+    def _score(self, position: _Drafted, verified: int) -> torch.Tensor:
+        """Each candidate's distance at one verified position: [J]."""
+        where = (position.tokens == verified).nonzero()
+        q_y = position.probs[int(where[0])] if len(where) else position.residual   # [m]
+        mix_y = self.candidates @ q_y                                               # [J]
+        if self.distance == "kl":
+            return -torch.log(mix_y.clamp(min=1e-12))
+        if self.distance == "tvd":
+            return 1.0 - mix_y
+        best = position.tokens[(position.probs @ self.candidates.T).argmax(0)]    # [J]
+        return -(best == verified).float()
+
+    @staticmethod
+    def _keep(probs: torch.Tensor, token: int) -> _Drafted:
+        """probs [m, V] -> what scoring needs of them."""
+        top = torch.topk(probs, min(TOP, probs.shape[-1]), dim=-1).indices.flatten().unique()
+        kept = probs[:, top].T.contiguous()                                         # [U, m]
+        outside = max(1, probs.shape[-1] - len(top))
+        return _Drafted(top.cpu(), kept.cpu(), ((1.0 - kept.sum(0)).clamp(min=0) / outside).cpu(), token)
+
+    @torch.inference_mode()
+    def propose_chains(self, asks: list[ProposeRequest], generators: list[torch.Generator | None]) -> list[Proposal]:
+        """A chain of ``ask.window`` tokens for each ask, every view of every ask in one forward
+        per drafted position; at most ``slots`` asks per call."""
+        if len(asks) > self.max_sessions:
+            raise ValueError(f"{len(asks)} sessions in one call, this ensemble holds {self.max_sessions}")
+        self._tick += 1
+        taken: set[int] = set()
+        slots: list[list[int]] = []
+        feeds = []
+        lengths: list[list[int]] = []
+        for ask in asks:
+            session = self._session(ask.session_id)
+            self._learn(session, ask.context)
+            row = []
+            lengths.append([])
+            for view in self.views:
+                slot = self._slot(f"{ask.session_id}/{view}", taken)
+                taken.add(slot)
+                row.append(slot)
+                tokens = self._view_context(session, view, ask.context)
+                lengths[-1].append(len(tokens))
+                missing = self.kv.sync(slot, tokens)
+                if not missing:   # all cached, but the root's logits were not kept: feed the root again
+                    self.kv.crop(slot, len(tokens) - 1)
+                    missing = tokens[-1:]
+                feeds.append(Feed(slot, missing))
+            slots.append(row)
+        by_slot = dict(zip((f.slot for f in feeds), (rows[-1] for rows in self.kv.forward(feeds))))
+        weights = [self.weights_for(ask.session_id) for ask in asks]
+        drafted: list[list[int]] = [[] for _ in asks]
+        chosen_q: list[list[torch.Tensor]] = [[] for _ in asks]
+        token_probs: list[list[float]] = [[] for _ in asks]
+        kept: list[list[_Drafted]] = [[] for _ in asks]
+        for depth in range(max(ask.window for ask in asks)):
+            feeds = []
+            for i, (ask, row) in enumerate(zip(asks, slots)):
+                if depth >= ask.window:
+                    continue
+                logits = torch.stack([by_slot[s] for s in row]).float()              # [m, V]
+                views_q = torch.softmax(logits, -1) if ask.params.greedy else logits_to_probs(logits, ask.params)
+                q = weights[i].to(views_q.device) @ views_q                          # [V]
+                tok = int(q.argmax()) if ask.params.greedy else sample(q, generators[i])
+                if not ask.params.greedy:
+                    chosen_q[i].append(q)
+                drafted[i].append(tok)
+                token_probs[i].append(float(q[tok]))
+                kept[i].append(self._keep(views_q, tok))
+                if depth + 1 < ask.window:
+                    feeds.extend(Feed(s, [tok]) for s in row)
+            if not feeds:
+                break
+            by_slot.update(zip((f.slot for f in feeds), (rows[-1] for rows in self.kv.forward(feeds))))
+        for ask, row, length, positions in zip(asks, slots, lengths, kept):
+            for slot, n in zip(row, length):   # drafted tokens are not part of the sequence
+                self.kv.crop(slot, n)
+            if self.adaptive:
+                self.sessions[ask.session_id].pending = (len(ask.context), ask.context[-1], positions)
+        return [Proposal.chain(tokens, torch.stack(q) if q else None, probs)
+                for tokens, q, probs in zip(drafted, chosen_q, token_probs)]

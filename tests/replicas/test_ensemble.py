@@ -1,0 +1,118 @@
+"""TABED ensembles of a draft LM's views: the candidate weights, the last-turn view, the weights
+chosen from verified tokens, greedy output equal to the target's, and the draft server built
+from a config. (The sampled distribution through the mixed q: test_sampling_distribution.py.)"""
+
+import pytest
+import torch
+
+from equality import assert_greedy_equal
+from specserve.cluster.config import DraftSpec
+from specserve.replicas.drafts.draft_lm import DraftLM
+from specserve.replicas.drafts.ensemble import (
+    EnsembleDraftLM,
+    _Drafted,
+    last_turn_start,
+    user_turn_marker,
+    weight_grid,
+)
+from specserve.replicas.engine import in_process_server, run_batch
+from specserve.replicas.request import SpecRequest
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.target import Target
+from tiny_models import ARCHITECTURES, VOCAB, perturbed, tiny_model
+
+MARKER = [7, 3]
+
+
+def test_the_candidates_cover_the_simplex_equal_mix_first():
+    two = weight_grid(2, 10)
+    assert two.shape == (11, 2) and torch.allclose(two.sum(1), torch.ones(11))
+    assert two[0].tolist() == [0.5, 0.5] and {tuple(w) for w in two[-2:].tolist()} == {(0.0, 1.0), (1.0, 0.0)}
+    three = weight_grid(3, 4)
+    assert three.shape == (15, 3) and torch.allclose(three.sum(1), torch.ones(15))
+
+
+def test_the_last_turn_view_starts_at_the_last_user_turn():
+    from specserve.replicas.model_store import load_tokenizer_and_config
+    from specserve.replicas.prompt_ids import encode_chat
+
+    tokenizer, _ = load_tokenizer_and_config()
+    marker = user_turn_marker(tokenizer)
+    assert tokenizer.decode(marker) == "<|im_start|>user\n"
+    turns = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+             {"role": "user", "content": "And another?"}]
+    ids = encode_chat(tokenizer, turns)
+    start = last_turn_start(ids, marker)
+    assert tokenizer.decode(ids[start:]).startswith("<|im_start|>user\nAnd another?")
+    assert last_turn_start(ids, marker, since=start + 1) is None
+    assert last_turn_start([1, 2, 3], []) is None
+
+
+def test_weights_follow_the_view_that_predicted_the_verified_tokens():
+    draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER, distance="kl")
+    session = draft._session("s")
+    assert draft.weights_for("s").tolist() == [0.5, 0.5]   # nothing verified yet: the equal mix
+    # Three drafted positions: the full view put 0.6 on the token the target then verified, the
+    # last-turn view nothing (all on token 50); the block's second token was rejected (the target
+    # said 11, not 10), so its third position, drafted after a wrong token, does not count.
+    probs = torch.tensor([[0.6, 0.0], [0.4, 1.0]])   # [tokens, views]
+    positions = [_Drafted(torch.tensor([t, 50]), probs, torch.zeros(2), t) for t in (5, 10, 12)]
+    positions[1] = _Drafted(torch.tensor([11, 50]), probs, torch.zeros(2), 10)
+    session.pending = (4, 2, positions)
+    draft._learn(session, [1, 1, 1, 2, 5, 11, 40])
+    assert len(session.scores) == 2
+    assert draft.weights_for("s").tolist() == [1.0, 0.0]
+    for distance in ("tvd", "matches"):
+        other = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER, distance=distance)
+        s = other._session("s")
+        s.pending = (4, 2, positions)
+        other._learn(s, [1, 1, 1, 2, 5, 11, 40])
+        assert other.weights_for("s")[0] > other.weights_for("s")[1], distance
+    # A context that does not continue the block teaches nothing; static weights never move.
+    session.pending = (4, 2, positions)
+    draft._learn(session, [9, 9, 9])
+    assert len(session.scores) == 2
+    static = EnsembleDraftLM("e", tiny_model("llama", seed=1), weights="static")
+    static._session("s").pending = (4, 2, positions)
+    static._learn(static._session("s"), [1, 1, 1, 2, 5, 11, 40])
+    assert static.weights_for("s").tolist() == [0.5, 0.5]
+
+
+def test_bad_settings_are_refused():
+    model = tiny_model("llama", seed=1)
+    with pytest.raises(ValueError, match="two or more distinct views"):
+        EnsembleDraftLM("e", model, views=("full",))
+    with pytest.raises(ValueError, match="distance"):
+        EnsembleDraftLM("e", model, distance="l2")
+    with pytest.raises(ValueError, match="give it a model"):
+        DraftSpec(name="e", ensemble={})
+    with pytest.raises(ValueError, match="views must differ"):
+        DraftSpec(name="e", model="m", ensemble={"views": ["full", "full"]})
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("settings", [{}, {"distance": "kl"}, {"distance": "tvd", "history": 4},
+                                      {"weights": "static"}], ids=["matches", "kl", "tvd-h4", "static"])
+def test_greedy_output_is_the_targets(arch, settings):
+    """Prompts holding the marker twice, so the two views differ; several requests batched; every
+    window the engine asks for."""
+    target = tiny_model(arch, seed=0)
+    draft = DraftLM("tabed", perturbed(target, seed=1))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, VOCAB, (4,), generator=gen).tolist() + MARKER
+               + torch.randint(1, VOCAB, (3 + i,), generator=gen).tolist() + MARKER + [20 + i] for i in range(4)]
+    server = in_process_server("tabed", draft, ensemble={**settings, "turn_marker": MARKER})
+    assert isinstance(server._batched, EnsembleDraftLM)
+    scored = []   # verified positions each session had scored, at every block
+    learn = server._batched._learn
+    server._batched._learn = lambda session, context: (learn(session, context), scored.append(len(session.scores)))
+    requests = [SpecRequest(p, 24, SamplingParams(), "tabed", 2 + i % 3, None, f"r{i}") for i, p in enumerate(prompts)]
+    got = run_batch(Target(target, slots=8), {"tabed": server}, requests)
+    plain = run_batch(Target(target, slots=8), {}, [SpecRequest(p, 24, SamplingParams(), "none", 0, None, f"p{i}")
+                                                     for i, p in enumerate(prompts)])
+    drafted = 0
+    for prompt, g, p in zip(prompts, got, plain):
+        assert_greedy_equal(target, prompt, g.token_ids, p.token_ids, f"{arch} {settings}")
+        drafted += g.stats.accepted
+    assert drafted > 0, "the ensemble's tokens were never accepted"
+    assert (max(scored) > 0) == (settings.get("weights") != "static"), "adaptive weights learn from verified tokens"
