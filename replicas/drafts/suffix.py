@@ -70,14 +70,21 @@ class Build:
     base: list[np.ndarray] | None = None
 
 
+# Children a node of a chain ask's proposal may have: with the same node count as the chain, a
+# best-first tree's expected accepted tokens (the sum of its path probabilities) is never lower.
+CHAIN_TOP_K = 3
+
+
 class SuffixDraft:
     name = "suffix"
     by_cache_salt = True
 
     def __init__(self, depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
                  remembered_tokens: int = 1 << 18, requests: int = 32, salts: int = 64,
-                 seed: Iterable[Sequence[int]] | SuffixArray | None = None, recent_tokens: int = RECENT_TOKENS):
+                 seed: Iterable[Sequence[int]] | SuffixArray | None = None, recent_tokens: int = RECENT_TOKENS,
+                 chain_top_k: int = CHAIN_TOP_K):
         self.depth = depth
+        self.chain_top_k = chain_top_k
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.remembered_tokens = remembered_tokens
@@ -192,8 +199,10 @@ class SuffixDraft:
 
     def propose(self, context: list[int], window: int, params: SamplingParams,
                 generator: torch.Generator | None, cache_salt: str | None = None) -> Proposal:
-        spec = self.speculate(context, window, window, 1, cache_salt)
-        return Proposal.chain(spec.tokens, None, _given_parent(spec))
+        """A chain ask's ``window`` nodes, spent best-first: a chain where one continuation leads,
+        branches where several are frequent (``chain_top_k`` children a node at most)."""
+        spec = self.speculate(context, window, window, self.chain_top_k, cache_salt)
+        return Proposal(spec.tokens, spec.parents, None, _given_parent(spec))
 
     def propose_tree(self, context: list[int], shape: TreeShape, cache_salt: str | None = None) -> Proposal:
         spec = self.speculate(context, shape.budget, shape.depth, shape.top_k, cache_salt)

@@ -84,7 +84,7 @@ def fused_head(deep_target):
 
 @pytest.mark.parametrize(
     "case",
-    ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "suffix-tree", "pruned-head-chain",
+    ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "suffix-tree", "suffix-chain", "pruned-head-chain",
      "hsr-chain", "hsr-tree", "hsr-fused-chain", "hsr-fused-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain",
      "tabed-chain"],
 )
@@ -99,6 +99,8 @@ def test_first_two_tokens_follow_the_target(request, target, hsr_head, case, par
         "prompt-lookup-chain": PromptLookupDraft(),
         "prompt-lookup-tree": PromptLookupDraft(),
         "suffix-tree": SuffixDraft(),
+        # A chain ask: the suffix draft spends its window's nodes best-first, a tree where it branches.
+        "suffix-chain": SuffixDraft(),
         # q = 0 on every odd token: the residual max(0, p - q) must give them their mass.
         "pruned-head-chain": DraftLM("pruned", pruned_copy(target, head=list(range(0, VOCAB, 2)))),
         # Reads the target's hidden states, which the prefill already gives it: it drafts from step 1.
