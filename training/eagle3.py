@@ -6,7 +6,9 @@ The head (``replicas/drafts/hsr_head.py``) fuses the target's low, middle and hi
 trained with ``steps`` unrolled drafting steps (EAGLE-3's training-time test,
 ``training/hsr_train.py``): step j > 1 reads the head's own outputs, as drafting does. The loss per
 step is the KL to the target over the head's vocabulary (the teacher from the cached final
-states) plus ``ce_weight`` times the cross-entropy on the answer's next token.
+states) plus ``ce_weight`` times the cross-entropy on the answer's next token. The same loop trains
+the standalone draft LM from the cache too (its tokens, and the final states as the teacher:
+``distill.standalone_loss``), on the CPU or, holding the whole cache in its memory, a GPU.
 
 Choices for the reference target (30 layers, H = 576), and why (measured on the committed
 answers, the target in bfloat16 reading a 64-token window of the prompt):
@@ -259,7 +261,7 @@ def build_head(spec, target, head: list[int]) -> HSRHead:
 def train_recipe(spec, work: Path, cache: Path | None = None, steps: int | None = None, batch: int | None = None,
                  validate_every: int = 200, validation_sequences: int = 64, autocast_bf16: bool | None = None,
                  checkpoint_every: int = 100, device: str | None = None) -> Path:
-    """Train the recipe ``spec`` (a ``zoo.Recipe`` with ``feature_layers``) on the feature cache
+    """Train the recipe ``spec`` (a ``zoo.Recipe`` with ``data="features"``) on the feature cache
     ``cache`` (default ``features.features_dir()``) into ``work``, resuming its checkpoint: the
     head's vocabulary counted on the cached training answers, the target the cache was built
     from. ``steps`` and ``batch`` override the recipe's (the learning rate's schedule spans
