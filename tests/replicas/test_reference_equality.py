@@ -1,5 +1,5 @@
 """Greedy equality on the reference target (SmolLM2-135M-Instruct, float32) over 20 prompts:
-prompt lookup with windows 1, 2, 4 and 8 (the tiny-model tests take every window 1..8) and with trees, a real-weights draft LM (the target's first
+prompt lookup with windows 1 and 8 (the tiny-model tests take every window 1..8) and with a tree, a real-weights draft LM (the target's first
 layers, untrained as a draft, so it is rejected often, which is what this test wants), and every
 draft the package's zoo ships."""
 
@@ -70,7 +70,7 @@ def test_target_only_equals_hf_generate(engine, prompt_ids, expected):
         assert len(out) == NEW_TOKENS or out[-1] in engine.loaded.eos_token_ids
 
 
-@pytest.mark.parametrize("window", [1, 2, 4, 8])
+@pytest.mark.parametrize("window", [1, 8])
 def test_prompt_lookup_chain(engine, prompt_ids, expected, window):
     target = Target(engine.loaded.model)
     draft = engine.drafts["prompt-lookup"]
@@ -82,7 +82,7 @@ def test_prompt_lookup_chain(engine, prompt_ids, expected, window):
     assert accepted > 0, "no draft token was ever accepted: the test would prove nothing"
 
 
-@pytest.mark.parametrize("shape", [TreeShape(4, 3, 10), TreeShape(6, 2, 16)], ids=str)
+@pytest.mark.parametrize("shape", [TreeShape(6, 2, 16)], ids=str)
 def test_prompt_lookup_tree(engine, prompt_ids, expected, shape):
     target = Target(engine.loaded.model)
     draft = engine.drafts["prompt-lookup"]

@@ -148,6 +148,21 @@ def test_one_log_softmax_gives_the_kl_and_the_ce():
     assert torch.allclose(kl_and_ce(logits, Teacher(teacher), weights, target, 0.0), distill_loss(logits, teacher, weights))
 
 
+def assert_drafts_greedily_exact(target_dir, draft, answers) -> None:
+    """Served in the engine after the target, ``draft`` proposes tokens and leaves the greedy
+    answers to the first answers' prompts as they are."""
+    engine = SpecEngine(load_causal_lm(str(target_dir), dtype="float32", device="cpu"),
+                        {"d": draft_from_model("d", draft)}, slots=2)
+    drafted = 0
+    for answer in answers[:4]:
+        prompt = answer.tokens[:answer.prompt_len]
+        expected = engine.generate_ids(prompt, GenerateRequest("", 16, "none", 0)).token_ids
+        got = engine.generate_ids(prompt, GenerateRequest("", 16, "d", 3))
+        assert got.token_ids == expected
+        drafted += sum(got.stats.windows)
+    assert drafted > 0
+
+
 def train(cache, work, steps):
     return eagle3.train_recipe(SPEC, work, cache, steps=steps, batch=4, validate_every=10, validation_sequences=8,
                                checkpoint_every=10)
@@ -202,16 +217,7 @@ def test_the_export_is_small_loads_and_drafts_greedily_exact(setup, cache, tmp_p
     assert training["feature_layers"] == FUSED_LAYERS and training["steps"] == 20
     loaded = load_causal_lm(str(out), dtype="float32", device="cpu")
     assert isinstance(loaded.model, HSRHead) and loaded.model.fuse is not None
-    engine = SpecEngine(load_causal_lm(str(target_dir), dtype="float32", device="cpu"),
-                        {"e3": draft_from_model("e3", loaded.model)}, slots=2)
-    drafted = 0
-    for answer in answers[:4]:
-        prompt = answer.tokens[:answer.prompt_len]
-        expected = engine.generate_ids(prompt, GenerateRequest("", 16, "none", 0)).token_ids
-        got = engine.generate_ids(prompt, GenerateRequest("", 16, "e3", 3))
-        assert got.token_ids == expected
-        drafted += sum(got.stats.windows)
-    assert drafted > 0
+    assert_drafts_greedily_exact(target_dir, loaded.model, answers)
 
 
 STANDALONE = replace(recipe("smollm2-draft-2l"), layers=1, head_tokens=64, batch=4, lr=3e-3, warmup_steps=5)
@@ -235,13 +241,4 @@ def test_a_standalone_draft_trains_on_the_cache_validates_and_exports_greedily_e
     assert training["kind"] == "standalone" and training["feature_layers"] is None
     loaded = load_causal_lm(str(out), dtype="float32", device="cpu")
     assert loaded.model.config.num_hidden_layers == 1
-    engine = SpecEngine(load_causal_lm(str(target_dir), dtype="float32", device="cpu"),
-                        {"lm": draft_from_model("lm", loaded.model)}, slots=2)
-    drafted = 0
-    for answer in answers[:4]:
-        prompt = answer.tokens[:answer.prompt_len]
-        expected = engine.generate_ids(prompt, GenerateRequest("", 16, "none", 0)).token_ids
-        got = engine.generate_ids(prompt, GenerateRequest("", 16, "lm", 3))
-        assert got.token_ids == expected
-        drafted += sum(got.stats.windows)
-    assert drafted > 0
+    assert_drafts_greedily_exact(target_dir, loaded.model, answers)
