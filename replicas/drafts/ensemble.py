@@ -264,7 +264,8 @@ class EnsembleDraftLM(BatchedDraftLM):
                     chosen_q[i].append(q)
                 drafted[i].append(tok)
                 token_probs[i].append(float(q[tok]))
-                kept[i].append(self._keep(views_q, tok))
+                if self.adaptive:   # static weights never look back
+                    kept[i].append(self._keep(views_q, tok))
                 if depth + 1 < ask.window:
                     feeds.extend(Feed(s, [tok]) for s in row)
             if not feeds:
