@@ -39,6 +39,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from specserve.replicas import cpu_attention, llama_forward
+from specserve.replicas.image_tokens import VIRTUAL_BASE, embed
 from specserve.replicas.kv_session import TREE_NODE, common_prefix_len
 from specserve.replicas.tree_attention import ancestor_matrix, node_depths
 
@@ -157,6 +158,8 @@ class BatchKV:
         # Llama-family models run our own forward (fewer, larger operations); others run theirs.
         self._fast = llama_forward.for_model(model) if llama_forward.supports(model) else None
         self._fed_rows: list[tuple[int, int, int]] = []   # per feed of the last forward (``fed_rows``)
+        # A VLM target's pictures (``image_tokens.ImageStore``): the embeddings of its image tokens.
+        self.images = None
 
     @property
     def device(self) -> torch.device:
@@ -243,10 +246,13 @@ class BatchKV:
             if not 1 <= f.logits_rows <= len(f.tokens):
                 raise ValueError(f"slot {f.slot}: logits_rows must be in 1..{len(f.tokens)} (its tokens), got {f.logits_rows}")
         width = max(len(f.tokens) for f in feeds)
+        # Known here, from the host's lists, so the forward needs no device sync to find out.
+        images = self.images if self.images is not None and any(
+            t >= VIRTUAL_BASE for f in feeds for t in f.tokens) else None
         if self._fast is not None and self._fast.flat_usable(width, self.device, self._dtype):
-            logits = self._forward_flat(feeds, width)     # per feed: [f.logits_rows, V]
+            logits = self._forward_flat(feeds, width, images)     # per feed: [f.logits_rows, V]
         else:
-            logits = self._forward_padded(feeds, width)   # per feed: [f.logits_rows, V]
+            logits = self._forward_padded(feeds, width, images)   # per feed: [f.logits_rows, V]
         for f in feeds:
             committed = len(f.tokens) if f.committed is None else f.committed
             self.tokens[f.slot].extend(f.tokens[:committed])
@@ -259,7 +265,7 @@ class BatchKV:
         row, start, end = self._fed_rows[index]
         return states[row, start:end]
 
-    def _forward_flat(self, feeds: list[Feed], width: int) -> list[torch.Tensor]:
+    def _forward_flat(self, feeds: list[Feed], width: int, images=None) -> list[torch.Tensor]:
         """The feeds' tokens one after another (``LlamaForward.flat``): no padding anywhere."""
         cached = [len(self.tokens[f.slot]) for f in feeds]
         length = max(c + len(f.tokens) for c, f in zip(cached, feeds))
@@ -289,7 +295,7 @@ class BatchKV:
             layer.allocate(fast.kv_heads, fast.head_dim, fast.head_dim, self._dtype, self.device)
             buffers.append(layer.buffers)
         logits = fast.flat(torch.tensor(ids), torch.tensor(positions), step, buffers, torch.tensor(keep),
-                           getattr(self.model, "_specserve_feature_tap", None))   # [R, V]
+                           getattr(self.model, "_specserve_feature_tap", None), images)   # [R, V]
         self._fed_rows = rows
         out, at = [], 0
         for f in feeds:
@@ -297,7 +303,7 @@ class BatchKV:
             at += f.logits_rows
         return out
 
-    def _forward_padded(self, feeds: list[Feed], width: int) -> list[torch.Tensor]:
+    def _forward_padded(self, feeds: list[Feed], width: int, images=None) -> list[torch.Tensor]:
         """Rows left-padded to the longest feed ([B, S]): any model, any device, long prefill chunks."""
         slots = [f.slot for f in feeds]
         lo, hi = min(slots), max(slots) + 1
@@ -339,10 +345,12 @@ class BatchKV:
         # logits: [B, keep, V] either way
         if self._fast is not None:
             logits = self._fast(ids.to(self.device), positions.to(self.device), mask.to(self.device),
-                                self.cache.layers, keep, getattr(self.model, "_specserve_feature_tap", None))
+                                self.cache.layers, keep, getattr(self.model, "_specserve_feature_tap", None), images)
         else:
+            tokens = ({"input_ids": ids.to(self.device)} if images is None else
+                      {"inputs_embeds": embed(ids.to(self.device), self.model.get_input_embeddings().weight, images)})
             logits = self.model(
-                input_ids=ids.to(self.device),
+                **tokens,
                 attention_mask=mask.to(self.device),
                 position_ids=positions.to(self.device),
                 past_key_values=self.cache,

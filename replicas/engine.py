@@ -29,6 +29,8 @@ from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.step import SpecStats, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
+from specserve.replicas.image_tokens import placeholder_for
+from specserve.replicas.vlm import image_prompt_ids, image_store, is_vlm, is_vlm_folder, language_model, load_vlm
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 
 
@@ -42,6 +44,7 @@ class GenerateRequest:
     params: SamplingParams = SamplingParams()
     chat: bool = True   # render the prompt with the model's chat template
     prior_alpha: float | None = None   # the cluster's α for the draft (a warm start: policies/priors.py)
+    images: tuple = ()   # PIL images shown before the prompt (a VLM target)
 
 
 @dataclass
@@ -127,10 +130,12 @@ def speculative_generate(
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> Generation:
     """One request with one draft object. ``draft=None``, or ``window=0`` without a tree, is
-    plain decoding through the same path."""
+    plain decoding through the same path. A VLM target's prompt holds its pictures' image tokens
+    (``ImageStore.register``)."""
     name = NO_DRAFT if draft is None or (window <= 0 and tree is None) else draft.name
     drafts = {} if draft is None else {draft.name: in_process_server(draft.name, draft)}
-    request = SpecRequest(list(prompt_ids), max_tokens, params, name, window, tree, uuid.uuid4().hex)
+    request = SpecRequest(list(prompt_ids), max_tokens, params, name, window, tree, uuid.uuid4().hex,
+                          image_placeholder=placeholder_for(target.images, prompt_ids))
     return run_batch(target, drafts, [request], eos_token_ids,
                      on_tokens=None if on_tokens is None else (lambda _, tokens: on_tokens(tokens)))[0]
 
@@ -144,7 +149,13 @@ class SpecEngine:
         self.loaded = target
         self.router = router
         self.tokenizer = target.tokenizer
-        self.target = Target(target.model, slots)
+        self.images = None
+        self.text_model = target.model
+        if is_vlm(target.model):   # the target runs the language model; pictures go through the store
+            self.processor, self.tokenizer = target.tokenizer, target.tokenizer.tokenizer
+            self.text_model = language_model(target.model)
+            self.images = image_store(target.model, self.processor.image_processor)
+        self.target = Target(self.text_model, slots, images=self.images)
         for name, draft in drafts.items():
             model = draft_model(draft)
             error = vocabulary_error(name, None if model is None else model.config.vocab_size, self.target.vocab)
@@ -155,7 +166,7 @@ class SpecEngine:
         self.drafts = drafts
         self.ensembles = dict(ensembles or {})
         self.servers = self._servers()
-        self.max_context = getattr(target.model.config, "max_position_embeddings", None)
+        self.max_context = getattr(self.text_model.config, "max_position_embeddings", None)
 
     @classmethod
     def load(
@@ -173,7 +184,8 @@ class SpecEngine:
         the index as it started (a benchmark's rows must not warm each other). ``ensembles``:
         drafts by name, each ``{"model": a draft LM, **EnsembleDraftLM's keywords}``: TABED
         ensembles of that model's views."""
-        loaded = load_causal_lm(target, dtype=dtype, device=device)
+        loaded = (load_vlm(target, dtype=dtype, device=device) if is_vlm_folder(target)
+                  else load_causal_lm(target, dtype=dtype, device=device))
         drafts: dict[str, Draft] = {PromptLookupDraft.name: PromptLookupDraft()}
         if suffix_seed is not None:
             drafts[SuffixDraft.name] = SuffixDraft(seed=answer_outputs(suffix_seed))
@@ -200,9 +212,21 @@ class SpecEngine:
     def draft_names(self) -> list[str]:
         return [NO_DRAFT, *self.drafts]
 
-    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+    def encode(self, prompt: str, chat: bool = True, images=()) -> list[int]:
+        """Prompt ids; with ``images`` (a VLM target, chat), the pictures first, each as its image
+        tokens (``image_tokens``)."""
         if not prompt or not prompt.strip():
             raise ValueError("the prompt is empty: give some text to continue")
+        if images:
+            if self.images is None:
+                raise ValueError(f"{self.loaded.name} reads text only: images need a vision-language target")
+            if not chat:
+                raise ValueError("images go in a chat prompt (chat=True)")
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+            text = self.processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                      add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return image_prompt_ids(ids, list(images), self.images, self.loaded.model.config)
         if chat:
             return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         return encode_text(self.tokenizer, prompt)
@@ -218,9 +242,10 @@ class SpecEngine:
                 f"the target's context of {self.max_context} tokens: shorten the prompt or lower max_tokens"
             )
         speculating = request.window > 0 or request.tree is not None
+        placeholder = placeholder_for(self.images, prompt_ids)
         return SpecRequest(prompt_ids, request.max_tokens, request.params,
                            request.draft if speculating else NO_DRAFT, request.window, request.tree, uuid.uuid4().hex,
-                           prior_alpha=request.prior_alpha)
+                           prior_alpha=request.prior_alpha, image_placeholder=placeholder)
 
     def generate_ids(self, prompt_ids: list[int], request: GenerateRequest,
                      on_tokens: Callable[[list[int]], None] | None = None) -> Generation:
@@ -243,14 +268,14 @@ class SpecEngine:
         taking turns (``run_side_by_side``): per run, its generations and the seconds of its own
         steps."""
         slots = min(max_running or self.target.slots, self.target.slots)
-        targets = [Target(self.loaded.model, slots) for _ in runs]
+        targets = [Target(self.text_model, slots, images=self.images) for _ in runs]
         spec_runs = [([self._spec_request(ids, r) for ids, r in zip(prompt_ids, requests)], policy)
                      for requests, policy in runs]
         return run_side_by_side(targets, self.servers, spec_runs, self.loaded.eos_token_ids, max_running)
 
     def generate(self, request: GenerateRequest) -> dict:
         """The ``--json`` object: ``{text, token_ids, finish_reason, usage, spec}``."""
-        prompt_ids = self.encode(request.prompt, request.chat)
+        prompt_ids = self.encode(request.prompt, request.chat, request.images)
         gen = self.generate_ids(prompt_ids, request)
         return {
             "text": self.tokenizer.decode(gen.token_ids, skip_special_tokens=True),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import cpu_attention, cpu_row_ops
+from specserve.replicas import cpu_attention, cpu_row_ops, image_tokens
 
 
 # The zoo's pruned-head draft LM (``drafts/pruned_head.py``) is a Llama with its own model type.
@@ -264,12 +264,13 @@ class LlamaForward:
         return self._cos, self._sin
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache_layers, keep: int,
-                 tap=None) -> torch.Tensor:
+                 tap=None, images=None) -> torch.Tensor:
         """ids, positions: [B, S]; mask: [B, 1, S, kv_len] additive; returns logits [B, keep, V].
-        ``tap`` (a ``target.FeatureTap``) receives the outputs of the decoder layers it watches."""
+        ``tap`` (a ``target.FeatureTap``) receives the outputs of the decoder layers it watches;
+        ``images`` (an ``image_tokens.ImageStore``) embeds the image tokens among ``ids``."""
         B, S = ids.shape
         nq, nkv, D = self.heads, self.kv_heads, self.head_dim
-        h = F.embedding(ids, self.embed)                       # [B, S, hidden]
+        h = image_tokens.embed(ids, self.embed, images)        # [B, S, hidden]
         # Every position is below the key length (no device sync to find the largest one).
         cos_t, sin_t = self._rope_table(mask.shape[-1], h.device, h.dtype)
         cos = cos_t[positions][:, :, None]                      # [B, S, 1, D]
@@ -309,7 +310,7 @@ class LlamaForward:
                 and device.type == "cpu" and cpu_row_ops.library() is not None)
 
     def flat(self, ids: torch.Tensor, positions: torch.Tensor, step: FlatStep, buffers, keep: torch.Tensor,
-             tap=None) -> torch.Tensor:
+             tap=None, images=None) -> torch.Tensor:
         """A step on the CPU (a verification or a short prefill) with its tokens flat (ragged):
         ids, positions [T], the sequences one after another; ``step`` says where each sequence's
         tokens are and what they see (``FlatStep``); ``buffers[i]`` = layer i's (keys,
@@ -321,7 +322,7 @@ class LlamaForward:
         linear, norm and rotary runs over exactly the tokens fed. Each tapped output is [1, T, hidden]."""
         T = ids.shape[0]
         nq, nkv, D = self.heads, self.kv_heads, self.head_dim
-        h = F.embedding(ids, self.embed)                       # [T, hidden]
+        h = image_tokens.embed(ids, self.embed, images)        # [T, hidden]
         cos_t, sin_t = self._rope_table(step.length, h.device, h.dtype)
         cos, sin = cos_t[positions][None], sin_t[positions][None]   # [1, T, D]
         for index, layer in enumerate(self.layers):

@@ -117,6 +117,11 @@ def zoo_dir() -> Path:
     return Path(pruned_head.__file__).parent / "zoo"
 
 
+def targets_dir() -> Path:
+    """Targets shipped inside the package (the reference VLM's vision tower and projector)."""
+    return Path(__file__).parent / "targets"
+
+
 def zoo_drafts() -> list[str]:
     """Names of the drafts shipped in the zoo folder."""
     folder = zoo_dir()
@@ -136,7 +141,7 @@ def resolve_model_path(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.exists():
         return path
-    for folder in (model_cache_dir(), zoo_dir()):
+    for folder in (model_cache_dir(), zoo_dir(), targets_dir()):
         if (folder / name_or_path).exists():
             return folder / name_or_path
     if name_or_path == REFERENCE_TARGET:

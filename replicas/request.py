@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from specserve.replicas.image_tokens import draft_view
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, StepResult, TreeShape
 
@@ -54,6 +55,9 @@ class SpecRequest:
     # Prefix-cache isolation (the API's ``cache_salt``): KV is reused only between requests with
     # the same salt (None is a salt too: the default tenant).
     cache_salt: str | None = None
+    # A VLM request: its image tokens are virtual ids (``image_tokens``), and drafts see this
+    # token (the VLM's image placeholder) in their place. None: a text request.
+    image_placeholder: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -117,6 +121,9 @@ class RequestState:
         self.request = request
         self.id = request.request_id
         self.context = list(request.prompt_ids)
+        # What drafts read of the prompt: the image tokens as the placeholder (outputs are text).
+        self._draft_prompt = (None if request.image_placeholder is None
+                              else draft_view(request.prompt_ids, request.image_placeholder))
         self.out: list[int] = []
         self.finish_reason: str | None = None
         self.eos_token_ids = eos_token_ids
@@ -139,6 +146,12 @@ class RequestState:
         # The α the router chose the current draft on (its prediction for this prompt, with the
         # exploration bonus when that decided): the load-aware policy's prior for this request.
         self.expected_alpha: float | None = None
+
+    def draft_context(self) -> list[int]:
+        """The context as drafts read it (a VLM request's image tokens as its placeholder)."""
+        if self._draft_prompt is None:
+            return self.context
+        return self._draft_prompt + self.context[len(self._draft_prompt):]
 
     @property
     def done(self) -> bool:

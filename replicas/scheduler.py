@@ -233,7 +233,7 @@ class Scheduler:
         if features_from is not None:
             start = features_from
             features = self.target.features(state.context, start, state.slot, feature_layers)
-        return ProposeRequest(state.id, state.context, spec.window, spec.tree, state.request.params,
+        return ProposeRequest(state.id, state.draft_context(), spec.window, spec.tree, state.request.params,
                               state.draft_seed, features, start, state.request.cache_salt)
 
     # ---- model work ---------------------------------------------------------------------------

@@ -145,11 +145,14 @@ DEFAULT_FEATURE_LAYERS = (-2,)
 
 class Target:
     def __init__(self, model, slots: int = 1, max_len: int | None = None,
-                 feature_layers: tuple[int, ...] = DEFAULT_FEATURE_LAYERS):
+                 feature_layers: tuple[int, ...] = DEFAULT_FEATURE_LAYERS, images=None):
         """``feature_layers``: hidden states (indices into transformers' ``hidden_states``) kept
-        for hidden-state-reuse drafts from the first forward; ``tap_features`` adds more."""
+        for hidden-state-reuse drafts from the first forward; ``tap_features`` adds more.
+        ``images``: a VLM's ``image_tokens.ImageStore`` (``model`` is then its language model),
+        which prompts' image tokens are registered with and embedded from."""
         self.model = model
         self.kv = BatchKV(model, slots, max_len=max_len)
+        self.images = self.kv.images = images
         self.vocab = vocab_size(model)
         self._tap = feature_tap(model)
         # Per slot, per tapped decoder layer: its rows. Layers apart, so that one added later

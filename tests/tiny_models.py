@@ -52,3 +52,24 @@ def perturbed(model, seed: int, noise: float = 0.5):
         for param in draft.parameters():
             param.add_(torch.randn(param.shape, generator=gen).to(param.device) * noise * param.std())
     return draft
+
+
+IMAGE_TOKEN = 3          # the tiny VLM's image placeholder (an id of its vocabulary)
+TINY_IMAGE_SIZE = 32     # 8 px patches: 16 image tokens a picture
+
+
+def tiny_llava(seed: int, scale: float = 8.0):
+    """A LLaVA-class VLM: a one-layer SigLIP tower, LLaVA's projector and the tiny Llama."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(image_size=TINY_IMAGE_SIZE, patch_size=8, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, vision_use_head=False)
+    config = LlavaConfig(vision_config=vision, text_config=tiny_config("llama"), image_token_index=IMAGE_TOKEN,
+                         image_seq_length=(TINY_IMAGE_SIZE // 8) ** 2, vision_feature_select_strategy="full",
+                         vision_feature_layer=-1)
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.generation_config.eos_token_id = None   # compared over a fixed length, as the engine runs here
+    return model.to(DEVICE).eval()

@@ -1,0 +1,112 @@
+"""Image tokens as ids: a picture's image tokens travel through the engine as virtual token ids.
+
+A VLM prompt holds ``tokens_per_image`` image tokens per picture, whose embeddings come from the
+vision tower and projector, not the embedding table. Here each such token is an id at or above
+``VIRTUAL_BASE`` (far above any vocabulary) that names the picture's content and the token's
+place in it:
+
+    id = VIRTUAL_BASE + digest(pixels) · tokens_per_image + j,     j = 0 .. tokens_per_image − 1
+
+so everything that keys on token ids keys on the picture's content for free: the slot caches'
+prefix reuse (two prompts share a cached prefix only where they show the same picture), the
+prefix-affinity router, the scheduler's bookkeeping. The only places that must know are the ones
+that embed ids: the target's forward asks ``ImageStore.rows`` for a virtual id's embedding (the
+vision tower runs then, inside the prefill forward that first needs the picture, batched over
+every picture that forward needs), and drafts, which see the VLM's placeholder token instead
+(``draft_view``): their text-only view of the prompt.
+
+The digest is 40 bits of BLAKE2b over the preprocessed pixels (the same picture sent as PNG or
+as JPEG that decodes to the same pixels is one picture).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+VIRTUAL_BASE = 1 << 32
+_DIGEST_BYTES = 5
+
+
+def is_virtual(token: int) -> bool:
+    return token >= VIRTUAL_BASE
+
+
+def draft_view(ids: list[int], placeholder: int) -> list[int]:
+    """``ids`` with every image token replaced by ``placeholder`` (what a draft reads)."""
+    return [placeholder if t >= VIRTUAL_BASE else t for t in ids]
+
+
+class ImageStore:
+    """The pictures one target has been shown: ids for each, embeddings on demand.
+
+    ``prepare(image) -> [3, h, w]`` pixels (the VLM's image processor); ``encode(pixels [n, 3, h,
+    w]) -> [n, tokens_per_image, hidden]`` (vision tower + projector); ``placeholder``: the VLM's
+    image token, which drafts read in place of image tokens. Pictures are kept, least
+    recently used first out, up to ``capacity``: a prompt may not need a picture evicted before
+    its prefill reached it (``rows`` raises), so ``capacity`` must exceed the pictures of the
+    requests in flight."""
+
+    def __init__(self, prepare: Callable, encode: Callable[[torch.Tensor], torch.Tensor], tokens_per_image: int,
+                 placeholder: int, capacity: int = 512):
+        self.prepare, self.encode, self.tokens_per_image, self.capacity = prepare, encode, tokens_per_image, capacity
+        self.placeholder = placeholder
+        self._pixels: OrderedDict[int, torch.Tensor] = OrderedDict()   # digest -> [3, h, w]
+        self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()     # digest -> [tokens_per_image, hidden]
+        self.encoded_images = 0   # vision-tower runs, per picture (tests, metrics)
+
+    def register(self, image) -> list[int]:
+        """The ids of ``image``'s image tokens (preparing it now; encoding waits for a forward)."""
+        pixels = self.prepare(image)
+        digest = int.from_bytes(hashlib.blake2b(pixels.contiguous().cpu().numpy().tobytes(),
+                                                digest_size=_DIGEST_BYTES).digest(), "little")
+        self._remember(self._pixels, digest, pixels)
+        if digest in self._rows:
+            self._rows.move_to_end(digest)
+        base = VIRTUAL_BASE + digest * self.tokens_per_image
+        return list(range(base, base + self.tokens_per_image))
+
+    def _remember(self, store: OrderedDict, digest: int, value: torch.Tensor) -> None:
+        store[digest] = value
+        store.move_to_end(digest)
+        while len(store) > self.capacity:
+            store.popitem(last=False)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [n, hidden] of virtual ``ids`` [n], encoding the pictures not yet encoded in
+        one batch."""
+        offsets = (ids - VIRTUAL_BASE).tolist()
+        digests = [o // self.tokens_per_image for o in offsets]
+        pending = sorted({d for d in digests if d not in self._rows})
+        if pending:
+            missing = [d for d in pending if d not in self._pixels]
+            if missing:
+                raise KeyError(f"{len(missing)} picture(s) of this prompt left the image store before its prefill "
+                               f"(capacity {self.capacity}): raise the capacity above the pictures in flight")
+            with torch.no_grad():
+                encoded = self.encode(torch.stack([self._pixels[d] for d in pending]))   # [p, T, hidden]
+            self.encoded_images += len(pending)
+            for d, rows in zip(pending, encoded):
+                self._remember(self._rows, d, rows)
+        return torch.stack([self._rows[d][o % self.tokens_per_image] for d, o in zip(digests, offsets)])
+
+
+def placeholder_for(images: ImageStore | None, prompt_ids: list[int]) -> int | None:
+    """A request's ``SpecRequest.image_placeholder``: the store's placeholder when the prompt shows
+    a picture, else None."""
+    return images.placeholder if images is not None and any(t >= VIRTUAL_BASE for t in prompt_ids) else None
+
+
+def embed(ids: torch.Tensor, weight: torch.Tensor, images: ImageStore | None) -> torch.Tensor:
+    """``F.embedding(ids, weight)`` where virtual ids take their picture's rows (``images``: None
+    when no id of this forward is virtual, which the caller knows without a device sync)."""
+    if images is None:
+        return F.embedding(ids, weight)
+    virtual = ids >= VIRTUAL_BASE
+    h = F.embedding(ids.masked_fill(virtual, 0), weight)
+    h[virtual] = images.rows(ids[virtual]).to(device=h.device, dtype=h.dtype)
+    return h

@@ -1,0 +1,189 @@
+"""Vision-language targets: a language model that reads image tokens, and the reference VLM.
+
+A VLM here is a Hugging Face image-text-to-text model: a vision tower turns a picture into
+``tokens_per_image`` vectors, a projector maps them into the language model's embedding space, and
+they take the places of as many placeholder tokens in the prompt (LLaVA's scheme). After prefill
+the language model decodes text as any target does.
+
+The reference VLM (``smollm2-vlm`` in the zoo) is LLaVA-class: a SigLIP vision tower (96 px, 12 px
+patches: 64 image tokens) and LLaVA's two-layer projector, trained from scratch on pictures drawn
+here (``data/synthetic_images.py``, ``training/vlm_train.py``), feeding the reference target,
+frozen. Its zoo folder stores only the vision tower and projector and names the target in
+``text_from``; loading copies the target's own weights in, as the zoo drafts share the target's
+embeddings. The placeholder is the target's unused special token ``<empty_output>``: the language
+model's vocabulary stays the target's, so every text draft still fits it (a new ``<image>`` token
+would grow the tied embedding and output rows).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoProcessor, LlavaConfig, LlavaForConditionalGeneration,
+                          LlavaProcessor, SiglipVisionConfig)
+from transformers import logging as transformers_logging
+from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+from specserve.replicas.image_tokens import ImageStore
+from specserve.replicas.model_store import (LoadedModel, default_device, load_causal_lm, resolve_dtype,
+                                            resolve_model_path)
+
+IMAGE_PLACEHOLDER = "<empty_output>"
+REFERENCE_VLM = "smollm2-vlm"
+
+# ChatML as the reference target's own template writes it (its default system turn included), with
+# a content list's image parts as the placeholder, each on a line of its own.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}" + IMAGE_PLACEHOLDER + "\n{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def reference_vlm_config(text_config, image_size: int = 96, patch_size: int = 12, hidden_size: int = 256,
+                         layers: int = 4, heads: int = 4, image_token_id: int = 16) -> LlavaConfig:
+    """LLaVA over a small SigLIP tower; every patch is an image token (no CLS: strategy "full")."""
+    vision = SiglipVisionConfig(image_size=image_size, patch_size=patch_size, hidden_size=hidden_size,
+                                intermediate_size=4 * hidden_size, num_hidden_layers=layers,
+                                num_attention_heads=heads, vision_use_head=False)
+    return LlavaConfig(vision_config=vision, text_config=text_config, image_token_index=image_token_id,
+                       image_seq_length=(image_size // patch_size) ** 2, vision_feature_select_strategy="full",
+                       vision_feature_layer=-1, tie_word_embeddings=text_config.tie_word_embeddings)
+
+
+def tokens_per_image(config) -> int:
+    return int(config.image_seq_length)
+
+
+def image_token_id(config) -> int:
+    return int(getattr(config, "image_token_id", None) or config.image_token_index)
+
+
+def expand_image_tokens(ids: list[int], config) -> list[int]:
+    """Each placeholder in ``ids`` as ``tokens_per_image`` of them: the slots the image tokens fill."""
+    placeholder, n = image_token_id(config), tokens_per_image(config)
+    out: list[int] = []
+    for t in ids:
+        out.extend([t] * n if t == placeholder else (t,))
+    return out
+
+
+def image_processor(config) -> SiglipImageProcessorPil:
+    size = config.vision_config.image_size
+    return SiglipImageProcessorPil(size={"height": size, "width": size})
+
+
+def build_processor(tokenizer, config) -> LlavaProcessor:
+    return LlavaProcessor(image_processor=image_processor(config), tokenizer=tokenizer,
+                          patch_size=config.vision_config.patch_size, vision_feature_select_strategy="full",
+                          chat_template=CHAT_TEMPLATE, image_token=IMAGE_PLACEHOLDER, num_additional_image_tokens=0)
+
+
+def text_weights(model: LlavaForConditionalGeneration) -> list[torch.nn.Parameter]:
+    return [*model.model.language_model.parameters(), model.lm_head.weight]
+
+
+def attach_text(model: LlavaForConditionalGeneration, text: LoadedModel) -> None:
+    """Copy the language model's weights in (``text``: the causal LM that ``text_from`` names)."""
+    with torch.no_grad():
+        missing, unexpected = model.model.language_model.load_state_dict(text.model.model.state_dict(), strict=False)
+        if unexpected or [k for k in missing if "rotary" not in k]:
+            raise ValueError(f"{text.name} does not fit this VLM's language model: missing {missing}, unexpected {unexpected}")
+        model.lm_head.weight.copy_(text.model.lm_head.weight)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+
+
+def build_vlm(text: LoadedModel, config: LlavaConfig) -> LlavaForConditionalGeneration:
+    """A new VLM: the vision tower and projector at their initial weights, ``text``'s language model."""
+    dtype = text.model.dtype
+    model = LlavaForConditionalGeneration(config).to(dtype=dtype, device=text.model.device)
+    attach_text(model, text)
+    return model.eval()
+
+
+def load_vlm(name_or_path: str = REFERENCE_VLM, dtype: str = "auto",
+             device: str | torch.device | None = None) -> LoadedModel:
+    """A VLM from a local folder; a folder whose config names ``text_from`` (the zoo's reference
+    VLM) gets that model's language weights. ``LoadedModel.tokenizer`` is the processor."""
+    path = resolve_model_path(name_or_path)
+    device = torch.device(device) if device is not None else default_device()
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    text_from = getattr(config, "text_from", None)
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()   # the text weights are "missing" until attached
+    try:
+        model = LlavaForConditionalGeneration.from_pretrained(path, config=config, local_files_only=True,
+                                                              dtype=resolve_dtype(dtype, device))
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    if text_from:
+        text = load_causal_lm(text_from, dtype=dtype, device="cpu")
+        attach_text(model, text)
+        model.generation_config = text.model.generation_config   # its end-of-turn tokens
+    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    return LoadedModel(name=Path(name_or_path).name, model=model.to(device).eval(), tokenizer=processor)
+
+
+def is_vlm_folder(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a local VLM (its config has a vision tower); False for a GGUF
+    file or a name not on disk yet."""
+    try:
+        path = resolve_model_path(name_or_path)
+    except FileNotFoundError:
+        return False
+    config = path / "config.json"
+    return path.is_dir() and config.exists() and "vision_config" in json.loads(config.read_text())
+
+
+def is_vlm(model) -> bool:
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def language_model(vlm) -> torch.nn.Module:
+    """A causal LM over the VLM's language model and output layer (shared, not copied): what the
+    target's forward runs once the image tokens are embedded."""
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(vlm.config.text_config)
+    lm.model, lm.lm_head = vlm.model.language_model, vlm.lm_head
+    lm.generation_config = vlm.generation_config
+    return lm.eval()
+
+
+def image_store(vlm, prepare_pixels, capacity: int = 512) -> ImageStore:
+    """The pictures' ``ImageStore``: ``prepare_pixels`` (the processor's image processor) prepares
+    them, the vision tower and projector encode them (LLaVA's ``get_image_features``: the rows the
+    model's own forward scatters into its image tokens)."""
+
+    def prepare(image) -> torch.Tensor:
+        return prepare_pixels(image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+
+    def encode(pixels: torch.Tensor) -> torch.Tensor:
+        tower = vlm.model.vision_tower
+        weight = next(tower.parameters())
+        out = vlm.model.get_image_features(pixel_values=pixels.to(weight.device, weight.dtype))
+        features = getattr(out, "pooler_output", out)   # transformers 5: an output object
+        return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
+
+    return ImageStore(prepare, encode, tokens_per_image(vlm.config), image_token_id(vlm.config), capacity)
+
+
+def image_prompt_ids(text_ids: list[int], images: list, store: ImageStore, config) -> list[int]:
+    """``text_ids`` (one placeholder per picture, in order) with each placeholder as its picture's
+    image tokens (``store.register``)."""
+    placeholder = image_token_id(config)
+    if text_ids.count(placeholder) != len(images):
+        raise ValueError(f"the prompt has {text_ids.count(placeholder)} image placeholder(s) for {len(images)} image(s)")
+    pictures = iter(images)
+    out: list[int] = []
+    for t in text_ids:
+        out.extend(store.register(next(pictures)) if t == placeholder else (t,))
+    return out
