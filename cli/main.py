@@ -108,6 +108,8 @@ def generate(
     threads: Optional[int] = typer.Option(None, help="torch threads (default: one per core)."),
     server: Optional[str] = typer.Option(None, help="Send the request to a running deployment instead: http://HOST:PORT or grpc://HOST:PORT."),
     model: Optional[str] = typer.Option(None, help="With --server: the served model id (default: the server's)."),
+    image: list[Path] = typer.Option([], "--image", help="A picture shown before the prompt (repeatable); the target "
+                                     "defaults to the reference VLM, smollm2-vlm.", exists=True, dir_okay=False),
 ) -> None:
     """Generate with speculative decoding: in-process on the reference models, or on a --server."""
     from specserve.replicas.sampling import SamplingParams
@@ -130,6 +132,11 @@ def generate(
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     except ValueError as err:
         fail(str(err))
+    pictures = [_read_image(path) for path in image]
+    if pictures and server is not None:
+        fail("--image runs in-process: drop --server")
+    if pictures and target == "smollm2-135m-instruct":
+        target = "smollm2-vlm"   # the reference VLM reads the reference target
     if server is not None:
         _generate_on_server(server, prompts, RemoteRequest(
             "", max_tokens, draft, window, shape, params, chat=not raw, model=model), as_json)
@@ -147,7 +154,8 @@ def generate(
     try:
         engine = SpecEngine.load(target, draft_models=draft_model, dtype=dtype)
         for text in prompts:
-            request = GenerateRequest(text, max_tokens, draft, window, shape, params, chat=not raw)
+            request = GenerateRequest(text, max_tokens, draft, window, shape, params, chat=not raw,
+                                      images=tuple(pictures))
             out = engine.generate(request)
             if as_json:
                 typer.echo(json.dumps(out))
@@ -155,6 +163,16 @@ def generate(
                 _print_generation(out)
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
+
+
+def _read_image(path: Path):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as picture:
+            return picture.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+        fail(f"cannot read the image {path}: {err}")
 
 
 def _print_generation(out: dict) -> None:
@@ -451,6 +469,39 @@ def zoo_train(
         work = train(name, steps=steps, work=work, batch=batch, device=device, validate_every=validate_every,
                      validation_sequences=validation_sequences)
         typer.echo(f"checkpoints and log in {work}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+@zoo_app.command("vlm")
+def zoo_vlm(
+    steps: Optional[int] = typer.Option(None, help="Train to this step (default: the recipe's, 3,000)."),
+    batch: Optional[int] = typer.Option(None, help="Pictures per step (default: 128)."),
+    device: Optional[str] = typer.Option(None, help="Where to train, e.g. cuda (default: the CPU; expect hours there)."),
+    workers: int = typer.Option(0, help="Processes drawing the pictures."),
+    max_seconds: Optional[float] = typer.Option(None, help="Stop (saved) after this long; run again to go on."),
+    work: Optional[Path] = typer.Option(None, help="Checkpoint and log folder."),
+    export: bool = typer.Option(True, help="Write the trained tower and projector into the package (smollm2-vlm)."),
+    card: int = typer.Option(0, help="Then score this many held-out pictures per category (bfloat16) and write "
+                                     "the model card."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Train the reference VLM's vision tower and projector on synthetic pictures (the language
+    model is the reference target, frozen); resumes from its checkpoint when run again."""
+    from specserve.training import vlm_train
+
+    set_threads(threads)
+    if (steps is not None and steps < 1) or (batch is not None and batch < 1) or workers < 0 or card < 0:
+        fail("--steps and --batch must be >= 1, --workers and --card >= 0")
+    try:
+        work = vlm_train.train(steps=steps, batch=batch, device=device, work=work, workers=workers,
+                               max_seconds=max_seconds)
+        typer.echo(f"checkpoint and log in {work}")
+        if export:
+            out = vlm_train.export(work=work)
+            typer.echo(f"reference VLM written to {out}")
+            if card:
+                typer.echo(f"model card {vlm_train.write_card(out, card)}")
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

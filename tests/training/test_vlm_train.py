@@ -1,0 +1,39 @@
+"""Training the reference VLM: rows learn only the answer, a step runs, and the exported tower
+and projector load back into a VLM whose language model is the target's."""
+
+import pytest
+import torch
+from specserve.replicas.model_store import load_causal_lm, load_tokenizer_and_config
+from specserve.replicas.vlm import load_vlm, reference_vlm_config, tokens_per_image
+from specserve.training.vlm_train import PictureStream, VLMRecipe, collate, export, train
+
+pytestmark = [pytest.mark.reference, pytest.mark.slow]
+
+
+def test_a_row_labels_only_the_answer_and_its_end():
+    tokenizer, text_config = load_tokenizer_and_config()
+    config = reference_vlm_config(text_config)
+    stream = PictureStream(tokenizer, config, start=0)
+    ids, labels, pixels = stream.row(3)
+    assert ids.count(config.image_token_index) == tokens_per_image(config)
+    answer = [t for t in labels if t != -100]
+    assert ids[-len(answer):] == answer and answer[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert pixels.shape == (3, 96, 96)
+    batch = collate([stream.row(3), stream.row(4)], tokenizer.pad_token_id)
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+    assert batch["pixel_values"].shape == (2, 3, 96, 96)
+
+
+def test_a_step_trains_and_the_export_loads_back(tmp_path):
+    work = train(steps=1, batch=2, work=tmp_path / "work", progress=False,
+                 recipe=VLMRecipe(eval_every=100, eval_per_category=1, warmup_steps=1))
+    state = torch.load(work / "checkpoint.pt")
+    assert state["step"] == 1 and "accuracy" in state["log"][-1]
+    out = export(work=work, out=tmp_path / "vlm")
+    vlm = load_vlm(str(out), dtype="float32", device="cpu").model
+    loaded = vlm.state_dict()
+    for name, weight in state["weights"].items():   # stored in bfloat16
+        assert torch.equal(loaded[name], weight.to(torch.bfloat16).float()), name
+    text = load_causal_lm(dtype="float32", device="cpu").model
+    assert torch.equal(vlm.model.language_model.layers[0].self_attn.q_proj.weight,
+                       text.model.layers[0].self_attn.q_proj.weight)

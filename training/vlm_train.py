@@ -1,0 +1,285 @@
+"""Train the reference VLM: a vision tower and projector from scratch, under the frozen reference target.
+
+    specserve zoo vlm [--steps N] [--device cuda]    # resumable: run it again to go on; exports at the end
+
+LLaVA's first stage, made to learn vision from nothing: each step draws a batch of synthetic
+pictures with their questions (``data/synthetic_images.py``; seeds count up, so a run and its
+resumption see each picture once), and the loss is the cross-entropy of the language model on the
+answer tokens (and the ``<|im_end|>`` that ends them) given the prompt with the picture's 64
+image tokens. Only the vision tower (SigLIP, 4 layers of 256) and the projector learn; the
+language model and its output rows stay the target's, so its text behaviour is unchanged.
+
+Where this deviates from LLaVA: LLaVA starts from a pretrained CLIP tower and trains the
+projector alone on captions; no pretrained tower reaches these machines, so the tower learns with
+the projector, on question/answer pairs only (there is no caption stage).
+
+Accuracy is exact-match per category on held-out seeds (``TEST_SEED`` up), greedy, after
+``normalise_answer``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example, normalise_answer
+from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir, targets_dir
+from specserve.replicas.vlm import (CHAT_TEMPLATE, REFERENCE_VLM, build_processor, build_vlm, expand_image_tokens,
+                                    image_processor, reference_vlm_config, text_weights)
+
+
+@dataclass(frozen=True)
+class VLMRecipe:
+    steps: int = 3000
+    batch: int = 128
+    lr: float = 5e-4
+    warmup_steps: int = 200
+    weight_decay: float = 0.01
+    eval_every: int = 500
+    eval_per_category: int = 50
+
+
+RECIPE = VLMRecipe()
+
+
+def prompt_ids(tokenizer, config, question: str) -> list[int]:
+    """The chat prompt of one picture and a question, its placeholder expanded to the image tokens."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                         add_generation_prompt=True)
+    return expand_image_tokens(tokenizer(text, add_special_tokens=False)["input_ids"], config)
+
+
+class PictureStream(IterableDataset):
+    """Training rows ``(input_ids, labels, pixel_values)`` from seed ``start`` up; DataLoader workers
+    take every n-th seed, so the stream is the same however many there are."""
+
+    def __init__(self, tokenizer, config, start: int):
+        self.tokenizer, self.config, self.start = tokenizer, config, start
+        self.processor = image_processor(config)
+        self.end_ids = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
+
+    def row(self, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
+        ex = example(seed)
+        prompt = prompt_ids(self.tokenizer, self.config, ex.question)
+        answer = self.tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + self.end_ids
+        pixels = self.processor(ex.image, return_tensors="pt")["pixel_values"][0]
+        return prompt + answer, [-100] * len(prompt) + answer, pixels
+
+    def __iter__(self):
+        info = get_worker_info()
+        seed, step = self.start + (info.id if info else 0), info.num_workers if info else 1
+        while True:
+            yield self.row(seed)
+            seed += step
+
+
+def collate(rows, pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _, _ in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row_ids, row_labels, _) in enumerate(rows):
+        ids[i, :len(row_ids)] = torch.tensor(row_ids)
+        labels[i, :len(row_labels)] = torch.tensor(row_labels)
+        mask[i, :len(row_ids)] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask,
+            "pixel_values": torch.stack([p for _, _, p in rows])}
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, max_new_tokens: int = 8,
+             batch: int = 50) -> dict[str, float]:
+    """Exact-match accuracy per category (and ``mix``) on held-out pictures, greedy."""
+    config, processor = model.config, image_processor(model.config)
+    device = next(model.parameters()).device
+    accuracy = {}
+    for c, category in enumerate(CATEGORIES):
+        examples = [example(first_seed + c * 100_000 + i, category) for i in range(per_category)]
+        right = 0
+        for at in range(0, len(examples), batch):
+            chunk = examples[at:at + batch]
+            ids = torch.tensor([prompt_ids(tokenizer, config, e.question) for e in chunk], device=device)
+            pixels = processor([e.image for e in chunk], return_tensors="pt")["pixel_values"].to(device, model.dtype)
+            out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            for e, row in zip(chunk, out[:, ids.shape[1]:]):
+                said = tokenizer.decode(row, skip_special_tokens=True)
+                right += normalise_answer(said) == normalise_answer(e.answer)
+        accuracy[category] = right / len(examples)
+    accuracy["mix"] = sum(accuracy.values()) / len(CATEGORIES)
+    return accuracy
+
+
+def _lr(recipe: VLMRecipe, step: int) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+    return recipe.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items()
+            if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
+
+
+def default_work() -> Path:
+    return model_cache_dir().parent / "train" / REFERENCE_VLM
+
+
+def train(steps: int | None = None, batch: int | None = None, device: str | None = None, work: Path | None = None,
+          workers: int = 0, recipe: VLMRecipe = RECIPE, progress: bool = True, max_seconds: float | None = None) -> Path:
+    """Train (resuming from ``work``'s checkpoint), evaluating every ``eval_every`` steps; returns ``work``.
+    ``max_seconds``: stop (evaluated and saved) once a step ends past this many seconds; run again
+    to go on. ``workers``: DataLoader processes drawing the pictures.
+
+    The language model runs in bfloat16; the vision tower and projector learn in float32 under
+    bfloat16 autocast."""
+    from tqdm import tqdm
+
+    recipe = VLMRecipe(**{**asdict(recipe), **({"steps": steps} if steps else {}), **({"batch": batch} if batch else {})})
+    device = torch.device(device or "cpu")
+    work = Path(work or default_work())
+    work.mkdir(parents=True, exist_ok=True)
+    text = load_causal_lm(REFERENCE_TARGET, dtype="bfloat16", device=device)
+    tokenizer = text.tokenizer
+    config = reference_vlm_config(text.model.config)
+    model = build_vlm(text, config)
+    del text
+    for p in text_weights(model):
+        p.requires_grad_(False)
+    learned = [p for n, p in model.named_parameters() if n.startswith(("model.vision_tower.", "model.multi_modal_projector."))]
+    for p in learned:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(learned, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    start, log = 0, []
+    checkpoint = work / "checkpoint.pt"
+    if checkpoint.exists():
+        state = torch.load(checkpoint, map_location=device)
+        model.load_state_dict(state["weights"], strict=False)
+        if "optimizer" in state:   # a weights-only checkpoint restarts Adam's moments
+            optimizer.load_state_dict(state["optimizer"])
+        start, log = state["step"], state["log"]
+    loader = DataLoader(PictureStream(tokenizer, config, start * recipe.batch), batch_size=recipe.batch,
+                        num_workers=workers, collate_fn=lambda rows: collate(rows, tokenizer.pad_token_id),
+                        persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+    batches = iter(loader)
+    model.train()
+    bar = tqdm(range(start, recipe.steps), initial=start, total=recipe.steps, desc="vlm", disable=not progress)
+    began = time.perf_counter()
+    for step in bar:
+        rows = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(recipe, step)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(**rows).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(learned, 1.0)
+        if torch.isfinite(norm):   # a step whose bfloat16 forward overflowed is skipped, not learned
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        entry = {"step": step + 1, "loss": loss.detach().item(), "seconds": time.perf_counter() - began}
+        done = step + 1 == recipe.steps or (max_seconds is not None and entry["seconds"] > max_seconds)
+        if (step + 1) % recipe.eval_every == 0 or done:
+            model.eval()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                entry["accuracy"] = evaluate(model, tokenizer, recipe.eval_per_category)
+            model.train()
+            bar.write(f"step {step + 1}: loss {entry['loss']:.3f}, accuracy "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in entry["accuracy"].items()))
+        log.append(entry)
+        bar.set_postfix(loss=f"{entry['loss']:.3f}")
+        if (step + 1) % recipe.eval_every == 0 or done:
+            torch.save({"weights": trainable(model), "optimizer": optimizer.state_dict(), "step": step + 1,
+                        "log": log, "recipe": asdict(recipe)}, checkpoint)
+        if done:
+            break
+    (work / "log.json").write_text(json.dumps(log))
+    return work
+
+
+def export(work: Path | None = None, out: Path | None = None) -> Path:
+    """The checkpoint's vision tower and projector (bfloat16), the config naming the target
+    (``text_from``), the processor and a model card, into the package's targets folder."""
+    from safetensors.torch import save_file
+
+    work = Path(work or default_work())
+    state = torch.load(work / "checkpoint.pt", map_location="cpu")
+    text = load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu")
+    config = reference_vlm_config(text.model.config)
+    config.text_from = REFERENCE_TARGET
+    config.architectures = ["LlavaForConditionalGeneration"]
+    out = Path(out or targets_dir() / REFERENCE_VLM)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state["weights"].items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    build_processor(text.tokenizer, config).save_pretrained(out)
+    log = state["log"]
+    (out / "training_log.json").write_text(json.dumps(
+        {"recipe": state["recipe"], "steps": state["step"], "accuracy": [e for e in log if "accuracy" in e]}))
+    return out
+
+
+def write_card(out: Path, per_category: int = 50, dtype: str = "bfloat16") -> Path:
+    """Score the exported VLM on ``per_category`` held-out pictures per category (greedy, on this
+    machine) and write its model card (README.md) beside the weights."""
+    from specserve.replicas.vlm import load_vlm
+
+    out = Path(out)
+    vlm = load_vlm(str(out), dtype=dtype, device="cpu")
+    began = time.perf_counter()
+    accuracy = evaluate(vlm.model, vlm.tokenizer.tokenizer, per_category)
+    seconds = time.perf_counter() - began
+    log = json.loads((out / "training_log.json").read_text())
+    recipe, evals = log["recipe"], log["accuracy"]
+    last = evals[-1] if evals else {"seconds": 0.0}
+    stopped = "; stopped at its time limit, still improving" if log["steps"] < recipe["steps"] else ""
+    header = "| step | minutes | loss | " + " | ".join(CATEGORIES) + " | mix |"
+    rule = "| --- " * (len(CATEGORIES) + 4) + "|"
+    rows = [f"| {e['step']} | {e['seconds'] / 60:.1f} | {e['loss']:.3f} | "
+            + " | ".join(f"{e['accuracy'][c]:.2f}" for c in (*CATEGORIES, "mix")) + " |" for e in evals]
+    card = f"""# {REFERENCE_VLM}
+
+The reference vision-language model: the reference target ({REFERENCE_TARGET}, frozen: its weights
+load from the target at start) reading 64 image tokens per 96x96 picture from a SigLIP vision
+tower (4 layers, 256 wide, 12 px patches) through LLaVA's two-layer projector (a standard
+transformers `LlavaForConditionalGeneration`). The tower and projector were trained from scratch
+here; only they are stored (bfloat16, {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB).
+The image placeholder is the target's unused special token `<empty_output>`.
+
+- **Data**: synthetic pictures drawn with Pillow, one fresh picture per row
+  (`specserve.data.synthetic_images`): {', '.join(CATEGORIES)}; a question per category, one right answer.
+- **Training**: `specserve zoo vlm --device cuda --workers 15`: {log['steps']} steps of {recipe['batch']}
+  pictures ({log['steps'] * recipe['batch']:,} pictures, {last['seconds'] / 60:.1f} min on one GPU),
+  AdamW lr {recipe['lr']} (warm-up {recipe['warmup_steps']} steps, cosine over {recipe['steps']:,}{stopped}),
+  bfloat16 autocast; cross-entropy on the answer tokens.
+- **Accuracy** (exact match after normalising, greedy, held-out pictures from seed 10^9):
+
+{header}
+{rule}
+{chr(10).join(rows)}
+
+  Exported weights in {dtype} on this machine ({_cpu_name()}, {per_category} pictures a
+  category, {seconds:.0f} s): """ + ", ".join(f"{c} {accuracy[c]:.2f}" for c in (*CATEGORIES, "mix")) + """.
+"""
+    path = out / "README.md"
+    path.write_text(card)
+    return path
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
