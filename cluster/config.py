@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specserve.policies.registry import DEFAULT_POLICY, POLICIES
 from specserve.replicas.model_store import REFERENCE_TARGET
 from specserve.ingress.deployment import IngressConfig
+from specserve.ingress.images import ImageLimits
 from specserve.ingress.openai_api import AUTO_DRAFT, MAX_WINDOW, NO_DRAFT
 
 INGRESS_DEPLOYMENT = "ingress"
@@ -120,7 +121,8 @@ class DraftSpec(BaseModel):
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    target: str = Field(REFERENCE_TARGET, description="The target model: a local folder, a .gguf file or a model-cache name.")
+    target: str = Field(REFERENCE_TARGET, description="The target model: a local folder, a .gguf file or a model-cache name; "
+                        "a vision-language model (smollm2-vlm, a LLaVA-class folder) takes pictures too.")
     served_model_name: str | None = Field(
         None, description="The model id clients send as `model`; default: the target's folder name."
     )
@@ -177,6 +179,11 @@ class AppConfig(BaseModel):
     first_token_timeout_s: float = Field(120.0, gt=0, description="How long a new request waits for its first "
                                          "token (queued, admitted, prefilled) before it ends with a retriable 503: "
                                          "a target deployment with no running replica answers fast, not never.")
+    max_images: int = Field(8, ge=0, description="Pictures per request at most (a VLM target's image_url parts).")
+    max_image_pixels: int = Field(4096 * 4096, ge=1, description="A picture's width x height at most (400 beyond, "
+                                  "checked before decoding). Its bytes count against max_body_bytes too.")
+    allow_image_urls: bool = Field(False, description="Fetch http(s) image URLs (10 s deadline, 16 MB cap); off: "
+                                   "pictures come inline as data: URLs only.")
 
     @model_validator(mode="after")
     def _drafts_known(self) -> "AppConfig":
@@ -198,7 +205,8 @@ class AppConfig(BaseModel):
                              api_keys_file=self.api_keys_file, max_model_len=self.max_model_len, max_body_bytes=self.max_body_bytes,
                              stream_interval=self.stream_interval,
                              resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s,
-                             first_token_timeout_s=self.first_token_timeout_s)
+                             first_token_timeout_s=self.first_token_timeout_s,
+                             images=ImageLimits(self.max_images, self.max_image_pixels, self.allow_image_urls))
 
     @property
     def model_id(self) -> str:

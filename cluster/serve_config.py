@@ -35,6 +35,7 @@ SUFFIX_DRAFT = {"name": SUFFIX, "method": SUFFIX, "seed_outputs": SHIPPED_ANSWER
 # plain decoding), because the ingress, the HTTP proxy and Ray's own processes need a core too, and
 # an OpenMP team that spans every core stalls at each barrier whenever one of its threads is
 # descheduled. Give it cores - 1 (or its GPU) on a bigger machine.
+REFERENCE_VLM = "smollm2-vlm"
 TARGET_THREADS = 1
 # ... and the second core runs a second target replica instead: two one-thread replicas share
 # nothing but memory bandwidth, so they use both cores without OpenMP barriers. Measured served,
@@ -173,6 +174,17 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
         "dtype": "auto", "torch_threads": TARGET_THREADS, "default_draft": PROMPT_LOOKUP, "default_window": 4,
         "max_model_len": LOCAL_MAX_MODEL_LEN,
         "drafts": [{"name": PROMPT_LOOKUP}, dict(SUFFIX_DRAFT), *({"name": name, "model": name} for name in ZOO_DRAFTS)],
+    }, http_port, grpc_port, TARGET_REPLICAS)
+
+
+def multimodal_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
+    """The reference VLM (smollm2-vlm: the reference target reading pictures) with prompt lookup,
+    the suffix draft and the EAGLE-3 head (which reads the language model's hidden states, image
+    tokens included), sized as the local default; ``deploy/serve-multimodal.yaml``."""
+    return app_serve_config({
+        "target": REFERENCE_VLM, "dtype": "auto", "torch_threads": TARGET_THREADS, "default_draft": PROMPT_LOOKUP,
+        "default_window": 4, "max_model_len": LOCAL_MAX_MODEL_LEN,
+        "drafts": [{"name": PROMPT_LOOKUP}, dict(SUFFIX_DRAFT), {"name": "smollm2-eagle3", "model": "smollm2-eagle3"}],
     }, http_port, grpc_port, TARGET_REPLICAS)
 
 

@@ -27,6 +27,7 @@ What the ingress does when things break (docs/design.md §7):
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -45,7 +46,12 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from specserve.policies.registry import POLICIES
+import torch
+
+from specserve.replicas.image_tokens import picture_ids
 from specserve.replicas.model_store import load_tokenizer_and_config
+from specserve.replicas.vlm import (image_prompt_ids, image_token_id, is_vlm_config, load_processor, pixel_preparer,
+                                    tokens_per_image)
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.ingress import specserve_pb2 as pb
@@ -55,6 +61,7 @@ from specserve.replicas.request import SpecRequest, StreamItem
 from specserve.ingress import guard
 from specserve.ingress.auth import ApiKeys
 from specserve.ingress.guard import Guard
+from specserve.ingress.images import ImageLimits, decode_image
 from specserve.ingress.text_stream import TextStream
 
 logger = logging.getLogger("ray.serve")
@@ -84,6 +91,7 @@ class IngressConfig:
     retry_after_s: int = 5               # what a 503 tells the client to wait
     # draft -> where it runs and why ({"where", "reason", "figures"}, ``cluster/placement.py``)
     placement: dict[str, dict] = field(default_factory=dict)
+    images: ImageLimits = field(default_factory=ImageLimits)   # a VLM target's pictures
 
 
 @dataclass
@@ -165,6 +173,16 @@ api.add_middleware(Guard)
 
 
 
+def _pb_content(message: pb.ChatMessage) -> str | list[dict]:
+    """A gRPC message's content as the HTTP API's: with pictures (raw file bytes), image parts
+    first (as data URLs, so both APIs check them one way), then the text."""
+    if not message.images:
+        return message.content
+    parts: list[dict] = [{"type": "image_url", "image_url": {"url": "data:image;base64," + base64.b64encode(b).decode()}}
+                         for b in message.images]
+    return [*parts, {"type": "text", "text": message.content}]
+
+
 def _usage_pb(usage: dict) -> pb.Usage:
     """The gRPC Usage of an OpenAI usage object (the proto has the three counts, not the details)."""
     return pb.Usage(**{k: v for k, v in usage.items() if k in ("prompt_tokens", "completion_tokens", "total_tokens")})
@@ -178,6 +196,13 @@ class Ingress:
         self.policy = policy
         self.config = config
         self.tokenizer, model_config = load_tokenizer_and_config(config.target)
+        # A VLM's pictures are prepared here, as its processor does, and named by their pixels
+        # (``image_tokens``): the prefix-affinity router and the replicas' caches key on them.
+        self.processor = load_processor(config.target) if is_vlm_config(model_config) else None
+        self.prepare_pixels = None if self.processor is None else pixel_preparer(self.processor.image_processor)
+        if self.processor is not None:
+            self.tokens_per_image, self.image_placeholder = tokens_per_image(model_config), image_token_id(model_config)
+        model_config = getattr(model_config, "text_config", None) or model_config
         self.max_context = getattr(model_config, "max_position_embeddings", None)
         if config.max_model_len is not None:
             self.max_context = min(self.max_context or config.max_model_len, config.max_model_len)
@@ -191,11 +216,31 @@ class Ingress:
 
     # ---- the shared path -------------------------------------------------------------------
 
-    def _prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+    async def _pictures(self, req: CompletionRequest | ChatCompletionRequest) -> list[torch.Tensor]:
+        """The request's pictures, decoded and prepared (off the event loop: a large one takes
+        tens of milliseconds), in prompt order; 400 for a text-only target or a bad picture."""
+        urls = [url for m in req.messages for url in m.image_urls()] if isinstance(req, ChatCompletionRequest) else []
+        if not urls:
+            return []
+        if self.processor is None:
+            raise OpenAIError(f"`{self.model_id}` reads text only: drop the image_url parts, or serve a "
+                              "vision-language target", param="messages", code="images_not_supported")
+        limits = self.config.images
+        if len(urls) > limits.max_images:
+            raise OpenAIError(f"{len(urls)} images in one request; this server takes at most {limits.max_images}",
+                              param="messages", code="too_many_images")
+
+        def prepare() -> list[torch.Tensor]:
+            return [self.prepare_pixels(decode_image(url, limits)) for url in urls]
+
+        return await asyncio.to_thread(prepare)
+
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest, pixels: list | None = None) -> Prepared:
         if req.model != self.model_id:
             raise OpenAIError(f"The model `{req.model}` does not exist; this server serves `{self.model_id}`.",
                               status=404, param="model", code="model_not_found")
-        prompt_ids = self._prompt_ids(req)
+        pixels = pixels or []
+        prompt_ids = self._prompt_ids(req, pixels)
         is_chat = isinstance(req, ChatCompletionRequest)
         max_tokens = req.token_limit if is_chat else req.max_tokens
         if self.max_context:
@@ -229,15 +274,26 @@ class Ingress:
             spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id,
                                      pinned=bool(spec and (spec.window is not None or spec.tree is not None)),
                                      policy=policy, stream_interval=self.config.stream_interval,
-                                     cache_salt=req.cache_salt),
+                                     cache_salt=req.cache_salt, images=tuple(pixels),
+                                     image_placeholder=self.image_placeholder if pixels else None),
             stop=req.stop,
         )
 
-    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pixels: list) -> list[int]:
         if isinstance(req, ChatCompletionRequest):
-            if not any(m.text().strip() for m in req.messages):
+            if not pixels and not any(m.text().strip() for m in req.messages):
                 raise OpenAIError("messages: every message is empty; give some text", param="messages")
-            return encode_chat(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+            if not pixels:
+                return encode_chat(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+            text = self.processor.apply_chat_template(
+                [{"role": m.role, "content": m.template_content()} for m in req.messages], tokenize=False,
+                add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            try:
+                return image_prompt_ids(ids, pixels, lambda p: picture_ids(p, self.tokens_per_image),
+                                        self.image_placeholder)
+            except ValueError as err:
+                raise OpenAIError(str(err), param="messages") from err
         if isinstance(req.prompt, str):
             if not req.prompt.strip():
                 raise OpenAIError("prompt: the prompt is empty; give some text", param="prompt")
@@ -370,6 +426,7 @@ class Ingress:
         return {"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
             "max_model_len": self.max_context, "drafts": self.config.draft_names, "policies": list(POLICIES),
+            "input_modalities": ["text", "image"] if self.processor is not None else ["text"],
             "placement": self.config.placement,
         }]}
 
@@ -423,7 +480,7 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, req: ChatCompletionRequest):
-        prepared = self._prepare(req)
+        prepared = self._prepare(req, await self._pictures(req))
         if req.stream:
             return self._sse(prepared, req, chat=True)
         text, ids, last = await self._generate(prepared)
@@ -500,7 +557,7 @@ class Ingress:
             if request.messages:
                 if request.prompt:
                     raise OpenAIError("give either prompt or messages, not both", param="prompt")
-                body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+                body["messages"] = [{"role": m.role, "content": _pb_content(m)} for m in request.messages]
                 return ChatCompletionRequest.model_validate(body)
             body["prompt"] = request.prompt
             return CompletionRequest.model_validate(body)
@@ -527,15 +584,16 @@ class Ingress:
         if err.retry_after is not None:
             grpc_context.set_trailing_metadata([("retry-after", str(err.retry_after))])
 
-    def _grpc_prepare(self, request: pb.CompletionRequest, grpc_context) -> Prepared:
+    async def _grpc_prepare(self, request: pb.CompletionRequest, grpc_context) -> Prepared:
         if self.api_keys.enabled and not self.api_keys.allows_metadata(grpc_context.invocation_metadata()):
             raise OpenAIError("missing or invalid API key: send metadata `authorization: Bearer <key>`",
                               status=401, code="invalid_api_key")
-        return self._prepare(self._from_pb(request))
+        req = self._from_pb(request)
+        return self._prepare(req, await self._pictures(req))
 
     async def Complete(self, request: pb.CompletionRequest, grpc_context) -> pb.CompletionResponse:
         try:
-            prepared = self._grpc_prepare(request, grpc_context)
+            prepared = await self._grpc_prepare(request, grpc_context)
             text, ids, last = await self._generate(prepared)
         except OpenAIError as err:
             self._grpc_abort(grpc_context, err)
@@ -547,7 +605,7 @@ class Ingress:
 
     async def CompleteStream(self, request: pb.CompletionRequest, grpc_context) -> AsyncIterator[pb.CompletionChunk]:
         try:
-            prepared = self._grpc_prepare(request, grpc_context)
+            prepared = await self._grpc_prepare(request, grpc_context)
             async for event in self._events(prepared):
                 chunk = pb.CompletionChunk(id=prepared.id, text=event.text, token_ids=event.token_ids)
                 if event.finish_reason is not None:

@@ -131,14 +131,38 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str = Field(min_length=1, description="data:image/<type>;base64,<data>, or http(s) where the server fetches")
+    detail: Literal["auto", "low", "high"] = "auto"   # taken and ignored: the VLM sees its own resolution
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart | ImagePart]
     name: str | None = None
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, TextPart))
+
+    def image_urls(self) -> list[str]:
+        return [] if isinstance(self.content, str) else [
+            p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+    def template_content(self) -> str | list[dict]:
+        """What a chat template reads: the text, or with pictures the parts in order."""
+        if not self.image_urls():
+            return self.text()
+        return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in self.content]
 
 
 class ChatCompletionRequest(_Common):

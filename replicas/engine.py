@@ -226,7 +226,7 @@ class SpecEngine:
             text = self.processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                       add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return image_prompt_ids(ids, list(images), self.images, self.loaded.model.config)
+            return image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder)
         if chat:
             return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         return encode_text(self.tokenizer, prompt)

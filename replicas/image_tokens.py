@@ -36,6 +36,14 @@ def is_virtual(token: int) -> bool:
     return token >= VIRTUAL_BASE
 
 
+def picture_ids(pixels: torch.Tensor, tokens_per_image: int) -> list[int]:
+    """The ids of the image tokens of a prepared picture (its pixels [3, h, w])."""
+    digest = int.from_bytes(hashlib.blake2b(pixels.contiguous().cpu().numpy().tobytes(),
+                                            digest_size=_DIGEST_BYTES).digest(), "little")
+    base = VIRTUAL_BASE + digest * tokens_per_image
+    return list(range(base, base + tokens_per_image))
+
+
 def draft_view(ids: list[int], placeholder: int) -> list[int]:
     """``ids`` with every image token replaced by ``placeholder`` (what a draft reads)."""
     return [placeholder if t >= VIRTUAL_BASE else t for t in ids]
@@ -61,14 +69,16 @@ class ImageStore:
 
     def register(self, image) -> list[int]:
         """The ids of ``image``'s image tokens (preparing it now; encoding waits for a forward)."""
-        pixels = self.prepare(image)
-        digest = int.from_bytes(hashlib.blake2b(pixels.contiguous().cpu().numpy().tobytes(),
-                                                digest_size=_DIGEST_BYTES).digest(), "little")
+        return self.add(self.prepare(image))
+
+    def add(self, pixels: torch.Tensor) -> list[int]:
+        """``register`` for a picture prepared elsewhere (the ingress sends pixels with a request)."""
+        ids = picture_ids(pixels, self.tokens_per_image)
+        digest = (ids[0] - VIRTUAL_BASE) // self.tokens_per_image
         self._remember(self._pixels, digest, pixels)
         if digest in self._rows:
             self._rows.move_to_end(digest)
-        base = VIRTUAL_BASE + digest * self.tokens_per_image
-        return list(range(base, base + self.tokens_per_image))
+        return ids
 
     def _remember(self, store: OrderedDict, digest: int, value: torch.Tensor) -> None:
         store[digest] = value

@@ -58,6 +58,9 @@ class SpecRequest:
     # A VLM request: its image tokens are virtual ids (``image_tokens``), and drafts see this
     # token (the VLM's image placeholder) in their place. None: a text request.
     image_placeholder: int | None = None
+    # The prompt's pictures as the ingress prepared them ([3, h, w] pixel tensors): the replica
+    # adds them to its ImageStore, whose ids (from the pixels) the prompt already holds.
+    images: tuple = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

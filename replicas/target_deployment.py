@@ -39,6 +39,7 @@ from ray.serve.handle import DeploymentHandle
 from specserve.replicas.cost_probe import ProbedCosts, draft_ms_per_position, verify_points
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
+from specserve.replicas.vlm import image_store, is_vlm, is_vlm_folder, language_model, load_vlm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.native_memory import release_free_memory
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, Policy, RequestState, SpecRequest, StreamItem
@@ -134,7 +135,14 @@ class TargetDeployment:
             raise TypeError(f"the replica's policy must name the rule it applies to each request (name_for) and "
                             f"take the replica's measured costs (seed_costs): {type(policy).__name__} does not; "
                             "wrap it in policies.per_request.PolicyByRequest")
-        self.loaded = load_causal_lm(config.model, dtype=config.dtype)
+        self.loaded = (load_vlm(config.model, dtype=config.dtype) if is_vlm_folder(config.model)
+                       else load_causal_lm(config.model, dtype=config.dtype))
+        # A VLM runs its language model; its pictures' image tokens embed from the image store.
+        self.images = None
+        text_model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        if is_vlm(self.loaded.model):
+            text_model, self.tokenizer = language_model(self.loaded.model), self.loaded.tokenizer.tokenizer
+            self.images = image_store(self.loaded.model, self.loaded.tokenizer.image_processor)
         # Ray sets OMP_NUM_THREADS to num_cpus; the model thread sets torch's count itself.
         threads = config.torch_threads or torch.get_num_threads()
         self._worker = ModelWorker("target", threads=threads)
@@ -149,11 +157,12 @@ class TargetDeployment:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).
                 resolved[name] = RemoteDraft(d.options(session_id=self.replica_id), name)
-        target = Target(self.loaded.model, slots=config.max_batch + config.kv_sessions_idle, max_len=config.max_model_len)
+        target = Target(text_model, slots=config.max_batch + config.kv_sessions_idle, max_len=config.max_model_len,
+                        images=self.images)
         if config.max_model_len is not None:
             target.kv.reserve()
         self.stats_name = config.stats_name or Path(config.model).name.removesuffix(".gguf")
-        self.routing = None if router is None else router(self.stats_name, list(drafts), self.loaded.tokenizer)
+        self.routing = None if router is None else router(self.stats_name, list(drafts), self.tokenizer)
         self.learning = learning(self.stats_name) if learning is not None else None
         self._priors: dict[str, dict] = {}   # request id -> the warm start a routed request began from
         self.scheduler = Scheduler(
@@ -258,6 +267,11 @@ class TargetDeployment:
         ``finish_reason``, ``spec`` and ``cached_tokens``, or instead an ``error`` when a step
         failed (the ingress then resumes the request elsewhere)."""
         self._ensure_loop()
+        if request.images:
+            if self.images is None:
+                raise ValueError(f"{self.stats_name} reads text only: a request with images needs a VLM target")
+            for pixels in request.images:   # the prompt's image ids name these very pixels
+                self.images.add(pixels)
         prior = None
         if self.learning is not None and request.draft != AUTO_DRAFT:   # routed ones start in _routed
             request, prior = self.learning.start(request, len(self.scheduler.running) + 1)

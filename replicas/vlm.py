@@ -144,6 +144,15 @@ def is_vlm_folder(name_or_path: str) -> bool:
     return path.is_dir() and config.exists() and "vision_config" in json.loads(config.read_text())
 
 
+def is_vlm_config(config) -> bool:
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_processor(name_or_path: str):
+    """A local VLM's processor (its tokenizer, image processor and chat template)."""
+    return AutoProcessor.from_pretrained(resolve_model_path(name_or_path), local_files_only=True)
+
+
 def is_vlm(model) -> bool:
     return getattr(model.config, "vision_config", None) is not None
 
@@ -158,13 +167,18 @@ def language_model(vlm) -> torch.nn.Module:
     return lm.eval()
 
 
-def image_store(vlm, prepare_pixels, capacity: int = 512) -> ImageStore:
-    """The pictures' ``ImageStore``: ``prepare_pixels`` (the processor's image processor) prepares
-    them, the vision tower and projector encode them (LLaVA's ``get_image_features``: the rows the
-    model's own forward scatters into its image tokens)."""
-
+def pixel_preparer(image_processor):
+    """``image -> [3, h, w]`` pixels, as the VLM's processor prepares a picture."""
     def prepare(image) -> torch.Tensor:
-        return prepare_pixels(image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+        return image_processor(image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+    return prepare
+
+
+def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
+    """The pictures' ``ImageStore``: ``image_processor`` (the processor's) prepares them, the
+    vision tower and projector encode them (LLaVA's ``get_image_features``: the rows the model's
+    own forward scatters into its image tokens)."""
+    prepare = pixel_preparer(image_processor)
 
     def encode(pixels: torch.Tensor) -> torch.Tensor:
         tower = vlm.model.vision_tower
@@ -176,14 +190,15 @@ def image_store(vlm, prepare_pixels, capacity: int = 512) -> ImageStore:
     return ImageStore(prepare, encode, tokens_per_image(vlm.config), image_token_id(vlm.config), capacity)
 
 
-def image_prompt_ids(text_ids: list[int], images: list, store: ImageStore, config) -> list[int]:
-    """``text_ids`` (one placeholder per picture, in order) with each placeholder as its picture's
-    image tokens (``store.register``)."""
-    placeholder = image_token_id(config)
+def image_prompt_ids(text_ids: list[int], images: list, register, placeholder: int) -> list[int]:
+    """``text_ids`` (one ``placeholder`` per picture, in order) with each placeholder as its
+    picture's image tokens (``register(picture) -> ids``: ``ImageStore.register``, or
+    ``image_tokens.picture_ids`` of prepared pixels where no store is)."""
     if text_ids.count(placeholder) != len(images):
-        raise ValueError(f"the prompt has {text_ids.count(placeholder)} image placeholder(s) for {len(images)} image(s)")
+        raise ValueError(f"the prompt has {text_ids.count(placeholder)} image placeholder(s) for {len(images)} image(s): "
+                         "images go in image content parts, not as the placeholder token in text")
     pictures = iter(images)
     out: list[int] = []
     for t in text_ids:
-        out.extend(store.register(next(pictures)) if t == placeholder else (t,))
+        out.extend(register(next(pictures)) if t == placeholder else (t,))
     return out

@@ -16,6 +16,7 @@ from specserve.cluster.serve_config import (
     load_serve_config,
     local_ray_cpus,
     local_serve_config,
+    multimodal_serve_config,
     with_overrides,
 )
 
@@ -25,6 +26,14 @@ SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 def test_deploy_serve_yaml_is_the_local_default():
     assert yaml.safe_load(SERVE_YAML.read_text()) == local_serve_config(), (
         "deploy/serve.yaml drifted from specserve.cluster.serve_config.local_serve_config: regenerate it")
+
+
+def test_deploy_serve_multimodal_yaml_is_the_reference_vlm_config():
+    path = SERVE_YAML.with_name("serve-multimodal.yaml")
+    assert yaml.safe_load(path.read_text()) == multimodal_serve_config(), (
+        "deploy/serve-multimodal.yaml drifted from specserve.cluster.serve_config.multimodal_serve_config: regenerate it")
+    args = load_serve_config(path)["applications"][0]["args"]
+    assert AppConfig.model_validate(args).target == "smollm2-vlm"
 
 
 def test_ray_accepts_it_and_its_args_are_an_app_config():

@@ -50,18 +50,18 @@ def test_image_tokens_are_virtual_ids_named_by_the_picture(vlm):
     a, b = store.register(picture(1)), store.register(picture(2))
     assert len(a) == store.tokens_per_image and all(t >= VIRTUAL_BASE for t in a)
     assert a == store.register(picture(1)) and a != b   # the content names the ids
-    prompt = image_prompt_ids([5, IMAGE_TOKEN, 6], [picture(1)], store, vlm[0].config)
+    prompt = image_prompt_ids([5, IMAGE_TOKEN, 6], [picture(1)], store.register, IMAGE_TOKEN)
     assert prompt == [5, *a, 6]
     assert draft_view(prompt, IMAGE_TOKEN) == [5] + [IMAGE_TOKEN] * len(a) + [6]
     assert placeholder_for(store, prompt) == IMAGE_TOKEN and placeholder_for(store, [5, 6]) is None
     with pytest.raises(ValueError, match="placeholder"):
-        image_prompt_ids([5, 6], [picture(1)], store, vlm[0].config)
+        image_prompt_ids([5, 6], [picture(1)], store.register, IMAGE_TOKEN)
 
 
 def test_plain_decoding_equals_the_vlms_own_generate(vlm):
     model, lm, store = vlm
     for seed in (1, 2):
-        prompt = image_prompt_ids(TEXT, [picture(seed)], store, model.config)
+        prompt = image_prompt_ids(TEXT, [picture(seed)], store.register, IMAGE_TOKEN)
         got = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
         assert got == hf_greedy(model, store, TEXT, picture(seed)), f"picture {seed}"
 
@@ -69,7 +69,7 @@ def test_plain_decoding_equals_the_vlms_own_generate(vlm):
 def test_the_answer_depends_on_the_picture(vlm):
     model, lm, store = vlm
     outputs = {tuple(speculative_generate(Target(lm, images=store), None,
-                                          image_prompt_ids(TEXT, [picture(seed)], store, model.config),
+                                          image_prompt_ids(TEXT, [picture(seed)], store.register, IMAGE_TOKEN),
                                           NEW_TOKENS, GREEDY).token_ids) for seed in (1, 2, 3)}
     assert len(outputs) > 1
 
@@ -83,7 +83,7 @@ def test_speculative_equals_plain_on_image_prompts(vlm, speculation):
               "near": DraftLM("near", perturbed(lm, seed=1))}
     accepted = 0
     for seed in (1, 2):
-        prompt = image_prompt_ids(TEXT, [picture(seed)], store, model.config)
+        prompt = image_prompt_ids(TEXT, [picture(seed)], store.register, IMAGE_TOKEN)
         expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
         for name, draft in drafts.items():
             got = speculative_generate(Target(lm, images=store), draft, prompt, NEW_TOKENS, GREEDY, **speculation)
@@ -94,7 +94,7 @@ def test_speculative_equals_plain_on_image_prompts(vlm, speculation):
 
 def test_image_and_text_requests_batched_equal_each_alone(vlm):
     model, lm, store = vlm
-    image_prompt = image_prompt_ids(TEXT, [picture(4)], store, model.config)
+    image_prompt = image_prompt_ids(TEXT, [picture(4)], store.register, IMAGE_TOKEN)
     text_prompt = [5, 6, 7, 8, 9, 5, 6, 7]
     requests = [SpecRequest(image_prompt, NEW_TOKENS, GREEDY, "prompt-lookup", 3, request_id="image",
                             image_placeholder=IMAGE_TOKEN),
@@ -111,8 +111,8 @@ def test_the_prefix_cache_keys_on_the_picture(vlm):
     picture again reuses the image tokens too, and its tower does not run again."""
     model, lm, store = vlm
     target = Target(lm, slots=1, images=store)
-    first = image_prompt_ids(TEXT, [picture(5)], store, model.config)
-    other = image_prompt_ids(TEXT, [picture(6)], store, model.config)
+    first = image_prompt_ids(TEXT, [picture(5)], store.register, IMAGE_TOKEN)
+    other = image_prompt_ids(TEXT, [picture(6)], store.register, IMAGE_TOKEN)
     before = TEXT.index(IMAGE_TOKEN)
 
     def run(prompt):

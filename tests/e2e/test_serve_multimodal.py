@@ -1,0 +1,91 @@
+"""End to end with the reference VLM on a real local Ray cluster: pictures as OpenAI image_url
+parts over HTTP and as bytes over gRPC; the served answer equals the in-process engine's (float32
+greedy), a bad picture is a 400 / INVALID_ARGUMENT and the replica serves on."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import grpc
+import httpx
+import pytest
+
+from conftest import local_stack
+from specserve.cluster.serve_config import app_serve_config
+from specserve.data.synthetic_images import TEST_SEED, example
+from specserve.ingress import specserve_pb2 as pb
+from specserve.ingress import specserve_pb2_grpc
+from specserve.replicas.engine import GenerateRequest, SpecEngine
+
+pytestmark = [pytest.mark.reference, pytest.mark.slow]
+
+MODEL = "smollm2-vlm"
+PICTURES = [example(TEST_SEED + 701, "bars"), example(TEST_SEED + 702, "shape")]
+
+
+def png(picture) -> bytes:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def image_part(picture) -> dict:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(picture)).decode()}}
+
+
+@pytest.fixture(scope="module")
+def expected():
+    engine = SpecEngine.load(MODEL, dtype="float32", device="cpu")
+    return [engine.generate(GenerateRequest(ex.question, max_tokens=12, draft="none", window=0, images=(ex.image,)))
+            ["token_ids"] for ex in PICTURES]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    config = app_serve_config({"target": MODEL, "dtype": "float32", "drafts": [{"name": "prompt-lookup"}]})
+    with local_stack(config, tmp_path_factory.mktemp("specserve-home")) as state:
+        yield state
+
+
+def ask(served, content, **spec):
+    return httpx.post(f"{served.http_url}/v1/chat/completions", timeout=300, json={
+        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 12, "temperature": 0,
+        "return_token_ids": True, "spec": spec})
+
+
+def test_models_lists_image_input(served):
+    model = httpx.get(f"{served.http_url}/v1/models", timeout=30).json()["data"][0]
+    assert model["id"] == MODEL and model["input_modalities"] == ["text", "image"]
+
+
+def test_http_image_parts_answer_as_in_process(served, expected):
+    for ex, want in zip(PICTURES, expected):
+        reply = ask(served, [image_part(ex.image), {"type": "text", "text": ex.question}], draft="prompt-lookup", window=3)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == want, ex.question
+
+
+def test_a_bad_picture_is_a_400_and_the_replica_serves_on(served, expected):
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"\x89PNG broken").decode()}}
+    reply = ask(served, [broken, {"type": "text", "text": "What is it?"}])
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_image"
+    remote = ask(served, [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                          {"type": "text", "text": "What is it?"}])
+    assert remote.status_code == 400 and "data URL" in remote.json()["error"]["message"]
+    ex = PICTURES[0]
+    again = ask(served, [image_part(ex.image), {"type": "text", "text": ex.question}])
+    assert again.status_code == 200 and again.json()["choices"][0]["token_ids"] == expected[0]
+
+
+def test_grpc_carries_pictures(served, expected):
+    ex = PICTURES[1]
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stub = specserve_pb2_grpc.SpecServeStub(channel)
+        reply = stub.Complete(pb.CompletionRequest(model=MODEL, max_tokens=12, temperature=0, messages=[
+            pb.ChatMessage(role="user", content=ex.question, images=[png(ex.image)])]), timeout=300)
+        assert list(reply.token_ids) == expected[1]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Complete(pb.CompletionRequest(model=MODEL, max_tokens=4, messages=[
+                pb.ChatMessage(role="user", content="hi", images=[b"not a picture"])]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
