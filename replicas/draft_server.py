@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -33,6 +34,7 @@ from specserve.replicas.drafts.hsr_draft import MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead, feature_layers
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
+from specserve.replicas.image_tokens import draft_view
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.session_pool import SessionPool
@@ -45,19 +47,30 @@ logger = logging.getLogger("ray.serve")
 MAX_GENERATORS = 4096
 
 
+def text_view(ask: ProposeRequest) -> ProposeRequest:
+    """``ask`` as a draft that reads no pictures sees it: a VLM request's image tokens as the
+    placeholder (an id past a draft's vocabulary would fail its embedding)."""
+    if ask.image_placeholder is None:
+        return ask
+    return replace(ask, context=draft_view(ask.context, ask.image_placeholder), image_placeholder=None)
+
+
 class DraftServer:
     def __init__(self, name: str, model: str | None = None, dtype: str = "auto", torch_threads: int | None = None,
                  kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None,
                  method: str | None = None, seed_outputs: str | None = None, ensemble: dict | None = None,
-                 tokenizer=None):
+                 tokenizer=None, images=None):
         """``model``: a draft LM or HSR head to load; None: the model-free ``method``, prompt lookup
         or suffix (its index seeded with the answers in ``seed_outputs``). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
         model work runs on; a draft inside the target replica shares the target's. ``ensemble``:
         the draft LM's chains are TABED ensembles of these views (``EnsembleDraftLM``'s keywords:
         views, weights, distance, history); ``tokenizer`` finds the last-turn view's marker
-        in-process (a loaded model brings its own)."""
+        in-process (a loaded model brings its own). ``images``: the target's ``ImageStore`` when
+        the draft runs beside it, so an ensemble's multimodal and pooled views read a VLM
+        request's pictures; every other draft reads the image placeholder in their place."""
         self.name = name
+        self.images = images
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
         self._generators: dict[str, torch.Generator] = {}
         # A model-free draft keeps no per-session state: one instance serves every session.
@@ -113,6 +126,11 @@ class DraftServer:
         if marker is None:
             marker = user_turn_marker(tokenizer) if tokenizer is not None else []
         self._batched = EnsembleDraftLM(self.name, model, turn_marker=marker, **settings)
+        if self._batched.reads_images:
+            if self.images is None:
+                raise ValueError(f"draft {self.name!r}: the views {', '.join(self._batched.views)} read pictures, "
+                                 "which only a draft inside its VLM target's replica (or in-process) has")
+            self._batched.kv.images = self.images
 
     def _reads(self, head) -> None:
         """A hidden-state-reuse head: which of the target's layers it reads, and their width."""
@@ -141,7 +159,7 @@ class DraftServer:
         states than the ask assumes (another replica had the session) answers ``NeedFeatures``
         for that ask: send them again from there."""
         if self._stateless is not None:   # an n-gram search: cheaper than a thread hand-off
-            return [self._propose_one(self._stateless, ask) for ask in asks]
+            return [self._propose_one(self._stateless, text_view(ask)) for ask in asks]
         return await self._worker.run(self._propose_pooled, asks)
 
     def propose_now(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
@@ -149,7 +167,7 @@ class DraftServer:
         on (the start-up cost probe, ``cost_probe``); the asks' sessions are released after."""
         try:
             if self._stateless is not None:
-                return [self._propose_one(self._stateless, ask) for ask in asks]
+                return [self._propose_one(self._stateless, text_view(ask)) for ask in asks]
             return self._propose_pooled(asks)
         finally:
             for ask in asks:
@@ -166,11 +184,15 @@ class DraftServer:
     def _propose_pooled(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
         replies: list[Proposal | NeedFeatures | None] = [None] * len(asks)
         chains = [i for i, ask in enumerate(asks) if ask.tree is None and ask.window > 0]
+        # An ensemble builds each view from the context as it is; every other path reads text.
+        text = [text_view(a) for a in asks]
+        seen = asks if isinstance(self._batched, EnsembleDraftLM) else text
+        asks = text
         if self._batched is not None and chains:
             for start in range(0, len(chains), self._batched.max_sessions):
                 part = chains[start:start + self._batched.max_sessions]
                 try:
-                    proposals = self._batched.propose_chains([asks[i] for i in part],
+                    proposals = self._batched.propose_chains([seen[i] for i in part],
                                                              [self._generator(asks[i]) for i in part])
                 except Exception as err:  # noqa: BLE001 - costs these requests their speculation
                     logger.warning("draft %s: batched proposal failed (%s: %s); those steps go plain",

@@ -55,13 +55,16 @@ class Generation:
     routing: dict | None = None   # the draft router's decision (``spec.router``), when one decided
 
 
-def in_process_server(name: str, draft: Draft, ensemble: dict | None = None, tokenizer=None) -> DraftServer:
+def in_process_server(name: str, draft: Draft, ensemble: dict | None = None, tokenizer=None,
+                      images=None) -> DraftServer:
     """``draft`` served in-process: a draft of its own (and KV cache) per session, all on the
     draft's one model; a model-free draft (prompt lookup) serves every session as it is.
-    ``ensemble``: a draft LM's chains as a TABED ensemble of its views (``DraftServer``)."""
+    ``ensemble``: a draft LM's chains as a TABED ensemble of its views (``DraftServer``);
+    ``images``: a VLM target's ``ImageStore``, which its picture views read."""
     model = draft_model(draft)
     make = (lambda: draft) if model is None else (lambda: draft_from_model(name, model))
-    return DraftServer(name, worker=InlineWorker(), make_draft=make, ensemble=ensemble, tokenizer=tokenizer)
+    return DraftServer(name, worker=InlineWorker(), make_draft=make, ensemble=ensemble, tokenizer=tokenizer,
+                       images=images)
 
 
 def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[SpecRequest],
@@ -199,7 +202,7 @@ class SpecEngine:
         return cls(loaded, drafts, slots, ensembles=settings)
 
     def _servers(self) -> dict[str, DraftServer]:
-        return {name: in_process_server(name, draft, self.ensembles.get(name), self.tokenizer)
+        return {name: in_process_server(name, draft, self.ensembles.get(name), self.tokenizer, self.images)
                 for name, draft in self.drafts.items()}
 
     def reset_caches(self) -> None:

@@ -22,6 +22,7 @@ as JPEG that decodes to the same pixels is one picture).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from typing import Callable
 
@@ -30,6 +31,10 @@ import torch.nn.functional as F
 
 VIRTUAL_BASE = 1 << 32
 _DIGEST_BYTES = 5
+# Pooled image tokens (a drafting view, ``pooled_view``) live in a namespace of their own above
+# the pictures' ids: POOLED_BASE + digest · pooled tokens + j.
+POOLED_BASE = VIRTUAL_BASE + (1 << 52)
+POOLED_TOKENS = 4
 
 
 def is_virtual(token: int) -> bool:
@@ -42,6 +47,22 @@ def picture_ids(pixels: torch.Tensor, tokens_per_image: int) -> list[int]:
                                             digest_size=_DIGEST_BYTES).digest(), "little")
     base = VIRTUAL_BASE + digest * tokens_per_image
     return list(range(base, base + tokens_per_image))
+
+
+def pooled_view(ids: list[int], tokens_per_image: int, pooled: int) -> list[int]:
+    """``ids`` with each picture's image tokens as ``pooled`` tokens (its grid of patches averaged
+    in blocks: 64 tokens on an 8 x 8 grid, pooled 4, as 2 x 2 blocks of 4 x 4): TABED's pooled
+    view, whose embeddings ``ImageStore.rows`` computes."""
+    out: list[int] = []
+    for t in ids:
+        if VIRTUAL_BASE <= t < POOLED_BASE:
+            offset = t - VIRTUAL_BASE
+            if offset % tokens_per_image == 0:   # a picture's first token stands for the picture
+                digest = offset // tokens_per_image
+                out.extend(range(POOLED_BASE + digest * pooled, POOLED_BASE + (digest + 1) * pooled))
+            continue
+        out.append(t)
+    return out
 
 
 def draft_view(ids: list[int], placeholder: int) -> list[int]:
@@ -63,6 +84,7 @@ class ImageStore:
                  placeholder: int, capacity: int = 512):
         self.prepare, self.encode, self.tokens_per_image, self.capacity = prepare, encode, tokens_per_image, capacity
         self.placeholder = placeholder
+        self.pooled = POOLED_TOKENS   # the pooled view's tokens per picture
         self._pixels: OrderedDict[int, torch.Tensor] = OrderedDict()   # digest -> [3, h, w]
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()     # digest -> [tokens_per_image, hidden]
         self.encoded_images = 0   # vision-tower runs, per picture (tests, metrics)
@@ -87,8 +109,16 @@ class ImageStore:
             store.popitem(last=False)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings [n, hidden] of virtual ``ids`` [n], encoding the pictures not yet encoded in
-        one batch."""
+        """Embeddings [n, hidden] of virtual ``ids`` [n] (pooled ones too: ``pooled_view``),
+        encoding the pictures not yet encoded in one batch."""
+        pooled = ids >= POOLED_BASE
+        if bool(pooled.any()):
+            pooled_rows = self._pooled_rows(ids[pooled])
+            out = pooled_rows.new_empty((len(ids), pooled_rows.shape[-1]))
+            out[pooled] = pooled_rows
+            if not bool(pooled.all()):
+                out[~pooled] = self.rows(ids[~pooled]).to(out.dtype)
+            return out
         offsets = (ids - VIRTUAL_BASE).tolist()
         digests = [o // self.tokens_per_image for o in offsets]
         pending = sorted({d for d in digests if d not in self._rows})
@@ -103,6 +133,21 @@ class ImageStore:
             for d, rows in zip(pending, encoded):
                 self._remember(self._rows, d, rows)
         return torch.stack([self._rows[d][o % self.tokens_per_image] for d, o in zip(digests, offsets)])
+
+    def _pooled_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Pooled tokens' rows: the mean of each block of the picture's square patch grid."""
+        side = math.isqrt(self.tokens_per_image)
+        rows = []
+        pooled = self.pooled
+        for t in ids.tolist():
+            digest, j = divmod(t - POOLED_BASE, pooled)
+            grid = self.rows(torch.tensor([VIRTUAL_BASE + digest * self.tokens_per_image + k
+                                           for k in range(self.tokens_per_image)]))    # [T, hidden]
+            blocks, block = math.isqrt(pooled), side // math.isqrt(pooled)
+            r, c = divmod(j, blocks)
+            cells = grid.view(side, side, -1)[r * block:(r + 1) * block, c * block:(c + 1) * block]
+            rows.append(cells.reshape(-1, grid.shape[-1]).mean(0))
+        return torch.stack(rows)
 
 
 def placeholder_for(images: ImageStore | None, prompt_ids: list[int]) -> int | None:

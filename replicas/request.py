@@ -17,7 +17,6 @@ from typing import Protocol
 
 import torch
 
-from specserve.replicas.image_tokens import draft_view
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, StepResult, TreeShape
 
@@ -124,9 +123,6 @@ class RequestState:
         self.request = request
         self.id = request.request_id
         self.context = list(request.prompt_ids)
-        # What drafts read of the prompt: the image tokens as the placeholder (outputs are text).
-        self._draft_prompt = (None if request.image_placeholder is None
-                              else draft_view(request.prompt_ids, request.image_placeholder))
         self.out: list[int] = []
         self.finish_reason: str | None = None
         self.eos_token_ids = eos_token_ids
@@ -149,12 +145,6 @@ class RequestState:
         # The α the router chose the current draft on (its prediction for this prompt, with the
         # exploration bonus when that decided): the load-aware policy's prior for this request.
         self.expected_alpha: float | None = None
-
-    def draft_context(self) -> list[int]:
-        """The context as drafts read it (a VLM request's image tokens as its placeholder)."""
-        if self._draft_prompt is None:
-            return self.context
-        return self._draft_prompt + self.context[len(self._draft_prompt):]
 
     @property
     def done(self) -> bool:

@@ -233,8 +233,9 @@ class Scheduler:
         if features_from is not None:
             start = features_from
             features = self.target.features(state.context, start, state.slot, feature_layers)
-        return ProposeRequest(state.id, state.draft_context(), spec.window, spec.tree, state.request.params,
-                              state.draft_seed, features, start, state.request.cache_salt)
+        return ProposeRequest(state.id, state.context, spec.window, spec.tree, state.request.params,
+                              state.draft_seed, features, start, state.request.cache_salt,
+                              state.request.image_placeholder)
 
     # ---- model work ---------------------------------------------------------------------------
 

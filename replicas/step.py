@@ -137,7 +137,8 @@ class ProposeRequest:
     hidden states of context positions ``features_start..``: the ones it has not been sent yet,
     [n, n_layers·H] (the layers its config names, side by side).
     ``cache_salt`` is the request's tenant: a draft that learns from other requests' outputs
-    drafts only from those of the same salt.
+    drafts only from those of the same salt. ``image_placeholder``: a VLM request's context holds
+    image tokens (``image_tokens``); a draft that cannot read them reads this token in their place.
     """
 
     session_id: str
@@ -149,6 +150,7 @@ class ProposeRequest:
     features: torch.Tensor | None = None
     features_start: int = 0
     cache_salt: str | None = None
+    image_placeholder: int | None = None
 
 
 @dataclass(frozen=True)

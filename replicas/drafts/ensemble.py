@@ -9,6 +9,16 @@ Views (each a slot of one ``BatchKV`` per session, fed together):
 - ``last-turn``: the context from the last user turn's opening tokens on (earlier turns and the
   system prompt dropped); the whole context when it has no such marker.
 
+and of a VLM request's pictures (TABED's own setting; on a text request each is the whole context):
+
+- ``multimodal``: the image tokens as the target's vision tower and projector embed them (the
+  draft shares the target's ``ImageStore``: a draft LM with the target's hidden size reads them);
+- ``text-only``: the image tokens as the VLM's placeholder token, the picture dropped;
+- ``pooled``: each picture's image tokens averaged to a few (``image_tokens.pooled_view``).
+
+The paper's fourth view, a caption the VLM wrote in place of the picture, is not built. One view
+alone is a draft too (a view the router can choose per request), its weight 1.
+
 Mixing (the paper's Alg. 1): ``q = Σ_v w_v q_v``; greedy drafts its argmax, sampling draws from
 it, and that ``q`` is what the rejection test uses (``Proposal.draft_probs``), so the output is
 the target's exactly. Every drafted token is fed to every view.
@@ -47,10 +57,13 @@ import torch
 
 from specserve.replicas.batch_kv import Feed
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
+from specserve.replicas.image_tokens import draft_view, pooled_view
 from specserve.replicas.sampling import logits_to_probs, sample
 from specserve.replicas.step import Proposal, ProposeRequest
 
-VIEWS = ("full", "last-turn")
+VIEWS = ("full", "last-turn", "multimodal", "text-only", "pooled")
+TEXT_VIEWS = ("full", "last-turn")             # the default: a conversation's views
+IMAGE_VIEWS = ("multimodal", "pooled")   # views that embed pictures (they need the target's ImageStore)
 DISTANCES = ("kl", "tvd", "matches")
 # Tokens per view whose probabilities a drafted position keeps for scoring the candidates later.
 TOP = 32
@@ -124,13 +137,13 @@ class _Session:
 
 
 class EnsembleDraftLM(BatchedDraftLM):
-    def __init__(self, name: str, model, views: tuple[str, ...] = VIEWS, turn_marker: list[int] = (),
+    def __init__(self, name: str, model, views: tuple[str, ...] = TEXT_VIEWS, turn_marker: list[int] = (),
                  weights: str = "adaptive", distance: str = "matches", history: int | None = None, grid: int = 10,
                  slots: int = 32):
         """``slots`` sessions, each holding a KV slot per view."""
         unknown = sorted(set(views) - set(VIEWS))
-        if unknown or len(views) < 2 or len(set(views)) != len(views):
-            raise ValueError(f"an ensemble needs two or more distinct views of {', '.join(VIEWS)}; got {list(views)}")
+        if unknown or not views or len(set(views)) != len(views):
+            raise ValueError(f"an ensemble needs distinct views of {', '.join(VIEWS)}; got {list(views)}")
         if distance not in DISTANCES:
             raise ValueError(f"distance must be one of {', '.join(DISTANCES)}; got {distance!r}")
         if weights not in ("adaptive", "static"):
@@ -170,8 +183,19 @@ class EnsembleDraftLM(BatchedDraftLM):
             return self.candidates[0]
         return self.candidates[int(torch.argmin(session.total))]
 
-    def _view_context(self, session: _Session, view: str, context: list[int]) -> list[int]:
-        if view == "full":
+    @property
+    def reads_images(self) -> bool:
+        return any(view in IMAGE_VIEWS for view in self.views)
+
+    def _view_context(self, session: _Session, view: str, context: list[int], placeholder: int | None) -> list[int]:
+        if placeholder is not None:   # a VLM request
+            if view == "multimodal":
+                return context
+            if view == "pooled":
+                images = self.kv.images
+                return pooled_view(context, images.tokens_per_image, images.pooled)
+            context = draft_view(context, placeholder)
+        if view in ("full", "multimodal", "text-only", "pooled"):
             return context
         if len(context) < session.searched:   # not a continuation: search it whole
             session.turn_start = session.searched = 0
@@ -237,7 +261,7 @@ class EnsembleDraftLM(BatchedDraftLM):
                 slot = self._slot(f"{ask.session_id}/{view}", taken)
                 taken.add(slot)
                 row.append(slot)
-                tokens = self._view_context(session, view, ask.context)
+                tokens = self._view_context(session, view, ask.context, ask.image_placeholder)
                 lengths[-1].append(len(tokens))
                 missing = self.kv.sync(slot, tokens)
                 if not missing:   # all cached, but the root's logits were not kept: feed the root again

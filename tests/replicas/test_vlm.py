@@ -9,7 +9,8 @@ from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.engine import in_process_server, run_batch, speculative_generate
-from specserve.replicas.image_tokens import VIRTUAL_BASE, draft_view, placeholder_for
+from specserve.replicas import image_tokens
+from specserve.replicas.image_tokens import VIRTUAL_BASE, draft_view, placeholder_for, pooled_view
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
@@ -127,3 +128,77 @@ def test_the_prefix_cache_keys_on_the_picture(vlm):
     assert not set(first[before:before + store.tokens_per_image]) & set(target.kv.tokens[0])   # picture 5's are gone
     again = run(other)
     assert again.token_ids == got.token_ids and store.encoded_images == encoded + 1
+
+
+ALL_VIEWS = ("multimodal", "text-only", "pooled")
+VIEW_CASES = [((view,), "adaptive") for view in ALL_VIEWS] + [(ALL_VIEWS, "adaptive"), (ALL_VIEWS, "static")]
+
+
+@pytest.mark.parametrize("views, weights", VIEW_CASES, ids=lambda v: "+".join(v) if isinstance(v, tuple) else v)
+def test_tabed_views_and_their_ensembles_equal_plain(vlm, views, weights):
+    """TABED's views of a VLM request as rows of one draft forward (one view alone, or mixed): the
+    multimodal view reads the pictures through the target's image store, the pooled view their
+    averaged blocks; whatever the mix, the output is the target's."""
+    model, lm, store = vlm
+    near = perturbed(lm, seed=1)
+    server = in_process_server("near", DraftLM("near", near), ensemble={"views": views, "weights": weights},
+                               images=store)
+    accepted = 0
+    for seed in (1, 2):
+        prompt = image_prompt_ids(TEXT, [picture(seed)], store.register, IMAGE_TOKEN)
+        expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
+        request = SpecRequest(prompt, NEW_TOKENS, GREEDY, "near", 3, request_id=f"{seed}", image_placeholder=IMAGE_TOKEN)
+        got = run_batch(Target(lm, images=store), {"near": server}, [request])[0]
+        assert got.token_ids == expected, f"{views} {weights} picture {seed}"
+        accepted += got.stats.accepted
+    assert accepted > 0
+
+
+def test_the_pooled_view_averages_blocks_of_the_patch_grid(vlm):
+    model, lm, store = vlm
+    prompt = image_prompt_ids([5, IMAGE_TOKEN, 6], [picture(7)], store.register, IMAGE_TOKEN)
+    pooled = pooled_view(prompt, store.tokens_per_image, store.pooled)
+    assert len(pooled) == 2 + store.pooled and pooled[0] == 5 and pooled[-1] == 6
+    rows = store.rows(torch.tensor(prompt[1:-1])).view(4, 4, -1)   # the tiny tower's 4 x 4 grid
+    means = store.rows(torch.tensor(pooled[1:-1]))
+    assert torch.allclose(means[0], rows[:2, :2].reshape(-1, rows.shape[-1]).mean(0))
+    assert torch.allclose(means[3], rows[2:, 2:].reshape(-1, rows.shape[-1]).mean(0))
+
+
+def test_picture_views_need_the_targets_image_store(vlm):
+    with pytest.raises(ValueError, match="read pictures"):
+        in_process_server("near", DraftLM("near", perturbed(vlm[1], seed=1)), ensemble={"views": ("multimodal",)})
+
+
+@pytest.mark.slow
+def test_sampled_output_through_the_mixed_views_follows_the_vlm(vlm):
+    """Sampling (t = 1): the first two tokens after a picture, drafted by the three views' mix and
+    verified against it, are distributed as the VLM's own (chi-square against its exact joint,
+    computed by its forward with the pixels)."""
+    from chi_square import chi_square_pvalue
+    from specserve.replicas.sampling import logits_to_probs
+    from tiny_models import VOCAB
+
+    model, lm, store = vlm
+    params = SamplingParams(temperature=1.0)
+    prompt = image_prompt_ids(TEXT, [picture(8)], store.register, IMAGE_TOKEN)
+    # The language model over the prompt's embeddings, the picture's rows in its image tokens (the
+    # rows plain decoding reads, equal to the VLM's own generate above): a second token equal to
+    # the placeholder id is text there, which the VLM's forward would take for a picture's slot.
+    weight = lm.get_input_embeddings().weight
+    with torch.inference_mode():
+        embeds = image_tokens.embed(torch.tensor([prompt]), weight, store)
+        first = logits_to_probs(lm(inputs_embeds=embeds).logits[0, -1], params)
+        rows = torch.cat([embeds.expand(VOCAB, -1, -1), weight[torch.arange(VOCAB)][:, None]], dim=1)
+        second = logits_to_probs(lm(inputs_embeds=rows).logits[:, -1], params)
+    joint = first[:, None] * second
+    server = in_process_server("near", DraftLM("near", perturbed(lm, seed=1)), ensemble={"views": ALL_VIEWS},
+                               images=store)
+    requests = [SpecRequest(prompt, 3, SamplingParams(1.0, seed=seed), "near", 2, request_id=f"s{seed}",
+                            image_placeholder=IMAGE_TOKEN) for seed in range(3000)]
+    gens = run_batch(Target(lm, slots=16, images=store), {"near": server}, requests)
+    counts = torch.zeros(VOCAB, VOCAB)
+    for gen in gens:
+        counts[gen.token_ids[0], gen.token_ids[1]] += 1
+    assert chi_square_pvalue(counts, joint) > 1e-3
+    assert sum(gen.stats.accepted for gen in gens) > 150
