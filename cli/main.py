@@ -700,6 +700,36 @@ def bench_suffix(
         fail(str(err))
 
 
+@bench_app.command("multimodal")
+def bench_multimodal(
+    json_path: Path = typer.Option(Path("bench-multimodal.json"), "--json", help="Where to write the rows."),
+    plot_path: Path = typer.Option(Path("bench-multimodal.png"), "--plot", help="Where to write the plot."),
+    target: str = typer.Option("smollm2-vlm", help="A VLM target (a local LLaVA-class folder)."),
+    draft: str = typer.Option("smollm2-draft-2l", help="The draft LM whose views are compared."),
+    pictures: int = typer.Option(6, help="Held-out pictures per category."),
+    categories: Optional[str] = typer.Option(None, help="Comma-separated picture categories; default: all."),
+    max_tokens: int = typer.Option(16, help="New tokens per answer at most."),
+    window: int = typer.Option(3, help="Window: draft tokens per step."),
+    repeats: int = typer.Option(2, help="Times every picture runs every row."),
+    dtype: str = typer.Option("bfloat16", help="auto, float32 or bfloat16."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """TABED's drafting views of VLM requests side by side, per picture category: multimodal,
+    text-only, pooled, their adaptive and static ensembles, and target-only (tokens/s and mean
+    accepted length)."""
+    from specserve.bench.multimodal import MultimodalBenchConfig, run_multimodal_bench
+    from specserve.data.synthetic_images import CATEGORIES
+
+    set_threads(threads)
+    try:
+        run_multimodal_bench(MultimodalBenchConfig(
+            json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
+            categories=tuple(_names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
+            repeats=repeats, dtype=dtype))
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
 @bench_app.command("policies")
 def bench_policies(
     json_path: Path = typer.Option(Path("bench-policies.json"), "--json", help="Where to write the rows."),
