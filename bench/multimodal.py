@@ -11,6 +11,12 @@ seconds, its mean accepted length the emitted tokens per step.
 
 Aim (TABED's robustness claim): the ensemble at least 0.97x the best single view on every
 category, and above it on the mix.
+
+Sparrow's rows (``--frames``): prompts showing 1, 4 or 16 pictures ("frames") and a question,
+drafted by the zoo's EAGLE-3 head with full attention and with Sparrow's text-anchored window
+(``HSRDraft(windowed=True)``): the draft's milliseconds per drafted token (its catch-up on the
+prompt included) and its acceptance rate. Aims: the windowed draft's cost at 16 frames at most
+1.3x its cost at 1 frame, its α within 0.05 of the full-attention draft's.
 """
 
 from __future__ import annotations
@@ -41,13 +47,18 @@ class MultimodalBenchConfig:
     window: int = 3
     repeats: int = 2
     dtype: str = "bfloat16"
+    frames: tuple[int, ...] = (1, 4, 16)
+    frame_prompts: int = 4
+    head: str = "smollm2-eagle3"
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.categories) - set(CATEGORIES))
         if unknown:
             raise ValueError(f"unknown categories {unknown}; known: {', '.join(CATEGORIES)}")
-        if min(self.pictures, self.max_tokens, self.window, self.repeats) < 1:
-            raise ValueError("--pictures, --max-tokens, --window and --repeats must be at least 1")
+        if min(self.pictures, self.max_tokens, self.window, self.repeats, self.frame_prompts) < 1:
+            raise ValueError("--pictures, --max-tokens, --window, --repeats and --frame-prompts must be at least 1")
+        if any(f < 1 for f in self.frames):
+            raise ValueError(f"--frames are pictures per prompt, each at least 1; got {list(self.frames)}")
 
 
 def _ensembles(draft: str) -> dict[str, dict]:
@@ -59,7 +70,8 @@ def _ensembles(draft: str) -> dict[str, dict]:
 def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | None = None, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    engine = engine or SpecEngine.load(config.target, dtype=config.dtype, ensembles=_ensembles(config.draft))
+    engine = engine or SpecEngine.load(config.target, dtype=config.dtype, ensembles=_ensembles(config.draft),
+                                       draft_models=[config.head] if config.frames else [])
     if engine.images is None:
         raise ValueError(f"{config.target} reads text only: the multimodal benchmark needs a VLM target")
     work = [(c, example(TEST_SEED + SEED_OFFSET + 1000 * i + n, c))
@@ -91,12 +103,71 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
         tokens, seconds, steps = (sum(c[k] for c in cells) for k in ("tokens", "seconds", "steps"))
         rows.append({"view": row, "category": "mix", "tokens_per_s": round(tokens / seconds, 2),
                      "mean_accepted_len": round(tokens / max(1, steps), 3)})
+    frames = frame_rows(engine, config, progress) if config.frames else []
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.__dict__.items()},
-              "machine": machine, "date": time.strftime("%Y-%m-%d"), "rows": rows, "aims": aims(rows)}
+              "machine": machine, "date": time.strftime("%Y-%m-%d"), "rows": rows, "aims": aims(rows),
+              "frames": frames, "frame_aims": frame_aims(frames)}
     config.json_path.write_text(json.dumps(result, indent=2))
     plot(result, config.plot_path)
     print(format_table(result))
     return result
+
+
+def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool = True) -> list[dict]:
+    """Rows ``{draft_attention, frames, draft_ms_per_token, acceptance_rate, mean_accepted_len}``:
+    the head with full and with windowed attention on prompts of ``frames`` pictures."""
+    from tqdm import tqdm
+
+    from specserve.replicas.drafts.base import draft_model
+    from specserve.replicas.drafts.hsr_draft import HSRDraft
+
+    head = draft_model(engine.drafts[config.head])
+    names = {"full": config.head, "windowed": f"{config.head}-windowed"}
+    engine.drafts[names["windowed"]] = HSRDraft(names["windowed"], head, windowed=True)
+    engine.servers = engine._servers()
+    warm = example(TEST_SEED + SEED_OFFSET + 899_999)
+    for name in names.values():   # untimed: each draft's first call pays its warm-up
+        engine.generate(GenerateRequest(warm.question, max_tokens=4, draft=name, window=config.window,
+                                        images=(warm.image,)))
+    rows = []
+    bar = tqdm(total=len(config.frames) * config.frame_prompts * 2, desc="bench multimodal frames", disable=not progress)
+    for frames in config.frames:
+        prompts = []
+        for n in range(config.frame_prompts):
+            pictures = [example(TEST_SEED + SEED_OFFSET + 900_000 + 100 * n + f) for f in range(frames)]
+            prompts.append((pictures, pictures[-1].question.replace("the picture", "the last picture")))
+        for attention, name in names.items():
+            drafted = accepted = rejected = emitted = steps = 0
+            seconds = 0.0
+            for pictures, question in prompts:
+                engine.reset_caches()
+                ids = engine.encode(question, images=tuple(p.image for p in pictures))
+                stats = engine.generate_ids(ids, GenerateRequest(question, max_tokens=config.max_tokens, draft=name,
+                                                                 window=config.window)).stats
+                seconds += stats.draft_s
+                drafted += sum(stats.windows)
+                accepted, rejected = accepted + stats.accepted, rejected + stats.rejections
+                emitted, steps = emitted + stats.emitted, steps + stats.steps
+                bar.update()
+            rows.append({"draft_attention": attention, "frames": frames,
+                         "draft_ms_per_token": round(1e3 * seconds / max(1, drafted), 3),
+                         "acceptance_rate": round(accepted / max(1, accepted + rejected), 3),
+                         "mean_accepted_len": round(emitted / max(1, steps), 3)})
+    bar.close()
+    return rows
+
+
+def frame_aims(rows: list[dict]) -> dict:
+    """Windowed cost at the most frames over its cost at the fewest (aim ≤ 1.3), and its α against
+    full attention's at every frame count (aim: within 0.05)."""
+    if not rows:
+        return {}
+    by = {(r["draft_attention"], r["frames"]): r for r in rows}
+    frames = sorted({r["frames"] for r in rows})
+    growth = by[("windowed", frames[-1])]["draft_ms_per_token"] / max(1e-9, by[("windowed", frames[0])]["draft_ms_per_token"])
+    gaps = {f: round(by[("windowed", f)]["acceptance_rate"] - by[("full", f)]["acceptance_rate"], 3) for f in frames}
+    return {"windowed_cost_growth": round(growth, 3), "alpha_gap": gaps,
+            "met": growth <= 1.3 and all(abs(g) <= 0.05 for g in gaps.values())}
 
 
 def aims(rows: list[dict]) -> dict:
@@ -123,6 +194,14 @@ def format_table(result: dict) -> str:
     ratios = result["aims"]["ensemble_over_best_view"]
     lines.append("ensemble / best view: " + ", ".join(f"{c} {v:.3f}" for c, v in ratios.items())
                  + f"  (aim >= 0.97 each, > 1 on the mix: {'met' if result['aims']['met'] else 'not met'})")
+    if result.get("frames"):
+        lines.append(f"{'attention':<10}{'frames':>7}{'ms/drafted token':>18}{'alpha':>8}{'tau':>7}")
+        for r in result["frames"]:
+            lines.append(f"{r['draft_attention']:<10}{r['frames']:>7}{r['draft_ms_per_token']:>18.3f}"
+                         f"{r['acceptance_rate']:>8.3f}{r['mean_accepted_len']:>7.2f}")
+        aim = result["frame_aims"]
+        lines.append(f"windowed cost growth {aim['windowed_cost_growth']:.2f}x (aim <= 1.3), alpha gap "
+                     f"{aim['alpha_gap']} (aim within 0.05): {'met' if aim['met'] else 'not met'}")
     return "\n".join(lines)
 
 

@@ -712,11 +712,15 @@ def bench_multimodal(
     window: int = typer.Option(3, help="Window: draft tokens per step."),
     repeats: int = typer.Option(2, help="Times every picture runs every row."),
     dtype: str = typer.Option("bfloat16", help="auto, float32 or bfloat16."),
+    frames: str = typer.Option("1,4,16", help="Pictures per prompt for Sparrow's rows (full vs windowed "
+                                               "attention of --head); empty: none."),
+    frame_prompts: int = typer.Option(4, help="Prompts per frame count."),
+    head: str = typer.Option("smollm2-eagle3", help="The hidden-state-reuse head of Sparrow's rows."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """TABED's drafting views of VLM requests side by side, per picture category: multimodal,
     text-only, pooled, their adaptive and static ensembles, and target-only (tokens/s and mean
-    accepted length)."""
+    accepted length); then Sparrow's windowed draft against full attention as pictures grow."""
     from specserve.bench.multimodal import MultimodalBenchConfig, run_multimodal_bench
     from specserve.data.synthetic_images import CATEGORIES
 
@@ -725,7 +729,8 @@ def bench_multimodal(
         run_multimodal_bench(MultimodalBenchConfig(
             json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
             categories=tuple(_names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
-            repeats=repeats, dtype=dtype))
+            repeats=repeats, dtype=dtype, frames=tuple(int(f) for f in _names(frames) or ()),
+            frame_prompts=frame_prompts, head=head))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

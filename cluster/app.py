@@ -50,7 +50,7 @@ def build_app(args: AppConfig) -> Application:
         spec.name: spec.model_dump() if placements[spec.name].where == INSIDE else DraftDeployment.options(
             name=draft_deployment(spec.name), request_router_config=SESSION_AFFINITY
         ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle,
-               ensemble=spec.ensemble.model_dump() if spec.ensemble else None)
+               ensemble=spec.ensemble.model_dump() if spec.ensemble else None, windowed=spec.windowed)
         for spec in config.drafts
     }
     target_config = TargetConfig(

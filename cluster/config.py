@@ -87,6 +87,9 @@ class DraftSpec(BaseModel):
         description="A draft LM only: draft its chains as a TABED ensemble of several views of the context, mixed "
         "with weights adapted to what the target verified (trees: the full view alone).",
     )
+    windowed: bool = Field(
+        False, description="A hidden-state-reuse head only: on a VLM request, attend to the text positions alone "
+        "(Sparrow's text-anchored window), so a drafted token's cost stays flat as pictures grow.")
     placement: Literal["auto", "inside", "separate"] = Field(
         AUTO,
         description="Where the draft runs: inside each target replica (no handle call per step; it scales and "

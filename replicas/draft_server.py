@@ -52,14 +52,14 @@ def text_view(ask: ProposeRequest) -> ProposeRequest:
     placeholder (an id past a draft's vocabulary would fail its embedding)."""
     if ask.image_placeholder is None:
         return ask
-    return replace(ask, context=draft_view(ask.context, ask.image_placeholder), image_placeholder=None)
+    return replace(ask, context=draft_view(ask.context, ask.image_placeholder))
 
 
 class DraftServer:
     def __init__(self, name: str, model: str | None = None, dtype: str = "auto", torch_threads: int | None = None,
                  kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None,
                  method: str | None = None, seed_outputs: str | None = None, ensemble: dict | None = None,
-                 tokenizer=None, images=None):
+                 tokenizer=None, images=None, windowed: bool = False):
         """``model``: a draft LM or HSR head to load; None: the model-free ``method``, prompt lookup
         or suffix (its index seeded with the answers in ``seed_outputs``). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
@@ -68,7 +68,9 @@ class DraftServer:
         views, weights, distance, history); ``tokenizer`` finds the last-turn view's marker
         in-process (a loaded model brings its own). ``images``: the target's ``ImageStore`` when
         the draft runs beside it, so an ensemble's multimodal and pooled views read a VLM
-        request's pictures; every other draft reads the image placeholder in their place."""
+        request's pictures; every other draft reads the image placeholder in their place.
+        ``windowed``: a hidden-state-reuse head attends to a VLM request's text positions alone
+        (Sparrow's text-anchored window, ``HSRDraft``)."""
         self.name = name
         self.images = images
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
@@ -110,7 +112,7 @@ class DraftServer:
             if self._needs_features:
                 self._reads(loaded.model)
             self._adopt(loaded.model)
-            self.pool = SessionPool(lambda: draft_from_model(name, loaded.model), keep_idle=kv_sessions_idle)
+            self.pool = SessionPool(lambda: draft_from_model(name, loaded.model, windowed), keep_idle=kv_sessions_idle)
             if ensemble:
                 self._ensemble(loaded.model, ensemble, loaded.tokenizer)
         logger.info("draft %s ready (%s)", name, model or ("in-process" if make_draft else "suffix, no model" if self.suffix

@@ -62,7 +62,8 @@ def in_process_server(name: str, draft: Draft, ensemble: dict | None = None, tok
     ``ensemble``: a draft LM's chains as a TABED ensemble of its views (``DraftServer``);
     ``images``: a VLM target's ``ImageStore``, which its picture views read."""
     model = draft_model(draft)
-    make = (lambda: draft) if model is None else (lambda: draft_from_model(name, model))
+    windowed = getattr(draft, "windowed", False)
+    make = (lambda: draft) if model is None else (lambda: draft_from_model(name, model, windowed))
     return DraftServer(name, worker=InlineWorker(), make_draft=make, ensemble=ensemble, tokenizer=tokenizer,
                        images=images)
 

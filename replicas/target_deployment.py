@@ -152,7 +152,8 @@ class TargetDeployment:
             if isinstance(d, dict):
                 resolved[name] = DraftServer(name, d["model"], config.dtype, kv_sessions_idle=config.kv_sessions_idle,
                                              worker=self._worker, method=d.get("method"), seed_outputs=d.get("seed_outputs"),
-                                             ensemble=d.get("ensemble"), images=self.images)
+                                             ensemble=d.get("ensemble"), images=self.images,
+                                             windowed=d.get("windowed", False))
             else:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).

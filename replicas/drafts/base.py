@@ -121,6 +121,8 @@ def propose(draft: Draft, ask: ProposeRequest, generator: torch.Generator | None
     extra = {"features": ask.features, "features_start": ask.features_start} if needs_features(draft) else {}
     if getattr(draft, "by_cache_salt", False):
         extra["cache_salt"] = ask.cache_salt
+    if getattr(draft, "reads_image_positions", False):
+        extra["image_placeholder"] = ask.image_placeholder
     if ask.tree is not None:
         return draft.propose_tree(ask.context, ask.tree, **extra)
     return draft.propose(ask.context, ask.window, ask.params, generator, **extra)

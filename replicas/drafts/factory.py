@@ -9,7 +9,7 @@ from specserve.replicas.drafts.hsr_draft import HSRDraft
 from specserve.replicas.drafts.hsr_head import HSRHead
 
 
-def draft_from_model(name: str, model) -> Draft:
-    """A hidden-state-reuse head reads the target's states; any other causal LM drafts from
-    tokens alone."""
-    return HSRDraft(name, model) if isinstance(model, HSRHead) else DraftLM(name, model)
+def draft_from_model(name: str, model, windowed: bool = False) -> Draft:
+    """A hidden-state-reuse head reads the target's states (``windowed``: Sparrow's text-anchored
+    attention on VLM requests, ``HSRDraft``); any other causal LM drafts from tokens alone."""
+    return HSRDraft(name, model, windowed) if isinstance(model, HSRHead) else DraftLM(name, model)

@@ -13,9 +13,19 @@ position: the head's layers side by side ([n, n_layers·H]) for a head that fuse
 rows than the call assumes raises ``MissingFeatures`` with the count it has, and the caller
 re-sends from there. On a request's first step the target has not run yet, so there are no states
 and the proposal is empty: the first token comes from the target's prefill, as in EAGLE.
+
+``windowed`` (Sparrow's text-anchored window attention, VATA, Eq. 2): on a VLM request the head's
+cache keeps the text positions only — the anchors, whose target states already carry what the
+target read of the pictures (HSR, Eq. 1) — and the image tokens are never fed to it, so a drafted
+token's cost stays flat however many pictures (frames) the prompt holds. Where this deviates from
+Sparrow: its window also keeps the most recent positions whatever they are; here the newest
+positions of a chat prompt are text anyway (the question and the turn markers after the
+pictures), so text anchors alone are the window. Text requests are unchanged.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 
@@ -38,17 +48,20 @@ class MissingFeatures(Exception):
 class HSRSession:
     """One sequence's state: tokens, the target's states for a prefix, the head's exact KV."""
 
-    def __init__(self, head):
+    def __init__(self, head, windowed: bool = False):
         self.head = head
+        self.windowed = windowed
+        self.placeholder: int | None = None   # a VLM request's image token, as drafts read it
         self.tokens: list[int] = []
         # [N, H]: target states of positions 0..N-1, fused when the head reads several layers
         self.features: torch.Tensor | None = None
-        self.keys: torch.Tensor | None = None        # [1, heads, M, d]: positions 1..M, fed exactly
+        self.keys: torch.Tensor | None = None        # [1, heads, C, d]: the cached positions, fed exactly
         self.values: torch.Tensor | None = None
+        self.fed = 0                                 # M: positions 1..M are fed (or skipped: ``windowed``)
+        self.cached: list[int] = []                  # the positions in the cache, ascending (C of them)
 
     @property
-    def fed(self) -> int:
-        """M: positions 1..M are in the head's cache."""
+    def cache_len(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
     @property
@@ -57,14 +70,17 @@ class HSRSession:
 
     def reset(self) -> None:
         self.tokens, self.features, self.keys, self.values = [], None, None, None
+        self.fed, self.cached = 0, []
 
     def _crop(self, tokens: int, features: int) -> None:
         self.tokens = self.tokens[:tokens]
         if self.features is not None:
             self.features = self.features[:features]
-        fed = min(self.fed, tokens - 1, features)   # position p needs token p and state p-1
+        self.fed = max(0, min(self.fed, tokens - 1, features))   # position p needs token p and state p-1
+        keep = bisect.bisect_right(self.cached, self.fed)
+        self.cached = self.cached[:keep]
         if self.keys is not None:
-            self.keys, self.values = (self.keys[:, :, :fed], self.values[:, :, :fed]) if fed > 0 else (None, None)
+            self.keys, self.values = (self.keys[:, :, :keep], self.values[:, :, :keep]) if keep > 0 else (None, None)
 
     def sync(self, context: list[int], features: torch.Tensor | None, features_start: int) -> None:
         """Take ``context`` and the target states ``features`` of positions ``features_start..``."""
@@ -89,30 +105,43 @@ class HSRSession:
         root = len(self.tokens) - 1
         if root < 1 or self.known < root:
             return None
-        first = self.fed + 1
-        if first > root:   # all fed, but the root's output was not kept: re-feed the root
-            self.keys, self.values = self.keys[:, :, :-1], self.values[:, :, :-1]
-            first = root
+        if self.fed >= root:   # all fed, but the root's output was not kept: re-feed the root
+            self.fed = root - 1
+            keep = bisect.bisect_right(self.cached, self.fed)
+            self.cached = self.cached[:keep]
+            self.keys, self.values = (self.keys[:, :, :keep], self.values[:, :, :keep]) if keep else (None, None)
+        fresh = range(self.fed + 1, root + 1)
+        if self.windowed and self.placeholder is not None:   # VATA: text anchors only (the root is text)
+            fresh = [p for p in fresh if self.tokens[p] != self.placeholder or p == root]
+        fresh = list(fresh)
         device = self.head.device
-        positions = torch.arange(first, root + 1, device=device)
-        tokens = torch.tensor([self.tokens[first:root + 1]], device=device)
-        z = self.head.inputs(tokens, self.features[first - 1:root][None])
-        out, k, v = self.head.step(z, positions, self.keys, self.values)
+        positions = torch.tensor(fresh, device=device)
+        tokens = torch.tensor([[self.tokens[p] for p in fresh]], device=device)
+        states = self.features[torch.tensor(fresh, device=self.features.device) - 1][None]
+        # Causal over the cache's order (ascending positions, gaps where pictures were skipped);
+        # rotary angles come from the true positions.
+        out, k, v = self.head.step(self.head.inputs(tokens, states), positions, self.keys, self.values)
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        self.cached.extend(fresh)
+        self.fed = root
         return out[:, -1:]
 
 
 class HSRDraft:
     needs_features = True
+    reads_image_positions = True   # told a VLM request's placeholder (``windowed`` skips those positions)
 
-    def __init__(self, name: str, head):
+    def __init__(self, name: str, head, windowed: bool = False):
         self.name = name
         self.head = head
-        self.session = HSRSession(head)
+        self.windowed = windowed
+        self.session = HSRSession(head, windowed)
 
     def propose(self, context: list[int], window: int, params: SamplingParams, generator: torch.Generator | None,
-                features: torch.Tensor | None = None, features_start: int = 0) -> Proposal:
+                features: torch.Tensor | None = None, features_start: int = 0,
+                image_placeholder: int | None = None) -> Proposal:
+        self.session.placeholder = image_placeholder
         self.session.sync(context, features, features_start)
         if window <= 0:
             return Proposal.empty()
@@ -136,16 +165,17 @@ class HSRDraft:
             return draft_chain(self.head.head_logits(hidden)[0, -1], window, params, generator, next_logits, self.head)
 
     def propose_tree(self, context: list[int], shape: TreeShape, features: torch.Tensor | None = None,
-                     features_start: int = 0) -> Proposal:
+                     features_start: int = 0, image_placeholder: int | None = None) -> Proposal:
         """An EAGLE-2-style tree (``TreeGrowth``). A node is fed its parent's output and sees the
         exact cache plus its own ancestors."""
+        self.session.placeholder = image_placeholder
         self.session.sync(context, features, features_start)
         with torch.inference_mode():
             root = self.session.root_hidden()
             if root is None:
                 return Proposal.empty()
             device = self.head.device
-            exact = self.session.fed
+            exact = self.session.cache_len
             keys, values = self.session.keys, self.session.values
             growth = TreeGrowth(shape)
             outputs: list[torch.Tensor] = []      # [H] per fed node, in node order

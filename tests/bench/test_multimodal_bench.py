@@ -20,3 +20,19 @@ def test_the_table_names_every_row_and_the_verdict():
     result = {"rows": rows({"bars": 11.0, "mix": 11.0}), "aims": aims(rows({"bars": 11.0, "mix": 11.0}))}
     table = format_table(result)
     assert all(view in table for view in ROWS) and "not met" in table
+
+
+def test_sparrows_aims_are_a_flat_cost_and_alpha_within_005():
+    from specserve.bench.multimodal import frame_aims
+
+    def row(attention, frames, ms, alpha):
+        return {"draft_attention": attention, "frames": frames, "draft_ms_per_token": ms, "acceptance_rate": alpha,
+                "mean_accepted_len": 1.5}
+
+    flat = [row("full", 1, 2.0, 0.50), row("windowed", 1, 2.0, 0.48), row("full", 16, 6.0, 0.50),
+            row("windowed", 16, 2.4, 0.47)]
+    aims = frame_aims(flat)
+    assert aims["windowed_cost_growth"] == 1.2 and aims["alpha_gap"] == {1: -0.02, 16: -0.03} and aims["met"]
+    assert not frame_aims([*flat[:3], row("windowed", 16, 2.8, 0.47)])["met"]   # 1.4x
+    assert not frame_aims([*flat[:3], row("windowed", 16, 2.0, 0.40)])["met"]   # α 0.10 below
+    assert frame_aims([]) == {}

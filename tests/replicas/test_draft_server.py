@@ -126,3 +126,25 @@ def test_a_draft_lm_served_as_an_ensemble_drafts_through_its_views_and_an_hsr_he
     assert proposal.tokens[0] == int((0.5 * full_q + 0.5 * turn_q).argmax()) != int(full_q.argmax())
     with pytest.raises(ValueError, match="hidden-state-reuse head"):
         DraftServer("tabed", str(head_dir), "float32", ensemble={"views": ["full", "last-turn"]})
+
+
+def test_a_served_head_asked_for_the_windowed_attention_skips_a_vlm_requests_image_positions(pair):
+    """``windowed`` from the config reaches every session's head: on an ask whose context holds
+    image tokens (ids past the vocabulary, the placeholder 3 in their stead), the session caches
+    text positions only."""
+    from specserve.replicas.image_tokens import VIRTUAL_BASE
+
+    target_model, head_dir = pair
+    picture = list(range(VIRTUAL_BASE, VIRTUAL_BASE + 8))
+    context = [5, 6, *picture, 7, 8, 9, 5, 6]
+    placeholder_view = [3 if t >= VIRTUAL_BASE else t for t in context]
+    target = Target(target_model)
+    target.verify_one(placeholder_view, Proposal.empty(), GREEDY)   # states of the placeholder view
+    for windowed, cached in ((False, list(range(1, len(context)))), (True, [1, 10, 11, 12, 13, 14])):
+        server = DraftServer("hsr", str(head_dir), dtype="float32", windowed=windowed)
+        ask = ProposeRequest("s", context, 3, None, GREEDY, features=target.features(placeholder_view, 0),
+                             image_placeholder=3)
+        [proposal] = asyncio.run(server.propose_batch([ask]))
+        assert len(proposal.tokens) == 3
+        with server.pool.using("s", placeholder_view) as draft:
+            assert draft.session.cached == cached, windowed

@@ -202,3 +202,49 @@ def test_sampled_output_through_the_mixed_views_follows_the_vlm(vlm):
         counts[gen.token_ids[0], gen.token_ids[1]] += 1
     assert chi_square_pvalue(counts, joint) > 1e-3
     assert sum(gen.stats.accepted for gen in gens) > 150
+
+
+@pytest.fixture(scope="module")
+def hsr_head(vlm):
+    from tiny_hsr import trained_hsr_head
+
+    return trained_hsr_head(vlm[1])
+
+
+def test_the_windowed_hsr_draft_caches_text_anchors_only(vlm, hsr_head):
+    """Sparrow's VATA: the head's cache holds the text positions of a VLM prompt, never its image
+    tokens; the full-attention head holds every position."""
+    from specserve.replicas.drafts.hsr_draft import HSRDraft
+
+    model, lm, store = vlm
+    prompt = image_prompt_ids([5, 6, IMAGE_TOKEN, 7, IMAGE_TOKEN, 8, 9, 5, 6], [picture(9), picture(10)],
+                              store.register, IMAGE_TOKEN)
+    context = draft_view(prompt, IMAGE_TOKEN)
+    with torch.inference_mode():
+        embeds = image_tokens.embed(torch.tensor([prompt]), lm.get_input_embeddings().weight, store)
+        states = lm(inputs_embeds=embeds, output_hidden_states=True).hidden_states[-2][0]
+    root = len(context) - 1
+    for windowed, want in ((False, list(range(1, root + 1))),
+                           (True, [p for p in range(1, root + 1) if context[p] != IMAGE_TOKEN])):
+        draft = HSRDraft("hsr", hsr_head, windowed=windowed)
+        proposal = draft.propose(context, 3, GREEDY, None, features=states[:root], features_start=0,
+                                 image_placeholder=IMAGE_TOKEN)
+        assert len(proposal.tokens) == 3
+        assert draft.session.cached == want and draft.session.cache_len == len(want)
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["full", "windowed"])
+@pytest.mark.parametrize("speculation", [{"window": 3}, {"tree": TreeShape(3, 2, 6)}], ids=["chain", "tree"])
+def test_hsr_drafts_on_image_prompts_equal_plain(vlm, hsr_head, windowed, speculation):
+    from specserve.replicas.drafts.hsr_draft import HSRDraft
+
+    model, lm, store = vlm
+    accepted = 0
+    for seed in (1, 2):
+        prompt = image_prompt_ids(TEXT, [picture(seed)], store.register, IMAGE_TOKEN)
+        expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
+        got = speculative_generate(Target(lm, images=store), HSRDraft("hsr", hsr_head, windowed=windowed), prompt,
+                                   NEW_TOKENS, GREEDY, **speculation)
+        assert got.token_ids == expected, f"picture {seed}"
+        accepted += got.stats.accepted
+    assert accepted > 0
