@@ -70,7 +70,9 @@ def test_target_only_equals_hf_generate(engine, prompt_ids, expected):
         assert len(out) == NEW_TOKENS or out[-1] in engine.loaded.eos_token_ids
 
 
-@pytest.mark.parametrize("window", [1, 8])
+# One window on the reference target (the tiny models take every window 1..8; the zoo drafts'
+# test below runs chains of 3 and trees on it too).
+@pytest.mark.parametrize("window", [8])
 def test_prompt_lookup_chain(engine, prompt_ids, expected, window):
     target = Target(engine.loaded.model)
     draft = engine.drafts["prompt-lookup"]

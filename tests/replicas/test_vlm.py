@@ -208,7 +208,7 @@ def test_sampled_output_through_the_mixed_views_follows_the_vlm(vlm):
 def hsr_head(vlm):
     from tiny_hsr import trained_hsr_head
 
-    return trained_hsr_head(vlm[1])
+    return trained_hsr_head(vlm[1], steps=120)
 
 
 def test_the_windowed_hsr_draft_caches_text_anchors_only(vlm, hsr_head):
