@@ -136,17 +136,17 @@ class ImageStore:
 
     def _pooled_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Pooled tokens' rows: the mean of each block of the picture's square patch grid."""
-        side = math.isqrt(self.tokens_per_image)
+        side, blocks = math.isqrt(self.tokens_per_image), math.isqrt(self.pooled)
+        block = side // blocks
+        means: dict[int, torch.Tensor] = {}   # digest -> [pooled, hidden]
         rows = []
-        pooled = self.pooled
         for t in ids.tolist():
-            digest, j = divmod(t - POOLED_BASE, pooled)
-            grid = self.rows(torch.tensor([VIRTUAL_BASE + digest * self.tokens_per_image + k
-                                           for k in range(self.tokens_per_image)]))    # [T, hidden]
-            blocks, block = math.isqrt(pooled), side // math.isqrt(pooled)
-            r, c = divmod(j, blocks)
-            cells = grid.view(side, side, -1)[r * block:(r + 1) * block, c * block:(c + 1) * block]
-            rows.append(cells.reshape(-1, grid.shape[-1]).mean(0))
+            digest, j = divmod(t - POOLED_BASE, self.pooled)
+            if digest not in means:
+                base = VIRTUAL_BASE + digest * self.tokens_per_image
+                grid = self.rows(torch.arange(base, base + self.tokens_per_image)).view(side, side, -1)
+                means[digest] = grid.view(blocks, block, blocks, block, -1).mean(dim=(1, 3)).reshape(self.pooled, -1)
+            rows.append(means[digest][j])
         return torch.stack(rows)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -59,7 +59,7 @@ class SpecRequest:
     image_placeholder: int | None = None
     # The prompt's pictures as the ingress prepared them ([3, h, w] pixel tensors): the replica
     # adds them to its ImageStore, whose ids (from the pixels) the prompt already holds.
-    images: tuple = ()
+    images: tuple = field(default=(), compare=False)   # tensors: equal requests are equal by their ids
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
