@@ -128,7 +128,7 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: str = Field(REFERENCE_TARGET, description="The target model: a local folder, a .gguf file or a model-cache name; "
-                        "a vision-language model (smollm2-vlm, a LLaVA-class folder) takes pictures too.")
+                        "a vision-language model (smollm2-vlm, a LLaVA- or Idefics3-class folder) takes pictures too.")
     served_model_name: str | None = Field(
         None, description="The model id clients send as `model`; default: the target's folder name."
     )

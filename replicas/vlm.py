@@ -1,9 +1,12 @@
 """Vision-language targets: a language model that reads image tokens, and the reference VLM.
 
-A VLM here is a Hugging Face image-text-to-text model: a vision tower turns a picture into
-``tokens_per_image`` vectors, a projector maps them into the language model's embedding space, and
-they take the places of as many placeholder tokens in the prompt (LLaVA's scheme). After prefill
-the language model decodes text as any target does.
+A VLM here is a Hugging Face image-text-to-text model of the LLaVA or Idefics3 (SmolVLM) class: a
+vision tower turns a picture into ``tokens_per_image`` vectors, a projector (Idefics3: a pixel
+shuffle and a linear map) maps them into the language model's embedding space, and they take the
+places of as many placeholder tokens in the prompt. After prefill the language model decodes text
+as any target does. Idefics3's processor splits large pictures into tiles and wraps them in
+marker tokens; here a picture is one tile and its image tokens stand alone. Classes whose
+language model needs positions of their own (Qwen2-VL's multimodal rotary) are not served.
 
 The reference VLM (``smollm2-vlm`` in the zoo) is LLaVA-class: a SigLIP vision tower (96 px, 12 px
 patches: 64 image tokens) and LLaVA's two-layer projector, trained from scratch on pictures drawn
@@ -60,7 +63,13 @@ def reference_vlm_config(text_config, image_size: int = 96, patch_size: int = 12
 
 
 def tokens_per_image(config) -> int:
-    return int(config.image_seq_length)
+    """Image tokens per picture: LLaVA's ``image_seq_length``; Idefics3's patches over its pixel
+    shuffle's ``scale_factor`` squared (one tile: no image splitting)."""
+    length = getattr(config, "image_seq_length", None)
+    if length is not None:
+        return int(length)
+    vision = config.vision_config
+    return int((vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2)
 
 
 def image_token_id(config) -> int:
@@ -87,14 +96,20 @@ def build_processor(tokenizer, config) -> LlavaProcessor:
                           chat_template=CHAT_TEMPLATE, image_token=IMAGE_PLACEHOLDER, num_additional_image_tokens=0)
 
 
+def _text_model(vlm) -> torch.nn.Module:
+    """The VLM's language model body (LLaVA: ``language_model``; Idefics3: ``text_model``)."""
+    inner = vlm.model
+    return inner.language_model if hasattr(inner, "language_model") else inner.text_model
+
+
 def text_weights(model: LlavaForConditionalGeneration) -> list[torch.nn.Parameter]:
-    return [*model.model.language_model.parameters(), model.lm_head.weight]
+    return [*_text_model(model).parameters(), model.lm_head.weight]
 
 
 def attach_text(model: LlavaForConditionalGeneration, text: LoadedModel) -> None:
     """Copy the language model's weights in (``text``: the causal LM that ``text_from`` names)."""
     with torch.no_grad():
-        missing, unexpected = model.model.language_model.load_state_dict(text.model.model.state_dict(), strict=False)
+        missing, unexpected = _text_model(model).load_state_dict(text.model.model.state_dict(), strict=False)
         if unexpected or [k for k in missing if "rotary" not in k]:
             raise ValueError(f"{text.name} does not fit this VLM's language model: missing {missing}, unexpected {unexpected}")
         model.lm_head.weight.copy_(text.model.lm_head.weight)
@@ -162,7 +177,7 @@ def language_model(vlm) -> torch.nn.Module:
     target's forward runs once the image tokens are embedded."""
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(vlm.config.text_config)
-    lm.model, lm.lm_head = vlm.model.language_model, vlm.lm_head
+    lm.model, lm.lm_head = _text_model(vlm), vlm.lm_head
     lm.generation_config = vlm.generation_config
     return lm.eval()
 
@@ -180,10 +195,13 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     own forward scatters into its image tokens)."""
     prepare = pixel_preparer(image_processor)
 
+    idefics = getattr(vlm.model, "vision_model", None) is not None   # Idefics3: pictures per prompt, 5-D
+
     def encode(pixels: torch.Tensor) -> torch.Tensor:
-        tower = vlm.model.vision_tower
+        tower = vlm.model.vision_model if idefics else vlm.model.vision_tower
         weight = next(tower.parameters())
-        out = vlm.model.get_image_features(pixel_values=pixels.to(weight.device, weight.dtype))
+        pixels = pixels.to(weight.device, weight.dtype)
+        out = vlm.model.get_image_features(pixel_values=pixels[:, None] if idefics else pixels)
         features = getattr(out, "pooler_output", out)   # transformers 5: an output object
         return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
 

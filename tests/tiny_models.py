@@ -73,3 +73,20 @@ def tiny_llava(seed: int, scale: float = 8.0):
         model.lm_head.weight.mul_(scale)
     model.generation_config.eos_token_id = None   # compared over a fixed length, as the engine runs here
     return model.to(DEVICE).eval()
+
+
+def tiny_idefics3(seed: int, scale: float = 8.0):
+    """An Idefics3-class VLM (SmolVLM's architecture): a one-layer tower, a pixel-shuffle connector
+    (4 x 4 patches shuffled by 2: 4 image tokens a picture) and the tiny Llama."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    vision = {"image_size": TINY_IMAGE_SIZE, "patch_size": 8, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = Idefics3Config(vision_config=vision, text_config=tiny_config("llama").to_dict(),
+                            image_token_id=IMAGE_TOKEN, scale_factor=2)
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.generation_config.eos_token_id = None
+    return model.to(DEVICE).eval()

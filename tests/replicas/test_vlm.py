@@ -248,3 +248,29 @@ def test_hsr_drafts_on_image_prompts_equal_plain(vlm, hsr_head, windowed, specul
         assert got.token_ids == expected, f"picture {seed}"
         accepted += got.stats.accepted
     assert accepted > 0
+
+
+def test_an_idefics3_class_vlm_decodes_as_its_own_generate_and_speculates_losslessly():
+    """SmolVLM's architecture (Idefics3: a pixel-shuffle connector, pictures as a 5-D batch): the
+    same image tokens and store; plain decoding equals its generate, drafts equal plain."""
+    from tiny_models import tiny_idefics3
+
+    model = tiny_idefics3(seed=0)
+    store = image_store(model, SiglipImageProcessorPil(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}))
+    lm = language_model(model)
+    near = perturbed(lm, seed=1)
+    for seed in (1, 2):
+        prompt = image_prompt_ids(TEXT, [picture(seed)], store.register, IMAGE_TOKEN)
+        expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
+        expanded = [t for i in TEXT for t in ([i] * store.tokens_per_image if i == IMAGE_TOKEN else [i])]
+        ids = torch.tensor([expanded], device=model.device)
+        hf = model.generate(input_ids=ids, pixel_values=store.prepare(picture(seed))[None, None].to(model.device),
+                            attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert expected == hf[0, ids.shape[1]:].tolist(), f"picture {seed}"
+        for draft, speculation in ((PromptLookupDraft(), {"window": 3}), (PromptLookupDraft(), {"tree": TreeShape(3, 2, 6)}),
+                                   (DraftLM("near", near), {"window": 3})):
+            got = speculative_generate(Target(lm, images=store), draft, prompt, NEW_TOKENS, GREEDY, **speculation)
+            assert got.token_ids == expected, f"{draft.name} {speculation} picture {seed}"
+        server = in_process_server("near", DraftLM("near", near), ensemble={"views": ALL_VIEWS}, images=store)
+        request = SpecRequest(prompt, NEW_TOKENS, GREEDY, "near", 3, request_id=f"i{seed}", image_placeholder=IMAGE_TOKEN)
+        assert run_batch(Target(lm, images=store), {"near": server}, [request])[0].token_ids == expected
