@@ -187,14 +187,14 @@ class DraftServer:
         replies: list[Proposal | NeedFeatures | None] = [None] * len(asks)
         chains = [i for i, ask in enumerate(asks) if ask.tree is None and ask.window > 0]
         # An ensemble builds each view from the context as it is; every other path reads text.
-        text = [text_view(a) for a in asks]
-        seen = asks if isinstance(self._batched, EnsembleDraftLM) else text
-        asks = text
+        chained = asks if isinstance(self._batched, EnsembleDraftLM) else None
+        asks = [text_view(a) for a in asks]
+        chained = chained or asks
         if self._batched is not None and chains:
             for start in range(0, len(chains), self._batched.max_sessions):
                 part = chains[start:start + self._batched.max_sessions]
                 try:
-                    proposals = self._batched.propose_chains([seen[i] for i in part],
+                    proposals = self._batched.propose_chains([chained[i] for i in part],
                                                              [self._generator(asks[i]) for i in part])
                 except Exception as err:  # noqa: BLE001 - costs these requests their speculation
                     logger.warning("draft %s: batched proposal failed (%s: %s); those steps go plain",

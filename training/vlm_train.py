@@ -46,6 +46,8 @@ class VLMRecipe:
 
 
 RECIPE = VLMRecipe()
+# What learns (and what a checkpoint and an export hold): the tower and the projector.
+LEARNED = ("model.vision_tower.", "model.multi_modal_projector.")
 
 
 def prompt_ids(tokenizer, config, question: str) -> list[int]:
@@ -126,7 +128,7 @@ def _lr(recipe: VLMRecipe, step: int) -> float:
 
 def trainable(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items()
-            if k.startswith(("model.vision_tower.", "model.multi_modal_projector."))}
+            if k.startswith(LEARNED)}
 
 
 def default_work() -> Path:
@@ -154,7 +156,7 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
     del text
     for p in text_weights(model):
         p.requires_grad_(False)
-    learned = [p for n, p in model.named_parameters() if n.startswith(("model.vision_tower.", "model.multi_modal_projector."))]
+    learned = [p for n, p in model.named_parameters() if n.startswith(LEARNED)]
     for p in learned:
         p.data = p.data.float()
         p.requires_grad_(True)

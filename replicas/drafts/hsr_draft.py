@@ -76,8 +76,12 @@ class HSRSession:
         self.tokens = self.tokens[:tokens]
         if self.features is not None:
             self.features = self.features[:features]
-        self.fed = max(0, min(self.fed, tokens - 1, features))   # position p needs token p and state p-1
-        keep = bisect.bisect_right(self.cached, self.fed)
+        self._forget_after(max(0, min(self.fed, tokens - 1, features)))   # position p needs token p and state p-1
+
+    def _forget_after(self, position: int) -> None:
+        """Keep the cache's entries of positions up to ``position`` (which becomes ``fed``)."""
+        self.fed = position
+        keep = bisect.bisect_right(self.cached, position)
         self.cached = self.cached[:keep]
         if self.keys is not None:
             self.keys, self.values = (self.keys[:, :, :keep], self.values[:, :, :keep]) if keep > 0 else (None, None)
@@ -106,10 +110,7 @@ class HSRSession:
         if root < 1 or self.known < root:
             return None
         if self.fed >= root:   # all fed, but the root's output was not kept: re-feed the root
-            self.fed = root - 1
-            keep = bisect.bisect_right(self.cached, self.fed)
-            self.cached = self.cached[:keep]
-            self.keys, self.values = (self.keys[:, :, :keep], self.values[:, :, :keep]) if keep else (None, None)
+            self._forget_after(root - 1)
         fresh = range(self.fed + 1, root + 1)
         if self.windowed and self.placeholder is not None:   # VATA: text anchors only (the root is text)
             fresh = [p for p in fresh if self.tokens[p] != self.placeholder or p == root]
