@@ -6,8 +6,13 @@ first layers retrained, so it reads the image rows the target reads): ``multimod
 pictures' image tokens), ``text-only`` (the placeholder instead), ``pooled`` (each picture averaged
 to four tokens), ``ensemble`` (the three mixed, weights chosen every block from the verified
 tokens, TABED Alg. 1) and ``ensemble-static`` (the equal mix), against ``target-only``. Every
-picture runs every row in turn, ``--repeats`` times; a row's tokens/s is its tokens over its own
-seconds, its mean accepted length the emitted tokens per step.
+picture runs every row in turn, ``--repeats`` times, each row from cold caches; a row's tokens/s
+is its tokens over its own seconds, its mean accepted length the emitted tokens per step.
+``caption`` reads the picture as the caption the VLM writes of it: cold, every row reading it has
+its picture captioned beside its answer (an internal request of up to 24 tokens, timed with the
+row), as the first request showing a picture does; the view reads the placeholder until then.
+The ``caption`` and ``describe`` categories ask for text about the whole picture; ``describe``'s
+answers run to ~45 tokens, the others' to 2-12.
 
 Aim (TABED's robustness claim): the ensemble at least 0.97x the best single view on every
 category, and above it on the mix.
@@ -30,7 +35,7 @@ from specserve.bench.engine import machine_info
 from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example
 from specserve.replicas.engine import GenerateRequest, SpecEngine
 
-VIEWS = ("multimodal", "text-only", "pooled")
+VIEWS = ("multimodal", "text-only", "pooled", "caption")
 ROWS = (*VIEWS, "ensemble", "ensemble-static", "target-only")
 SEED_OFFSET = 500_000   # held-out pictures other than the model card's and the tests'
 
@@ -43,7 +48,7 @@ class MultimodalBenchConfig:
     draft: str = "smollm2-draft-2l"
     pictures: int = 6          # per category
     categories: tuple[str, ...] = CATEGORIES
-    max_tokens: int = 16
+    max_tokens: int = 48
     window: int = 3
     repeats: int = 2
     dtype: str = "bfloat16"
@@ -211,10 +216,12 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    rows, frames = result["rows"], result.get("frames") or []
     categories = list(dict.fromkeys(r["category"] for r in rows))
     by = {(r["view"], r["category"]): r["tokens_per_s"] for r in rows}
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    fig, axes = plt.subplots(1, 2 if frames else 1, figsize=(15 if frames else 11, 4.5), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1]} if frames else None)
+    ax = axes[0][0]
     width = 0.8 / len(ROWS)
     for i, view in enumerate(ROWS):
         ax.bar([c + i * width for c in range(len(categories))], [by[(view, c)] for c in categories], width, label=view)
@@ -222,6 +229,17 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("tokens/s")
     ax.set_title(f"TABED views of the reference VLM ({result['machine'].get('cpu_model', '?')}, {result['date']})")
     ax.legend(ncol=3, fontsize=8)
+    if frames:   # Sparrow: the draft's cost per drafted token as pictures ("frames") grow
+        ax = axes[0][1]
+        for attention in ("full", "windowed"):
+            mine = sorted((r for r in frames if r["draft_attention"] == attention), key=lambda r: r["frames"])
+            ax.plot([r["frames"] for r in mine], [r["draft_ms_per_token"] for r in mine], marker="o",
+                    label=f"{attention} attention")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("pictures per prompt")
+        ax.set_ylabel("draft ms per drafted token")
+        ax.set_title("Sparrow's windowed draft")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -37,12 +37,13 @@ class EnsembleSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    views: list[Literal["full", "last-turn", "multimodal", "text-only", "pooled"]] = Field(
+    views: list[Literal["full", "last-turn", "multimodal", "text-only", "pooled", "caption"]] = Field(
         ["full", "last-turn"], min_length=1,
         description="The drafting views, rows of one batched draft forward: full (the whole context), last-turn "
         "(from the last user turn on: earlier turns and the system prompt dropped); of a VLM request's pictures: "
         "multimodal (the image tokens as the target embeds them; a draft inside its VLM target's replica), "
-        "text-only (the pictures dropped), pooled (each picture's tokens averaged to 4). One view alone is a "
+        "text-only (the pictures dropped), pooled (each picture's tokens averaged to 4), caption (each picture as a "
+        "caption the VLM wrote of it; the VLM writes one per new picture beside the request). One view alone is a "
         "draft the router can choose per request.",
     )
     weights: Literal["adaptive", "static"] = Field(

@@ -8,7 +8,11 @@ category asks one thing a small vision encoder can learn from scratch:
 - ``word``: a short lower-case word written in black;
 - ``bars``: a bar chart of three or four coloured bars, which is tallest;
 - ``dots``: how many dots (1-9);
-- ``digits``: a two-digit number.
+- ``digits``: a two-digit number;
+- ``caption``: any of the pictures above, captioned in a few words ("A green circle.");
+- ``describe``: any of them described in a paragraph of about forty tokens, a template per kind
+  with the caption's facts in it, some of them twice (an answer a drafting view can partly copy
+  from itself once it has said a fact, and must read from the picture before).
 
 Every picture comes from a seed (``example(seed)``), so a training stream and a held-out test set
 are just disjoint seed ranges, and a failing test names the picture it saw.
@@ -23,7 +27,8 @@ from functools import lru_cache
 from PIL import Image, ImageDraw, ImageFont
 
 IMAGE_SIZE = 96
-CATEGORIES = ("shape", "colour", "word", "bars", "dots", "digits")
+CATEGORIES = ("shape", "colour", "word", "bars", "dots", "digits", "caption", "describe")
+KINDS = ("shape", "word", "bars", "dots", "digits")   # the kinds of picture a caption or description is of
 
 COLOURS = {
     "red": (215, 35, 35), "green": (30, 160, 60), "blue": (35, 75, 215), "yellow": (235, 200, 20),
@@ -43,6 +48,8 @@ QUESTIONS = {
     "bars": "Which bar is the tallest?",
     "dots": "How many dots are there?",
     "digits": "What number is written in the picture?",
+    "caption": "Write a short caption for the picture.",
+    "describe": "Describe the picture in detail.",
 }
 
 
@@ -134,24 +141,38 @@ def example(seed: int, category: str | None = None) -> Example:
     """The picture, question and answer of ``seed`` (its category drawn from the seed unless given)."""
     rng = random.Random(seed)
     category = category or CATEGORIES[rng.randrange(len(CATEGORIES))]
-    if category in ("shape", "colour"):
-        image, shape, colour = _shape_picture(rng)
-        answer = f"A {shape}." if category == "shape" else f"{colour.capitalize()}."
-    elif category == "word":
-        word = rng.choice(WORDS)
-        image, answer = _text_picture(rng, word), f'"{word}"'
-    elif category == "bars":
-        image, colour = _bars_picture(rng)
-        answer = f"The {colour} bar."
-    elif category == "dots":
-        image, count = _dots_picture(rng)
-        answer = f"{count}."
-    elif category == "digits":
-        number = rng.randint(10, 99)
-        image, answer = _text_picture(rng, str(number)), f"{number}."
-    else:
+    if category not in QUESTIONS:
         raise ValueError(f"unknown category {category!r}; known: {', '.join(CATEGORIES)}")
-    return Example(seed, category, image, QUESTIONS[category], answer)
+    kind = KINDS[rng.randrange(len(KINDS))] if category in ("caption", "describe") else category
+    if kind in ("shape", "colour"):
+        image, shape, colour = _shape_picture(rng)
+        answers = {"shape": f"A {shape}.", "colour": f"{colour.capitalize()}.",
+                   "caption": f"A {colour} {shape}.",
+                   "describe": f"The picture shows a {colour} {shape} on a light background. It is the only shape "
+                               f"in the picture, and its colour is {colour}. There is no text in the picture."}
+    elif kind == "word":
+        word = rng.choice(WORDS)
+        image = _text_picture(rng, word)
+        answers = {"word": f'"{word}"', "caption": f'The word "{word}".',
+                   "describe": f'The picture shows the word "{word}" written in black letters on a light '
+                               f'background. There are no shapes in the picture, only the word "{word}".'}
+    elif kind == "bars":
+        image, colour = _bars_picture(rng)
+        answers = {"bars": f"The {colour} bar.", "caption": f"A bar chart; the {colour} bar is the tallest.",
+                   "describe": f"The picture shows a bar chart with coloured bars on a light background. The "
+                               f"tallest bar is the {colour} one. There are no words or numbers on the chart."}
+    elif kind == "dots":
+        image, count = _dots_picture(rng)
+        answers = {"dots": f"{count}.", "caption": f"{count} dots.",
+                   "describe": f"The picture shows {count} dots on a light background. The dots are all the "
+                               f"same size, and there are {count} of them in total."}
+    else:   # digits
+        number = rng.randint(10, 99)
+        image = _text_picture(rng, str(number))
+        answers = {"digits": f"{number}.", "caption": f"The number {number}.",
+                   "describe": f"The picture shows the number {number} written in black on a light background. "
+                               f"The number has two digits: {number // 10} and {number % 10}."}
+    return Example(seed, category, image, QUESTIONS[category], answers[category])
 
 
 def normalise_answer(text: str) -> str:

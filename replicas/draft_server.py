@@ -132,6 +132,11 @@ class DraftServer:
             if self.images is None:
                 raise ValueError(f"draft {self.name!r}: the views {', '.join(self._batched.views)} read pictures, "
                                  "which only a draft inside its VLM target's replica (or in-process) has")
+            if self._batched.reads_captions:
+                if self.images.captions is None:
+                    raise ValueError(f"draft {self.name!r}: the caption view needs the VLM's tokenizer to caption "
+                                     "pictures, and this image store was built without one")
+                self.images.captions.readers.add(self.name)   # its requests' pictures get captioned
             self._batched.kv.images = self.images
 
     def _reads(self, head) -> None:

@@ -30,7 +30,7 @@ from specserve.replicas.step import SpecStats, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 from specserve.replicas.image_tokens import placeholder_for
-from specserve.replicas.vlm import image_prompt_ids, image_store, is_vlm, is_vlm_folder, language_model, load_vlm
+from specserve.replicas.vlm import caption_writer, image_prompt_ids, image_store, is_vlm, is_vlm_folder, language_model, load_vlm
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 
 
@@ -159,6 +159,7 @@ class SpecEngine:
             self.processor, self.tokenizer = target.tokenizer, target.tokenizer.tokenizer
             self.text_model = language_model(target.model)
             self.images = image_store(target.model, self.processor.image_processor)
+            self.images.captions = caption_writer(self.processor, self.images)
         self.target = Target(self.text_model, slots, images=self.images)
         for name, draft in drafts.items():
             model = draft_model(draft)
@@ -210,6 +211,8 @@ class SpecEngine:
         """Forget every KV cache. Slots otherwise keep their longest common prefix with the next
         request (a free prefix cache); benchmarks start each generation cold."""
         self.target.kv.reset()
+        if self.images is not None:   # captions too: a caption view's request captions its pictures again
+            self.images.captions.clear()
         self.servers = self._servers()
 
     @property

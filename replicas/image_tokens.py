@@ -88,6 +88,7 @@ class ImageStore:
         self._pixels: OrderedDict[int, torch.Tensor] = OrderedDict()   # digest -> [3, h, w]
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()     # digest -> [tokens_per_image, hidden]
         self.encoded_images = 0   # vision-tower runs, per picture (tests, metrics)
+        self.captions = None      # the pictures' captions (``captions.Captions``) where a caption view reads them
 
     def register(self, image) -> list[int]:
         """The ids of ``image``'s image tokens (preparing it now; encoding waits for a forward)."""

@@ -60,6 +60,9 @@ class SpecRequest:
     # The prompt's pictures as the ingress prepared them ([3, h, w] pixel tensors): the replica
     # adds them to its ImageStore, whose ids (from the pixels) the prompt already holds.
     images: tuple = field(default=(), compare=False)   # tensors: equal requests are equal by their ids
+    # Written by the replica for itself (a picture's caption, ``captions.py``): the router neither
+    # routes it nor learns from it.
+    internal: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

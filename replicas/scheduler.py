@@ -101,7 +101,16 @@ class Scheduler:
                              f"exceed this replica's limit of {limit} tokens; shorten the prompt or lower max_tokens")
         state = RequestState(request, self.eos_token_ids, self.target.model.device, emit)
         self.waiting.append(state)
+        self._caption(state)
         return state
+
+    def _caption(self, state: RequestState) -> None:
+        """A request drafted through a caption view: the VLM captions the pictures of its prompt
+        it has not captioned yet, each an internal request queued now (``captions.py``)."""
+        captions = getattr(self.target.images, "captions", None)
+        if captions is not None and state.request.draft in captions.readers:
+            for caption, sink in captions.requests(state.request.prompt_ids):
+                self.waiting.append(RequestState(caption, self.eos_token_ids, self.target.model.device, sink))
 
     def set_draft(self, state: RequestState, draft: str) -> None:
         """``state`` speculates with ``draft`` from its next step (NO_DRAFT: plain decoding). The
@@ -116,6 +125,7 @@ class Scheduler:
         state.features_sent = 0
         if old not in (NO_DRAFT, AUTO_DRAFT):
             self.released.append((old, state.id))
+        self._caption(state)
         for hook in self.on_draft:
             hook(state, None if old == AUTO_DRAFT else old)
 
@@ -127,10 +137,10 @@ class Scheduler:
             if not state.routed:
                 state.routed = True
                 draft = state.request.draft
-                if self.router is not None:
+                if self.router is not None and not state.request.internal:
                     draft = self._ask(self.router.route, state, len(decode)) or draft
                 self.set_draft(state, self.default_draft if draft == AUTO_DRAFT else draft)
-            elif self.router is not None:
+            elif self.router is not None and not state.request.internal:
                 switch = self._ask(self.router.revisit, state, len(decode))
                 if switch is not None:
                     self.set_draft(state, switch)
@@ -163,7 +173,7 @@ class Scheduler:
         for i, state in enumerate(self.slots):
             if state is not None and state.done:
                 self.slots[i] = None
-                if self.router is not None:
+                if self.router is not None and not state.request.internal:
                     self._ask(lambda s, _: self.router.finish(s), state, 0)
         self.waiting = deque(s for s in self.waiting if not s.done)
         # Keep busy slots dense from 0: the verify forward's batch is the range of busy slots.

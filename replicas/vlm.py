@@ -29,6 +29,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoProcessor, Llava
 from transformers import logging as transformers_logging
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
+from specserve.replicas.captions import CAPTION_PROMPT, Captions
 from specserve.replicas.image_tokens import ImageStore
 from specserve.replicas.model_store import (LoadedModel, default_device, load_causal_lm, resolve_dtype,
                                             resolve_model_path)
@@ -206,6 +207,19 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
         return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
 
     return ImageStore(prepare, encode, tokens_per_image(vlm.config), image_token_id(vlm.config), capacity)
+
+
+def caption_writer(processor, store: ImageStore) -> Captions:
+    """The ``Captions`` of ``store``'s pictures, written by the VLM whose ``processor`` (tokenizer
+    and chat template) this is: the caption view's source (``captions.py``)."""
+    tokenizer = processor.tokenizer
+    content = [{"type": "image"}, {"type": "text", "text": CAPTION_PROMPT}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return Captions(lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
+                    lambda ids: tokenizer.decode(ids, skip_special_tokens=True), prompt, store.placeholder,
+                    store.tokens_per_image, store.capacity)
 
 
 def image_prompt_ids(text_ids: list[int], images: list, register, placeholder: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Train the reference VLM: a vision tower and projector from scratch, under the frozen reference target.
 
     specserve zoo vlm [--steps N] [--device cuda]    # resumable: run it again to go on; exports at the end
+    specserve zoo vlm --fine-tune                    # a second stage from the shipped weights
 
 LLaVA's first stage, made to learn vision from nothing: each step draws a batch of synthetic
 pictures with their questions (``data/synthetic_images.py``; seeds count up, so a run and its
@@ -8,6 +9,11 @@ resumption see each picture once), and the loss is the cross-entropy of the lang
 answer tokens (and the ``<|im_end|>`` that ends them) given the prompt with the picture's 64
 image tokens. Only the vision tower (SigLIP, 4 layers of 256) and the projector learn; the
 language model and its output rows stay the target's, so its text behaviour is unchanged.
+
+The second stage (``--fine-tune``, ``FINE_TUNE``) starts from the shipped weights and teaches the
+two questions whose answers are text about the whole picture, ``caption`` and ``describe``, at a
+lower learning rate, half its rows those two and half the first stage's questions so that they
+are not forgotten.
 
 Where this deviates from LLaVA: LLaVA starts from a pretrained CLIP tower and trains the
 projector alone on captions; no pretrained tower reaches these machines, so the tower learns with
@@ -43,9 +49,14 @@ class VLMRecipe:
     weight_decay: float = 0.01
     eval_every: int = 500
     eval_per_category: int = 50
+    categories: tuple[str, ...] = CATEGORIES   # row i asks categories[i % len]: repeats weigh a question up
 
 
 RECIPE = VLMRecipe()
+FINE_TUNE = VLMRecipe(steps=600, batch=16, lr=1.5e-4, warmup_steps=30, eval_every=150, eval_per_category=16,
+                      categories=("caption", "describe", "caption", "describe", *CATEGORIES))
+# Greedy tokens an answer may take when scored: a description runs to ~45.
+ANSWER_TOKENS = {"caption": 20, "describe": 64}
 # What learns (and what a checkpoint and an export hold): the tower and the projector.
 LEARNED = ("model.vision_tower.", "model.multi_modal_projector.")
 
@@ -62,13 +73,13 @@ class PictureStream(IterableDataset):
     """Training rows ``(input_ids, labels, pixel_values)`` from seed ``start`` up; DataLoader workers
     take every n-th seed, so the stream is the same however many there are."""
 
-    def __init__(self, tokenizer, config, start: int):
-        self.tokenizer, self.config, self.start = tokenizer, config, start
+    def __init__(self, tokenizer, config, start: int, categories: tuple[str, ...] = CATEGORIES):
+        self.tokenizer, self.config, self.start, self.categories = tokenizer, config, start, tuple(categories)
         self.processor = image_processor(config)
         self.end_ids = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
 
     def row(self, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
-        ex = example(seed)
+        ex = example(seed, self.categories[seed % len(self.categories)])
         prompt = prompt_ids(self.tokenizer, self.config, ex.question)
         answer = self.tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + self.end_ids
         pixels = self.processor(ex.image, return_tensors="pt")["pixel_values"][0]
@@ -96,8 +107,7 @@ def collate(rows, pad_id: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, max_new_tokens: int = 8,
-             batch: int = 50) -> dict[str, float]:
+def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, batch: int = 50) -> dict[str, float]:
     """Exact-match accuracy per category (and ``mix``) on held-out pictures, greedy."""
     config, processor = model.config, image_processor(model.config)
     device = next(model.parameters()).device
@@ -110,7 +120,7 @@ def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, m
             ids = torch.tensor([prompt_ids(tokenizer, config, e.question) for e in chunk], device=device)
             pixels = processor([e.image for e in chunk], return_tensors="pt")["pixel_values"].to(device, model.dtype)
             out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
-                                 max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                                 max_new_tokens=ANSWER_TOKENS.get(category, 8), do_sample=False, pad_token_id=tokenizer.pad_token_id)
             for e, row in zip(chunk, out[:, ids.shape[1]:]):
                 said = tokenizer.decode(row, skip_special_tokens=True)
                 right += normalise_answer(said) == normalise_answer(e.answer)
@@ -136,8 +146,11 @@ def default_work() -> Path:
 
 
 def train(steps: int | None = None, batch: int | None = None, device: str | None = None, work: Path | None = None,
-          workers: int = 0, recipe: VLMRecipe = RECIPE, progress: bool = True, max_seconds: float | None = None) -> Path:
+          workers: int = 0, recipe: VLMRecipe = RECIPE, progress: bool = True, max_seconds: float | None = None,
+          start_from: Path | None = None) -> Path:
     """Train (resuming from ``work``'s checkpoint), evaluating every ``eval_every`` steps; returns ``work``.
+    ``start_from``: an exported VLM folder whose weights a fresh ``work`` starts from (its training
+    log kept as the earlier stages).
     ``max_seconds``: stop (evaluated and saved) once a step ends past this many seconds; run again
     to go on. ``workers``: DataLoader processes drawing the pictures.
 
@@ -161,15 +174,20 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
         p.data = p.data.float()
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(learned, lr=recipe.lr, weight_decay=recipe.weight_decay)
-    start, log = 0, []
+    start, log, earlier = 0, [], []
     checkpoint = work / "checkpoint.pt"
+    if not checkpoint.exists() and start_from is not None:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(Path(start_from) / "model.safetensors"), strict=False)
+        earlier = stages(json.loads((Path(start_from) / "training_log.json").read_text()))
     if checkpoint.exists():
         state = torch.load(checkpoint, map_location=device)
         model.load_state_dict(state["weights"], strict=False)
         if "optimizer" in state:   # a weights-only checkpoint restarts Adam's moments
             optimizer.load_state_dict(state["optimizer"])
-        start, log = state["step"], state["log"]
-    loader = DataLoader(PictureStream(tokenizer, config, start * recipe.batch), batch_size=recipe.batch,
+        start, log, earlier = state["step"], state["log"], state.get("earlier", [])
+    loader = DataLoader(PictureStream(tokenizer, config, start * recipe.batch, recipe.categories), batch_size=recipe.batch,
                         num_workers=workers, collate_fn=lambda rows: collate(rows, tokenizer.pad_token_id),
                         persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
     batches = iter(loader)
@@ -200,7 +218,7 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
         bar.set_postfix(loss=f"{entry['loss']:.3f}")
         if (step + 1) % recipe.eval_every == 0 or done:
             torch.save({"weights": trainable(model), "optimizer": optimizer.state_dict(), "step": step + 1,
-                        "log": log, "recipe": asdict(recipe)}, checkpoint)
+                        "log": log, "recipe": asdict(recipe), "earlier": earlier, "device": device.type}, checkpoint)
         if done:
             break
     (work / "log.json").write_text(json.dumps(log))
@@ -224,10 +242,15 @@ def export(work: Path | None = None, out: Path | None = None) -> Path:
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state["weights"].items()}, out / "model.safetensors",
               metadata={"format": "pt"})
     build_processor(text.tokenizer, config).save_pretrained(out)
-    log = state["log"]
-    (out / "training_log.json").write_text(json.dumps(
-        {"recipe": state["recipe"], "steps": state["step"], "accuracy": [e for e in log if "accuracy" in e]}))
+    stage = {"recipe": state["recipe"], "steps": state["step"], "accuracy": [e for e in state["log"] if "accuracy" in e],
+             "device": state.get("device", "cpu")}
+    (out / "training_log.json").write_text(json.dumps({"stages": [*state.get("earlier", []), stage]}))
     return out
+
+
+def stages(log: dict) -> list[dict]:
+    """A training log's stages (a log of one stage, as first written, is that stage)."""
+    return log["stages"] if "stages" in log else [{**log, "device": "cuda"}]
 
 
 def write_card(out: Path, per_category: int = 50, dtype: str = "bfloat16") -> Path:
@@ -240,14 +263,8 @@ def write_card(out: Path, per_category: int = 50, dtype: str = "bfloat16") -> Pa
     began = time.perf_counter()
     accuracy = evaluate(vlm.model, vlm.tokenizer.tokenizer, per_category)
     seconds = time.perf_counter() - began
-    log = json.loads((out / "training_log.json").read_text())
-    recipe, evals = log["recipe"], log["accuracy"]
-    last = evals[-1] if evals else {"seconds": 0.0}
-    stopped = "; stopped at its time limit, still improving" if log["steps"] < recipe["steps"] else ""
-    header = "| step | minutes | loss | " + " | ".join(CATEGORIES) + " | mix |"
-    rule = "| --- " * (len(CATEGORIES) + 4) + "|"
-    rows = [f"| {e['step']} | {e['seconds'] / 60:.1f} | {e['loss']:.3f} | "
-            + " | ".join(f"{e['accuracy'][c]:.2f}" for c in (*CATEGORIES, "mix")) + " |" for e in evals]
+    tables = "\n\n".join(_stage_text(i, stage) for i, stage in enumerate(stages(
+        json.loads((out / "training_log.json").read_text()))))
     card = f"""# {REFERENCE_VLM}
 
 The reference vision-language model: the reference target ({REFERENCE_TARGET}, frozen: its weights
@@ -258,16 +275,11 @@ here; only they are stored (bfloat16, {(out / 'model.safetensors').stat().st_siz
 The image placeholder is the target's unused special token `<empty_output>`.
 
 - **Data**: synthetic pictures drawn with Pillow, one fresh picture per row
-  (`specserve.data.synthetic_images`): {', '.join(CATEGORIES)}; a question per category, one right answer.
-- **Training**: `specserve zoo vlm --device cuda --workers 15`: {log['steps']} steps of {recipe['batch']}
-  pictures ({log['steps'] * recipe['batch']:,} pictures, {last['seconds'] / 60:.1f} min on one GPU),
-  AdamW lr {recipe['lr']} (warm-up {recipe['warmup_steps']} steps, cosine over {recipe['steps']:,}{stopped}),
-  bfloat16 autocast; cross-entropy on the answer tokens.
-- **Accuracy** (exact match after normalising, greedy, held-out pictures from seed 10^9):
+  (`specserve.data.synthetic_images`): {', '.join(CATEGORIES)}; a question per category, one right answer;
+  cross-entropy on the answer tokens, bfloat16 autocast.
+- **Accuracy** (exact match after normalising, greedy, held-out pictures from seed 10^9), by training stage:
 
-{header}
-{rule}
-{chr(10).join(rows)}
+{tables}
 
   Exported weights in {dtype} on this machine ({_cpu_name()}, {per_category} pictures a
   category, {seconds:.0f} s): """ + ", ".join(f"{c} {accuracy[c]:.2f}" for c in (*CATEGORIES, "mix")) + """.
@@ -275,6 +287,28 @@ The image placeholder is the target's unused special token `<empty_output>`.
     path = out / "README.md"
     path.write_text(card)
     return path
+
+
+def _stage_text(index: int, stage: dict) -> str:
+    recipe, evals = stage["recipe"], stage["accuracy"]
+    minutes = evals[-1]["seconds"] / 60 if evals else 0.0
+    stopped = "; stopped at its time limit" if stage["steps"] < recipe["steps"] else ""
+    command = ("specserve zoo vlm --device cuda --workers 15" if index == 0
+               else "specserve zoo vlm --fine-tune")
+    where = "one GPU" if stage["device"] == "cuda" else "this project's 2-core CPU"
+    asked = sorted(set(recipe.get("categories", CATEGORIES[:6])), key=list(CATEGORIES).index)
+    names = [c for c in CATEGORIES if evals and c in evals[-1]["accuracy"]]
+    header = "| step | minutes | loss | " + " | ".join(names) + " | mix |"
+    rule = "| --- " * (len(names) + 4) + "|"
+    rows = [f"| {e['step']} | {e['seconds'] / 60:.1f} | {e['loss']:.3f} | "
+            + " | ".join(f"{e['accuracy'][c]:.2f}" for c in (*names, "mix")) + " |" for e in evals]
+    return f"""  Stage {index + 1}: `{command}`: {stage['steps']} steps of {recipe['batch']} pictures
+  ({stage['steps'] * recipe['batch']:,} pictures, {minutes:.1f} min on {where}) asking {', '.join(asked)};
+  AdamW lr {recipe['lr']} (warm-up {recipe['warmup_steps']} steps, cosine over {recipe['steps']:,}{stopped}).
+
+{header}
+{rule}
+{chr(10).join(rows)}"""
 
 
 def _cpu_name() -> str:

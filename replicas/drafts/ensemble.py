@@ -14,10 +14,11 @@ and of a VLM request's pictures (TABED's own setting; on a text request each is 
 - ``multimodal``: the image tokens as the target's vision tower and projector embed them (the
   draft shares the target's ``ImageStore``: a draft LM with the target's hidden size reads them);
 - ``text-only``: the image tokens as the VLM's placeholder token, the picture dropped;
-- ``pooled``: each picture's image tokens averaged to a few (``image_tokens.pooled_view``).
+- ``pooled``: each picture's image tokens averaged to a few (``image_tokens.pooled_view``);
+- ``caption``: each picture as "image: " and a caption the VLM wrote of it (``captions.py``;
+  the ``text-only`` reading until the caption is written).
 
-The paper's fourth view, a caption the VLM wrote in place of the picture, is not built. One view
-alone is a draft too (a view the router can choose per request), its weight 1.
+One view alone is a draft too (a view the router can choose per request), its weight 1.
 
 Mixing (the paper's Alg. 1): ``q = Σ_v w_v q_v``; greedy drafts its argmax, sampling draws from
 it, and that ``q`` is what the rejection test uses (``Proposal.draft_probs``), so the output is
@@ -56,14 +57,16 @@ from dataclasses import dataclass
 import torch
 
 from specserve.replicas.batch_kv import Feed
+from specserve.replicas.captions import caption_view
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.image_tokens import draft_view, pooled_view
 from specserve.replicas.sampling import logits_to_probs, sample
 from specserve.replicas.step import Proposal, ProposeRequest
 
-VIEWS = ("full", "last-turn", "multimodal", "text-only", "pooled")
+VIEWS = ("full", "last-turn", "multimodal", "text-only", "pooled", "caption")
 TEXT_VIEWS = ("full", "last-turn")             # the default: a conversation's views
-IMAGE_VIEWS = ("multimodal", "pooled")   # views that embed pictures (they need the target's ImageStore)
+# Views that read the target's ImageStore (its pictures' rows, or their captions).
+IMAGE_VIEWS = ("multimodal", "pooled", "caption")
 DISTANCES = ("kl", "tvd", "matches")
 # Tokens per view whose probabilities a drafted position keeps for scoring the candidates later.
 TOP = 32
@@ -187,6 +190,10 @@ class EnsembleDraftLM(BatchedDraftLM):
     def reads_images(self) -> bool:
         return any(view in IMAGE_VIEWS for view in self.views)
 
+    @property
+    def reads_captions(self) -> bool:
+        return "caption" in self.views
+
     def _view_context(self, session: _Session, view: str, context: list[int], placeholder: int | None) -> list[int]:
         if placeholder is not None:   # a VLM request
             if view == "multimodal":
@@ -194,8 +201,10 @@ class EnsembleDraftLM(BatchedDraftLM):
             if view == "pooled":
                 images = self.kv.images
                 return pooled_view(context, images.tokens_per_image, images.pooled)
+            if view == "caption":
+                return caption_view(context, self.kv.images.captions, placeholder)
             context = draft_view(context, placeholder)
-        if view in ("full", "multimodal", "text-only", "pooled"):
+        if view in ("full", "multimodal", "text-only", "pooled", "caption"):
             return context
         if len(context) < session.searched:   # not a continuation: search it whole
             session.turn_start = session.searched = 0

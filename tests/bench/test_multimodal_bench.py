@@ -4,7 +4,8 @@ from specserve.bench.multimodal import ROWS, aims, format_table
 
 
 def rows(ensemble: dict[str, float]) -> list[dict]:
-    views = {"multimodal": 10.0, "text-only": 12.0, "pooled": 11.0, "ensemble-static": 9.0, "target-only": 15.0}
+    views = {"multimodal": 10.0, "text-only": 12.0, "pooled": 11.0, "caption": 11.5, "ensemble-static": 9.0,
+             "target-only": 15.0}
     return [{"view": v, "category": c, "tokens_per_s": ensemble[c] if v == "ensemble" else views[v],
              "mean_accepted_len": 1.0} for v in ROWS for c in ensemble]
 
@@ -36,3 +37,16 @@ def test_sparrows_aims_are_a_flat_cost_and_alpha_within_005():
     assert not frame_aims([*flat[:3], row("windowed", 16, 2.8, 0.47)])["met"]   # 1.4x
     assert not frame_aims([*flat[:3], row("windowed", 16, 2.0, 0.40)])["met"]   # α 0.10 below
     assert frame_aims([]) == {}
+
+
+def test_the_plot_shows_the_views_and_sparrows_cost(tmp_path):
+    from specserve.bench.multimodal import plot
+
+    frames = [{"draft_attention": a, "frames": f, "draft_ms_per_token": ms, "acceptance_rate": 0.5,
+               "mean_accepted_len": 1.5} for a, f, ms in (("full", 1, 2.0), ("full", 16, 6.0), ("windowed", 1, 2.0),
+                                                          ("windowed", 16, 2.2))]
+    result = {"rows": rows({"bars": 11.0, "mix": 11.0}), "frames": frames, "machine": {"cpu_model": "cpu"},
+              "date": "2026-11-27"}
+    for name, data in (("views.png", {**result, "frames": []}), ("both.png", result)):
+        plot(data, tmp_path / name)
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"

@@ -83,7 +83,7 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="distinct views"):
         EnsembleDraftLM("e", model, views=("full", "full"))
     with pytest.raises(ValueError, match="distinct views"):
-        EnsembleDraftLM("e", model, views=("caption",))
+        EnsembleDraftLM("e", model, views=("thumbnail",))
     with pytest.raises(ValueError, match="distance"):
         EnsembleDraftLM("e", model, distance="l2")
     with pytest.raises(ValueError, match="give it a model"):

@@ -10,6 +10,7 @@ from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.engine import in_process_server, run_batch, speculative_generate
 from specserve.replicas import image_tokens
+from specserve.replicas.captions import CAPTION_TOKENS, Captions, caption_view
 from specserve.replicas.image_tokens import VIRTUAL_BASE, draft_view, placeholder_for, pooled_view
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
@@ -163,6 +164,61 @@ def test_the_pooled_view_averages_blocks_of_the_patch_grid(vlm):
     means = store.rows(torch.tensor(pooled[1:-1]))
     assert torch.allclose(means[0], rows[:2, :2].reshape(-1, rows.shape[-1]).mean(0))
     assert torch.allclose(means[3], rows[2:, 2:].reshape(-1, rows.shape[-1]).mean(0))
+
+
+@pytest.fixture()
+def captioned(vlm):
+    """A store of its own whose captions the tiny VLM writes: its "tokenizer" reads and writes ids
+    as decimal words (the tiny vocabulary has no text)."""
+    model, lm, _ = vlm
+    store = image_store(model, SiglipImageProcessorPil(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}))
+    store.captions = Captions(lambda text: [int(w) for w in text.split() if w.isdigit()],
+                              lambda ids: " ".join(map(str, ids)), [5, IMAGE_TOKEN, 9], IMAGE_TOKEN,
+                              store.tokens_per_image)
+    return model, lm, store
+
+
+@pytest.mark.parametrize("views", [("caption",), (*ALL_VIEWS, "caption")], ids="+".join)
+def test_the_caption_view_reads_the_vlms_own_caption_and_stays_lossless(captioned, views):
+    """The first request showing a picture has the VLM caption it beside (an internal request:
+    its greedy answer to the caption prompt), the view reading the placeholder until then; a
+    second request finds the caption written; the output is the target's either way."""
+    model, lm, store = captioned
+    server = in_process_server("near", DraftLM("near", perturbed(lm, seed=1)), ensemble={"views": views},
+                               images=store)
+    captions = store.captions
+    assert captions.readers == {"near"}
+    prompt = image_prompt_ids(TEXT, [picture(9)], store.register, IMAGE_TOKEN)
+    (digest,) = captions.digests(prompt)
+    assert caption_view(prompt, captions, IMAGE_TOKEN) == draft_view(prompt, IMAGE_TOKEN)   # none written yet
+    expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
+    caption_prompt = image_prompt_ids([5, IMAGE_TOKEN, 9], [picture(9)], store.register, IMAGE_TOKEN)
+    written = speculative_generate(Target(lm, images=store), None, caption_prompt, CAPTION_TOKENS, GREEDY).token_ids
+    for n in (1, 2):
+        request = SpecRequest(prompt, NEW_TOKENS, GREEDY, "near", 3, request_id=f"r{n}", image_placeholder=IMAGE_TOKEN)
+        (got,) = run_batch(Target(lm, slots=2, images=store), {"near": server}, [request])   # the caption: not returned
+        assert got.token_ids == expected, f"request {n}"
+        assert captions.written_captions == 1   # once per picture
+    assert captions.get(digest) == written   # the VLM's own greedy caption
+    view = caption_view(prompt, captions, IMAGE_TOKEN)
+    at = TEXT.index(IMAGE_TOKEN)
+    assert view == [*TEXT[:at], *written, *TEXT[at + 1:]]
+
+
+def test_captions_are_written_only_for_requests_drafted_through_a_caption_view(captioned):
+    model, lm, store = captioned
+    drafts = {name: in_process_server(name, DraftLM(name, perturbed(lm, seed=1)), ensemble={"views": views},
+                                      images=store)
+              for name, views in (("captioning", ("caption",)), ("pictures", ("multimodal",)))}
+    prompt = image_prompt_ids(TEXT, [picture(10)], store.register, IMAGE_TOKEN)
+    for draft in ("none", "pictures"):
+        request = SpecRequest(prompt, 4, GREEDY, draft, 0 if draft == "none" else 3, request_id=draft,
+                              image_placeholder=IMAGE_TOKEN)
+        run_batch(Target(lm, images=store), drafts, [request])
+    assert store.captions.written_captions == 0 and store.captions.get(store.captions.digests(prompt)[0]) is None
+    request = SpecRequest(prompt, 4, GREEDY, "captioning", 3, request_id="captioning", image_placeholder=IMAGE_TOKEN)
+    run_batch(Target(lm, images=store), drafts, [request])
+    assert store.captions.written_captions == 1
 
 
 def test_picture_views_need_the_targets_image_store(vlm):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from specserve.replicas.model_store import load_causal_lm, load_tokenizer_and_config
 from specserve.replicas.vlm import load_vlm, reference_vlm_config, tokens_per_image
-from specserve.training.vlm_train import PictureStream, VLMRecipe, collate, export, train
+from specserve.training.vlm_train import PictureStream, VLMRecipe, collate, export, stages, train
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
@@ -37,3 +37,22 @@ def test_a_step_trains_and_the_export_loads_back(tmp_path):
     text = load_causal_lm(dtype="float32", device="cpu").model
     assert torch.equal(vlm.model.language_model.layers[0].self_attn.q_proj.weight,
                        text.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_a_second_stage_starts_from_an_export_and_keeps_the_first_in_its_log(tmp_path):
+    recipe = VLMRecipe(eval_every=100, eval_per_category=1, warmup_steps=1)
+    first = export(work=train(steps=1, batch=2, work=tmp_path / "one", progress=False, recipe=recipe),
+                   out=tmp_path / "vlm")
+    shipped = load_vlm(str(first), dtype="float32", device="cpu").model.state_dict()
+    second = VLMRecipe(steps=1, batch=2, lr=0.0, warmup_steps=1, eval_every=100, eval_per_category=1,
+                       categories=("caption", "describe"))
+    work = train(work=tmp_path / "two", progress=False, recipe=second, start_from=first)
+    state = torch.load(work / "checkpoint.pt")
+    for name, weight in state["weights"].items():   # lr 0: the step kept the export's weights
+        assert torch.equal(weight.to(torch.bfloat16).float(), shipped[name]), name
+    log = stages({"stages": [*state["earlier"], {}]})
+    assert len(log) == 2 and log[0]["steps"] == 1
+    tokenizer, text_config = load_tokenizer_and_config()
+    stream = PictureStream(tokenizer, reference_vlm_config(text_config), 0, second.categories)
+    asked = {tokenizer.decode(stream.row(seed)[0]).split("<|im_start|>user")[-1] for seed in (0, 1)}
+    assert any("caption" in a for a in asked) and any("Describe" in a for a in asked)

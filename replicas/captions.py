@@ -1,0 +1,125 @@
+"""TABED's caption view: a picture stands in a draft's context as a caption the VLM wrote of it.
+
+A draft LM reads text; its ``text-only`` view drops a VLM request's pictures. The ``caption`` view
+puts each picture's caption there instead, so a text draft knows what the picture shows. TABED
+("Test-Time Adaptive Batched Ensemble Drafting", §6.2, App. I.2) captions each picture once with a
+lightweight captioning model (Florence-2) running beside the target's prefill, and replaces the
+image token with the caption after the string "image:".
+
+Here the captioner is the VLM itself (no other captioning model reaches these machines, and the
+VLM knows its own pictures best): when a request shows a picture this replica has not captioned,
+and its draft reads the caption view, the scheduler queues an internal request beside it, the picture with ``CAPTION_PROMPT``, greedy,
+at most ``CAPTION_TOKENS`` tokens, no draft. It shares the request's steps (continuous batching)
+as the paper's captioner shares the prefill's time, but costs a row of the target's verify
+forward for each of its tokens, where the paper's runs on the side. Until the caption is written
+the view reads as ``text-only``; then the draft's cache for the view is rebuilt from the picture
+on (``BatchKV.sync``). Captions are kept per picture (its content digest), so a follow-up turn
+or another request showing the same picture finds it at once.
+
+Captions change nothing the target computes: the internal request is plain decoding in a slot of
+its own, and any draft's view is only a proposal the target verifies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+from specserve.replicas.image_tokens import POOLED_BASE, VIRTUAL_BASE
+from specserve.replicas.request import SpecRequest, StreamItem
+
+logger = logging.getLogger("ray.serve")
+
+CAPTION_PROMPT = "Write a short caption for the picture."
+CAPTION_TOKENS = 24
+LABEL = "image: "   # TABED's prefix before a caption
+
+
+class Captions:
+    """The captions of one replica's pictures, and the requests that write them.
+
+    ``encode(text) -> ids`` / ``decode(ids) -> text``: the VLM's tokenizer; ``prompt``: the chat
+    prompt of one picture and ``CAPTION_PROMPT`` as text ids with the placeholder where the
+    picture goes (``vlm.caption_prompt``)."""
+
+    def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], prompt: list[int],
+                 placeholder: int, tokens_per_image: int, capacity: int = 512):
+        if prompt.count(placeholder) != 1:
+            raise ValueError("the caption prompt must show exactly one picture")
+        self.encode, self.decode, self.tokens_per_image, self.capacity = encode, decode, tokens_per_image, capacity
+        at = prompt.index(placeholder)
+        self._before, self._after = prompt[:at], prompt[at + 1:]
+        # The drafts with a caption view: only their requests have pictures captioned (captions
+        # cost target steps).
+        self.readers: set[str] = set()
+        self._written: OrderedDict[int, list[int]] = OrderedDict()   # digest -> the view's ids
+        self._writing: set[int] = set()
+        self.written_captions = 0   # tests, metrics
+
+    def get(self, digest: int) -> list[int] | None:
+        """The view's ids for the picture (``LABEL`` + caption + a newline), or None while unwritten."""
+        return self._written.get(digest)
+
+    def digests(self, prompt_ids: list[int]) -> list[int]:
+        """The pictures a prompt shows, in order (a picture shown twice, once)."""
+        seen: dict[int, None] = {}
+        for t in prompt_ids:
+            if VIRTUAL_BASE <= t < POOLED_BASE and (t - VIRTUAL_BASE) % self.tokens_per_image == 0:
+                seen[(t - VIRTUAL_BASE) // self.tokens_per_image] = None
+        return list(seen)
+
+    def requests(self, prompt_ids: list[int]) -> list[tuple[SpecRequest, Callable[[StreamItem], None]]]:
+        """The caption requests to queue beside a request with ``prompt_ids``, each with the sink
+        its tokens go to: one per picture neither captioned nor being captioned."""
+        out = []
+        for digest in self.digests(prompt_ids):
+            if digest in self._written or digest in self._writing:
+                continue
+            self._writing.add(digest)
+            first = VIRTUAL_BASE + digest * self.tokens_per_image
+            ids = [*self._before, *range(first, first + self.tokens_per_image), *self._after]
+            request = SpecRequest(ids, CAPTION_TOKENS, request_id=f"caption-{digest:010x}", internal=True)
+            out.append((request, self._sink(digest)))
+        return out
+
+    def _sink(self, digest: int) -> Callable[[StreamItem], None]:
+        tokens: list[int] = []
+
+        def take(item: StreamItem) -> None:
+            tokens.extend(item.token_ids)
+            if not item.last:
+                return
+            self._writing.discard(digest)
+            if item.error is not None or item.finish_reason == "abort":
+                logger.info("caption of picture %010x not written (%s)", digest, item.error or "aborted")
+                return
+            self.put(digest, self.decode(tokens))
+        return take
+
+    def clear(self) -> None:
+        """Forget every written caption (one being written still lands)."""
+        self._written.clear()
+
+    def put(self, digest: int, caption: str) -> None:
+        """Keep ``caption`` as the picture's (the view's ids: ``LABEL`` + caption + newline)."""
+        self._written[digest] = self.encode(f"{LABEL}{caption.strip()}\n")
+        self._written.move_to_end(digest)
+        self.written_captions += 1
+        while len(self._written) > self.capacity:
+            self._written.popitem(last=False)
+
+
+def caption_view(ids: list[int], captions: Captions, placeholder: int) -> list[int]:
+    """``ids`` with each picture's image tokens as its caption's ids, or, while it has none, as
+    the placeholder (the text-only view's reading)."""
+    out: list[int] = []
+    per = captions.tokens_per_image
+    for t in ids:
+        if VIRTUAL_BASE <= t < POOLED_BASE:
+            if (t - VIRTUAL_BASE) % per == 0:   # a picture's first token stands for the picture
+                caption = captions.get((t - VIRTUAL_BASE) // per)
+                out.extend(caption if caption is not None else [placeholder] * per)
+            continue
+        out.append(t)
+    return out
