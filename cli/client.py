@@ -27,6 +27,7 @@ class RemoteRequest:
     params: SamplingParams = SamplingParams()
     chat: bool = True
     model: str | None = None        # None: the first model the server lists
+    images: tuple[bytes, ...] = ()  # picture files (PNG, JPEG, ...) shown before the prompt: a VLM target
 
 
 class ServerError(RuntimeError):
@@ -44,6 +45,18 @@ def _spec(req: RemoteRequest) -> dict:
     return spec
 
 
+def data_url(picture: bytes) -> str:
+    """A picture file as an OpenAI ``image_url`` data URL (its type read from its bytes)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(picture)) as image:
+        kind = (image.format or "png").lower()
+    return f"data:image/{kind};base64,{base64.b64encode(picture).decode()}"
+
+
 def _http(base: str, req: RemoteRequest, timeout_s: float) -> dict:
     base = base.rstrip("/").removesuffix("/v1")
     headers = client_headers()
@@ -52,7 +65,10 @@ def _http(base: str, req: RemoteRequest, timeout_s: float) -> dict:
             "top_p": req.params.top_p, "top_k": req.params.top_k, "seed": req.params.seed,
             "spec": _spec(req), "return_token_ids": True}
     if req.chat:
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        content = req.prompt if not req.images else [
+            *({"type": "image_url", "image_url": {"url": data_url(p)}} for p in req.images),
+            {"type": "text", "text": req.prompt}]
+        body["messages"] = [{"role": "user", "content": content}]
         url = f"{base}/v1/chat/completions"
     else:
         body["prompt"] = req.prompt
@@ -83,7 +99,7 @@ def _grpc(address: str, req: RemoteRequest, timeout_s: float) -> dict:
     if req.params.seed is not None:
         message.seed = req.params.seed
     if req.chat:
-        message.messages.append(pb.ChatMessage(role="user", content=req.prompt))
+        message.messages.append(pb.ChatMessage(role="user", content=req.prompt, images=list(req.images)))
     else:
         message.prompt = req.prompt
     with grpc.insecure_channel(address) as channel:
@@ -100,6 +116,8 @@ def _grpc(address: str, req: RemoteRequest, timeout_s: float) -> dict:
 
 
 def generate_remote(server: str, req: RemoteRequest, timeout_s: float = 600.0) -> dict:
+    if req.images and not req.chat:
+        raise ValueError("pictures go in a chat message: drop --raw")
     url = urlparse(server)
     if url.scheme in ("http", "https"):
         return _http(server, req, timeout_s)

@@ -133,13 +133,12 @@ def generate(
     except ValueError as err:
         fail(str(err))
     pictures = [_read_image(path) for path in image]
-    if pictures and server is not None:
-        fail("--image runs in-process: drop --server")
     if pictures and target == "smollm2-135m-instruct":
         target = "smollm2-vlm"   # the reference VLM reads the reference target
-    if server is not None:
+    if server is not None:   # the files as they are: the server decodes and checks them
         _generate_on_server(server, prompts, RemoteRequest(
-            "", max_tokens, draft, window, shape, params, chat=not raw, model=model), as_json)
+            "", max_tokens, draft, window, shape, params, chat=not raw, model=model,
+            images=tuple(path.read_bytes() for path in image)), as_json)
         return
     from specserve.replicas.model_store import zoo_drafts
 

@@ -126,7 +126,7 @@ class Scheduler:
         if old not in (NO_DRAFT, AUTO_DRAFT):
             self.released.append((old, state.id))
         self._caption(state)
-        for hook in self.on_draft:
+        for hook in self.on_draft if not state.request.internal else ():   # statistics count clients' requests
             hook(state, None if old == AUTO_DRAFT else old)
 
     def _route(self, decode: list[RequestState]) -> None:

@@ -43,7 +43,11 @@ def expected():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    config = app_serve_config({"target": MODEL, "dtype": "float32", "drafts": [{"name": "prompt-lookup"}]})
+    config = app_serve_config({"target": MODEL, "dtype": "float32", "drafts": [
+        {"name": "prompt-lookup"},
+        # TABED's caption view inside the replica: the VLM captions each new picture beside the request.
+        {"name": "captioned", "model": "smollm2-draft-2l", "placement": "inside",
+         "ensemble": {"views": ["caption", "text-only"]}}]})
     with local_stack(config, tmp_path_factory.mktemp("specserve-home")) as state:
         yield state
 
@@ -64,6 +68,25 @@ def test_http_image_parts_answer_as_in_process(served, expected):
         reply = ask(served, [image_part(ex.image), {"type": "text", "text": ex.question}], draft="prompt-lookup", window=3)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["token_ids"] == want, ex.question
+
+
+def test_the_caption_view_is_served_losslessly(served, expected):
+    ex = PICTURES[0]
+    for _ in range(2):   # the caption is written beside the first request, read by the second
+        reply = ask(served, [image_part(ex.image), {"type": "text", "text": ex.question}], draft="captioned", window=3)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == expected[0]
+        assert reply.json()["spec"]["draft"] == "captioned"
+
+
+def test_specserve_generate_sends_pictures_over_http_and_grpc(served, expected):
+    from specserve.cli.client import RemoteRequest, generate_remote
+
+    ex = PICTURES[1]
+    request = RemoteRequest(ex.question, max_tokens=12, draft="prompt-lookup", window=3, model=MODEL,
+                            images=(png(ex.image),))
+    for server in (served.http_url, f"grpc://{served.grpc_address}"):
+        assert generate_remote(server, request)["token_ids"] == expected[1], server
 
 
 def test_a_bad_picture_is_a_400_and_the_replica_serves_on(served, expected):
