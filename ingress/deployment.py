@@ -50,8 +50,8 @@ import torch
 
 from specserve.replicas.image_tokens import picture_ids
 from specserve.replicas.model_store import load_tokenizer_and_config
-from specserve.replicas.vlm import (image_prompt_ids, image_token_id, is_vlm_config, load_processor, pixel_preparer,
-                                    tokens_per_image)
+from specserve.replicas.vlm import (image_prompt_ids, image_token_id, is_vlm_config, load_processor, picture_markers,
+                                    pixel_preparer, tokens_per_image)
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.ingress import specserve_pb2 as pb
@@ -202,6 +202,7 @@ class Ingress:
         self.prepare_pixels = None if self.processor is None else pixel_preparer(self.processor.image_processor)
         if self.processor is not None:
             self.tokens_per_image, self.image_placeholder = tokens_per_image(model_config), image_token_id(model_config)
+            self.picture_markers = picture_markers(self.processor)
         model_config = getattr(model_config, "text_config", None) or model_config
         self.max_context = getattr(model_config, "max_position_embeddings", None)
         if config.max_model_len is not None:
@@ -291,7 +292,7 @@ class Ingress:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             try:
                 return image_prompt_ids(ids, pixels, lambda p: picture_ids(p, self.tokens_per_image),
-                                        self.image_placeholder)
+                                        self.image_placeholder, self.picture_markers)
             except ValueError as err:
                 raise OpenAIError(str(err), param="messages") from err
         if isinstance(req.prompt, str):

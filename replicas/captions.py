@@ -41,15 +41,16 @@ class Captions:
 
     ``encode(text) -> ids`` / ``decode(ids) -> text``: the VLM's tokenizer; ``prompt``: the chat
     prompt of one picture and ``CAPTION_PROMPT`` as text ids with the placeholder where the
-    picture goes (``vlm.caption_prompt``)."""
+    picture goes, its image tokens between the processor's ``markers`` (``vlm.caption_writer``)."""
 
     def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], prompt: list[int],
-                 placeholder: int, tokens_per_image: int, capacity: int = 512):
+                 placeholder: int, tokens_per_image: int, capacity: int = 512,
+                 markers: tuple[list[int], list[int]] = ([], [])):
         if prompt.count(placeholder) != 1:
             raise ValueError("the caption prompt must show exactly one picture")
         self.encode, self.decode, self.tokens_per_image, self.capacity = encode, decode, tokens_per_image, capacity
         at = prompt.index(placeholder)
-        self._before, self._after = prompt[:at], prompt[at + 1:]
+        self._before, self._after = [*prompt[:at], *markers[0]], [*markers[1], *prompt[at + 1:]]
         # The drafts with a caption view: only their requests have pictures captioned (captions
         # cost target steps).
         self.readers: set[str] = set()

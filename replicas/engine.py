@@ -30,7 +30,7 @@ from specserve.replicas.step import SpecStats, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 from specserve.replicas.image_tokens import placeholder_for
-from specserve.replicas.vlm import caption_writer, image_prompt_ids, image_store, is_vlm, is_vlm_folder, language_model, load_vlm
+from specserve.replicas.vlm import image_prompt_ids, is_vlm, is_vlm_folder, language_model, load_vlm, target_image_store
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 
 
@@ -158,8 +158,7 @@ class SpecEngine:
         if is_vlm(target.model):   # the target runs the language model; pictures go through the store
             self.processor, self.tokenizer = target.tokenizer, target.tokenizer.tokenizer
             self.text_model = language_model(target.model)
-            self.images = image_store(target.model, self.processor.image_processor)
-            self.images.captions = caption_writer(self.processor, self.images)
+            self.images = target_image_store(target.model, self.processor)
         self.target = Target(self.text_model, slots, images=self.images)
         for name, draft in drafts.items():
             model = draft_model(draft)
@@ -233,7 +232,8 @@ class SpecEngine:
             text = self.processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                       add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder)
+            return image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder,
+                                    self.images.markers)
         if chat:
             return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         return encode_text(self.tokenizer, prompt)

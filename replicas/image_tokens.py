@@ -89,6 +89,8 @@ class ImageStore:
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()     # digest -> [tokens_per_image, hidden]
         self.encoded_images = 0   # vision-tower runs, per picture (tests, metrics)
         self.captions = None      # the pictures' captions (``captions.Captions``) where a caption view reads them
+        # Tokens the VLM's processor puts before and after a picture's image tokens (``vlm.picture_markers``).
+        self.markers: tuple[list[int], list[int]] = ([], [])
 
     def register(self, image) -> list[int]:
         """The ids of ``image``'s image tokens (preparing it now; encoding waits for a forward)."""

@@ -4,8 +4,10 @@ A VLM here is a Hugging Face image-text-to-text model of the LLaVA or Idefics3 (
 vision tower turns a picture into ``tokens_per_image`` vectors, a projector (Idefics3: a pixel
 shuffle and a linear map) maps them into the language model's embedding space, and they take the
 places of as many placeholder tokens in the prompt. After prefill the language model decodes text
-as any target does. Idefics3's processor splits large pictures into tiles and wraps them in
-marker tokens; here a picture is one tile and its image tokens stand alone. Classes whose
+as any target does. Idefics3's processor may split a large picture into tiles, each behind marker
+tokens, beside the whole picture resized (its "global image"); here a picture is that global
+image alone (the processor's ``do_image_splitting=False``), its image tokens between the markers
+the processor puts there (``picture_markers``). A tiled picture's detail is not served. Classes whose
 language model needs positions of their own (Qwen2-VL's multimodal rotary) are not served.
 
 The reference VLM (``smollm2-vlm`` in the zoo) is LLaVA-class: a SigLIP vision tower (96 px, 12 px
@@ -183,11 +185,47 @@ def language_model(vlm) -> torch.nn.Module:
     return lm.eval()
 
 
+def _one_tile(image_processor) -> dict:
+    """Keywords that make an Idefics3-class processor keep a picture whole (its global image, no
+    tiles: what ``ImageStore`` holds per picture)."""
+    return {"do_image_splitting": False} if hasattr(image_processor, "do_image_splitting") else {}
+
+
 def pixel_preparer(image_processor):
-    """``image -> [3, h, w]`` pixels, as the VLM's processor prepares a picture."""
+    """``image -> [3, h, w]`` pixels, as the VLM's processor prepares a picture (one tile)."""
     def prepare(image) -> torch.Tensor:
-        return image_processor(image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+        pixels = image_processor(image.convert("RGB"), return_tensors="pt", **_one_tile(image_processor))["pixel_values"]
+        while pixels.dim() > 3:   # Idefics3: [batch, pictures, 3, h, w]
+            pixels = pixels[0]
+        return pixels
     return prepare
+
+
+def picture_markers(processor) -> tuple[list[int], list[int]]:
+    """The tokens the VLM's processor puts before and after one picture's image tokens (Idefics3:
+    ``<fake_token_around_image><global-img>`` and ``<fake_token_around_image>``; LLaVA: none),
+    read off the processor's own expansion of one picture."""
+    from PIL import Image
+
+    image_token = getattr(processor, "image_token", None)
+    if image_token is None:
+        return [], []
+    tokenizer = processor.tokenizer
+    ids = processor(text=image_token, images=[Image.new("RGB", (32, 32))], add_special_tokens=False,
+                    **_one_tile(processor.image_processor))["input_ids"][0]
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    image = tokenizer.convert_tokens_to_ids(image_token)
+    first, last = ids.index(image), len(ids) - 1 - ids[::-1].index(image)
+    return ids[:first], ids[last + 1:]
+
+
+def target_image_store(vlm, processor, capacity: int = 512) -> ImageStore:
+    """A served VLM's ``ImageStore``: its processor's pixels and markers around each picture, and
+    the captions the caption view reads."""
+    store = image_store(vlm, processor.image_processor, capacity)
+    store.markers = picture_markers(processor)
+    store.captions = caption_writer(processor, store)
+    return store
 
 
 def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
@@ -219,18 +257,20 @@ def caption_writer(processor, store: ImageStore) -> Captions:
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     return Captions(lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True), prompt, store.placeholder,
-                    store.tokens_per_image, store.capacity)
+                    store.tokens_per_image, store.capacity, store.markers)
 
 
-def image_prompt_ids(text_ids: list[int], images: list, register, placeholder: int) -> list[int]:
+def image_prompt_ids(text_ids: list[int], images: list, register, placeholder: int,
+                     markers: tuple[list[int], list[int]] = ([], [])) -> list[int]:
     """``text_ids`` (one ``placeholder`` per picture, in order) with each placeholder as its
     picture's image tokens (``register(picture) -> ids``: ``ImageStore.register``, or
-    ``image_tokens.picture_ids`` of prepared pixels where no store is)."""
+    ``image_tokens.picture_ids`` of prepared pixels where no store is) between the processor's
+    ``markers`` (``picture_markers``)."""
     if text_ids.count(placeholder) != len(images):
         raise ValueError(f"the prompt has {text_ids.count(placeholder)} image placeholder(s) for {len(images)} image(s): "
                          "images go in image content parts, not as the placeholder token in text")
     pictures = iter(images)
     out: list[int] = []
     for t in text_ids:
-        out.extend(register(next(pictures)) if t == placeholder else (t,))
+        out.extend((*markers[0], *register(next(pictures)), *markers[1]) if t == placeholder else (t,))
     return out

@@ -330,3 +330,32 @@ def test_an_idefics3_class_vlm_decodes_as_its_own_generate_and_speculates_lossle
         server = in_process_server("near", DraftLM("near", near), ensemble={"views": ALL_VIEWS}, images=store)
         request = SpecRequest(prompt, NEW_TOKENS, GREEDY, "near", 3, request_id=f"i{seed}", image_placeholder=IMAGE_TOKEN)
         assert run_batch(Target(lm, images=store), {"near": server}, [request])[0].token_ids == expected
+
+
+@pytest.mark.reference
+def test_an_idefics3_processors_prompt_and_pixels_are_followed():
+    """SmolVLM's processor (Idefics3's, built here over the reference tokenizer): a picture's image
+    tokens sit between the markers the processor puts around its global image, and its pixels are
+    the processor's, so the prompt is the processor's own with the image tokens as picture ids."""
+    from PIL import Image
+    from specserve.replicas.image_tokens import picture_ids
+    from specserve.replicas.model_store import load_tokenizer_and_config
+    from specserve.replicas.vlm import picture_markers, pixel_preparer
+    from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+    tokenizer, _ = load_tokenizer_and_config()
+    processor = Idefics3Processor(Idefics3ImageProcessor(size={"longest_edge": 32}, max_image_size={"longest_edge": 16}),
+                                  tokenizer, image_seq_len=4)
+    image_id = tokenizer.convert_tokens_to_ids(processor.image_token)
+    before, after = picture_markers(processor)
+    assert before[0] == after[-1] == tokenizer.convert_tokens_to_ids(processor.fake_image_token) and image_id not in before
+    text = f"Look: {processor.image_token} and {processor.image_token} - which is red?"
+    images = [Image.new("RGB", (40, 30), (200, 10, 10)), Image.new("RGB", (20, 36), (10, 10, 200))]
+    theirs = processor(text=text, images=images, add_special_tokens=False, do_image_splitting=False, return_tensors="pt")
+    prepare = pixel_preparer(processor.image_processor)
+    pixels = [prepare(image) for image in images]
+    for mine, expected in zip(pixels, theirs["pixel_values"][0]):
+        assert torch.equal(mine, expected)
+    ours = image_prompt_ids(tokenizer(text, add_special_tokens=False)["input_ids"], pixels,
+                            lambda p: picture_ids(p, 4), image_id, (before, after))
+    assert [image_id if t >= VIRTUAL_BASE else t for t in ours] == theirs["input_ids"][0].tolist()
