@@ -193,13 +193,20 @@ class SpecEngine:
         drafts: dict[str, Draft] = {PromptLookupDraft.name: PromptLookupDraft()}
         if suffix_seed is not None:
             drafts[SuffixDraft.name] = SuffixDraft(seed=answer_outputs(suffix_seed))
+        models: dict[str, LoadedModel] = {}   # each draft LM loaded once, however many drafts use it
+
+        def model(name: str) -> LoadedModel:
+            if name not in models:
+                models[name] = load_causal_lm(name, dtype=dtype, device=device)
+            return models[name]
+
         for name in draft_models:
-            lm = load_causal_lm(name, dtype=dtype, device=device)
+            lm = model(name)
             drafts[lm.name] = draft_from_model(lm.name, lm.model)
         settings = {}
         for name, ensemble in (ensembles or {}).items():
             settings[name] = {k: v for k, v in ensemble.items() if k != "model"}
-            drafts[name] = draft_from_model(name, load_causal_lm(ensemble["model"], dtype=dtype, device=device).model)
+            drafts[name] = draft_from_model(name, model(ensemble["model"]).model)
         return cls(loaded, drafts, slots, ensembles=settings)
 
     def _servers(self) -> dict[str, DraftServer]:
