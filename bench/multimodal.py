@@ -8,9 +8,11 @@ to four tokens), ``ensemble`` (the three mixed, weights chosen every block from 
 tokens, TABED Alg. 1) and ``ensemble-static`` (the equal mix), against ``target-only``. Every
 picture runs every row in turn, ``--repeats`` times, each row from cold caches; a row's tokens/s
 is its tokens over its own seconds, its mean accepted length the emitted tokens per step.
-``caption`` reads the picture as the caption the VLM writes of it: cold, every row reading it has
-its picture captioned beside its answer (an internal request of up to 24 tokens, timed with the
-row), as the first request showing a picture does; the view reads the placeholder until then.
+``caption`` reads the picture as the caption the VLM writes of it. ``--captions cold`` (the
+default): every row reading it has its picture captioned beside its answer (an internal request
+of up to 24 tokens, timed with the row), as the first request showing a picture does, the view
+reading the placeholder until then; ``warm``: every picture captioned before the rows (untimed),
+as for a follow-up about a picture shown before.
 The ``caption`` and ``describe`` categories ask for text about the whole picture; ``describe``'s
 answers run to ~45 tokens, the others' to 2-12.
 
@@ -55,6 +57,7 @@ class MultimodalBenchConfig:
     frames: tuple[int, ...] = (1, 4, 16)
     frame_prompts: int = 4
     head: str = "smollm2-eagle3"
+    captions: str = "cold"
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.categories) - set(CATEGORIES))
@@ -62,6 +65,8 @@ class MultimodalBenchConfig:
             raise ValueError(f"unknown categories {unknown}; known: {', '.join(CATEGORIES)}")
         if min(self.pictures, self.max_tokens, self.window, self.repeats, self.frame_prompts) < 1:
             raise ValueError("--pictures, --max-tokens, --window, --repeats and --frame-prompts must be at least 1")
+        if self.captions not in ("cold", "warm"):
+            raise ValueError(f"--captions must be cold or warm; got {self.captions!r}")
         if any(f < 1 for f in self.frames):
             raise ValueError(f"--frames are pictures per prompt, each at least 1; got {list(self.frames)}")
 
@@ -83,6 +88,8 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
             for i, c in enumerate(config.categories) for n in range(config.pictures)]
     totals = {(row, c): {"tokens": 0, "seconds": 0.0, "steps": 0} for row in ROWS for c in config.categories}
     machine = machine_info()
+    if config.captions == "warm":
+        write_captions(engine, [ex.image for _, ex in work])
     bar = tqdm(total=len(work) * len(ROWS) * config.repeats, desc="bench multimodal", disable=not progress)
     for _ in range(config.repeats):
         for category, ex in work:
@@ -90,7 +97,8 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
                 draft = "none" if row == "target-only" else row
                 request = GenerateRequest(ex.question, max_tokens=config.max_tokens, draft=draft,
                                           window=0 if row == "target-only" else config.window, images=(ex.image,))
-                engine.reset_caches()   # every row starts cold: no row reuses another's prefill
+                # Every row starts cold: no row reuses another's prefill (nor its captions, unless warm).
+                engine.reset_caches(captions=config.captions == "cold")
                 began = time.perf_counter()
                 out = engine.generate(request)
                 cell = totals[(row, category)]
@@ -116,6 +124,19 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
     plot(result, config.plot_path)
     print(format_table(result))
     return result
+
+
+def write_captions(engine: SpecEngine, images: list) -> None:
+    """Each picture's caption, as the caption view's internal request writes it (the VLM's greedy
+    answer to the caption prompt), written now."""
+    from specserve.replicas.captions import CAPTION_PROMPT, CAPTION_TOKENS
+
+    captions = engine.images.captions
+    for image in images:
+        digest, = captions.digests(engine.images.register(image))
+        out = engine.generate(GenerateRequest(CAPTION_PROMPT, max_tokens=CAPTION_TOKENS, draft="none", window=0,
+                                              images=(image,)))
+        captions.put(digest, out["text"])
 
 
 def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool = True) -> list[dict]:

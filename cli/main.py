@@ -723,6 +723,8 @@ def bench_multimodal(
                                                "attention of --head); empty: none."),
     frame_prompts: int = typer.Option(4, help="Prompts per frame count."),
     head: str = typer.Option("smollm2-eagle3", help="The hidden-state-reuse head of Sparrow's rows."),
+    captions: str = typer.Option("cold", help="cold: the caption view's rows have their pictures captioned beside "
+                                              "the answer (timed); warm: captioned before the rows."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """TABED's drafting views of VLM requests side by side, per picture category: multimodal,
@@ -737,7 +739,7 @@ def bench_multimodal(
             json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
             categories=tuple(_names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
             repeats=repeats, dtype=dtype, frames=tuple(int(f) for f in _names(frames) or ()),
-            frame_prompts=frame_prompts, head=head))
+            frame_prompts=frame_prompts, head=head, captions=captions))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

@@ -213,11 +213,12 @@ class SpecEngine:
         return {name: in_process_server(name, draft, self.ensembles.get(name), self.tokenizer, self.images)
                 for name, draft in self.drafts.items()}
 
-    def reset_caches(self) -> None:
+    def reset_caches(self, captions: bool = True) -> None:
         """Forget every KV cache. Slots otherwise keep their longest common prefix with the next
-        request (a free prefix cache); benchmarks start each generation cold."""
+        request (a free prefix cache); benchmarks start each generation cold. ``captions``: the
+        pictures' captions too (a caption view's next request has its pictures captioned again)."""
         self.target.kv.reset()
-        if self.images is not None:   # captions too: a caption view's request captions its pictures again
+        if self.images is not None and captions:
             self.images.captions.clear()
         self.servers = self._servers()
 

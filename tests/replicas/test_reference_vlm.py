@@ -19,13 +19,13 @@ def engine():
     return SpecEngine.load("smollm2-vlm", dtype="float32", device="cpu")
 
 
-def hf_answer(engine, ex) -> list[int]:
+def hf_answer(engine, ex, max_new_tokens: int = 10) -> list[int]:
     processor, model = engine.processor, engine.loaded.model
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ex.question}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[ex.image], return_tensors="pt")
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=10, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     ids = out[0, inputs["input_ids"].shape[1]:].tolist()
     return ids[:next((i + 1 for i, t in enumerate(ids) if t in engine.loaded.eos_token_ids), len(ids))]
 
@@ -52,3 +52,24 @@ def test_answers_follow_the_picture_and_equal_the_vlms_own(engine):
 def test_a_placeholder_typed_into_the_prompt_is_refused(engine):
     with pytest.raises(ValueError, match="placeholder"):
         engine.encode("<empty_output> what is this?", images=(example(1).image,))
+
+
+def test_the_caption_view_reads_the_vlms_own_caption_and_the_description_is_its_own():
+    """A description drafted through the caption view: the VLM captions the picture beside the
+    request (its own greedy answer to the caption prompt, kept as "image: <caption>"), the answer
+    is the VLM's own, and asked again the caption is read, not written again."""
+    from specserve.replicas.captions import CAPTION_PROMPT
+
+    engine = SpecEngine.load("smollm2-vlm", dtype="float32", device="cpu",
+                             ensembles={"captioned": {"model": "smollm2-draft-2l", "views": ["caption", "text-only"]}})
+    ex = example(TEST_SEED + 301, "describe")
+    request = GenerateRequest(ex.question, max_tokens=48, draft="captioned", window=3, images=(ex.image,))
+    expected = hf_answer(engine, ex, max_new_tokens=48)
+    assert len(expected) > 20   # a paragraph
+    captions = engine.images.captions
+    for n in (1, 2):
+        assert engine.generate(request)["token_ids"] == expected, f"request {n}"
+        assert captions.written_captions == 1
+    (digest,) = captions.digests(engine.images.register(ex.image))
+    said = engine.generate(GenerateRequest(CAPTION_PROMPT, max_tokens=24, draft="none", window=0, images=(ex.image,)))
+    assert engine.tokenizer.decode(captions.get(digest)) == f"image: {said['text'].strip()}\n"
