@@ -94,6 +94,24 @@ def test_speculative_equals_plain_on_image_prompts(vlm, speculation):
     assert accepted > 0
 
 
+def test_every_window_and_tree_policy_keeps_image_requests_lossless(vlm):
+    """The deployment's policies adapt VLM requests as they do text ones (SAGE's and ADT-Tree's
+    trees included): the output is the VLM's own whichever adapts the window or tree."""
+    from specserve.policies.registry import POLICIES, TREE_POLICY_NAMES, build_policy
+
+    model, lm, store = vlm
+    prompt = image_prompt_ids(TEXT, [picture(11)], store.register, IMAGE_TOKEN)
+    expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
+    drafts = {"prompt-lookup": in_process_server("prompt-lookup", PromptLookupDraft())}
+    for name in POLICIES:
+        speculation = {"tree": TreeShape(3, 2, 6)} if name in TREE_POLICY_NAMES else {"window": 3}
+        request = SpecRequest(prompt, NEW_TOKENS, GREEDY, "prompt-lookup", request_id=name,
+                              image_placeholder=IMAGE_TOKEN, **speculation)
+        got = run_batch(Target(lm, images=store), drafts, [request], policy=build_policy(name))[0]
+        assert got.token_ids == expected, name
+        assert got.stats.accepted > 0, name
+
+
 def test_image_and_text_requests_batched_equal_each_alone(vlm):
     model, lm, store = vlm
     image_prompt = image_prompt_ids(TEXT, [picture(4)], store.register, IMAGE_TOKEN)
