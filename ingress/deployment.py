@@ -201,7 +201,8 @@ class Ingress:
         self.processor = load_processor(config.target) if is_vlm_config(model_config) else None
         self.prepare_pixels = None if self.processor is None else pixel_preparer(self.processor.image_processor)
         if self.processor is not None:
-            self.tokens_per_image, self.image_placeholder = tokens_per_image(model_config), image_token_id(model_config)
+            self.tokens_per_image = tokens_per_image(model_config, self.processor.image_processor)
+            self.image_placeholder = image_token_id(model_config)
             self.picture_markers = picture_markers(self.processor)
         model_config = getattr(model_config, "text_config", None) or model_config
         self.max_context = getattr(model_config, "max_position_embeddings", None)

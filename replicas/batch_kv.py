@@ -160,6 +160,9 @@ class BatchKV:
         self._fed_rows: list[tuple[int, int, int]] = []   # per feed of the last forward (``fed_rows``)
         # A VLM target's pictures (``image_tokens.ImageStore``): the embeddings of its image tokens.
         self.images = None
+        # Qwen2-VL's multimodal rotary positions (``mrope.MRope``): positions from the slot's
+        # tokens rather than their columns; None: a token's position is its column.
+        self.mrope = None
 
     @property
     def device(self) -> torch.device:
@@ -274,6 +277,7 @@ class BatchKV:
         # As tensors (T = total, W = width, R = the feeds' logits_rows summed): ids, positions [T];
         # token_slots, columns [1, T]; sequences [len(feeds), 4]; keep [R].
         ids, positions, token_slots, columns, sequences, keep, rows = [], [], [], [], [], [], []
+        spatial: list[tuple[int, int]] = []   # M-RoPE's (dh, dw) per token
         mask = torch.full((total, width), float("-inf"))   # [T, W]
         start = 0
         for f, c in zip(feeds, cached):
@@ -281,7 +285,12 @@ class BatchKV:
             depths, block = _structure(f)
             mask[start:start + n, :n].masked_fill_(block, 0.0)
             ids += f.tokens
-            positions += [c + d - 1 for d in depths]
+            if self.mrope is None:
+                positions += [c + d - 1 for d in depths]
+            else:
+                p, dh, dw = self.mrope.positions(self.tokens[f.slot], f.tokens, depths)
+                positions += p
+                spatial += zip(dh, dw)
             token_slots += [f.slot] * n
             columns += range(c, c + n)
             sequences.append((f.slot, start, n, c))
@@ -295,7 +304,8 @@ class BatchKV:
             layer.allocate(fast.kv_heads, fast.head_dim, fast.head_dim, self._dtype, self.device)
             buffers.append(layer.buffers)
         logits = fast.flat(torch.tensor(ids), torch.tensor(positions), step, buffers, torch.tensor(keep),
-                           getattr(self.model, "_specserve_feature_tap", None), images)   # [R, V]
+                           getattr(self.model, "_specserve_feature_tap", None), images,
+                           torch.tensor(spatial).view(-1, 2) if self.mrope is not None else None)   # [R, V]
         self._fed_rows = rows
         out, at = [], 0
         for f in feeds:
@@ -313,6 +323,7 @@ class BatchKV:
         rows = hi - lo   # B = rows, S = width below
         ids = torch.zeros(rows, width, dtype=torch.long)                # [B, S]
         positions = torch.zeros(rows, width, dtype=torch.long)          # [B, S]
+        spatial = torch.zeros(rows, width, 2, dtype=torch.long) if self.mrope is not None else None   # [B, S, 2]
         columns = torch.zeros(rows, width, dtype=torch.long)            # [B, S]
         allowed = torch.zeros(rows, width, kv_len, dtype=torch.bool)    # [B, S, kv_len]
         by_slot = {f.slot: f for f in feeds}
@@ -332,7 +343,12 @@ class BatchKV:
             columns[r, pad:] = torch.arange(cached, cached + n)
             allowed[r, pad:, :cached] = True
             depths, block = _structure(feed)
-            positions[r, pad:] = cached + torch.tensor(depths) - 1
+            if spatial is None:
+                positions[r, pad:] = cached + torch.tensor(depths) - 1
+            else:
+                p, dh, dw = self.mrope.positions(self.tokens[lo + r], feed.tokens, depths)
+                positions[r, pad:] = torch.tensor(p)
+                spatial[r, pad:] = torch.tensor([dh, dw]).T
             allowed[r, pad:, cached:cached + n] = block
         dtype = self._dtype
         mask = torch.zeros(rows, 1, width, kv_len, dtype=dtype)   # [B, 1, S, kv_len], additive
@@ -345,10 +361,13 @@ class BatchKV:
         # logits: [B, keep, V] either way
         if self._fast is not None:
             logits = self._fast(ids.to(self.device), positions.to(self.device), mask.to(self.device),
-                                self.cache.layers, keep, getattr(self.model, "_specserve_feature_tap", None), images)
+                                self.cache.layers, keep, getattr(self.model, "_specserve_feature_tap", None), images,
+                                None if spatial is None else spatial.to(self.device))
         else:
             tokens = ({"input_ids": ids.to(self.device)} if images is None else
                       {"inputs_embeds": embed(ids.to(self.device), self.model.get_input_embeddings().weight, images)})
+            if spatial is not None:   # M-RoPE's (t, h, w) rows, as Qwen2-VL's text model takes them
+                positions = torch.stack([positions, positions + spatial[..., 0], positions + spatial[..., 1]])
             logits = self.model(
                 **tokens,
                 attention_mask=mask.to(self.device),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import cpu_attention, cpu_row_ops, image_tokens
+from specserve.replicas import cpu_attention, cpu_row_ops, image_tokens, mrope
 
 
 # The zoo's pruned-head draft LM (``drafts/pruned_head.py``) is a Llama with its own model type.
@@ -252,6 +252,9 @@ class LlamaForward:
         self.to_full_vocab = getattr(model, "to_full_vocab", None)   # pruned heads (drafts/pruned_head.py)
         self._cos = self._sin = None
         self._rotary = inner.rotary_emb
+        # Qwen2-VL's M-RoPE: the dimensions that turn by a token's h and w positions (mrope.py).
+        sections = getattr(self._rotary, "mrope_section", None)
+        self._mrope_dims = None if sections is None else mrope.section_dims(list(sections), self.head_dim)
 
     def _rope_table(self, needed: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions 0..needed-1, exactly as the model's rotary module computes them."""
@@ -263,18 +266,31 @@ class LlamaForward:
             self._cos, self._sin = cos[0], sin[0]   # [positions, head_dim]
         return self._cos, self._sin
 
+    def _rotary_rows(self, cos_t: torch.Tensor, sin_t: torch.Tensor, positions: torch.Tensor,
+                     spatial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [..., D] at ``positions``; with M-RoPE's ``spatial`` offsets ([..., 2]: dh,
+        dw) the h and w sections come from the rows at p + dh and p + dw."""
+        cos, sin = cos_t[positions], sin_t[positions]
+        if spatial is not None:
+            h_dims, w_dims = (d.to(cos.device) for d in self._mrope_dims)
+            at_h, at_w = positions + spatial[..., 0], positions + spatial[..., 1]
+            cos = torch.where(h_dims, cos_t[at_h], torch.where(w_dims, cos_t[at_w], cos))
+            sin = torch.where(h_dims, sin_t[at_h], torch.where(w_dims, sin_t[at_w], sin))
+        return cos, sin
+
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache_layers, keep: int,
-                 tap=None, images=None) -> torch.Tensor:
+                 tap=None, images=None, spatial: torch.Tensor | None = None) -> torch.Tensor:
         """ids, positions: [B, S]; mask: [B, 1, S, kv_len] additive; returns logits [B, keep, V].
         ``tap`` (a ``target.FeatureTap``) receives the outputs of the decoder layers it watches;
-        ``images`` (an ``image_tokens.ImageStore``) embeds the image tokens among ``ids``."""
+        ``images`` (an ``image_tokens.ImageStore``) embeds the image tokens among ``ids``;
+        ``spatial`` [B, S, 2]: M-RoPE's h and w offsets (``mrope.py``)."""
         B, S = ids.shape
         nq, nkv, D = self.heads, self.kv_heads, self.head_dim
         h = image_tokens.embed(ids, self.embed, images)        # [B, S, hidden]
         # Every position is below the key length (no device sync to find the largest one).
         cos_t, sin_t = self._rope_table(mask.shape[-1], h.device, h.dtype)
-        cos = cos_t[positions][:, :, None]                      # [B, S, 1, D]
-        sin = sin_t[positions][:, :, None]
+        cos, sin = self._rotary_rows(cos_t, sin_t, positions, spatial)
+        cos, sin = cos[:, :, None], sin[:, :, None]             # [B, S, 1, D]
         half = D // 2
         rows = cpu_row_ops.usable(h) and not torch.is_grad_enabled()
         blocks = query_blocks(mask, nq)
@@ -310,7 +326,7 @@ class LlamaForward:
                 and device.type == "cpu" and cpu_row_ops.library() is not None)
 
     def flat(self, ids: torch.Tensor, positions: torch.Tensor, step: FlatStep, buffers, keep: torch.Tensor,
-             tap=None, images=None) -> torch.Tensor:
+             tap=None, images=None, spatial: torch.Tensor | None = None) -> torch.Tensor:
         """A step on the CPU (a verification or a short prefill) with its tokens flat (ragged):
         ids, positions [T], the sequences one after another; ``step`` says where each sequence's
         tokens are and what they see (``FlatStep``); ``buffers[i]`` = layer i's (keys,
@@ -324,7 +340,8 @@ class LlamaForward:
         nq, nkv, D = self.heads, self.kv_heads, self.head_dim
         h = image_tokens.embed(ids, self.embed, images)        # [T, hidden]
         cos_t, sin_t = self._rope_table(step.length, h.device, h.dtype)
-        cos, sin = cos_t[positions][None], sin_t[positions][None]   # [1, T, D]
+        cos, sin = self._rotary_rows(cos_t, sin_t, positions, spatial)
+        cos, sin = cos[None], sin[None]                           # [1, T, D]
         for index, layer in enumerate(self.layers):
             h, x = _add_rms_norm(h, None, layer.norm1, layer.eps1, True)
             qkv = layer.qkv(x).view(1, T, nq + 2 * nkv, D)

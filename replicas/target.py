@@ -23,6 +23,7 @@ import torch
 from specserve.replicas.batch_kv import BatchKV, Feed
 from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.mrope import MRope
 from specserve.replicas.rejection_sampler import verify
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal, StepResult
@@ -153,6 +154,8 @@ class Target:
         self.model = model
         self.kv = BatchKV(model, slots, max_len=max_len)
         self.images = self.kv.images = images
+        if images is not None:   # Qwen2-VL: positions from the pictures' grids (mrope.py)
+            self.kv.mrope = MRope.of(model, images.tokens_per_image)
         self.vocab = vocab_size(model)
         self._tap = feature_tap(model)
         # Per slot, per tapped decoder layer: its rows. Layers apart, so that one added later

@@ -7,8 +7,11 @@ places of as many placeholder tokens in the prompt. After prefill the language m
 as any target does. Idefics3's processor may split a large picture into tiles, each behind marker
 tokens, beside the whole picture resized (its "global image"); here a picture is that global
 image alone (the processor's ``do_image_splitting=False``), its image tokens between the markers
-the processor puts there (``picture_markers``). A tiled picture's detail is not served. Classes whose
-language model needs positions of their own (Qwen2-VL's multimodal rotary) are not served.
+the processor puts there (``picture_markers``). A tiled picture's detail is not served.
+Qwen2-VL's class reads a picture at its own resolution as flattened patches merged 2 x 2, and
+places its image tokens with multimodal rotary positions (``mrope.py``); here every picture is
+resized to one square (``QWEN2_VL_PICTURE``), so that its image tokens are a fixed grid like
+every other class's (the aspect ratio is not kept), and videos are not served.
 
 The reference VLM (``smollm2-vlm`` in the zoo) is LLaVA-class: a SigLIP vision tower (96 px, 12 px
 patches: 64 image tokens) and LLaVA's two-layer projector, trained from scratch on pictures drawn
@@ -23,11 +26,13 @@ would grow the tied embedding and output rows).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
+from PIL import Image
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoProcessor, LlavaConfig, LlavaForConditionalGeneration,
-                          LlavaProcessor, SiglipVisionConfig)
+                          LlavaProcessor, Qwen2Config, SiglipVisionConfig)
 from transformers import logging as transformers_logging
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
@@ -38,6 +43,10 @@ from specserve.replicas.model_store import (LoadedModel, default_device, load_ca
 
 IMAGE_PLACEHOLDER = "<empty_output>"
 REFERENCE_VLM = "smollm2-vlm"
+# Qwen2-VL reads a picture at its own resolution; here every picture is resized to this square
+# (pixels a side, within the processor's bounds: ``picture_side``), 256 image tokens at 14 px
+# patches merged 2 x 2, so that a picture's image tokens are a fixed grid like every other class's.
+QWEN2_VL_PICTURE = 448
 
 # ChatML as the reference target's own template writes it (its default system turn included), with
 # a content list's image parts as the placeholder, each on a line of its own.
@@ -65,12 +74,32 @@ def reference_vlm_config(text_config, image_size: int = 96, patch_size: int = 12
                        vision_feature_layer=-1, tie_word_embeddings=text_config.tie_word_embeddings)
 
 
-def tokens_per_image(config) -> int:
+def _is_qwen2_vl_processor(image_processor) -> bool:
+    return hasattr(image_processor, "merge_size") and hasattr(image_processor, "temporal_patch_size")
+
+
+def picture_side(image_processor) -> int:
+    """Qwen2-VL: the square (pixels a side) every picture is resized to, so that every picture has
+    the same image tokens: ``QWEN2_VL_PICTURE`` within the processor's pixel bounds, a multiple
+    of its patch times its merge."""
+    factor = image_processor.patch_size * image_processor.merge_size
+    size = image_processor.size
+    low, high = (getattr(size, key, None) or size[key] for key in ("shortest_edge", "longest_edge"))
+    area = min(max(QWEN2_VL_PICTURE ** 2, low), high)
+    return max(factor, math.isqrt(area) // factor * factor)
+
+
+def tokens_per_image(config, image_processor=None) -> int:
     """Image tokens per picture: LLaVA's ``image_seq_length``; Idefics3's patches over its pixel
-    shuffle's ``scale_factor`` squared (one tile: no image splitting)."""
+    shuffle's ``scale_factor`` squared (one tile: no image splitting); Qwen2-VL's from the
+    square its pictures are resized to (``picture_side``), in patches merged ``merge_size``
+    squared."""
     length = getattr(config, "image_seq_length", None)
     if length is not None:
         return int(length)
+    if image_processor is not None and _is_qwen2_vl_processor(image_processor):
+        grid = picture_side(image_processor) // image_processor.patch_size // image_processor.merge_size
+        return grid * grid
     vision = config.vision_config
     return int((vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2)
 
@@ -178,8 +207,13 @@ def is_vlm(model) -> bool:
 def language_model(vlm) -> torch.nn.Module:
     """A causal LM over the VLM's language model and output layer (shared, not copied): what the
     target's forward runs once the image tokens are embedded."""
+    config = vlm.config.text_config
+    if type(config).__name__ == "Qwen2VLTextConfig":
+        # No causal-LM class of its own: Qwen2's has the same layers and output layer, and the
+        # body below is the VLM's own (its M-RoPE rotary included).
+        config = Qwen2Config(**{k: v for k, v in config.to_dict().items() if k != "model_type"})
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(vlm.config.text_config)
+        lm = AutoModelForCausalLM.from_config(config)
     lm.model, lm.lm_head = _text_model(vlm), vlm.lm_head
     lm.generation_config = vlm.generation_config
     return lm.eval()
@@ -192,7 +226,17 @@ def _one_tile(image_processor) -> dict:
 
 
 def pixel_preparer(image_processor):
-    """``image -> [3, h, w]`` pixels, as the VLM's processor prepares a picture (one tile)."""
+    """``image -> [3, h, w]`` pixels, as the VLM's processor prepares a picture (one tile);
+    Qwen2-VL's: the picture resized to ``picture_side`` square, as its processor's flattened
+    patches [patches, 3 · temporal · patch²]."""
+    if _is_qwen2_vl_processor(image_processor):
+        side = picture_side(image_processor)
+
+        def prepare_patches(image) -> torch.Tensor:
+            square = image.convert("RGB").resize((side, side), Image.Resampling.BICUBIC)
+            return image_processor(square, return_tensors="pt")["pixel_values"]
+        return prepare_patches
+
     def prepare(image) -> torch.Tensor:
         pixels = image_processor(image.convert("RGB"), return_tensors="pt", **_one_tile(image_processor))["pixel_values"]
         while pixels.dim() > 3:   # Idefics3: [batch, pictures, 3, h, w]
@@ -233,8 +277,20 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     vision tower and projector encode them (LLaVA's ``get_image_features``: the rows the model's
     own forward scatters into its image tokens)."""
     prepare = pixel_preparer(image_processor)
-
     idefics = getattr(vlm.model, "vision_model", None) is not None   # Idefics3: pictures per prompt, 5-D
+    count = tokens_per_image(vlm.config, image_processor)
+    if getattr(vlm.model, "visual", None) is not None:   # Qwen2-VL: flattened patches and each picture's grid
+        grid = picture_side(image_processor) // image_processor.patch_size
+
+        def encode_patches(pixels: torch.Tensor) -> torch.Tensor:   # [p, patches, dim] -> [p, T, hidden]
+            visual = vlm.model.visual
+            weight = next(visual.parameters())
+            thw = torch.tensor([[1, grid, grid]] * len(pixels), device=weight.device)
+            out = vlm.model.get_image_features(pixel_values=pixels.flatten(0, 1).to(weight.device, weight.dtype),
+                                               image_grid_thw=thw)
+            return torch.stack(list(getattr(out, "pooler_output", out)))
+
+        return ImageStore(prepare, encode_patches, count, image_token_id(vlm.config), capacity)
 
     def encode(pixels: torch.Tensor) -> torch.Tensor:
         tower = vlm.model.vision_model if idefics else vlm.model.vision_tower
@@ -244,7 +300,7 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
         features = getattr(out, "pooler_output", out)   # transformers 5: an output object
         return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
 
-    return ImageStore(prepare, encode, tokens_per_image(vlm.config), image_token_id(vlm.config), capacity)
+    return ImageStore(prepare, encode, count, image_token_id(vlm.config), capacity)
 
 
 def caption_writer(processor, store: ImageStore) -> Captions:

@@ -90,3 +90,40 @@ def tiny_idefics3(seed: int, scale: float = 8.0):
         model.lm_head.weight.mul_(scale)
     model.generation_config.eos_token_id = None
     return model.to(DEVICE).eval()
+
+
+VISION_START, VISION_END = 10, 11   # the tiny Qwen2-VL's markers around a picture's image tokens
+
+
+def tiny_qwen2_vl(seed: int, scale: float = 8.0):
+    """A Qwen2-VL-class VLM: a one-layer tower over 4 px patches merged 2 x 2 (a 32 px picture: 16
+    image tokens) and the tiny Qwen2 with M-RoPE (sections 2, 3, 3 of its 8 frequencies). Its
+    queries, keys and embeddings are scaled up so that attention, and so the output, depends on
+    the positions (at the initial scale every prompt decodes one token over and over)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = tiny_config("qwen2").to_dict()
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 4,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3}
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                           vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+        for name, param in model.model.language_model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(10)
+            elif name.endswith("embed_tokens.weight"):
+                param.mul_(20)
+    model.generation_config.eos_token_id = None
+    return model.to(DEVICE).eval()
+
+
+def tiny_qwen2_vl_processor():
+    """Its image processor: pictures resized to 32 px squares (the bounds allow 16-32 px)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=32 * 32, patch_size=4, merge_size=2,
+                                    temporal_patch_size=2)

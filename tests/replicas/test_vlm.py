@@ -377,3 +377,53 @@ def test_an_idefics3_processors_prompt_and_pixels_are_followed():
     ours = image_prompt_ids(tokenizer(text, add_special_tokens=False)["input_ids"], pixels,
                             lambda p: picture_ids(p, 4), image_id, (before, after))
     assert [image_id if t >= VIRTUAL_BASE else t for t in ours] == theirs["input_ids"][0].tolist()
+
+
+def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_losslessly():
+    """Qwen2-VL's class: flattened patches, a merger, and M-RoPE positions (a picture's tokens at
+    (t, h, w) of its grid, the text after it shifted by side - side²). Plain decoding equals its
+    generate with the pixels and grids, through our forward's flat and padded layouts and through
+    the model's own; drafts, chains and trees equal plain; an image request batched with a text
+    request equals each alone."""
+    from tiny_models import VISION_END, VISION_START, tiny_qwen2_vl, tiny_qwen2_vl_processor
+
+    from PIL import Image
+
+    model = tiny_qwen2_vl(seed=0)
+    processor = tiny_qwen2_vl_processor()
+    store = image_store(model, processor)
+    assert store.tokens_per_image == 16
+    odd = Image.new("RGB", (40, 24), (200, 10, 10))   # resized to the 32 px square first, then the processor's
+    assert torch.equal(store.prepare(odd), processor(odd.resize((32, 32), Image.Resampling.BICUBIC),
+                                                     return_tensors="pt")["pixel_values"])
+    lm = language_model(model)
+    near = perturbed(lm, seed=1)
+    around = [VISION_START, IMAGE_TOKEN, VISION_END]
+    cases = {"two pictures": ([5, 6, *around, 7, 8, 5, 6, *around, 9], (1, 2)),
+             "a prefill past the flat layout": ([5, *around * 5, 7, 5, 6], (3, 4, 5, 6, 7))}
+    for case, (text, seeds) in cases.items():
+        pictures = [picture(seed) for seed in seeds]
+        prompt = image_prompt_ids(text, pictures, store.register, IMAGE_TOKEN)
+        expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
+        ids = torch.tensor([[t for i in text for t in ([i] * store.tokens_per_image if i == IMAGE_TOKEN else [i])]],
+                           device=model.device)
+        grid = torch.tensor([[1, 8, 8]] * len(pictures), device=model.device)
+        hf = model.generate(input_ids=ids, pixel_values=torch.cat([store.prepare(p) for p in pictures]).to(model.device),
+                            image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+                            attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert expected == hf[0, ids.shape[1]:].tolist(), case
+        own = Target(lm, images=store)
+        own.kv._fast = None   # the model's own forward, given (t, h, w) position rows
+        assert speculative_generate(own, None, prompt, NEW_TOKENS, GREEDY).token_ids == expected, case
+        for draft, speculation in ((PromptLookupDraft(), {"window": 3}), (PromptLookupDraft(), {"tree": TreeShape(3, 2, 6)}),
+                                   (DraftLM("near", near), {"window": 3}), (DraftLM("near", near), {"tree": TreeShape(3, 2, 6)})):
+            got = speculative_generate(Target(lm, images=store), draft, prompt, NEW_TOKENS, GREEDY, **speculation)
+            assert got.token_ids == expected, f"{case}: {draft.name} {speculation}"
+    requests = [SpecRequest(prompt, NEW_TOKENS, GREEDY, "prompt-lookup", 3, request_id="image",
+                            image_placeholder=IMAGE_TOKEN),
+                SpecRequest([5, 6, 7, 8, 9, 5, 6, 7], NEW_TOKENS, GREEDY, "prompt-lookup", 3, request_id="text")]
+    drafts = {"prompt-lookup": in_process_server("prompt-lookup", PromptLookupDraft())}
+    together = run_batch(Target(lm, slots=2, images=store), drafts, requests)
+    for request, got in zip(requests, together):
+        assert got.token_ids == run_batch(Target(lm, slots=1, images=store), drafts, [request])[0].token_ids
+
