@@ -38,7 +38,13 @@ from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example
 from specserve.replicas.engine import GenerateRequest, SpecEngine
 
 VIEWS = ("multimodal", "text-only", "pooled", "caption")
-ROWS = (*VIEWS, "ensemble", "ensemble-static", "target-only")
+MIXES = ("ensemble", "ensemble-static")
+ROWS = (*VIEWS, *MIXES, "target-only")
+
+
+def rows_of(views: tuple[str, ...]) -> tuple[str, ...]:
+    """The rows of a run comparing ``views``: each alone, both mixes of them, target-only."""
+    return (*views, *MIXES, "target-only")
 SEED_OFFSET = 500_000   # held-out pictures other than the model card's and the tests'
 
 
@@ -58,6 +64,7 @@ class MultimodalBenchConfig:
     frame_prompts: int = 4
     head: str = "smollm2-eagle3"
     captions: str = "cold"
+    views: tuple[str, ...] = VIEWS   # the views compared, and mixed by the ensembles
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.categories) - set(CATEGORIES))
@@ -65,35 +72,38 @@ class MultimodalBenchConfig:
             raise ValueError(f"unknown categories {unknown}; known: {', '.join(CATEGORIES)}")
         if min(self.pictures, self.max_tokens, self.window, self.repeats, self.frame_prompts) < 1:
             raise ValueError("--pictures, --max-tokens, --window, --repeats and --frame-prompts must be at least 1")
+        if not self.views or not set(self.views) <= set(VIEWS) or len(set(self.views)) != len(self.views):
+            raise ValueError(f"--views must name distinct views of {', '.join(VIEWS)}; got {list(self.views)}")
         if self.captions not in ("cold", "warm"):
             raise ValueError(f"--captions must be cold or warm; got {self.captions!r}")
         if any(f < 1 for f in self.frames):
             raise ValueError(f"--frames are pictures per prompt, each at least 1; got {list(self.frames)}")
 
 
-def _ensembles(draft: str) -> dict[str, dict]:
-    views = {view: {"model": draft, "views": [view]} for view in VIEWS}
-    return {**views, "ensemble": {"model": draft, "views": list(VIEWS)},
-            "ensemble-static": {"model": draft, "views": list(VIEWS), "weights": "static"}}
+def _ensembles(draft: str, views: tuple[str, ...]) -> dict[str, dict]:
+    alone = {view: {"model": draft, "views": [view]} for view in views}
+    return {**alone, "ensemble": {"model": draft, "views": list(views)},
+            "ensemble-static": {"model": draft, "views": list(views), "weights": "static"}}
 
 
 def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | None = None, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    engine = engine or SpecEngine.load(config.target, dtype=config.dtype, ensembles=_ensembles(config.draft),
+    engine = engine or SpecEngine.load(config.target, dtype=config.dtype, ensembles=_ensembles(config.draft, config.views),
                                        draft_models=[config.head] if config.frames else [])
     if engine.images is None:
         raise ValueError(f"{config.target} reads text only: the multimodal benchmark needs a VLM target")
     work = [(c, example(TEST_SEED + SEED_OFFSET + 1000 * i + n, c))
             for i, c in enumerate(config.categories) for n in range(config.pictures)]
-    totals = {(row, c): {"tokens": 0, "seconds": 0.0, "steps": 0} for row in ROWS for c in config.categories}
+    rows_run = rows_of(config.views)
+    totals = {(row, c): {"tokens": 0, "seconds": 0.0, "steps": 0} for row in rows_run for c in config.categories}
     machine = machine_info()
     if config.captions == "warm":
         write_captions(engine, [ex.image for _, ex in work])
-    bar = tqdm(total=len(work) * len(ROWS) * config.repeats, desc="bench multimodal", disable=not progress)
+    bar = tqdm(total=len(work) * len(rows_run) * config.repeats, desc="bench multimodal", disable=not progress)
     for _ in range(config.repeats):
         for category, ex in work:
-            for row in ROWS:
+            for row in rows_run:
                 draft = "none" if row == "target-only" else row
                 request = GenerateRequest(ex.question, max_tokens=config.max_tokens, draft=draft,
                                           window=0 if row == "target-only" else config.window, images=(ex.image,))
@@ -111,7 +121,7 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
     for (row, category), cell in totals.items():
         rows.append({"view": row, "category": category, "tokens_per_s": round(cell["tokens"] / cell["seconds"], 2),
                      "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
-    for row in ROWS:   # the mix: every category's tokens over every category's seconds
+    for row in rows_run:   # the mix: every category's tokens over every category's seconds
         cells = [totals[(row, c)] for c in config.categories]
         tokens, seconds, steps = (sum(c[k] for c in cells) for k in ("tokens", "seconds", "steps"))
         rows.append({"view": row, "category": "mix", "tokens_per_s": round(tokens / seconds, 2),
@@ -196,13 +206,18 @@ def frame_aims(rows: list[dict]) -> dict:
             "met": growth <= 1.3 and all(abs(g) <= 0.05 for g in gaps.values())}
 
 
+def _views(rows: list[dict]) -> list[str]:
+    """The single views a result's rows compare."""
+    return [v for v in dict.fromkeys(r["view"] for r in rows) if v in VIEWS]
+
+
 def aims(rows: list[dict]) -> dict:
     """Per category, the ensemble over the best single view (tokens/s); the aim: ≥ 0.97 on every
     category, > 1 on the mix."""
     by = {(r["view"], r["category"]): r["tokens_per_s"] for r in rows}
     ratios = {}
     for category in sorted({r["category"] for r in rows}):
-        best = max(by[(view, category)] for view in VIEWS)
+        best = max(by[(view, category)] for view in _views(rows))
         ratios[category] = round(by[("ensemble", category)] / best, 3)
     per_category = [v for c, v in ratios.items() if c != "mix"]
     return {"ensemble_over_best_view": ratios,
@@ -214,7 +229,7 @@ def format_table(result: dict) -> str:
     categories = [c for c in dict.fromkeys(r["category"] for r in rows)]
     by = {(r["view"], r["category"]): r for r in rows}
     lines = ["tokens/s (mean accepted length)", f"{'view':<16}" + "".join(f"{c:>16}" for c in categories)]
-    for view in ROWS:
+    for view in rows_of(tuple(_views(rows))):
         lines.append(f"{view:<16}" + "".join(
             f"{by[(view, c)]['tokens_per_s']:>9.1f} ({by[(view, c)]['mean_accepted_len']:.2f})" for c in categories))
     ratios = result["aims"]["ensemble_over_best_view"]
@@ -243,8 +258,9 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2 if frames else 1, figsize=(15 if frames else 11, 4.5), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 1]} if frames else None)
     ax = axes[0][0]
-    width = 0.8 / len(ROWS)
-    for i, view in enumerate(ROWS):
+    shown = rows_of(tuple(_views(rows)))
+    width = 0.8 / len(shown)
+    for i, view in enumerate(shown):
         ax.bar([c + i * width for c in range(len(categories))], [by[(view, c)] for c in categories], width, label=view)
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories)
     ax.set_ylabel("tokens/s")

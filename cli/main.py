@@ -725,12 +725,14 @@ def bench_multimodal(
     head: str = typer.Option("smollm2-eagle3", help="The hidden-state-reuse head of Sparrow's rows."),
     captions: str = typer.Option("cold", help="cold: the caption view's rows have their pictures captioned beside "
                                               "the answer (timed); warm: captioned before the rows."),
+    views: Optional[str] = typer.Option(None, help="Comma-separated views compared and mixed (of multimodal, "
+                                                   "text-only, pooled, caption); default: all four."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """TABED's drafting views of VLM requests side by side, per picture category: multimodal,
     text-only, pooled, caption, their adaptive and static ensembles, and target-only (tokens/s and mean
     accepted length); then Sparrow's windowed draft against full attention as pictures grow."""
-    from specserve.bench.multimodal import MultimodalBenchConfig, run_multimodal_bench
+    from specserve.bench.multimodal import VIEWS, MultimodalBenchConfig, run_multimodal_bench
     from specserve.data.synthetic_images import CATEGORIES
 
     set_threads(threads)
@@ -739,7 +741,8 @@ def bench_multimodal(
             json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
             categories=tuple(_names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
             repeats=repeats, dtype=dtype, frames=tuple(int(f) for f in _names(frames) or ()),
-            frame_prompts=frame_prompts, head=head, captions=captions))
+            frame_prompts=frame_prompts, head=head, captions=captions,
+            views=tuple(_names(views) or VIEWS)))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

@@ -1,5 +1,6 @@
 """The multimodal benchmark's verdict: the ensemble against the best single view, per category."""
 
+import pytest
 from specserve.bench.multimodal import ROWS, aims, format_table
 
 
@@ -15,6 +16,16 @@ def test_the_aim_is_every_category_at_097_of_the_best_view_and_the_mix_above_it(
     assert met["ensemble_over_best_view"] == {"bars": 0.975, "dots": 1.042, "mix": 1.017} and met["met"]
     assert not aims(rows({"bars": 11.0, "dots": 13.0, "mix": 12.5}))["met"]   # bars 0.917
     assert not aims(rows({"bars": 12.0, "dots": 12.0, "mix": 12.0}))["met"]   # the mix only equals it
+
+
+def test_a_run_of_two_views_is_judged_against_those_two():
+    from specserve.bench.multimodal import MultimodalBenchConfig, rows_of
+
+    two = [r for r in rows({"bars": 11.8, "mix": 11.8}) if r["view"] in rows_of(("pooled", "caption"))]
+    assert aims(two)["ensemble_over_best_view"] == {"bars": 1.026, "mix": 1.026}   # best of the two: 11.5
+    assert "text-only" not in format_table({"rows": two, "aims": aims(two)})
+    with pytest.raises(ValueError, match="views"):
+        MultimodalBenchConfig(views=("pooled", "thumbnail"))
 
 
 def test_the_table_names_every_row_and_the_verdict():
