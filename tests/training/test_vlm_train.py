@@ -1,5 +1,6 @@
-"""Training the reference VLM: rows learn only the answer, a step runs, and the exported tower
-and projector load back into a VLM whose language model is the target's."""
+"""Training the reference VLM: rows learn only the answer, a step runs, the exported tower and
+projector load back into a VLM whose language model is the target's, and a second stage starts
+from an export."""
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def test_a_row_labels_only_the_answer_and_its_end():
     assert batch["pixel_values"].shape == (2, 3, 96, 96)
 
 
-def test_a_step_trains_and_the_export_loads_back(tmp_path):
+def test_a_step_trains_the_export_loads_back_and_a_second_stage_starts_from_it(tmp_path):
     work = train(steps=1, batch=2, work=tmp_path / "work", progress=False,
                  recipe=VLMRecipe(eval_every=100, eval_per_category=1, warmup_steps=1))
     state = torch.load(work / "checkpoint.pt")
@@ -38,20 +39,14 @@ def test_a_step_trains_and_the_export_loads_back(tmp_path):
     assert torch.equal(vlm.model.language_model.layers[0].self_attn.q_proj.weight,
                        text.model.layers[0].self_attn.q_proj.weight)
 
-
-def test_a_second_stage_starts_from_an_export_and_keeps_the_first_in_its_log(tmp_path):
-    recipe = VLMRecipe(eval_every=100, eval_per_category=1, warmup_steps=1)
-    first = export(work=train(steps=1, batch=2, work=tmp_path / "one", progress=False, recipe=recipe),
-                   out=tmp_path / "vlm")
-    shipped = load_vlm(str(first), dtype="float32", device="cpu").model.state_dict()
+    # The second stage (``--fine-tune``) starts from the export and keeps the first in its log.
     second = VLMRecipe(steps=1, batch=2, lr=0.0, warmup_steps=1, eval_every=100, eval_per_category=1,
                        categories=("caption", "describe"))
-    work = train(work=tmp_path / "two", progress=False, recipe=second, start_from=first)
+    work = train(work=tmp_path / "two", progress=False, recipe=second, start_from=out)
     state = torch.load(work / "checkpoint.pt")
     for name, weight in state["weights"].items():   # lr 0: the step kept the export's weights
-        assert torch.equal(weight.to(torch.bfloat16).float(), shipped[name]), name
-    log = stages({"stages": [*state["earlier"], {}]})
-    assert len(log) == 2 and log[0]["steps"] == 1
+        assert torch.equal(weight.to(torch.bfloat16).float(), loaded[name]), name
+    assert len(stages({"stages": [*state["earlier"], {}]})) == 2 and state["earlier"][0]["steps"] == 1
     tokenizer, text_config = load_tokenizer_and_config()
     stream = PictureStream(tokenizer, reference_vlm_config(text_config), 0, second.categories)
     asked = {tokenizer.decode(stream.row(seed)[0]).split("<|im_start|>user")[-1] for seed in (0, 1)}
