@@ -1,0 +1,39 @@
+"""M-RoPE positions from a slot's tokens: a picture's tokens on its grid, the text after it shifted,
+whatever the chunks the prompt arrives in."""
+
+from specserve.replicas.image_tokens import VIRTUAL_BASE
+from specserve.replicas.mrope import MRope, section_dims
+
+
+def picture(digest: int, per: int = 4) -> list[int]:
+    return [VIRTUAL_BASE + digest * per + j for j in range(per)]
+
+
+def test_a_pictures_tokens_sit_on_its_grid_and_the_text_after_resumes_side_later():
+    mrope = MRope([1, 1, 2], head_dim=8, tokens_per_image=4)   # 2 x 2 grid
+    tokens = [7, 8, *picture(5), 9, *picture(6), 10]
+    p, dh, dw = mrope.positions([], tokens, list(range(1, len(tokens) + 1)))
+    assert p == [0, 1, 2, 2, 2, 2, 4, 5, 5, 5, 5, 7]
+    assert dh == [0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0] and dw == [0, 0, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0]
+
+
+def test_positions_do_not_depend_on_where_the_chunks_end():
+    mrope = MRope([1, 1, 2], head_dim=8, tokens_per_image=9)
+    tokens = [1, *picture(3, 9), 2, 3, *picture(4, 9), *picture(5, 9), 4]
+    whole = mrope.positions([], tokens, list(range(1, len(tokens) + 1)))
+    for cut in range(1, len(tokens)):
+        head = mrope.positions([], tokens[:cut], list(range(1, cut + 1)))
+        tail = mrope.positions(tokens[:cut], tokens[cut:], list(range(1, len(tokens) - cut + 1)))
+        assert tuple(a + b for a, b in zip(head, tail)) == whole, cut
+
+
+def test_a_trees_nodes_share_the_position_of_their_depth():
+    mrope = MRope([1, 1, 2], head_dim=8, tokens_per_image=4)
+    cached = [7, *picture(5), 9]                      # the next text position: 1 + 2 + 1 = 4
+    p, dh, dw = mrope.positions(cached, [11, 12, 13, 14], [1, 2, 2, 3])
+    assert p == [4, 5, 5, 6] and dh == dw == [0, 0, 0, 0]
+
+
+def test_sections_pick_the_h_and_w_dimensions_in_both_halves():
+    h, w = section_dims([1, 1, 2], head_dim=8)
+    assert h.tolist() == [False, True, False, False] * 2 and w.tolist() == [False, False, True, True] * 2
