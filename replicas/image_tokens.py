@@ -42,7 +42,8 @@ def is_virtual(token: int) -> bool:
 
 
 def picture_ids(pixels: torch.Tensor, tokens_per_image: int) -> list[int]:
-    """The ids of the image tokens of a prepared picture (its pixels [3, h, w])."""
+    """The ids of the image tokens of a prepared picture (its pixels as the store's ``prepare``
+    gives them)."""
     digest = int.from_bytes(hashlib.blake2b(pixels.contiguous().cpu().numpy().tobytes(),
                                             digest_size=_DIGEST_BYTES).digest(), "little")
     base = VIRTUAL_BASE + digest * tokens_per_image
@@ -73,19 +74,19 @@ def draft_view(ids: list[int], placeholder: int) -> list[int]:
 class ImageStore:
     """The pictures one target has been shown: ids for each, embeddings on demand.
 
-    ``prepare(image) -> [3, h, w]`` pixels (the VLM's image processor); ``encode(pixels [n, 3, h,
-    w]) -> [n, tokens_per_image, hidden]`` (vision tower + projector); ``placeholder``: the VLM's
-    image token, which drafts read in place of image tokens. Pictures are kept, least
-    recently used first out, up to ``capacity``: a prompt may not need a picture evicted before
-    its prefill reached it (``rows`` raises), so ``capacity`` must exceed the pictures of the
-    requests in flight."""
+    ``prepare(image) -> pixels`` (the VLM's image processor: [3, h, w], or Qwen2-VL's patches
+    [patches, dim]); ``encode(pixels [n, ...]) -> [n, tokens_per_image, hidden]`` (vision tower
+    + projector); ``placeholder``: the VLM's image token, which drafts read in place of image
+    tokens. Pictures are kept, least recently used first out, up to ``capacity``: a prompt may
+    not need a picture evicted before its prefill reached it (``rows`` raises), so ``capacity``
+    must exceed the pictures of the requests in flight."""
 
     def __init__(self, prepare: Callable, encode: Callable[[torch.Tensor], torch.Tensor], tokens_per_image: int,
                  placeholder: int, capacity: int = 512):
         self.prepare, self.encode, self.tokens_per_image, self.capacity = prepare, encode, tokens_per_image, capacity
         self.placeholder = placeholder
         self.pooled = POOLED_TOKENS   # the pooled view's tokens per picture
-        self._pixels: OrderedDict[int, torch.Tensor] = OrderedDict()   # digest -> [3, h, w]
+        self._pixels: OrderedDict[int, torch.Tensor] = OrderedDict()   # digest -> prepared pixels
         self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()     # digest -> [tokens_per_image, hidden]
         self.encoded_images = 0   # vision-tower runs, per picture (tests, metrics)
         self.captions = None      # the pictures' captions (``captions.Captions``) where a caption view reads them

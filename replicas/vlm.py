@@ -249,8 +249,6 @@ def picture_markers(processor) -> tuple[list[int], list[int]]:
     """The tokens the VLM's processor puts before and after one picture's image tokens (Idefics3:
     ``<fake_token_around_image><global-img>`` and ``<fake_token_around_image>``; LLaVA: none),
     read off the processor's own expansion of one picture."""
-    from PIL import Image
-
     image_token = getattr(processor, "image_token", None)
     if image_token is None:
         return [], []
@@ -274,8 +272,8 @@ def target_image_store(vlm, processor, capacity: int = 512) -> ImageStore:
 
 def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     """The pictures' ``ImageStore``: ``image_processor`` (the processor's) prepares them, the
-    vision tower and projector encode them (LLaVA's ``get_image_features``: the rows the model's
-    own forward scatters into its image tokens)."""
+    vision tower and projector encode them (``get_image_features``: the rows the model's own
+    forward scatters into its image tokens; Qwen2-VL's given each picture's patch grid)."""
     prepare = pixel_preparer(image_processor)
     idefics = getattr(vlm.model, "vision_model", None) is not None   # Idefics3: pictures per prompt, 5-D
     count = tokens_per_image(vlm.config, image_processor)
