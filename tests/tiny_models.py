@@ -16,6 +16,8 @@ import os
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
+from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
+
 VOCAB = 96
 ARCHITECTURES = ("llama", "gpt2", "qwen2")
 DEVICE = torch.device(os.environ.get("SPECSERVE_TEST_DEVICE", "cpu"))
@@ -127,3 +129,13 @@ def tiny_qwen2_vl_processor():
 
     return Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=32 * 32, patch_size=4, merge_size=2,
                                     temporal_patch_size=2)
+
+
+def pruned_copy(model, head: list[int]) -> PrunedHeadLlamaForCausalLM:
+    """``model`` itself with its output layer cut down to ``head``."""
+    config = PrunedHeadConfig.from_dict({**model.config.to_dict(), "head_token_ids": head})
+    pruned = PrunedHeadLlamaForCausalLM(config).eval()
+    state = model.state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"][head]
+    pruned.load_state_dict(state)
+    return pruned

@@ -242,13 +242,21 @@ class EnsembleDraftLM(BatchedDraftLM):
         best = position.tokens[(position.probs @ self.candidates.T).argmax(0)]    # [J]
         return -(best == verified).float()
 
+    def _head_ids(self, device: torch.device) -> torch.Tensor | None:
+        """The draft's head tokens when its output layer covers only some (``pruned_head``): the
+        views are mixed, drafted from and kept over those K, not the whole vocabulary (a mix over
+        49k ids a drafted position, per view, was a visible share of a CPU step)."""
+        model = self.kv.model
+        return model.head_token_ids(device) if hasattr(model, "head_token_ids") else None
+
     @staticmethod
-    def _keep(probs: torch.Tensor, token: int) -> _Drafted:
-        """probs [m, V] -> what scoring needs of them."""
+    def _keep(probs: torch.Tensor, token: int, head: torch.Tensor | None = None) -> _Drafted:
+        """probs [m, K] over ``head``'s tokens (all of them: None) -> what scoring needs of them."""
         top = torch.topk(probs, min(TOP, probs.shape[-1]), dim=-1).indices.flatten().unique()
         kept = probs[:, top].T.contiguous()                                         # [U, m]
         outside = max(1, probs.shape[-1] - len(top))
-        return _Drafted(top.cpu(), kept.cpu(), ((1.0 - kept.sum(0)).clamp(min=0) / outside).cpu(), token)
+        ids = top if head is None else head[top]
+        return _Drafted(ids.cpu(), kept.cpu(), ((1.0 - kept.sum(0)).clamp(min=0) / outside).cpu(), token)
 
     @torch.inference_mode()
     def propose_chains(self, asks: list[ProposeRequest], generators: list[torch.Generator | None]) -> list[Proposal]:
@@ -279,6 +287,8 @@ class EnsembleDraftLM(BatchedDraftLM):
                 feeds.append(Feed(slot, missing))
             slots.append(row)
         by_slot = dict(zip((f.slot for f in feeds), (rows[-1] for rows in self.kv.forward(feeds))))
+        vocab = next(iter(by_slot.values())).shape[-1]
+        head = self._head_ids(next(iter(by_slot.values())).device)
         weights = [self.weights_for(ask.session_id) for ask in asks]
         drafted: list[list[int]] = [[] for _ in asks]
         chosen_q: list[list[torch.Tensor]] = [[] for _ in asks]
@@ -289,16 +299,20 @@ class EnsembleDraftLM(BatchedDraftLM):
             for i, (ask, row) in enumerate(zip(asks, slots)):
                 if depth >= ask.window:
                     continue
-                logits = torch.stack([by_slot[s] for s in row]).float()              # [m, V]
+                logits = torch.stack([by_slot[s] for s in row])                      # [m, V]
+                if head is not None:   # a pruned head's tokens: the others' probability is 0 in every view
+                    logits = logits.index_select(-1, head)                            # [m, K]
+                logits = logits.float()
                 views_q = torch.softmax(logits, -1) if ask.params.greedy else logits_to_probs(logits, ask.params)
-                q = weights[i].to(views_q.device) @ views_q                          # [V]
-                tok = int(q.argmax()) if ask.params.greedy else sample(q, generators[i])
+                q = weights[i].to(views_q.device) @ views_q                          # [K]
+                at = int(q.argmax()) if ask.params.greedy else sample(q, generators[i])
+                tok = at if head is None else int(head[at])
                 if not ask.params.greedy:
-                    chosen_q[i].append(q)
+                    chosen_q[i].append(q if head is None else q.new_zeros(vocab).index_copy_(0, head, q))
                 drafted[i].append(tok)
-                token_probs[i].append(float(q[tok]))
+                token_probs[i].append(float(q[at]))
                 if self.adaptive:   # static weights never look back
-                    kept[i].append(self._keep(views_q, tok))
+                    kept[i].append(self._keep(views_q, tok, head))
                 if depth + 1 < ask.window:
                     feeds.extend(Feed(s, [tok]) for s in row)
             if not feeds:

@@ -19,7 +19,7 @@ from specserve.replicas.engine import in_process_server, run_batch
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.target import Target
-from tiny_models import ARCHITECTURES, VOCAB, perturbed, tiny_model
+from tiny_models import ARCHITECTURES, VOCAB, perturbed, pruned_copy, tiny_model
 
 MARKER = [7, 3]
 
@@ -99,7 +99,23 @@ def test_greedy_output_is_the_targets(arch, settings):
     """Prompts holding the marker twice, so the two views differ; several requests batched; every
     window the engine asks for."""
     target = tiny_model(arch, seed=0)
-    draft = DraftLM("tabed", perturbed(target, seed=1))
+    check_greedy_equal(target, DraftLM("tabed", perturbed(target, seed=1)), settings, f"{arch} {settings}")
+
+
+@pytest.mark.parametrize("settings", [{}, {"distance": "kl"}], ids=["matches", "kl"])
+def test_a_pruned_heads_views_mix_over_its_tokens_and_keep_the_targets_output(settings, monkeypatch):
+    """A draft whose head covers every other token: its views are mixed, drafted from and scored
+    over those tokens alone, named by their vocabulary ids."""
+    target = tiny_model("llama", seed=0)
+    draft = DraftLM("tabed", pruned_copy(perturbed(target, seed=1), list(range(0, VOCAB, 2))))
+    kept = []
+    keep = EnsembleDraftLM._keep
+    monkeypatch.setattr(EnsembleDraftLM, "_keep", staticmethod(lambda *args: kept.append(keep(*args)) or kept[-1]))
+    check_greedy_equal(target, draft, settings, f"pruned head {settings}")
+    assert kept and all(d.token % 2 == 0 and bool((d.tokens % 2 == 0).all()) for d in kept)
+
+
+def check_greedy_equal(target, draft, settings: dict, label: str) -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, VOCAB, (4,), generator=gen).tolist() + MARKER
                + torch.randint(1, VOCAB, (3 + i,), generator=gen).tolist() + MARKER + [20 + i] for i in range(4)]
@@ -114,7 +130,7 @@ def test_greedy_output_is_the_targets(arch, settings):
                                                      for i, p in enumerate(prompts)])
     drafted = 0
     for prompt, g, p in zip(prompts, got, plain):
-        assert_greedy_equal(target, prompt, g.token_ids, p.token_ids, f"{arch} {settings}")
+        assert_greedy_equal(target, prompt, g.token_ids, p.token_ids, label)
         drafted += g.stats.accepted
     assert drafted > 0, "the ensemble's tokens were never accepted"
     assert (max(scored) > 0) == (settings.get("weights") != "static"), "adaptive weights learn from verified tokens"

@@ -16,7 +16,6 @@ import torch
 from chi_square import chi_square_pvalue
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.drafts.hsr_draft import HSRDraft
-from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.sampling import SamplingParams, logits_to_probs
@@ -25,7 +24,7 @@ from specserve.replicas.target import Target
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.engine import in_process_server, run_batch
 from tiny_hsr import FUSED_LAYERS, one_thread, trained_hsr_head
-from tiny_models import VOCAB, perturbed, tiny_model
+from tiny_models import VOCAB, perturbed, pruned_copy, tiny_model
 
 RUNS = 3000
 BATCH = 16
@@ -47,16 +46,6 @@ def exact_joint(model, prompt: list[int], params: SamplingParams) -> torch.Tenso
         batch = torch.tensor([prompt + [t] for t in range(VOCAB)])
         second = logits_to_probs(model(batch).logits[:, -1], params)
     return first[:, None] * second
-
-
-def pruned_copy(model, head: list[int]) -> PrunedHeadLlamaForCausalLM:
-    """The target itself with its output layer cut down to ``head``."""
-    config = PrunedHeadConfig.from_dict({**model.config.to_dict(), "head_token_ids": head})
-    pruned = PrunedHeadLlamaForCausalLM(config).eval()
-    state = model.state_dict()
-    state["lm_head.weight"] = state["lm_head.weight"][head]
-    pruned.load_state_dict(state)
-    return pruned
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +75,7 @@ def fused_head(deep_target):
     "case",
     ["plain", "draft-lm-chain", "draft-lm-tree", "prompt-lookup-chain", "prompt-lookup-tree", "suffix-tree", "suffix-chain", "pruned-head-chain",
      "hsr-chain", "hsr-tree", "hsr-fused-chain", "hsr-fused-tree", "bonus-draft-lm-chain", "bonus-prompt-lookup-chain",
-     "tabed-chain"],
+     "tabed-chain", "tabed-pruned-head-chain"],
 )
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)], ids=["t1", "warped"])
 @pytest.mark.slow
@@ -112,6 +101,8 @@ def test_first_two_tokens_follow_the_target(request, target, hsr_head, case, par
         "bonus-draft-lm-chain": DraftLM("near", perturbed(target, seed=1)),
         # TABED: two views of the draft LM (the whole prompt, and from its last [4, 9] on) mixed.
         "tabed-chain": DraftLM("tabed", perturbed(target, seed=1)),
+        # ... and over a pruned head's tokens only (q = 0 on every odd token in every view).
+        "tabed-pruned-head-chain": DraftLM("tabed", pruned_copy(perturbed(target, seed=1), list(range(0, VOCAB, 2)))),
         "bonus-prompt-lookup-chain": PromptLookupDraft(),
     }[case]
     if "fused" in case:   # its target and head are built for its own cases only
