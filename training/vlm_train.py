@@ -1,7 +1,7 @@
 """Train the reference VLM: a vision tower and projector from scratch, under the frozen reference target.
 
     specserve zoo vlm [--steps N] [--device cuda]    # resumable: run it again to go on; exports at the end
-    specserve zoo vlm --fine-tune                    # a second stage from the shipped weights
+    specserve zoo vlm --fine-tune                    # a later stage from the shipped weights
 
 LLaVA's first stage, made to learn vision from nothing: each step draws a batch of synthetic
 pictures with their questions (``data/synthetic_images.py``; seeds count up, so a run and its
@@ -10,10 +10,15 @@ answer tokens (and the ``<|im_end|>`` that ends them) given the prompt with the 
 image tokens. Only the vision tower (SigLIP, 4 layers of 256) and the projector learn; the
 language model and its output rows stay the target's, so its text behaviour is unchanged.
 
-The second stage (``--fine-tune``, ``FINE_TUNE``) starts from the shipped weights and teaches the
-two questions whose answers are text about the whole picture, ``caption`` and ``describe``, at a
-lower learning rate, half its rows those two and half the first stage's questions so that they
-are not forgotten.
+A later stage (``--fine-tune``, ``FINE_TUNE``) starts from the shipped weights at a lower learning
+rate. The second taught the two questions whose answers are text about the whole picture,
+``caption`` and ``describe``; the third asks all eight, the skills the second wore down (reading a
+word, counting dots, reading digits) twice as often.
+
+The loss is the mean over rows of each row's mean over its answer tokens, so a 45-token
+description weighs as much as a one-word answer. (The second stage averaged over all answer
+tokens of a batch: its descriptions outweighed the short answers some 20 to 1, and reading,
+counting and digits fell.)
 
 Where this deviates from LLaVA: LLaVA starts from a pretrained CLIP tower and trains the
 projector alone on captions; no pretrained tower reaches these machines, so the tower learns with
@@ -50,11 +55,14 @@ class VLMRecipe:
     eval_every: int = 500
     eval_per_category: int = 50
     categories: tuple[str, ...] = CATEGORIES   # row i asks categories[i % len]: repeats weigh a question up
+    # "row-mean": each row's answer tokens averaged, then the rows; "token-mean": every answer token
+    # of the batch averaged (how the first two stages trained).
+    loss: str = "row-mean"
 
 
 RECIPE = VLMRecipe()
-FINE_TUNE = VLMRecipe(steps=600, batch=16, lr=1.5e-4, warmup_steps=30, eval_every=150, eval_per_category=16,
-                      categories=("caption", "describe", "caption", "describe", *CATEGORIES))
+FINE_TUNE = VLMRecipe(steps=400, batch=16, lr=1.5e-4, warmup_steps=20, eval_every=100, eval_per_category=16,
+                      categories=(*CATEGORIES, "word", "dots", "digits"))
 # Greedy tokens an answer may take when scored: a description runs to ~45.
 ANSWER_TOKENS = {"caption": 20, "describe": 64}
 # What learns (and what a checkpoint and an export hold): the tower and the projector.
@@ -129,6 +137,18 @@ def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, b
     return accuracy
 
 
+def answer_loss(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = True) -> torch.Tensor:
+    """Cross-entropy of the answer tokens (labels -100 elsewhere), averaged within each row and
+    then over rows (``per_row``), or over every answer token of the batch."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    scored = labels != -100
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
+    if not per_row:
+        return (per_token * scored).sum() / scored.sum().clamp(min=1)
+    per_row_loss = (per_token * scored).sum(1) / scored.sum(1).clamp(min=1)
+    return per_row_loss.mean()
+
+
 def _lr(recipe: VLMRecipe, step: int) -> float:
     if step < recipe.warmup_steps:
         return recipe.lr * (step + 1) / recipe.warmup_steps
@@ -159,6 +179,8 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
     from tqdm import tqdm
 
     recipe = VLMRecipe(**{**asdict(recipe), **({"steps": steps} if steps else {}), **({"batch": batch} if batch else {})})
+    if recipe.loss not in ("row-mean", "token-mean"):
+        raise ValueError(f"loss must be row-mean or token-mean; got {recipe.loss!r}")
     device = torch.device(device or "cpu")
     work = Path(work or default_work())
     work.mkdir(parents=True, exist_ok=True)
@@ -199,7 +221,8 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
         for group in optimizer.param_groups:
             group["lr"] = _lr(recipe, step)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(**rows).loss
+            labels = rows.pop("labels")
+            loss = answer_loss(model(**rows).logits, labels, per_row=recipe.loss == "row-mean")
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(learned, 1.0)
         if torch.isfinite(norm):   # a step whose bfloat16 forward overflowed is skipped, not learned
@@ -296,15 +319,20 @@ def _stage_text(index: int, stage: dict) -> str:
     command = ("specserve zoo vlm --device cuda --workers 15" if index == 0
                else "specserve zoo vlm --fine-tune")
     where = "one GPU" if stage["device"] == "cuda" else "this project's 2-core CPU"
-    asked = sorted(set(recipe.get("categories", CATEGORIES[:6])), key=list(CATEGORIES).index)
+    categories = list(recipe.get("categories", CATEGORIES[:6]))
+    asked = sorted(set(categories), key=list(CATEGORIES).index)
+    weighed = [c for c in asked if categories.count(c) > min(categories.count(a) for a in asked)]
+    loss = ("each row's answer tokens averaged, then the rows" if recipe.get("loss") == "row-mean"
+            else "averaged over the batch's answer tokens")
     names = [c for c in CATEGORIES if evals and c in evals[-1]["accuracy"]]
     header = "| step | minutes | loss | " + " | ".join(names) + " | mix |"
     rule = "| --- " * (len(names) + 4) + "|"
     rows = [f"| {e['step']} | {e['seconds'] / 60:.1f} | {e['loss']:.3f} | "
             + " | ".join(f"{e['accuracy'][c]:.2f}" for c in (*names, "mix")) + " |" for e in evals]
     return f"""  Stage {index + 1}: `{command}`: {stage['steps']} steps of {recipe['batch']} pictures
-  ({stage['steps'] * recipe['batch']:,} pictures, {minutes:.1f} min on {where}) asking {', '.join(asked)};
-  AdamW lr {recipe['lr']} (warm-up {recipe['warmup_steps']} steps, cosine over {recipe['steps']:,}{stopped}).
+  ({stage['steps'] * recipe['batch']:,} pictures, {minutes:.1f} min on {where}) asking {', '.join(asked)}{
+    f" ({', '.join(weighed)} more often)" if weighed else ""};
+  AdamW lr {recipe['lr']} (warm-up {recipe['warmup_steps']} steps, cosine over {recipe['steps']:,}{stopped}); loss {loss}.
 
 {header}
 {rule}

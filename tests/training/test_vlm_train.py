@@ -6,7 +6,7 @@ import pytest
 import torch
 from specserve.replicas.model_store import load_causal_lm, load_tokenizer_and_config
 from specserve.replicas.vlm import load_vlm, reference_vlm_config, tokens_per_image
-from specserve.training.vlm_train import PictureStream, VLMRecipe, collate, export, stages, train
+from specserve.training.vlm_train import PictureStream, VLMRecipe, answer_loss, collate, export, stages, train
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
@@ -51,3 +51,19 @@ def test_a_step_trains_the_export_loads_back_and_a_second_stage_starts_from_it(t
     stream = PictureStream(tokenizer, reference_vlm_config(text_config), 0, second.categories)
     asked = {tokenizer.decode(stream.row(seed)[0]).split("<|im_start|>user")[-1] for seed in (0, 1)}
     assert any("caption" in a for a in asked) and any("Describe" in a for a in asked)
+
+
+def test_every_row_weighs_the_same_whatever_its_answers_length():
+    """Row 0 answers in one token (loss log 4 under uniform logits), row 1 in three tokens it gets
+    right with certainty: per row the mean is (log 4 + 0) / 2, per token log 4 / 4."""
+    logits = torch.zeros(2, 5, 4)
+    labels = torch.full((2, 5), -100)
+    labels[0, 4] = 1
+    labels[1, 2:5] = torch.tensor([2, 3, 0])
+    for position, token in ((1, 2), (2, 3), (3, 0)):
+        logits[1, position, token] = 1e4
+    log4 = torch.log(torch.tensor(4.0))
+    assert torch.isclose(answer_loss(logits, labels), log4 / 2)
+    assert torch.isclose(answer_loss(logits, labels, per_row=False), log4 / 4)
+    with pytest.raises(ValueError, match="row-mean or token-mean"):
+        train(steps=1, recipe=VLMRecipe(loss="mean"), progress=False)
