@@ -1,0 +1,346 @@
+"""A draft matched to the reference VLM: the zoo's standalone draft LM, distilled further on the
+VLM's own answers to synthetic pictures while reading each picture's image tokens as the VLM's
+projector embeds them.
+
+    specserve zoo vlm-draft [--pictures N] [--steps N]   # answers, then training (both resume), export
+
+Why: ``smollm2-draft-2l`` was distilled on the target's text answers. A VLM's answers come from the
+same language model steered by image tokens the draft never read in training, and it predicts them
+poorly in every drafting view (mean accepted length 1.0-1.2 on the reference VLM's answers). This
+draft learns from the VLM itself, as TABED's drafts and Sparrow's are trained on their target's
+outputs:
+
+- **Answers** (``answer_corpus``): for ``pictures`` held-out pictures (seeds from ``DRAFT_SEED``,
+  every category in turn), the VLM's greedy answer (the tokens its served answers are made of),
+  its final-norm hidden states at the positions that predict them (the teacher: times the output
+  rows of the head's tokens, its distribution over the head), and the picture's projected image
+  rows (what the ``multimodal`` view feeds the draft). Chunks of ``CHUNK`` pictures, resumable.
+- **Student**: ``smollm2-draft-2l``'s two layers; its head widened to every token the VLM's
+  answers use (the target's output rows, frozen, like its embeddings: neither is stored).
+- **Loss**: forward KL to the teacher over the head at each answer position (``distill.distill_loss``),
+  the prompt and its image rows read as context. Every ``VALIDATION_EVERY``-th picture is held out;
+  the weights exported are those with the lowest held-out KL.
+
+Served, the draft reads a picture's rows in the ``multimodal`` and ``pooled`` views and the
+placeholder in ``text-only`` (``ensemble.py``); it was trained on the first only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.data.synthetic_images import CATEGORIES, example
+from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM, save_without_embeddings
+from specserve.replicas.model_store import REFERENCE_TARGET, bf16_is_fast, load_causal_lm, model_cache_dir, zoo_dir
+from specserve.training.distill import DistillConfig, best_path, distill_loss, load_weights, seeded_batches, teacher_log_probs
+from specserve.training.distill import train as train_loop
+
+NAME = "smollm2-vlm-draft"
+BASE_DRAFT = "smollm2-draft-2l"
+# Pictures the draft learns from: far from the VLM's test (10^9 up) and training (0 up) seeds.
+DRAFT_SEED = 500_000_000
+CHUNK = 64
+VALIDATION_EVERY = 20
+# Greedy tokens an answer may take (a description runs to ~45, a caption to ~8).
+MAX_NEW_TOKENS = {"caption": 24, "describe": 64}
+SHORT_ANSWER = 12
+
+
+def default_work() -> Path:
+    return model_cache_dir().parent / "zoo" / NAME
+
+
+def _category(seed: int) -> str:
+    return CATEGORIES[seed % len(CATEGORIES)]
+
+
+@torch.no_grad()
+def _chunk(vlm, tokenizer, seeds: list[int]) -> list[dict]:
+    """The rows of one chunk of pictures: ``{seed, category, prompt, answer, final, rows}``."""
+    from specserve.training.vlm_train import prompt_ids
+    from specserve.replicas.vlm import image_processor
+
+    model, config = vlm.model, vlm.model.config
+    processor = image_processor(config)
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    out = []
+    for category in CATEGORIES:   # one question per category: its prompts are one length, no padding
+        examples = [example(s, category) for s in seeds if _category(s) == category]
+        if not examples:
+            continue
+        prompt = prompt_ids(tokenizer, config, examples[0].question)
+        ids = torch.tensor([prompt] * len(examples))
+        pixels = processor([e.image for e in examples], return_tensors="pt")["pixel_values"].to(model.dtype)
+        generated = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                                   max_new_tokens=MAX_NEW_TOKENS.get(category, SHORT_ANSWER), do_sample=False,
+                                   pad_token_id=tokenizer.pad_token_id)[:, len(prompt):].tolist()
+        answers = [row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in generated]
+        width = len(prompt) + max(map(len, answers))
+        full = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
+        for i, answer in enumerate(answers):
+            full[i, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        # Right padding under a causal mask leaves every real position as it is.
+        final = model.model(input_ids=full, pixel_values=pixels).last_hidden_state
+        rows = model.model.get_image_features(pixel_values=pixels)
+        rows = getattr(rows, "pooler_output", rows)
+        rows = torch.stack(list(rows)) if isinstance(rows, (list, tuple)) else rows
+        for i, (e, answer) in enumerate(zip(examples, answers)):
+            at = len(prompt) - 1   # the positions that predict the answer's tokens
+            out.append({"seed": e.seed, "category": category, "prompt": prompt, "answer": answer,
+                        "final": final[i, at:at + len(answer)].to(torch.bfloat16).clone(),
+                        "rows": rows[i].to(torch.bfloat16).clone()})
+    return out
+
+
+def answer_corpus(pictures: int, work: Path | None = None, progress: bool = True) -> list[dict]:
+    """The VLM's answers to ``pictures`` pictures (built chunk by chunk into ``work``, resumable)."""
+    from tqdm import tqdm
+
+    from specserve.replicas.vlm import REFERENCE_VLM, load_vlm
+
+    folder = Path(work or default_work()) / "answers"
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = folder / "meta.json"
+    if meta.exists() and json.loads(meta.read_text())["pictures"] != pictures:
+        raise ValueError(f"{folder} holds the answers to {json.loads(meta.read_text())['pictures']} pictures, not "
+                         f"{pictures}: give another work folder")
+    meta.write_text(json.dumps({"pictures": pictures, "first_seed": DRAFT_SEED, "chunk": CHUNK}))
+    chunks = range(0, pictures, CHUNK)
+    vlm = None
+    for n, start in enumerate(tqdm(chunks, desc="vlm answers", unit="chunk", disable=not progress)):
+        path = folder / f"chunk-{n:05d}.pt"
+        if path.exists():
+            continue
+        if vlm is None:
+            vlm = load_vlm(REFERENCE_VLM, dtype="bfloat16" if bf16_is_fast(torch.device("cpu")) else "float32",
+                           device="cpu")
+        seeds = list(range(DRAFT_SEED + start, DRAFT_SEED + min(start + CHUNK, pictures)))
+        torch.save(_chunk(vlm, vlm.tokenizer.tokenizer, seeds), path.with_suffix(".partial"))
+        path.with_suffix(".partial").replace(path)
+    return [row for n in range(len(chunks)) for row in torch.load(folder / f"chunk-{n:05d}.pt", weights_only=False)]
+
+
+def head_tokens(corpus: list[dict]) -> list[int]:
+    """``BASE_DRAFT``'s head tokens and every token of the VLM's answers."""
+    from transformers import AutoConfig
+
+    from specserve.replicas.model_store import resolve_model_path
+
+    base = AutoConfig.from_pretrained(resolve_model_path(BASE_DRAFT), local_files_only=True)
+    return sorted(set(base.head_token_ids) | {t for row in corpus for t in row["answer"]})
+
+
+def build_student(head: list[int]) -> PrunedHeadLlamaForCausalLM:
+    """``BASE_DRAFT``'s layers under the target's output rows for ``head``."""
+    base = load_causal_lm(BASE_DRAFT, dtype="float32", device="cpu").model
+    target = load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu").model
+    config = PrunedHeadConfig.from_dict({**base.config.to_dict(), "head_token_ids": head})
+    student = PrunedHeadLlamaForCausalLM(config)
+    state = {k: v for k, v in base.state_dict().items() if k != "lm_head.weight"}
+    state["lm_head.weight"] = target.get_output_embeddings().weight.detach()[torch.tensor(head)].clone()
+    student.load_state_dict(state)
+    student.model.embed_tokens.weight.requires_grad_(False)
+    student.lm_head.weight.requires_grad_(False)
+    return student.float()
+
+
+def collate(rows: list[dict], placeholder: int) -> dict:
+    """A batch: the prompt and answer ids (right-padded; image tokens as ``placeholder``), where the
+    picture's rows go, the rows, and the teacher's states at the scored positions, in order."""
+    width = max(len(r["prompt"]) + len(r["answer"]) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    scored = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        seq = r["prompt"] + r["answer"]
+        ids[i, :len(seq)] = torch.tensor(seq)
+        scored[i, len(r["prompt"]) - 1:len(seq) - 1] = True
+    return {"ids": ids, "image": ids == placeholder, "scored": scored,
+            "rows": torch.cat([r["rows"] for r in rows]), "final": torch.cat([r["final"] for r in rows])}
+
+
+def embed_batch(student, batch: dict) -> torch.Tensor:
+    """The student's input: its (the target's) embeddings, the image tokens as the picture's rows."""
+    embeds = student.model.embed_tokens(batch["ids"].masked_fill(batch["image"], 0))
+    embeds[batch["image"]] = batch["rows"].to(embeds.dtype)
+    return embeds
+
+
+def draft_loss(student, head_weight: torch.Tensor, autocast_bf16: bool):
+    def loss(batch: dict) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+            hidden = student.model(inputs_embeds=embed_batch(student, batch)).last_hidden_state
+            logits = student.head_logits(hidden[batch["scored"]])
+        teacher = teacher_log_probs(batch["final"], head_weight)
+        return distill_loss(logits, teacher, torch.ones(len(teacher)))
+
+    return loss
+
+
+@torch.no_grad()
+def metrics(student, head_weight: torch.Tensor, rows: list[dict], placeholder: int, autocast_bf16: bool,
+            batch: int = 32) -> dict:
+    """Held-out KL and first-token greedy acceptance (the student's argmax over its head is the
+    VLM's next token, teacher-forced), overall and per category."""
+    head = student.head_token_ids(torch.device("cpu"))
+    sums: dict[str, list[float]] = {}
+    for at in range(0, len(rows), batch):
+        chunk = rows[at:at + batch]
+        b = collate(chunk, placeholder)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+            hidden = student.model(inputs_embeds=embed_batch(student, b)).last_hidden_state
+            logits = student.head_logits(hidden[b["scored"]]).float()
+        teacher = teacher_log_probs(b["final"], head_weight)
+        kl = (teacher.exp() * (teacher - torch.log_softmax(logits, -1))).sum(-1)
+        hit = head[logits.argmax(-1)] == torch.tensor([t for r in chunk for t in r["answer"]])
+        at_row = 0
+        for r in chunk:
+            n = len(r["answer"])
+            for key in (r["category"], "all"):
+                s = sums.setdefault(key, [0.0, 0.0, 0])
+                s[0] += float(kl[at_row:at_row + n].sum())
+                s[1] += float(hit[at_row:at_row + n].sum())
+                s[2] += n
+            at_row += n
+    return {k: {"kl": round(s[0] / s[2], 4), "top1": round(s[1] / s[2], 4), "positions": s[2]} for k, s in sums.items()}
+
+
+def train(pictures: int = 3072, steps: int = 1200, batch: int = 16, lr: float = 5e-4, work: Path | None = None,
+          validate_every: int = 200, progress: bool = True) -> Path:
+    """The answers (built if missing), then training (resumes its checkpoint); returns ``work``."""
+    from tqdm import tqdm
+
+    work = Path(work or default_work())
+    corpus = answer_corpus(pictures, work, progress)
+    placeholder = _placeholder()
+    held_out, rows = split(corpus)
+    (work / "recipe.json").write_text(json.dumps({"pictures": pictures, "batch": batch, "machine": _machine()}))
+    head_file = work / "head_token_ids.json"
+    if not head_file.exists():   # a resumed run keeps its head
+        head_file.write_text(json.dumps(head_tokens(corpus)))
+    student = build_student(json.loads(head_file.read_text()))
+    head_weight = student.lm_head.weight.detach().clone()
+    autocast = bf16_is_fast(torch.device("cpu"))
+    config = DistillConfig(steps=steps, lr=lr, warmup_steps=min(50, steps // 10 + 1), autocast_bf16=autocast,
+                           validate_every=validate_every, checkpoint_every=validate_every)
+    log = (work / "train.log").open("a")
+    bar = tqdm(total=steps, desc=f"zoo train {NAME}", unit="step", disable=not progress)
+    began = time.monotonic()
+
+    def on_step(step: int, loss: float) -> None:
+        bar.n = step
+        bar.set_postfix(loss=f"{loss:.3f}")
+        log.write(json.dumps({"step": step, "loss": round(loss, 5), "elapsed_s": round(time.monotonic() - began, 1)}) + "\n")
+        log.flush()
+
+    before = work / "base_validation.json"
+    if not before.exists():   # the base draft's layers under the same head: what training starts from
+        before.write_text(json.dumps(metrics(student, head_weight, held_out, placeholder, autocast)))
+
+    def validate() -> float:
+        scores = metrics(student, head_weight, held_out, placeholder, autocast)
+        log.write(json.dumps({"step": bar.n, "validation": scores, "elapsed_s": round(time.monotonic() - began, 1)}) + "\n")
+        bar.write(f"step {bar.n}: held-out KL {scores['all']['kl']:.3f}, first-token acceptance {scores['all']['top1']:.3f}")
+        return scores["all"]["kl"]
+
+    loss = draft_loss(student, head_weight, autocast)
+    batches = seeded_batches(len(rows), batch, lambda idx: collate([rows[i] for i in idx], placeholder))
+    train_loop(student, loss, batches, config, work / "checkpoint.pt", on_step=on_step, validate=validate)
+    bar.close()
+    log.close()
+    return work
+
+
+def _machine() -> str:
+    """The CPU's model name and core count (the card's figures are this machine's)."""
+    import os
+
+    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "a CPU") if Path("/proc/cpuinfo").exists() else "a CPU"
+    return f"{os.cpu_count()} cores of {name}"
+
+
+def split(corpus: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(held out, trained on): every ``VALIDATION_EVERY``-th picture held out."""
+    return ([r for i, r in enumerate(corpus) if i % VALIDATION_EVERY == 0],
+            [r for i, r in enumerate(corpus) if i % VALIDATION_EVERY != 0])
+
+
+def _placeholder() -> int:
+    from transformers import AutoConfig
+
+    from specserve.replicas.model_store import resolve_model_path
+    from specserve.replicas.vlm import REFERENCE_VLM, image_token_id
+
+    return image_token_id(AutoConfig.from_pretrained(resolve_model_path(REFERENCE_VLM), local_files_only=True))
+
+
+def export(work: Path | None = None, out: Path | None = None) -> Path:
+    """The weights with the lowest held-out KL as a zoo draft (half precision; neither embeddings
+    nor head stored), its ``training.json`` and model card."""
+    work = Path(work or default_work())
+    checkpoint = work / "checkpoint.pt"
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo vlm-draft` first")
+    student = build_student(json.loads((work / "head_token_ids.json").read_text()))
+    chosen = load_weights(best_path(checkpoint) if best_path(checkpoint).exists() else checkpoint, student)
+    out = Path(out or zoo_dir() / NAME)
+    save_without_embeddings(student, out, embeddings_from=REFERENCE_TARGET)
+    load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu").tokenizer.save_pretrained(out)
+    log = [json.loads(line) for line in (work / "train.log").read_text().splitlines() if line.strip()]
+    trained = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    validations = [r for r in log if "validation" in r]
+    at_export = next((r["validation"] for r in validations if r["step"] == chosen["step"]), None)
+    chunks = sorted((work / "answers").glob("chunk-*.pt"))
+    pictures = sum(len(torch.load(c, weights_only=False)) for c in chunks)
+    training = {
+        "recipe": NAME, "kind": "standalone", "base": BASE_DRAFT, "teacher": "smollm2-vlm",
+        "pictures": pictures, "first_seed": DRAFT_SEED, "held_out_every": VALIDATION_EVERY,
+        "steps": trained["step"], "config": trained["config"], "exported_step": chosen["step"],
+        "train_seconds": max((r["elapsed_s"] for r in log), default=0),
+        "validation_before": json.loads((work / "base_validation.json").read_text()),
+        "validation": at_export, "head_tokens": len(student.config.head_token_ids),
+        **{k: v for k, v in json.loads((work / "recipe.json").read_text()).items() if k in ("batch", "machine")},
+    }
+    (out / "training.json").write_text(json.dumps(training, indent=2) + "\n")
+    write_card(out, training)
+    return out
+
+
+def write_card(out: Path, training: dict) -> Path:
+    weights_mb = sum(f.stat().st_size for f in out.glob("*.safetensors")) / 2**20
+    before, after = training["validation_before"], training["validation"] or {}
+    lines = [
+        f"# {NAME}", "",
+        f"A draft for the reference VLM `smollm2-vlm`: `{BASE_DRAFT}` (2 Llama layers, hidden 576) distilled further "
+        f"on the VLM's own answers, reading each picture's 64 image tokens as the VLM's projector embeds them (the "
+        f"`multimodal` drafting view). Trained and exported by `specserve zoo vlm-draft` (`training/vlm_draft.py`).", "",
+        f"- **Head**: {training['head_tokens']} tokens, `{BASE_DRAFT}`'s and every token of the VLM's answers; its "
+        f"rows and the token embeddings are the target's (frozen, not stored: `embeddings_from: {REFERENCE_TARGET}`).",
+        f"- **Weights**: {weights_mb:.1f} MB, float16 safetensors.",
+        f"- **Data**: {training['pictures']} synthetic pictures (seeds from {training['first_seed']:,}, the eight "
+        f"question categories in turn), the VLM's greedy answer to each (bfloat16; ≤ 64 tokens) and its final hidden "
+        f"states there (the teacher); every {training['held_out_every']}th picture held out.",
+        f"- **Training**: {training['steps']} steps of {training['batch']} answers, AdamW lr "
+        f"{training['config']['lr']}, forward KL to the VLM over the head at each answer position, bfloat16 "
+        f"autocast; {training['train_seconds'] / 60:.0f} min on {training['machine']}; exported: "
+        f"step {training['exported_step']}, the lowest held-out KL.", "",
+        "## Held out", "",
+        "KL to the VLM per answer position and the first drafted token's greedy acceptance (the draft's argmax is "
+        "the VLM's next token, teacher-forced), before (the base draft's layers under this head) and after:", "",
+        "| category | KL before | KL after | acceptance before | acceptance after | positions |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for key in (*CATEGORIES, "all"):
+        if key in before and key in after:
+            b, a = before[key], after[key]
+            lines.append(f"| {key} | {b['kl']:.3f} | {a['kl']:.3f} | {b['top1']:.3f} | {a['top1']:.3f} | {a['positions']} |")
+    lines += ["", "Served acceptance and tokens/s per drafting view: `specserve bench multimodal --draft "
+              f"{NAME}` (docs/benchmarks.md)."]
+    card = out / "README.md"
+    card.write_text("\n".join(lines) + "\n")
+    return card
