@@ -53,7 +53,7 @@ class MultimodalBenchConfig:
     json_path: Path = Path("bench-multimodal.json")
     plot_path: Path = Path("bench-multimodal.png")
     target: str = "smollm2-vlm"
-    draft: str = "smollm2-draft-2l"
+    draft: str = "smollm2-vlm-draft"
     pictures: int = 6          # per category
     categories: tuple[str, ...] = CATEGORIES
     max_tokens: int = 48

@@ -112,6 +112,9 @@ class DraftSpec(BaseModel):
             raise ValueError(f"draft {self.name!r}: method {self.method!r} drafts without a model; a draft with a model drafts with it")
         if self.ensemble is not None and self.model is None:
             raise ValueError(f"draft {self.name!r}: an ensemble mixes views of a draft LM; give it a model")
+        if self.reads_pictures and self.placement == SEPARATE:
+            raise ValueError(f"draft {self.name!r}: the views {', '.join(self.ensemble.views)} read the VLM target's "
+                             "pictures, which only its replica holds; placement separate is not possible")
         if self.seed_outputs is not None and self.method != SUFFIX:
             raise ValueError(f"draft {self.name!r}: seed_outputs seeds a suffix draft's index; set method: suffix")
         if self.method == SUFFIX and self.placement == SEPARATE:
@@ -123,6 +126,12 @@ class DraftSpec(BaseModel):
         if self.seed_outputs is not None and not Path(self.seed_outputs).is_dir():
             raise ValueError(f"draft {self.name!r}: seed_outputs {self.seed_outputs!r} is not a folder")
         return self
+
+
+    @property
+    def reads_pictures(self) -> bool:
+        """Whether its ensemble has a view that reads a VLM target's pictures (multimodal, pooled, caption)."""
+        return self.ensemble is not None and bool(set(self.ensemble.views) & {"multimodal", "pooled", "caption"})
 
 
 class AppConfig(BaseModel):

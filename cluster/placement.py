@@ -77,6 +77,8 @@ def place(spec: DraftSpec, costs: PlacementCosts | None = None) -> Placement:
         return Placement(spec.name, spec.placement, "configured")
     if spec.model is None:
         return Placement(spec.name, INSIDE, "model-free: a search costs less than any handle call")
+    if spec.reads_pictures:
+        return Placement(spec.name, INSIDE, "its views read the target's pictures, which only its replica holds")
     if costs is None:
         raise ValueError(f"draft {spec.name!r}: an auto placement of a model draft needs its measured costs")
     figures = {"window": costs.window, "inside_ms_per_step": round(costs.inside_ms, 3),

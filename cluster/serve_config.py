@@ -179,12 +179,15 @@ def local_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
 
 def multimodal_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
     """The reference VLM (smollm2-vlm: the reference target reading pictures) with prompt lookup,
-    the suffix draft and the EAGLE-3 head (which reads the language model's hidden states, image
-    tokens included), sized as the local default; ``deploy/serve-multimodal.yaml``."""
+    the suffix draft, the EAGLE-3 head (which reads the language model's hidden states, image
+    tokens included) and the VLM's own draft LM reading the pictures' image tokens (its
+    ``multimodal`` view, inside each target replica), sized as the local default;
+    ``deploy/serve-multimodal.yaml``."""
     return app_serve_config({
         "target": REFERENCE_VLM, "dtype": "auto", "torch_threads": TARGET_THREADS, "default_draft": PROMPT_LOOKUP,
         "default_window": 4, "max_model_len": LOCAL_MAX_MODEL_LEN,
-        "drafts": [{"name": PROMPT_LOOKUP}, dict(SUFFIX_DRAFT), {"name": "smollm2-eagle3", "model": "smollm2-eagle3"}],
+        "drafts": [{"name": PROMPT_LOOKUP}, dict(SUFFIX_DRAFT), {"name": "smollm2-eagle3", "model": "smollm2-eagle3"},
+                   {"name": "smollm2-vlm-draft", "model": "smollm2-vlm-draft", "ensemble": {"views": ["multimodal"]}}],
     }, http_port, grpc_port, TARGET_REPLICAS)
 
 

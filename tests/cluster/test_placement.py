@@ -29,6 +29,15 @@ def test_a_model_draft_goes_separate_only_when_its_own_hardware_repays_the_call(
     assert decided.where == where
 
 
+def test_a_draft_whose_views_read_pictures_goes_inside_and_cannot_be_placed_apart():
+    for views in (["multimodal"], ["text-only", "pooled"], ["caption", "text-only"]):
+        decided = place(DraftSpec(name="vlm-lm", model="/models/lm", ensemble={"views": views}))   # no costs needed
+        assert decided.where == INSIDE and "pictures" in decided.reason
+    with pytest.raises(ValueError, match="placement separate is not possible"):
+        DraftSpec(name="vlm-lm", model="/models/lm", ensemble={"views": ["multimodal"]}, placement=SEPARATE)
+    assert not DraftSpec(name="lm", model="/models/lm", ensemble={"views": ["text-only", "full"]}).reads_pictures
+
+
 def test_a_configured_placement_is_kept_and_measures_nothing():
     for where in (INSIDE, SEPARATE):
         decided = place(DraftSpec(name="lm", model="/models/lm", placement=where))

@@ -47,7 +47,9 @@ def served(tmp_path_factory):
         {"name": "prompt-lookup"},
         # TABED's caption view inside the replica: the VLM captions each new picture beside the request.
         {"name": "captioned", "model": "smollm2-draft-2l", "placement": "inside",
-         "ensemble": {"views": ["caption", "text-only"]}}]})
+         "ensemble": {"views": ["caption", "text-only"]}},
+        # The VLM's own draft reading the pictures' image tokens; placed inside by itself.
+        {"name": "matched", "model": "smollm2-vlm-draft", "ensemble": {"views": ["multimodal"]}}]})
     with local_stack(config, tmp_path_factory.mktemp("specserve-home")) as state:
         yield state
 
@@ -68,6 +70,14 @@ def test_http_image_parts_answer_as_in_process(served, expected):
         reply = ask(served, [image_part(ex.image), {"type": "text", "text": ex.question}], draft="prompt-lookup", window=3)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["token_ids"] == want, ex.question
+
+
+def test_the_vlms_own_draft_reads_the_pictures_inside_the_replica_losslessly(served, expected):
+    for ex, want in zip(PICTURES, expected):
+        reply = ask(served, [image_part(ex.image), {"type": "text", "text": ex.question}], draft="matched", window=3)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == want, ex.question
+        assert reply.json()["spec"]["draft"] == "matched"
 
 
 def test_the_caption_view_is_served_losslessly(served, expected):
