@@ -1,10 +1,11 @@
 """``specserve bench multimodal``: TABED's drafting views of a VLM request, side by side.
 
 The reference VLM (``smollm2-vlm``) answers held-out synthetic pictures of every category; each
-row drafts with a view of one draft LM (the zoo's ``smollm2-draft-2l`` by default: the target's
-first layers retrained, so it reads the image rows the target reads): ``multimodal`` (the
-pictures' image tokens), ``text-only`` (the placeholder instead), ``pooled`` (each picture averaged
-to four tokens), ``ensemble`` (the three mixed, weights chosen every block from the verified
+row drafts with a view of one draft LM (the zoo's ``smollm2-vlm-draft`` by default: the target's
+first layers retrained on the VLM's own answers while reading their pictures' image rows; any
+draft LM as wide as the target reads them): ``multimodal`` (the pictures' image tokens),
+``text-only`` (the placeholder instead), ``pooled`` (each picture averaged to four tokens),
+``caption`` (below), ``ensemble`` (the views mixed, weights chosen every block from the verified
 tokens, TABED Alg. 1) and ``ensemble-static`` (the equal mix), against ``target-only``. Every
 picture runs every row in turn, ``--repeats`` times, each row from cold caches; a row's tokens/s
 is its tokens over its own seconds, its mean accepted length the emitted tokens per step.
