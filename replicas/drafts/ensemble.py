@@ -27,7 +27,7 @@ the target's exactly. Every drafted token is fed to every view.
 Weights: at each block, ``w* = argmin_j Σ_{t'} D(p_{t'}, q^j_{t'})`` over the candidates
 ``w_j`` (the simplex grid with step 1/``grid``, for two views the paper's
 ``[1 − j/n, j/n]``, n = 10), summed over the last ``history`` verified positions (all of the
-request's by default, the paper's choice); before any, equal weights. ``D``:
+request's by default, the paper's choice); before any, the replica's prior (below). ``D``:
 
 - ``kl`` / ``tvd`` against the target's distribution at t', taken as one-hot on the token it
   verified: exact under greedy decoding (the target's distribution there is that one-hot; KL =
@@ -40,6 +40,13 @@ request's by default, the paper's choice); before any, equal weights. ``D``:
 
 Only positions the draft predicted from a correct prefix score: those up to and including a
 block's first rejected token. ``static`` weights keep the equal mix (the paper's MT).
+
+The replica's prior (a deviation: the paper starts every request from the same weights): every
+candidate's scores over the last ``PRIOR_POSITIONS`` positions verified for any of the replica's
+requests. A request's first block drafts with the prior's best mix instead of the equal one, and
+afterwards the prior orders the candidates the request's own positions leave tied (a thousandth
+of a hard match). Answers of a few tokens have one or two blocks: with the equal mix there, the
+view the others outvote is diluted exactly where the request has nothing of its own to go on.
 
 Per drafted position a session keeps, per view, the probabilities of the union of the views' top
 ``TOP`` tokens and the rest's mass (a token outside them gets its view's residual mass spread
@@ -74,6 +81,12 @@ TOP = 32
 MAX_HISTORY = 1024
 # Sessions whose weights are kept; far more than a replica serves at once.
 MAX_SESSIONS = 4096
+# The replica's prior: every candidate's scores over the last PRIOR_POSITIONS positions verified
+# for any of its requests; it picks a request's first block, and breaks its ties after.
+PRIOR_POSITIONS = 512
+# The prior's weight beside a request's own scores: below one hard match, so it only orders
+# candidates the request's own positions leave tied.
+PRIOR_TIE_BREAK = 1e-3
 
 
 def user_turn_marker(tokenizer) -> list[int]:
@@ -158,6 +171,8 @@ class EnsembleDraftLM(BatchedDraftLM):
         self.distance = distance
         self.history = min(history or MAX_HISTORY, MAX_HISTORY)
         self.candidates = weight_grid(len(views), grid)   # [J, m], the equal mix first
+        self.prior: deque[torch.Tensor] = deque()
+        self.prior_total = torch.zeros(len(self.candidates))
         self.sessions: dict[str, _Session] = {}
 
     @property
@@ -179,12 +194,23 @@ class EnsembleDraftLM(BatchedDraftLM):
         self.sessions.pop(session_id, None)
 
     def weights_for(self, session_id: str) -> torch.Tensor:
-        """w*: the candidate with the least summed distance over the session's verified positions
-        (the equal mix first on ties, and before any)."""
-        session = self.sessions.get(session_id)
-        if not self.adaptive or session is None or not session.scores:
+        """w*: the candidate with the least summed distance over the session's verified positions,
+        ties broken by the replica's prior; before the session has any, the prior's best (the
+        equal mix when the replica has verified nothing yet, and on ties)."""
+        if not self.adaptive:
             return self.candidates[0]
-        return self.candidates[int(torch.argmin(session.total))]
+        session = self.sessions.get(session_id)
+        own = session.total if session is not None and session.scores else None
+        if not self.prior:
+            return self.candidates[0 if own is None else int(torch.argmin(own))]
+        prior = PRIOR_TIE_BREAK * self.prior_total / len(self.prior)
+        return self.candidates[int(torch.argmin(prior if own is None else own + prior))]
+
+    def _remember(self, score: torch.Tensor) -> None:
+        self.prior.append(score)
+        self.prior_total += score
+        if len(self.prior) > PRIOR_POSITIONS:
+            self.prior_total -= self.prior.popleft()
 
     @property
     def reads_images(self) -> bool:
@@ -226,7 +252,9 @@ class EnsembleDraftLM(BatchedDraftLM):
             if start + i >= len(context):
                 break
             verified = context[start + i]
-            session.add(self._score(position, verified))
+            score = self._score(position, verified)
+            session.add(score)
+            self._remember(score)
             if position.token != verified:
                 break   # later positions were drafted after a wrong token
 

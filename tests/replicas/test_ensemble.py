@@ -78,6 +78,32 @@ def test_weights_follow_the_view_that_predicted_the_verified_tokens():
     assert static.weights_for("s").tolist() == [0.5, 0.5]
 
 
+def test_a_new_request_starts_from_the_replicas_prior_and_its_own_positions_decide_after():
+    from specserve.replicas.drafts import ensemble
+
+    draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER, distance="matches")
+    # Request a: the full view put 0.6 on each token the target verified (5, then 11), the last-turn
+    # view all its mass on token 50: only mixes with the full view's weight above 5/6 draft them.
+    full_right = torch.tensor([[0.6, 0.0], [0.4, 1.0]])   # [tokens, views]
+    a = draft._session("a")
+    a.pending = (4, 2, [_Drafted(torch.tensor([t, 50]), full_right, torch.zeros(2), t) for t in (5, 11)])
+    draft._learn(a, [1, 1, 1, 2, 5, 11])
+    assert len(draft.prior) == 2
+    # Request b has verified nothing: its first block takes the prior's best, not the equal mix.
+    assert draft.weights_for("b")[0] > 5 / 6
+    # Its own positions decide once it has some: here the last-turn view was the right one twice.
+    last_right = torch.tensor([[0.0, 0.6], [1.0, 0.4]])
+    b = draft._session("b")
+    b.pending = (4, 2, [_Drafted(torch.tensor([t, 50]), last_right, torch.zeros(2), t) for t in (7, 8)])
+    draft._learn(b, [1, 1, 1, 2, 7, 8])
+    assert draft.weights_for("b")[1] > 5 / 6
+    # The prior keeps the replica's last PRIOR_POSITIONS positions.
+    for _ in range(ensemble.PRIOR_POSITIONS):
+        draft._remember(torch.zeros(len(draft.candidates)))
+    assert len(draft.prior) == ensemble.PRIOR_POSITIONS and not bool(draft.prior_total.any())
+    assert draft.weights_for("c").tolist() == [0.5, 0.5]   # an even prior: the equal mix
+
+
 def test_bad_settings_are_refused():
     model = tiny_model("llama", seed=1)
     with pytest.raises(ValueError, match="distinct views"):
