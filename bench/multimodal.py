@@ -7,8 +7,10 @@ draft LM as wide as the target reads them): ``multimodal`` (the pictures' image 
 ``text-only`` (the placeholder instead), ``pooled`` (each picture averaged to four tokens),
 ``caption`` (below), ``ensemble`` (the views mixed, weights chosen every block from the verified
 tokens, TABED Alg. 1) and ``ensemble-static`` (the equal mix), against ``target-only``. Every
-picture runs every row in turn, ``--repeats`` times, each row from cold caches; a row's tokens/s
-is its tokens over its own seconds, its mean accepted length the emitted tokens per step.
+picture runs every row in turn, ``--repeats`` times, the pictures in a seeded order that
+interleaves the categories, each row from cold caches (what a draft learned across requests, an
+ensemble's prior, is kept, as a replica keeps it); a row's tokens/s is its tokens over its own
+seconds, its mean accepted length the emitted tokens per step.
 ``caption`` reads the picture as the caption the VLM writes of it. ``--captions cold`` (the
 default): every row reading it has its picture captioned beside its answer (an internal request
 of up to 24 tokens, timed with the row), as the first request showing a picture does, the view
@@ -30,6 +32,7 @@ prompt included) and its acceptance rate. Aims: the windowed draft's cost at 16 
 from __future__ import annotations
 
 import json
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +99,9 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
         raise ValueError(f"{config.target} reads text only: the multimodal benchmark needs a VLM target")
     work = [(c, example(TEST_SEED + SEED_OFFSET + 1000 * i + n, c))
             for i, c in enumerate(config.categories) for n in range(config.pictures)]
+    # Categories interleaved, as a replica's traffic is: what a draft learns across requests (an
+    # ensemble's prior) is learned from the mix, not from the same question asked just before.
+    random.Random(0).shuffle(work)
     rows_run = rows_of(config.views)
     totals = {(row, c): {"tokens": 0, "seconds": 0.0, "steps": 0} for row in rows_run for c in config.categories}
     machine = machine_info()

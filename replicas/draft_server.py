@@ -182,6 +182,12 @@ class DraftServer:
             if self.pool is not None:
                 self._release_caches([ask.session_id for ask in asks])
 
+    def keep_learning_of(self, previous: "DraftServer") -> None:
+        """Carry what ``previous`` (the same draft, before its caches were dropped) learned across
+        requests: a TABED ensemble's prior weights. Its KV caches and sessions stay behind."""
+        if isinstance(self._batched, EnsembleDraftLM) and isinstance(previous._batched, EnsembleDraftLM):
+            self._batched.prior, self._batched.prior_total = previous._batched.prior, previous._batched.prior_total
+
     @property
     def features_size(self) -> int | None:
         """The width of the target states a hidden-state-reuse draft reads per position (n·H for

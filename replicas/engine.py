@@ -216,11 +216,15 @@ class SpecEngine:
     def reset_caches(self, captions: bool = True) -> None:
         """Forget every KV cache. Slots otherwise keep their longest common prefix with the next
         request (a free prefix cache); benchmarks start each generation cold. ``captions``: the
-        pictures' captions too (a caption view's next request has its pictures captioned again)."""
+        pictures' captions too (a caption view's next request has its pictures captioned again).
+        What drafts learned across requests (a TABED ensemble's prior) is kept, as a replica keeps it."""
         self.target.kv.reset()
         if self.images is not None and captions:
             self.images.captions.clear()
-        self.servers = self._servers()
+        previous, self.servers = self.servers, self._servers()
+        for name, server in self.servers.items():
+            if name in previous:
+                server.keep_learning_of(previous[name])
 
     @property
     def draft_names(self) -> list[str]:

@@ -104,6 +104,16 @@ def test_a_new_request_starts_from_the_replicas_prior_and_its_own_positions_deci
     assert draft.weights_for("c").tolist() == [0.5, 0.5]   # an even prior: the equal mix
 
 
+def test_a_server_rebuilt_without_its_caches_keeps_the_ensembles_prior():
+    model = tiny_model("llama", seed=1)
+    before = in_process_server("tabed", DraftLM("tabed", model), ensemble={"turn_marker": MARKER})
+    before._batched._remember(torch.arange(len(before._batched.candidates), 0, -1, dtype=torch.float32))
+    after = in_process_server("tabed", DraftLM("tabed", model), ensemble={"turn_marker": MARKER})
+    after.keep_learning_of(before)
+    assert len(after._batched.prior) == 1 and torch.equal(after._batched.prior_total, before._batched.prior_total)
+    assert after._batched.weights_for("new").tolist() == after._batched.candidates[-1].tolist()   # the lowest score
+
+
 def test_bad_settings_are_refused():
     model = tiny_model("llama", seed=1)
     with pytest.raises(ValueError, match="distinct views"):
