@@ -142,7 +142,7 @@ def generate(
         return
     from specserve.replicas.model_store import zoo_drafts
 
-    zoo = zoo_drafts()
+    zoo = zoo_drafts(None)   # the VLM's drafts too: a zoo draft loads by name, whatever its target
     if draft in zoo and draft not in (Path(m).name for m in draft_model):
         draft_model = [*draft_model, draft]   # the package's zoo drafts load by name
     known = {"none", "prompt-lookup", *zoo, *(Path(m).name for m in draft_model)}
@@ -150,8 +150,11 @@ def generate(
         fail(f"unknown draft {draft!r}; available: {', '.join(sorted(known))}")
 
     set_threads(threads)
+    # A VLM's own zoo draft reads the pictures (its multimodal view), as deploy/serve-multimodal.yaml serves it.
+    reads_pictures = {draft: {"model": draft, "views": ["multimodal"]}} if pictures and draft in zoo_drafts(target) else {}
     try:
-        engine = SpecEngine.load(target, draft_models=draft_model, dtype=dtype)
+        engine = SpecEngine.load(target, draft_models=[m for m in draft_model if Path(m).name not in reads_pictures],
+                                 dtype=dtype, ensembles=reads_pictures)
         for text in prompts:
             request = GenerateRequest(text, max_tokens, draft, window, shape, params, chat=not raw,
                                       images=tuple(pictures))

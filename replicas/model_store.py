@@ -9,6 +9,7 @@ plain ``from_pretrained`` of a few seconds instead of ~20 s of GGUF conversion.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,10 +123,22 @@ def targets_dir() -> Path:
     return Path(__file__).parent / "targets"
 
 
-def zoo_drafts() -> list[str]:
-    """Names of the drafts shipped in the zoo folder."""
+def zoo_drafts(target: str | None = REFERENCE_TARGET) -> list[str]:
+    """Names of the drafts shipped in the zoo folder for ``target`` (the model each was distilled
+    from, its ``training.json``'s teacher: the reference target's drafts by default, the
+    reference VLM's with its name); every one with None."""
     folder = zoo_dir()
-    return sorted(p.name for p in folder.iterdir() if (p / "config.json").exists()) if folder.exists() else []
+    if not folder.exists():
+        return []
+    names = sorted(p.name for p in folder.iterdir() if (p / "config.json").exists())
+    if target is None:
+        return names
+
+    def teacher(name: str) -> str:
+        record = folder / name / "training.json"
+        return json.loads(record.read_text()).get("teacher", REFERENCE_TARGET) if record.exists() else REFERENCE_TARGET
+
+    return [n for n in names if teacher(n) == target]
 
 
 def available_models(cache_dir: Path | None = None) -> list[Path]:
