@@ -112,7 +112,7 @@ def plan(config: AppConfig, measure_costs=measure) -> dict[str, Placement]:
     application is built from a config file)."""
     placements = {}
     for spec in config.drafts:
-        needs_costs = spec.placement == AUTO and spec.model is not None
+        needs_costs = spec.placement == AUTO and spec.model is not None and not spec.reads_pictures
         placements[spec.name] = place(spec, measure_costs(spec, config) if needs_costs else None)
         logger.info("draft %s placed %s (%s) %s", spec.name, placements[spec.name].where,
                     placements[spec.name].reason, placements[spec.name].figures or "")

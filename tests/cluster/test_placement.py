@@ -36,6 +36,10 @@ def test_a_draft_whose_views_read_pictures_goes_inside_and_cannot_be_placed_apar
     with pytest.raises(ValueError, match="placement separate is not possible"):
         DraftSpec(name="vlm-lm", model="/models/lm", ensemble={"views": ["multimodal"]}, placement=SEPARATE)
     assert not DraftSpec(name="lm", model="/models/lm", ensemble={"views": ["text-only", "full"]}).reads_pictures
+    # A plan measures nothing for it (built apart, it could not even be measured).
+    config = AppConfig.model_validate({"drafts": [{"name": PROMPT_LOOKUP}, {"name": "vlm-lm", "model": "/models/lm",
+                                                   "ensemble": {"views": ["multimodal"]}}]})
+    assert plan(config, measure_costs=lambda spec, config: pytest.fail("measured")).get("vlm-lm").where == INSIDE
 
 
 def test_a_configured_placement_is_kept_and_measures_nothing():
