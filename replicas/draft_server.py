@@ -186,7 +186,7 @@ class DraftServer:
         """Carry what ``previous`` (the same draft, before its caches were dropped) learned across
         requests: a TABED ensemble's prior weights. Its KV caches and sessions stay behind."""
         if isinstance(self._batched, EnsembleDraftLM) and isinstance(previous._batched, EnsembleDraftLM):
-            self._batched.prior, self._batched.prior_total = previous._batched.prior, previous._batched.prior_total
+            self._batched.prior = previous._batched.prior
 
     @property
     def features_size(self) -> int | None:

@@ -28,6 +28,7 @@ placeholder in ``text-only`` (``ensemble.py``); it was trained on the first only
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLl
 from specserve.replicas.model_store import REFERENCE_TARGET, bf16_is_fast, load_causal_lm, model_cache_dir, zoo_dir
 from specserve.training.distill import DistillConfig, best_path, distill_loss, load_weights, seeded_batches, teacher_log_probs
 from specserve.training.distill import train as train_loop
+from specserve.training.vlm_train import _cpu_name
 
 NAME = "smollm2-vlm-draft"
 BASE_DRAFT = "smollm2-draft-2l"
@@ -62,10 +64,11 @@ def _category(seed: int) -> str:
 def _chunk(vlm, tokenizer, seeds: list[int]) -> list[dict]:
     """The rows of one chunk of pictures: ``{seed, category, prompt, answer, final, rows}``."""
     from specserve.training.vlm_train import prompt_ids
-    from specserve.replicas.vlm import image_processor
+    from specserve.replicas.vlm import image_processor, image_store
 
     model, config = vlm.model, vlm.model.config
     processor = image_processor(config)
+    encode = image_store(model, processor).encode
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])
     out = []
@@ -86,9 +89,7 @@ def _chunk(vlm, tokenizer, seeds: list[int]) -> list[dict]:
             full[i, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
         # Right padding under a causal mask leaves every real position as it is.
         final = model.model(input_ids=full, pixel_values=pixels).last_hidden_state
-        rows = model.model.get_image_features(pixel_values=pixels)
-        rows = getattr(rows, "pooler_output", rows)
-        rows = torch.stack(list(rows)) if isinstance(rows, (list, tuple)) else rows
+        rows = encode(pixels)   # [pictures, T, hidden]: the rows a served request's image tokens take
         for i, (e, answer) in enumerate(zip(examples, answers)):
             at = len(prompt) - 1   # the positions that predict the answer's tokens
             out.append({"seed": e.seed, "category": category, "prompt": prompt, "answer": answer,
@@ -218,7 +219,7 @@ def train(pictures: int = 3072, steps: int = 1200, batch: int = 16, lr: float = 
     corpus = answer_corpus(pictures, work, progress)
     placeholder = _placeholder()
     held_out, rows = split(corpus)
-    (work / "recipe.json").write_text(json.dumps({"pictures": pictures, "batch": batch, "machine": _machine()}))
+    (work / "recipe.json").write_text(json.dumps({"pictures": pictures, "batch": batch, "machine": f"{os.cpu_count()} cores of {_cpu_name()}"}))
     head_file = work / "head_token_ids.json"
     if not head_file.exists():   # a resumed run keeps its head
         head_file.write_text(json.dumps(head_tokens(corpus)))
@@ -253,15 +254,6 @@ def train(pictures: int = 3072, steps: int = 1200, batch: int = 16, lr: float = 
     bar.close()
     log.close()
     return work
-
-
-def _machine() -> str:
-    """The CPU's model name and core count (the card's figures are this machine's)."""
-    import os
-
-    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")), "a CPU") if Path("/proc/cpuinfo").exists() else "a CPU"
-    return f"{os.cpu_count()} cores of {name}"
 
 
 def split(corpus: list[dict]) -> tuple[list[dict], list[dict]]:

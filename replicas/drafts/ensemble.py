@@ -136,20 +136,27 @@ class _Drafted:
     token: int               # what the mix drafted there
 
 
-class _Session:
+class _Scores:
+    """Every candidate's scores over the last ``history`` verified positions, and their sum."""
+
     def __init__(self, candidates: int, history: int):
-        self.turn_start = 0          # last-turn view: where the last user turn starts
-        self.searched = 0            # the context length searched for it so far
         self.history = history
         self.scores: deque[torch.Tensor] = deque()
         self.total = torch.zeros(candidates)   # the scores' sum, per candidate
-        self.pending: tuple[int, int, list[_Drafted]] | None = None   # (block start, root token, positions)
 
     def add(self, score: torch.Tensor) -> None:
         self.scores.append(score)
         self.total += score
         if len(self.scores) > self.history:
             self.total -= self.scores.popleft()
+
+
+class _Session(_Scores):
+    def __init__(self, candidates: int, history: int):
+        super().__init__(candidates, history)
+        self.turn_start = 0          # last-turn view: where the last user turn starts
+        self.searched = 0            # the context length searched for it so far
+        self.pending: tuple[int, int, list[_Drafted]] | None = None   # (block start, root token, positions)
 
 
 class EnsembleDraftLM(BatchedDraftLM):
@@ -171,8 +178,7 @@ class EnsembleDraftLM(BatchedDraftLM):
         self.distance = distance
         self.history = min(history or MAX_HISTORY, MAX_HISTORY)
         self.candidates = weight_grid(len(views), grid)   # [J, m], the equal mix first
-        self.prior: deque[torch.Tensor] = deque()
-        self.prior_total = torch.zeros(len(self.candidates))
+        self.prior = _Scores(len(self.candidates), PRIOR_POSITIONS)
         self.sessions: dict[str, _Session] = {}
 
     @property
@@ -201,16 +207,10 @@ class EnsembleDraftLM(BatchedDraftLM):
             return self.candidates[0]
         session = self.sessions.get(session_id)
         own = session.total if session is not None and session.scores else None
-        if not self.prior:
+        if not self.prior.scores:
             return self.candidates[0 if own is None else int(torch.argmin(own))]
-        prior = PRIOR_TIE_BREAK * self.prior_total / len(self.prior)
+        prior = PRIOR_TIE_BREAK * self.prior.total / len(self.prior.scores)
         return self.candidates[int(torch.argmin(prior if own is None else own + prior))]
-
-    def _remember(self, score: torch.Tensor) -> None:
-        self.prior.append(score)
-        self.prior_total += score
-        if len(self.prior) > PRIOR_POSITIONS:
-            self.prior_total -= self.prior.popleft()
 
     @property
     def reads_images(self) -> bool:
@@ -254,7 +254,7 @@ class EnsembleDraftLM(BatchedDraftLM):
             verified = context[start + i]
             score = self._score(position, verified)
             session.add(score)
-            self._remember(score)
+            self.prior.add(score)
             if position.token != verified:
                 break   # later positions were drafted after a wrong token
 

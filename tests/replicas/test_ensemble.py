@@ -88,7 +88,7 @@ def test_a_new_request_starts_from_the_replicas_prior_and_its_own_positions_deci
     a = draft._session("a")
     a.pending = (4, 2, [_Drafted(torch.tensor([t, 50]), full_right, torch.zeros(2), t) for t in (5, 11)])
     draft._learn(a, [1, 1, 1, 2, 5, 11])
-    assert len(draft.prior) == 2
+    assert len(draft.prior.scores) == 2
     # Request b has verified nothing: its first block takes the prior's best, not the equal mix.
     assert draft.weights_for("b")[0] > 5 / 6
     # Its own positions decide once it has some: here the last-turn view was the right one twice.
@@ -99,18 +99,18 @@ def test_a_new_request_starts_from_the_replicas_prior_and_its_own_positions_deci
     assert draft.weights_for("b")[1] > 5 / 6
     # The prior keeps the replica's last PRIOR_POSITIONS positions.
     for _ in range(ensemble.PRIOR_POSITIONS):
-        draft._remember(torch.zeros(len(draft.candidates)))
-    assert len(draft.prior) == ensemble.PRIOR_POSITIONS and not bool(draft.prior_total.any())
+        draft.prior.add(torch.zeros(len(draft.candidates)))
+    assert len(draft.prior.scores) == ensemble.PRIOR_POSITIONS and not bool(draft.prior.total.any())
     assert draft.weights_for("c").tolist() == [0.5, 0.5]   # an even prior: the equal mix
 
 
 def test_a_server_rebuilt_without_its_caches_keeps_the_ensembles_prior():
     model = tiny_model("llama", seed=1)
     before = in_process_server("tabed", DraftLM("tabed", model), ensemble={"turn_marker": MARKER})
-    before._batched._remember(torch.arange(len(before._batched.candidates), 0, -1, dtype=torch.float32))
+    before._batched.prior.add(torch.arange(len(before._batched.candidates), 0, -1, dtype=torch.float32))
     after = in_process_server("tabed", DraftLM("tabed", model), ensemble={"turn_marker": MARKER})
     after.keep_learning_of(before)
-    assert len(after._batched.prior) == 1 and torch.equal(after._batched.prior_total, before._batched.prior_total)
+    assert len(after._batched.prior.scores) == 1 and torch.equal(after._batched.prior.total, before._batched.prior.total)
     assert after._batched.weights_for("new").tolist() == after._batched.candidates[-1].tolist()   # the lowest score
 
 
