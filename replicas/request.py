@@ -82,10 +82,14 @@ class SpecRequest:
 
 @dataclass(frozen=True)
 class StepError:
-    """Why a replica gave up a request before its end: its step failed (the model raised). The
-    ingress resumes the request on a replica from the tokens already streamed."""
+    """Why a replica gave up a request before its end. Either the whole step failed (the model
+    raised): the ingress resumes the request on a replica from the tokens already streamed; or the
+    request alone failed for a reason tied to its own inputs (``request_fault``: its row of the
+    forward was not finite): resuming it elsewhere would fail the same way, so the ingress answers
+    it with an error instead, and the rest of the step went on."""
 
     message: str   # what failed, for the ingress's log: "RuntimeError: ..."
+    request_fault: bool = False
 
 
 @dataclass(frozen=True)
