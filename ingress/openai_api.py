@@ -4,17 +4,20 @@ Requests are checked here, at the edge, so that nothing a client sends can reach
 shape it cannot serve. Fields OpenAI defines but specserve cannot honour (``n > 1``, ``echo``,
 ``logprobs``, penalties) are accepted at their neutral values and refused otherwise, with the
 field named; unknown fields are refused, as OpenAI does. ``spec`` is specserve's extension.
+Every string must be text UTF-8 can carry (no lone surrogates, which JSON escapes can spell);
+names (model, draft, policy) must also be free of control characters, which content may hold.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT   # spec.draft: "auto", the router decides; "none", no speculation
 
-__all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET", "MAX_STOP_CHARS"]
+__all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET", "MAX_STOP_CHARS", "Text", "Name"]
 
 # Request limits: beyond these a step costs more than any draft can save, and an unbounded
 # window or tree is a cheap way to make a replica allocate without end.
@@ -23,6 +26,48 @@ MAX_TREE_DEPTH = 16
 MAX_TREE_BUDGET = 64
 # A stop string is matched against the decoded text's tail on every streamed piece.
 MAX_STOP_CHARS = 256
+
+
+def _check_unicode(value, keys_only: bool = False):
+    """``value`` unchanged if every string in it (or only every key of its objects) encodes as UTF-8."""
+    # JSON's \ud800-\udfff escapes decode to lone surrogates, which no tokenizer, log line or
+    # response body can encode: refuse them before a union's branches each report their own
+    # failure, so that the 400 names the field.
+    pending = [("", value, not keys_only, "text")]
+    while pending:
+        where, item, check, what = pending.pop()
+        if isinstance(item, str) and check:
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise PydanticCustomError(
+                    "invalid_unicode", "the {what}{where} is not valid Unicode: a lone surrogate at character {at}; "
+                    "send UTF-8 (a \\ud800-\\udbff escape must be followed by a \\udc00-\\udfff one)",
+                    {"what": what, "where": f" at {where.lstrip('.')}" if where else "", "at": err.start}) from None
+        elif isinstance(item, dict):
+            for key, field in item.items():
+                pending.append((f"{where}.{key}" if isinstance(key, str) and key.isascii() else where, field, check, what))
+                pending.append((where, key, True, "field name"))
+        elif isinstance(item, list):
+            pending.extend((f"{where}[{i}]", field, check, what) for i, field in enumerate(item))
+    return value
+
+
+def _no_controls(value: str) -> str:
+    # Names are matched, logged and used as metric labels; content keeps its control characters
+    # (OpenAI takes them, and a tokenizer reads them as any other character).
+    bad = next((i for i, c in enumerate(value) if ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0), None)
+    if bad is not None:
+        raise PydanticCustomError("control_character", "a name must not hold control characters "
+                                  "(U+{code} at character {at})", {"code": f"{ord(value[bad]):04X}", "at": bad})
+    return value
+
+
+# Every string field of a request checks its text with ``Unicode`` (as ``Text``, or around a union
+# of shapes); identifiers (model, draft and policy names) are ``Name``s.
+Unicode = BeforeValidator(_check_unicode)
+Text = Annotated[str, Unicode]
+Name = Annotated[str, Unicode, AfterValidator(_no_controls)]
 
 
 class OpenAIError(Exception):
@@ -52,10 +97,10 @@ class SpecOptions(BaseModel):
     """How to speculate for this request (specserve's extension of the OpenAI body)."""
 
     model_config = ConfigDict(extra="forbid")
-    draft: str | None = Field(None, description="A draft name, 'auto' (the router's choice) or 'none' (plain decoding).")
+    draft: Name | None = Field(None, description="A draft name, 'auto' (the router's choice) or 'none' (plain decoding).")
     window: int | None = Field(None, ge=0, le=MAX_WINDOW, description="Window γ: draft tokens per step.")
     tree: TreeOptions | None = Field(None, description="Draft a token tree instead of a chain.")
-    policy: str | None = Field(None, description="How this request's window or tree adapts per step, instead of "
+    policy: Name | None = Field(None, description="How this request's window or tree adapts per step, instead of "
                                "the deployment's policy: a name from GET /v1/models' `policies`.")
 
 
@@ -68,24 +113,30 @@ class _Common(BaseModel):
     """Sampling and speculation fields shared by both endpoints."""
 
     model_config = ConfigDict(extra="forbid")
-    model: str
+    model: Name
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="Top-k filter; 0 or -1 = off (vLLM's extension).")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63, description="Seeds the sampling (a 64-bit integer).")
-    stop: str | list[str] | None = Field(None, validate_default=True, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters that end the text (not included).")
+    stop: Annotated[str | list[str] | None, Unicode] = Field(None, validate_default=True, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters that end the text (not included).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = Field(1, description="Only one choice per request.")
     presence_penalty: Literal[0, 0.0] = 0.0
     frequency_penalty: Literal[0, 0.0] = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
     spec: SpecOptions | None = None
     return_token_ids: bool = Field(False, description="Add the generated token ids to the choice (vLLM's extension).")
-    cache_salt: str | None = Field(None, min_length=1, max_length=256, description=(
+    cache_salt: Text | None = Field(None, min_length=1, max_length=256, description=(
         "Prefix-cache isolation (vLLM's extension): a request reuses the target's cached KV only "
         "of requests with the same salt (draft model replicas' idle caches do not look at it yet)."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _field_names_are_unicode(cls, body):
+        # An unknown field is refused by its name, which the error then carries back.
+        return _check_unicode(body, keys_only=True)
 
     @field_validator("stop")
     @classmethod
@@ -108,7 +159,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] = Field(description="Text, a one-element list of text, or token ids.")
+    prompt: Annotated[str | list[str] | list[int], Unicode] = Field(description="Text, a one-element list of text, or token ids.")
     max_tokens: int | None = Field(16, ge=1, description="New tokens at most (OpenAI's default: 16).")
     echo: Literal[False] = False
     logprobs: None = None
@@ -128,12 +179,12 @@ class CompletionRequest(_Common):
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageURL(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    url: str = Field(min_length=1, description="data:image/<type>;base64,<data>, or http(s) where the server fetches")
+    url: Text = Field(min_length=1, description="data:image/<type>;base64,<data>, or http(s) where the server fetches")
     detail: Literal["auto", "low", "high"] = "auto"   # taken and ignored: the VLM sees its own resolution
 
 
@@ -145,9 +196,9 @@ class ImagePart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart | ImagePart]
-    name: str | None = None
+    role: Annotated[Literal["system", "developer", "user", "assistant"], Unicode]
+    content: Annotated[str | list[TextPart | ImagePart], Unicode]
+    name: Text | None = None
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(

@@ -1,6 +1,8 @@
 """Request bodies are checked at the edge: what OpenAI defines but specserve cannot honour is
 refused with the field named, neutral values are accepted, unknown fields are refused."""
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -72,3 +74,71 @@ def test_chat_content_parts_are_joined():
 def test_error_body_is_openais():
     body = OpenAIError("bad", param="max_tokens", code="x").body()
     assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "max_tokens", "code": "x"}}
+
+
+# ---- text that is not Unicode -----------------------------------------------------------------
+# JSON's "\ud800" escapes decode (json.loads, as FastAPI reads a body) to lone surrogates, which
+# UTF-8 cannot encode: every string field refuses them with the field named, so that neither a
+# tokenizer nor the error body itself fails on them later.
+
+LONE = "a\\ud800b"   # as the JSON body spells it
+
+
+def _parse(model, body: str):
+    return model.model_validate(json.loads(body))
+
+
+@pytest.mark.parametrize("model, body, param", [
+    (ChatCompletionRequest, f'{{"model": "{LONE}", "messages": [{{"role": "user", "content": "hi"}}]}}', "model"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": "{LONE}"}}]}}', "messages"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": '
+                            f'[{{"type": "text", "text": "{LONE}"}}]}}]}}', "messages"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": [{{"type": "image_url", '
+                            f'"image_url": {{"url": "data:{LONE}"}}}}]}}]}}', "messages"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "{LONE}", "content": "hi"}}]}}', "messages"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": "hi", "name": "{LONE}"}}]}}', "messages"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "stop": "{LONE}"}}', "stop"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "stop": ["x", "{LONE}"]}}', "stop"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "cache_salt": "{LONE}"}}', "cache_salt"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "user": "{LONE}"}}', "user"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "spec": {{"draft": "{LONE}"}}}}', "spec"),
+    (ChatCompletionRequest, f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "spec": {{"policy": "{LONE}"}}}}', "spec"),
+    (CompletionRequest, f'{{"model": "m", "prompt": "{LONE}"}}', "prompt"),
+    (CompletionRequest, f'{{"model": "m", "prompt": ["{LONE}"]}}', "prompt"),
+])
+def test_a_lone_surrogate_in_any_string_field_is_refused_by_name(model, body, param):
+    with pytest.raises(ValidationError) as err:
+        _parse(model, body)
+    first = err.value.errors()[0]
+    assert first["loc"][0] == param and first["type"] == "invalid_unicode", err.value.errors()
+    # The message is what the 400 carries: it must itself encode, and say what to send instead.
+    assert "not valid Unicode" in first["msg"] and "lone surrogate at character" in first["msg"]
+    first["msg"].encode("utf-8")
+
+
+def test_a_lone_surrogate_in_a_field_name_is_refused_without_echoing_it():
+    # An unknown field is refused by name; a name that cannot be encoded must not reach that error.
+    for body in (f'{{"model": "m", "messages": [{{"role": "user", "content": "hi"}}], "{LONE}": 1}}',
+                 f'{{"model": "m", "messages": [{{"role": "user", "content": "hi", "{LONE}": 1}}]}}'):
+        with pytest.raises(ValidationError) as err:
+            _parse(ChatCompletionRequest, body)
+        first = err.value.errors()[0]
+        assert first["type"] == "invalid_unicode" and "field name" in first["msg"]
+        str(first["loc"]).encode("utf-8")
+
+
+def test_paired_surrogates_and_other_unicode_are_text():
+    # "\ud83d\ude00" is one character (U+1F600) once JSON pairs the escapes.
+    req = _parse(ChatCompletionRequest, '{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00 é 中"}]}')
+    assert req.messages[0].content == "\U0001F600 é 中"
+
+
+def test_control_characters_are_content_but_not_names():
+    # OpenAI takes control characters in text; names are matched and logged, so they refuse them.
+    req = chat(messages=[{"role": "user", "content": "tab\there\x00\x1b[31m"}], stop=["\n\n"])
+    assert req.messages[0].content == "tab\there\x00\x1b[31m" and req.stop == ["\n\n"]
+    for fields, param in (({"model": "m\x00"}, "model"), ({"spec": {"draft": "x\n"}}, "spec"),
+                          ({"spec": {"policy": "\x7fstatic"}}, "spec")):
+        with pytest.raises(ValidationError) as err:
+            chat(**fields)
+        assert err.value.errors()[0]["loc"][0] == param and err.value.errors()[0]["type"] == "control_character"
