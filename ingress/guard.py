@@ -1,5 +1,8 @@
-"""ASGI middleware in front of every HTTP route of the ingress: the API key, then the body size,
-both checked before FastAPI parses anything (an oversized body is never read whole into a model).
+"""ASGI middleware in front of every HTTP route of the ingress: the API key, then the body size
+and the time the body takes to arrive, all checked before FastAPI parses anything (an oversized
+body is never read whole into a model; a client that sends its body slowly gets a 408 once
+``body_timeout_s`` has passed since the first read, however steadily it trickles, and its
+connection is closed, so that it holds an ingress coroutine no longer than that).
 
 The ingress replica calls ``configure`` once; the settings live in this module, not on the
 FastAPI app, because Ray Serve ships the ingress class to its replica by value, with copies of
@@ -7,6 +10,8 @@ the objects its methods reference: state set on ``api`` from the class would lan
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi.responses import JSONResponse
 
@@ -17,11 +22,15 @@ OPEN_PATHS = ("/health",)      # a load balancer's probe needs no key
 
 _keys = ApiKeys()
 _max_body_bytes = 4 << 20
+# A whole body arrives within this: long enough for max_body_bytes over a slow link, short enough
+# that clients which trickle their bodies cannot hold the ingress's coroutines for long.
+BODY_TIMEOUT_S = 30.0
+_body_timeout_s = BODY_TIMEOUT_S
 
 
-def configure(keys: ApiKeys, max_body_bytes: int) -> None:
-    global _keys, _max_body_bytes
-    _keys, _max_body_bytes = keys, max_body_bytes
+def configure(keys: ApiKeys, max_body_bytes: int, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
+    global _keys, _max_body_bytes, _body_timeout_s
+    _keys, _max_body_bytes, _body_timeout_s = keys, max_body_bytes, body_timeout_s
 
 
 class Guard:
@@ -47,16 +56,24 @@ class Guard:
             return await too_large(scope, receive, send)
         # Read (at most ``limit`` bytes of) the body here, then hand it on as one message.
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > limit:
-                return await too_large(scope, receive, send)
-            if not message.get("more_body"):
-                break
+        try:
+            async with asyncio.timeout(_body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > limit:
+                        return await too_large(scope, receive, send)
+                    if not message.get("more_body"):
+                        break
+        except TimeoutError:
+            err = OpenAIError(f"the body did not arrive within {_body_timeout_s:g} s; send it at once",
+                              status=408, code="body_timeout")
+            # Connection: close, since the rest of the body may still be on its way: the server
+            # drops the connection after this answer instead of reading on.
+            return await JSONResponse(err.body(), status_code=408, headers={"Connection": "close"})(scope, receive, send)
         body, replayed = b"".join(chunks), False
 
         async def replay():
