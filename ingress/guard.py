@@ -57,15 +57,13 @@ class Guard:
         # Read (at most ``limit`` bytes of) the body here, then hand it on as one message.
         chunks, size = [], 0
         try:
-            async with asyncio.timeout(_body_timeout_s):
-                while True:
+            async with asyncio.timeout(_body_timeout_s):   # the answers below are sent outside it
+                while size <= limit:
                     message = await receive()
                     if message["type"] == "http.disconnect":
                         return
                     chunks.append(message.get("body", b""))
                     size += len(chunks[-1])
-                    if size > limit:
-                        return await too_large(scope, receive, send)
                     if not message.get("more_body"):
                         break
         except TimeoutError:
@@ -74,6 +72,8 @@ class Guard:
             # Connection: close, since the rest of the body may still be on its way: the server
             # drops the connection after this answer instead of reading on.
             return await JSONResponse(err.body(), status_code=408, headers={"Connection": "close"})(scope, receive, send)
+        if size > limit:
+            return await too_large(scope, receive, send)
         body, replayed = b"".join(chunks), False
 
         async def replay():
