@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from specserve.cluster.config import (INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROMPT_LOOKUP, SEPARATE, SHIPPED_ANSWERS, SUFFIX,
-                                      TARGET_DEPLOYMENT, draft_deployment)
+                                      TARGET_DEPLOYMENT, AppConfig, draft_deployment)
 
 APP_NAME = "specserve"
 BUILDER = "specserve.cluster.app:build_app"
@@ -48,6 +48,14 @@ MODEL_FREE_CPUS = 0.1     # the ingress and prompt lookup: an event loop and no 
 # is allocated for this many positions at start (0.9 GB in bfloat16), so memory stays flat.
 LOCAL_MAX_MODEL_LEN = 2048
 TARGET_QUEUE = 32         # requests an ingress replica holds for the target beyond its replicas' slots
+# Requests each proxy holds for the ingress beyond its replicas' slots: one more replica's worth,
+# what autoscaling is about to add; past it the proxy answers 503 at once instead of holding
+# connections (a client trickling its body holds an ingress slot until the body deadline) without end.
+INGRESS_QUEUE = 256
+# Serve's gRPC proxy takes messages of up to 2 GiB unless its process finds this variable set:
+# Serve's gRPCOptions have no such field, so it belongs in the environment of the Ray node that
+# runs the proxies (the head, proxy_location HeadOnly), set before `ray start` (``proxy_env``).
+GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 # Target autoscaling (Serve's autoscaling_config): from ``target_replicas`` (what this machine
 # holds, running from the start: a replica takes seconds to load and probe, too long to wait for
 # under a burst) up to twice that when each replica averages more than TARGET_ONGOING requests
@@ -138,6 +146,8 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
             drafts.append(deployment(name, threads[name], 64, 1, 32))
         else:                 # prompt lookup: an n-gram search
             drafts.append(deployment(name, MODEL_FREE_CPUS, 64, 2, 32))
+    ingress = with_resources(deployment(INGRESS_DEPLOYMENT, MODEL_FREE_CPUS, 256, 2, 32), HEAD_NODE)
+    ingress["max_queued_requests"] = INGRESS_QUEUE
     return {
         "proxy_location": "HeadOnly",
         # A request still running after REQUEST_TIMEOUT_S is cancelled (and leaves its batch).
@@ -150,12 +160,22 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
             "import_path": BUILDER,
             "args": args,
             "deployments": [
-                with_resources(deployment(INGRESS_DEPLOYMENT, MODEL_FREE_CPUS, 256, 2, 32), HEAD_NODE),
+                ingress,
                 target,
                 *drafts,
             ],
         }],
     }
+
+
+def proxy_env(config: dict) -> dict[str, str]:
+    """The environment the head node's ``ray start`` needs for this Serve config: the gRPC proxy's
+    largest message no larger than the smallest ``max_body_bytes`` of specserve's applications
+    (the HTTP body limit), so that a gRPC request cannot be larger than an HTTP one."""
+    default = AppConfig.model_fields["max_body_bytes"].default
+    limits = [(app.get("args") or {}).get("max_body_bytes", default)
+              for app in config.get("applications", []) if app.get("import_path") == BUILDER]
+    return {GRPC_MAX_MESSAGE_ENV: str(min(limits))} if limits else {}
 
 
 def with_resources(entry: dict, resources: dict[str, float]) -> dict:

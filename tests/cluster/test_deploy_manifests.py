@@ -9,8 +9,11 @@ launcher's config are checked against Ray's own schemas, the app's args against 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -29,7 +32,7 @@ from ray.serve.schema import (
 
 from specserve.cluster.config import INGRESS_DEPLOYMENT, INSIDE, PROMPT_LOOKUP, SEPARATE, TARGET_DEPLOYMENT, AppConfig, draft_deployment
 from specserve.cluster.placement import plan
-from specserve.cluster.serve_config import BUILDER, GRPC_SERVICER, model_threads
+from specserve.cluster.serve_config import BUILDER, GRPC_MAX_MESSAGE_ENV, GRPC_SERVICER, model_threads
 from dockerfile import dockerfile_instructions, shell_commands
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -234,6 +237,56 @@ def test_rayservice_app_args_are_a_valid_app_config():
     assert configured == expected, (
         f"{where}: deployments {sorted(configured)} should be exactly those build_app creates from args: {sorted(expected)}"
     )
+
+
+SHIPPED_SERVE_CONFIGS = {**SERVE_CONFIGS,
+                         "deploy/serve-multimodal.yaml": lambda: yaml.safe_load((DEPLOY / "serve-multimodal.yaml").read_text())}
+
+
+@pytest.mark.parametrize("where", SHIPPED_SERVE_CONFIGS)
+def test_the_ingress_queue_at_the_proxy_is_bounded(where):
+    # Without max_queued_requests (or with -1) requests wait at a proxy for an ingress slot
+    # without bound; with it, the proxy answers 503 at once past that many.
+    ingress = _deployments(SHIPPED_SERVE_CONFIGS[where](), where)[INGRESS_DEPLOYMENT]
+    queue = ingress.get("max_queued_requests")
+    assert isinstance(queue, int) and queue > 0, f"{where}: the ingress's max_queued_requests is {queue!r}"
+
+
+def _max_body_bytes(config: dict, where: str) -> int:
+    return AppConfig.model_validate(_specserve_app(config, where).get("args") or {}).max_body_bytes
+
+
+def test_rays_grpc_proxy_reads_its_message_limit_from_the_environment():
+    # The manifests below set a variable, not a Serve config key: prove this Ray still reads it.
+    code = ("from ray.serve._private.constants import DEFAULT_GRPC_SERVER_OPTIONS as o; "
+            "print(dict(o)['grpc.max_receive_message_length'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, GRPC_MAX_MESSAGE_ENV: "12345"}, check=True)
+    assert out.stdout.strip() == "12345"
+
+
+def test_the_grpc_proxy_takes_no_larger_message_than_an_http_body():
+    # The proxies run on the head only, so the head's environment is where the limit goes:
+    # the RayService's head container, and the head's `ray start` in deploy/cluster.yaml (which
+    # deploys the RayService's Serve config).
+    serve_config = _rayservice_serve_config()
+    assert serve_config.get("proxy_location") == "HeadOnly"
+    max_body = _max_body_bytes(serve_config, "serveConfigV2")
+    head = _rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]
+    for container in _containers(head):
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert GRPC_MAX_MESSAGE_ENV in env, f"head container {container.get('name')!r} does not set {GRPC_MAX_MESSAGE_ENV}"
+        assert 0 < int(env[GRPC_MAX_MESSAGE_ENV]) <= max_body, (
+            f"head container {container.get('name')!r}: {GRPC_MAX_MESSAGE_ENV}={env[GRPC_MAX_MESSAGE_ENV]} "
+            f"is more than max_body_bytes={max_body}")
+    for command in _cluster_yaml()["head_start_ray_commands"]:
+        if "ray start" not in command:
+            continue
+        segment = next(part for part in command.split(";") if "ray start" in part)
+        words = shlex.split(segment)
+        assigned = dict(w.split("=", 1) for w in words[: words.index("start")] if "=" in w)
+        assert GRPC_MAX_MESSAGE_ENV in assigned, f"deploy/cluster.yaml: the head's `ray start` runs without {GRPC_MAX_MESSAGE_ENV}"
+        assert 0 < int(assigned[GRPC_MAX_MESSAGE_ENV]) <= max_body
 
 
 def test_rayservice_serve_config_listens_on_all_interfaces():

@@ -8,6 +8,8 @@ import yaml
 from specserve.cluster.config import PROMPT_LOOKUP, TARGET_DEPLOYMENT, AppConfig, draft_deployment
 from specserve.cluster.serve_config import (
     BUILDER,
+    GRPC_MAX_MESSAGE_ENV,
+    INGRESS_QUEUE,
     TARGET_REPLICAS,
     TARGET_THREADS,
     ZOO_DRAFTS,
@@ -17,6 +19,7 @@ from specserve.cluster.serve_config import (
     local_ray_cpus,
     local_serve_config,
     multimodal_serve_config,
+    proxy_env,
     with_overrides,
 )
 
@@ -114,3 +117,20 @@ def test_the_shipped_config_autoscales_the_target_and_keeps_the_ingress_beside_t
     assert target["graceful_shutdown_timeout_s"] > 0
     # Losing a worker node never loses the ingress, where streams resume: it runs with the proxy.
     assert entries["ingress"]["ray_actor_options"]["resources"] == {"node:__internal_head__": pytest.approx(0.001)}
+
+
+@pytest.mark.parametrize("build", [local_serve_config, multimodal_serve_config])
+def test_the_local_configs_bound_the_ingress_queue_and_the_grpc_message_size(build):
+    config = build()
+    entries = {d["name"]: d for d in config["applications"][0]["deployments"]}
+    # Past this many waiting at a proxy, a 503 at once (Ray reads -1 as no bound).
+    assert entries["ingress"]["max_queued_requests"] == INGRESS_QUEUE > 0
+    # Serve's gRPC proxy reads its limit from the head's environment only: what `ray start` gets.
+    max_body = AppConfig.model_validate(config["applications"][0]["args"]).max_body_bytes
+    assert 0 < int(proxy_env(config)[GRPC_MAX_MESSAGE_ENV]) <= max_body
+
+
+def test_the_grpc_message_size_follows_the_apps_http_body_limit():
+    config = app_serve_config({"target": "/models/t", "max_body_bytes": 1 << 20})
+    assert proxy_env(config) == {GRPC_MAX_MESSAGE_ENV: str(1 << 20)}
+    assert proxy_env({"applications": []}) == {}   # no specserve app: Serve's own default stands
