@@ -30,7 +30,8 @@ from specserve.replicas.step import SpecStats, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 from specserve.replicas.image_tokens import placeholder_for
-from specserve.replicas.vlm import image_prompt_ids, is_vlm, is_vlm_folder, language_model, load_vlm, target_image_store
+from specserve.replicas.vlm import (image_prompt_ids, is_vlm_folder, language_model, load_vlm, target_image_store,
+                                    target_text)
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 
 
@@ -152,11 +153,11 @@ class SpecEngine:
         are TABED ensembles, with their settings (``EnsembleDraftLM``'s keywords)."""
         self.loaded = target
         self.router = router
-        self.tokenizer = target.tokenizer
+        text = target_text(target.tokenizer, target.model.config)
+        self.tokenizer, self.processor = text.tokenizer, text.processor
         self.images = None
         self.text_model = target.model
-        if is_vlm(target.model):   # the target runs the language model; pictures go through the store
-            self.processor, self.tokenizer = target.tokenizer, target.tokenizer.tokenizer
+        if self.processor is not None:   # the target runs the language model; pictures go through the store
             self.text_model = language_model(target.model)
             self.images = target_image_store(target.model, self.processor)
         self.target = Target(self.text_model, slots, images=self.images)

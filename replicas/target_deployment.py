@@ -39,7 +39,7 @@ from ray.serve.handle import DeploymentHandle
 from specserve.replicas.cost_probe import ProbedCosts, draft_ms_per_position, verify_points
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
-from specserve.replicas.vlm import is_vlm, is_vlm_folder, language_model, load_vlm, target_image_store
+from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.native_memory import release_free_memory
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, Policy, RequestState, SpecRequest, StreamItem
@@ -139,10 +139,11 @@ class TargetDeployment:
                        else load_causal_lm(config.model, dtype=config.dtype))
         # A VLM runs its language model; its pictures' image tokens embed from the image store.
         self.images = None
-        text_model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
-        if is_vlm(self.loaded.model):
-            text_model, self.tokenizer = language_model(self.loaded.model), self.loaded.tokenizer.tokenizer
-            self.images = target_image_store(self.loaded.model, self.loaded.tokenizer)
+        text = target_text(self.loaded.tokenizer, self.loaded.model.config)
+        text_model, self.tokenizer = self.loaded.model, text.tokenizer
+        if text.processor is not None:
+            text_model = language_model(self.loaded.model)
+            self.images = target_image_store(self.loaded.model, text.processor)
         # Ray sets OMP_NUM_THREADS to num_cpus; the model thread sets torch's count itself.
         threads = config.torch_threads or torch.get_num_threads()
         self._worker = ModelWorker("target", threads=threads)

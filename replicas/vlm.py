@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,8 +39,8 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 
 from specserve.replicas.captions import CAPTION_PROMPT, Captions
 from specserve.replicas.image_tokens import ImageStore
-from specserve.replicas.model_store import (LoadedModel, default_device, load_causal_lm, resolve_dtype,
-                                            resolve_model_path)
+from specserve.replicas.model_store import (LoadedModel, default_device, load_causal_lm, load_tokenizer_and_config,
+                                            resolve_dtype, resolve_model_path)
 
 IMAGE_PLACEHOLDER = "<empty_output>"
 REFERENCE_VLM = "smollm2-vlm"
@@ -198,6 +199,35 @@ def is_vlm_config(config) -> bool:
 def load_processor(name_or_path: str):
     """A local VLM's processor (its tokenizer, image processor and chat template)."""
     return AutoProcessor.from_pretrained(resolve_model_path(name_or_path), local_files_only=True)
+
+
+@dataclass(frozen=True)
+class TargetText:
+    """How a target reads and writes text: its tokenizer and, for a VLM, its processor (the chat
+    template with pictures, the image processor). ``config`` is the model's own (a VLM's holds its
+    vision tower), ``text_config`` its language model's."""
+
+    tokenizer: object
+    config: object
+    processor: object | None = None
+
+    @property
+    def text_config(self):
+        return getattr(self.config, "text_config", None) or self.config
+
+
+def target_text(tokenizer_or_processor, config) -> TargetText:
+    """A target's text side from what loading it gave: a VLM comes with a processor where a text
+    model has its tokenizer (``load_vlm``), and its tokenizer is the processor's own."""
+    if is_vlm_config(config):
+        return TargetText(tokenizer_or_processor.tokenizer, config, tokenizer_or_processor)
+    return TargetText(tokenizer_or_processor, config)
+
+
+def load_target_text(name_or_path: str) -> TargetText:
+    """A target's text side without its weights: what the ingress tokenizes and checks with."""
+    tokenizer, config = load_tokenizer_and_config(name_or_path)
+    return target_text(load_processor(name_or_path) if is_vlm_config(config) else tokenizer, config)
 
 
 def is_vlm(model) -> bool:
