@@ -14,6 +14,11 @@ Nothing here is on the request path, and Redis being away costs only the sharing
 batch is kept (bounded: the oldest outputs go first) and sent when Redis answers. A batch whose
 reply was lost may arrive twice, which only counts those outputs twice in the indexes; outputs
 carry no secret beyond their tenant's, and a request reads only its own tenant's.
+
+What is read is checked before the index sees it (``redis_schema``): an entry whose tokens are not
+whole int32s, more than ``MAX_OUTPUT_TOKENS``, or outside [0, vocabulary), or whose salt is not
+short UTF-8, is skipped and counted; one exchange reads at most ``max_outputs`` entries (the
+stream's own cap), so a stream grown past it is caught up over several exchanges, never at once.
 """
 
 from __future__ import annotations
@@ -28,17 +33,25 @@ from collections.abc import Callable
 import numpy as np
 import redis
 
+from specserve.policies.redis_schema import MAX_NAME, is_wrong_type, reject
+
 logger = logging.getLogger("ray.serve")
 
 # Outputs waiting to be sent while Redis is away; beyond, the oldest are dropped.
 MAX_UNSENT = 1024
 READ_BATCH = 512
+# An output longer than any request may generate is not one of ours.
+MAX_OUTPUT_TOKENS = 1 << 17
+# Token ids are int32 on the wire; without the target's vocabulary, any non-negative one.
+MAX_VOCAB = 1 << 31
 
 
 class OutputExchange:
     def __init__(self, url: str, prefix: str, target: str, interval_s: float = 1.0, max_outputs: int = 20000,
-                 timeout_s: float = 2.0):
+                 timeout_s: float = 2.0, vocab_size: int | None = None):
+        """``vocab_size``: the target's vocabulary, the bound of a received token id (None: int32)."""
         self.url = url
+        self.vocab_size = min(vocab_size or MAX_VOCAB, MAX_VOCAB)
         self.key = f"{prefix}:outputs:{target}"
         self.interval_s = interval_s
         self.max_outputs = max_outputs
@@ -62,6 +75,11 @@ class OutputExchange:
         try:
             self._send()
             received = self._read(receive)
+        except redis.ResponseError as err:
+            if not is_wrong_type(err):
+                raise
+            reject("output", "type", self.key, err)   # nothing to share through until it is a stream again
+            return 0
         except (redis.RedisError, OSError) as err:
             if self._down_since is None:
                 self._down_since = time.monotonic()
@@ -89,21 +107,39 @@ class OutputExchange:
         self.sent += len(batch)
 
     def _read(self, receive: Callable[[str | None, np.ndarray], None]) -> int:
-        received = 0
-        while True:
-            answer = self.client.xread({self.key: self._last_id}, count=READ_BATCH)
+        received = read = 0
+        while read < self.max_outputs:
+            answer = self.client.xread({self.key: self._last_id}, count=min(READ_BATCH, self.max_outputs - read))
             entries = answer[0][1] if answer else []
             for entry_id, fields in entries:
                 self._last_id = entry_id
+                read += 1
                 if fields.get(b"r") == self.replica or b"t" not in fields:
                     continue
-                salt = fields[b"s"].decode() if b"s" in fields else None
-                receive(salt, np.frombuffer(fields[b"t"], dtype="<i4").astype(np.int32))
-                received += 1
+                output = self._checked(fields)
+                if output is not None:
+                    receive(*output)
+                    received += 1
             if len(entries) < READ_BATCH:
                 break
         self.received += received
         return received
+
+    def _checked(self, fields: dict[bytes, bytes]) -> tuple[str | None, np.ndarray] | None:
+        """(salt, tokens) of a stream entry, or None when it is not a bounded output (counted)."""
+        raw, salt = fields[b"t"], fields.get(b"s")
+        if len(raw) % 4 or len(raw) > 4 * MAX_OUTPUT_TOKENS or (salt is not None and len(salt) > MAX_NAME):
+            reject("output", "size", self.key, f"{len(raw)} token bytes, {len(salt or b'')} salt bytes")
+            return None
+        tokens = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            reject("output", "schema", self.key, f"token ids outside [0, {self.vocab_size})")
+            return None
+        try:
+            return (None if salt is None else salt.decode()), tokens
+        except UnicodeDecodeError as err:
+            reject("output", "schema", self.key, err)
+            return None
 
     async def run_forever(self, receive: Callable[[str | None, np.ndarray], None]) -> None:
         while True:

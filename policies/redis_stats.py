@@ -22,18 +22,40 @@ not passed in ``KEYS``, so it needs a single Redis, not Redis Cluster.)
 
 Clients use bounded timeouts and no retry loop of their own: callers decide (the exporter keeps
 its batch; the snapshot reader keeps its last snapshot).
+
+**Everything read back is checked** (``redis_schema``): counters, documents, version counters and
+outcomes that fail their schema or bounds are skipped and counted, never raised to the caller;
+only Redis not answering raises.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
 import time
 from collections import Counter
 
 import redis
+from pydantic import BaseModel, JsonValue, TypeAdapter, ValidationError
 
+from specserve.policies.redis_schema import (
+    COUNTER_NAME,
+    COUNTER_VALUE,
+    MAX_COUNT,
+    MAX_VERSION,
+    PolicySnapshot,
+    StatsIdentity,
+    Versioned,
+    get_bounded,
+    is_wrong_type,
+    parse,
+    reject,
+)
 from specserve.policies.stats import StatsKey
+
+logger = logging.getLogger("ray.serve")
 
 _FLUSH = """
 if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
@@ -55,6 +77,14 @@ end
 return 1
 """
 _IDENTITY = ("_target", "_draft", "_bucket", "_window")
+_COUNTER_NAME, _COUNTER_VALUE = re.compile(COUNTER_NAME), re.compile(COUNTER_VALUE)
+_JSON_OBJECT = TypeAdapter(dict[str, JsonValue])
+# Bounds of what one read takes in: counters hashes (a week of 60 s windows for ~100 keys each),
+# fields per hash (every counter name there is), routing outcomes and one outcome's size.
+MAX_STATS_HASHES = 250_000
+MAX_STATS_FIELDS = 4096
+MAX_ROUTES = 50_000
+MAX_OUTCOME_BYTES = 64 * 1024
 
 
 def connect(url: str, timeout_s: float = 0.5) -> redis.Redis:
@@ -74,6 +104,7 @@ class RedisStats:
         self.client = connect(url, timeout_s)
         self._flush = self.client.register_script(_FLUSH)
         self._routes = self.client.register_script(_ROUTES)
+        self._versions: dict[str, int] = {}   # document -> the last version this writer published
 
     # ---- keys ---------------------------------------------------------------------------------
 
@@ -100,44 +131,117 @@ class RedisStats:
         return bool(self._flush(keys=[marker], args=[self.ttl_s, json.dumps(batch), self.ttl_s, self.index_key]))
 
     def read(self, since: float | None = None) -> dict[StatsKey, Counter]:
-        """Every counter hash whose window starts at or after ``since`` (unix s; default: all kept)."""
-        names = self.client.zrangebyscore(self.index_key, "-inf" if since is None else since, "+inf")
+        """Every counter hash whose window starts at or after ``since`` (unix s; default: all kept).
+        Hashes and counters that fail their schema (``redis_schema``) are skipped and counted;
+        index entries that cannot be counters hashes (another type, another prefix, too many
+        fields) leave the index, so that they are not read again."""
+        try:
+            names = self.client.zrangebyscore(self.index_key, "-inf" if since is None else since, "+inf",
+                                              start=0, num=MAX_STATS_HASHES)
+        except redis.ResponseError as err:
+            if not is_wrong_type(err):
+                raise
+            # Nothing in a key of another type can be counters, and the flushes' ZADD fails on it.
+            reject("stats", "type", self.index_key, err)
+            self.client.delete(self.index_key)
+            return {}
         if not names:
             return {}
-        pipe = self.client.pipeline(transaction=False)
-        for name in names:
-            pipe.hgetall(name)
+        mine = f"{self.prefix}:stats:"
+        unusable = {n for n in names if not n.startswith(mine) or n == self.index_key}
+        for name in unusable:
+            reject("stats", "schema", self.index_key, f"index entry {name[:100]!r} is not a counters hash of {self.prefix}")
+        names = [n for n in names if n not in unusable]
+        sizes = self._pipelined("hlen", names)
+        unusable, readable = list(unusable), []
+        for name, size in zip(names, sizes):
+            if isinstance(size, redis.ResponseError):
+                reject("stats", "type", name, size)
+                unusable.append(name)
+            elif size > MAX_STATS_FIELDS:
+                reject("stats", "size", name, f"{size} fields")
+                unusable.append(name)
+            else:
+                readable.append(name)
         out: dict[StatsKey, Counter] = {}
-        stale = []
-        for name, fields in zip(names, pipe.execute()):
-            if not fields or "_target" not in fields:
-                stale.append(name)   # expired: drop it from the index
+        stale = list(unusable)
+        for name, fields in zip(readable, self._pipelined("hgetall", readable)):
+            if isinstance(fields, redis.ResponseError) or not fields or "_target" not in fields:
+                stale.append(name)   # expired (or replaced since): drop it from the index
                 continue
-            key = StatsKey(fields["_target"], fields["_draft"], fields["_bucket"], int(fields["_window"]))
-            out.setdefault(key, Counter()).update({f: int(v) for f, v in fields.items() if f not in _IDENTITY})
+            try:
+                ident = StatsIdentity.model_validate({f: fields.get(f) for f in _IDENTITY})
+            except ValidationError as err:
+                reject("stats", "schema", name, err)
+                stale.append(name)
+                continue
+            counts, bad = Counter(), []
+            for field, value in fields.items():
+                if field in _IDENTITY:
+                    continue
+                if _COUNTER_NAME.match(field) and _COUNTER_VALUE.match(value) and int(value) <= MAX_COUNT:
+                    counts[field] = int(value)
+                else:
+                    bad.append(field)
+            if bad:   # the good counters of the hash still count
+                reject("stats", "schema", name, f"counters {', '.join(f[:40] for f in bad[:5])}")
+            key = StatsKey(ident.target, ident.draft, ident.bucket, ident.window)
+            out.setdefault(key, Counter()).update(counts)
         if stale:
             self.client.zrem(self.index_key, *stale)
         return out
+
+    def _pipelined(self, command: str, names: list[str]) -> list:
+        """``command`` on every key in one round trip; a key's error is its answer, not raised."""
+        if not names:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            getattr(pipe, command)(name)
+        return pipe.execute(raise_on_error=False)
 
     # ---- snapshots ----------------------------------------------------------------------------
 
     def publish_snapshot(self, snapshot: dict, name: str = "policy") -> dict:
         """Stamp ``snapshot`` with the next version and the time, store it, return it. ``name``:
         which document (``policy``: the priors; ``router``: the router's weights)."""
-        version = int(self.client.incr(f"{self.prefix}:{name}:version"))
-        stamped = {**snapshot, "version": version, "published_at": time.time()}
+        stamped = {**snapshot, "version": self._next_version(name), "published_at": time.time()}
         self.client.set(self._document_key(name), json.dumps(stamped))
         return stamped
 
-    def read_snapshot(self, name: str = "policy") -> dict | None:
+    def _next_version(self, name: str) -> int:
+        """``INCR`` of the version counter. A counter that is not an integer in 1..2^53 (INCR
+        fails, or counts from garbage) is counted and reset to one past the larger of this
+        writer's last version and the stored document's: publishing goes on at once, and versions
+        still increase for whoever compares them (replicas only ask for a different one). Only
+        the policy service writes this key, so the reset races no other writer."""
+        key = f"{self.prefix}:{name}:version"
+        try:
+            version = int(self.client.incr(key))
+            if 1 <= version <= MAX_VERSION:
+                self._versions[name] = version
+                return version
+            reject("version", "size", key, f"INCR gave {version}")
+        except redis.ResponseError as err:   # not an integer, out of range, or another type
+            reject("version", "type" if is_wrong_type(err) else "schema", key, err)
+        stored = self.read_snapshot(name, Versioned)
+        version = max(self._versions.get(name, 0), stored["version"] if stored else 0) + 1
+        self.client.set(key, version)
+        logger.warning("Redis key %s reset to %d", key, version)
+        self._versions[name] = version
+        return version
+
+    def read_snapshot(self, name: str = "policy", schema: type[BaseModel] | None = None) -> dict | None:
+        """The stored document checked against ``schema`` (the policy snapshot's by default), or
+        None: absent, or a value that fails it (counted, ``redis_schema``). Raises only when
+        Redis does not answer."""
         key = self._document_key(name)
-        raw = self.client.get(key)
+        family = "policy_snapshot" if name == "policy" else "router_weights"
+        raw = get_bounded(self.client, key, family)
         if raw is None:
             return None
-        snapshot = json.loads(raw)
-        if not isinstance(snapshot, dict) or "version" not in snapshot:
-            raise ValueError(f"{key} does not hold a versioned {name} document")
-        return snapshot
+        document = parse(schema or (PolicySnapshot if name == "policy" else Versioned), raw, family, key)
+        return None if document is None else document.model_dump()
 
     def _document_key(self, name: str) -> str:
         return self.snapshot_key if name == "policy" else f"{self.prefix}:{name}:weights"
@@ -156,17 +260,32 @@ class RedisStats:
         return bool(self._routes(keys=[marker], args=[self.ttl_s, encoded, self.routes_key, maxlen]))
 
     def read_routes(self, count: int | None = None) -> list[dict]:
-        """The stream's outcomes, oldest first: all of them, or the newest ``count``."""
-        if count is None:
-            entries = self.client.xrange(self.routes_key)
-        else:
+        """The stream's outcomes, oldest first: the newest ``count``, at most ``MAX_ROUTES``.
+        Entries that are not a bounded JSON object of finite numbers are skipped and counted;
+        what an outcome's fields mean the router checks (``routing/retrain.py``)."""
+        count = MAX_ROUTES if count is None else max(0, min(count, MAX_ROUTES))
+        try:
             entries = list(reversed(self.client.xrevrange(self.routes_key, count=count)))
+        except redis.ResponseError as err:
+            if not is_wrong_type(err):
+                raise
+            reject("router_outcome", "type", self.routes_key, err)
+            return []
         out = []
         for _, fields in entries:
+            raw = fields.get("o", "")
+            if len(raw) > MAX_OUTCOME_BYTES:
+                reject("router_outcome", "size", self.routes_key, f"{len(raw)} characters")
+                continue
             try:
-                outcome = json.loads(fields.get("o", ""))
-            except json.JSONDecodeError:
-                continue   # not ours: skip, never fail the reader
-            if isinstance(outcome, dict):
-                out.append(outcome)
+                outcome = _JSON_OBJECT.validate_json(raw)
+                json.dumps(outcome, allow_nan=False)   # NaN and Infinity are not JSON to a client
+            except ValidationError as err:
+                reason = "json" if any(e["type"] == "json_invalid" for e in err.errors()) else "schema"
+                reject("router_outcome", reason, self.routes_key, err)
+                continue
+            except ValueError as err:
+                reject("router_outcome", "schema", self.routes_key, err)
+                continue
+            out.append(outcome)
         return out

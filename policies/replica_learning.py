@@ -55,10 +55,13 @@ class ReplicaLearning:
         if self.outputs is not None and self._receive is not None:
             self.outputs.share(cache_salt, tokens)
 
-    def receive_outputs(self, receive: Callable[[str | None, object], None]) -> None:
+    def receive_outputs(self, receive: Callable[[str | None, object], None], vocab_size: int | None = None) -> None:
         """Exchange outputs, handing the other replicas' to ``receive`` (called off the event
-        loop: it must only queue). Without a receiver the replica shares none."""
+        loop: it must only queue). Without a receiver the replica shares none. ``vocab_size``:
+        the target's vocabulary; received token ids outside it are dropped (default: any int32 ≥ 0)."""
         self._receive = receive
+        if self.outputs is not None and vocab_size:
+            self.outputs.vocab_size = min(vocab_size, self.outputs.vocab_size)
 
     def start(self, request: SpecRequest, batch_size: int = 1) -> tuple[SpecRequest, dict | None]:
         """Count the request, and start it from the cluster's prior (``priors.warm_start``, at the
