@@ -32,6 +32,9 @@ import numpy as np
 
 # What the router predicts for a draft before it has observed it: an even chance per token.
 ROUTER_PRIOR_ALPHA = 0.5
+# Features a model may have: the router's five plus up to 64 topic dimensions, with room. A model
+# read from outside is checked against this before its dims² matrix is allocated.
+MAX_FEATURES = 256
 
 
 class LinearAcceptance:
@@ -110,12 +113,25 @@ class LinearAcceptance:
                 "observations": self.observations, "A": self.A.tolist(), "b": self.b.tolist()}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "LinearAcceptance":
-        # Weights published before the prior existed were fitted towards 0.
-        model = cls(int(data["dims"]), float(data["ridge"]), float(data.get("alpha_max", 0.95)),
-                    float(data.get("prior_alpha", 0.0)))
+    def from_dict(cls, data: dict, dims: int | None = None) -> "LinearAcceptance":
+        """The model of ``to_dict``'s data; ``dims``: the features it must have. Raises
+        ``ValueError`` for data that is not a usable model (checked before anything is sized
+        from it): dims outside 1..``MAX_FEATURES`` or not ``dims``, A and b of other shapes or not
+        finite, A not symmetric positive definite (as λI + Σ w·x·xᵀ always is; predicting inverts it)."""
+        size = data.get("dims")
+        if not isinstance(size, int) or isinstance(size, bool) or not 1 <= size <= MAX_FEATURES \
+                or (dims is not None and size != dims):
+            raise ValueError(f"acceptance model of {size!r} features; expected {dims or f'1..{MAX_FEATURES}'}")
         A, b = np.asarray(data["A"], dtype=float), np.asarray(data["b"], dtype=float)
-        if A.shape != (model.dims, model.dims) or b.shape != (model.dims,):
-            raise ValueError(f"acceptance model of {model.dims} features with A {A.shape} and b {b.shape}")
+        if A.shape != (size, size) or b.shape != (size,):
+            raise ValueError(f"acceptance model of {size} features with A {A.shape} and b {b.shape}")
+        if not (np.isfinite(A).all() and np.isfinite(b).all()) or not np.allclose(A, A.T):
+            raise ValueError("acceptance model whose A or b is not finite, or whose A is not symmetric")
+        try:
+            np.linalg.cholesky(A)
+        except np.linalg.LinAlgError as err:
+            raise ValueError("acceptance model whose A is not positive definite") from err
+        # Weights published before the prior existed were fitted towards 0.
+        model = cls(size, float(data["ridge"]), float(data.get("alpha_max", 0.95)), float(data.get("prior_alpha", 0.0)))
         model.A, model.b, model.observations = A, b, float(data.get("observations", 0.0))
         return model

@@ -5,41 +5,115 @@ its features, the topic basis they were computed on, and the realised α of ever
 ran) and publishes the result as the ``router`` document; replicas load it
 (``routing/route_learning.py``). Ridge over all observations is exactly what each replica's online
 model would hold had it seen them all, so a replica starts from the whole cluster's experience.
-Weights are grouped by (target, basis): features of one topic basis mean nothing on another.
+Weights are grouped by (target, basis, number of features): features of one topic basis mean
+nothing on another, and a replica takes only models of its own feature count.
+
+Both directions read Redis, so both are checked (``policies/redis_schema.py``): an outcome whose
+fields fail ``RouteOutcome`` is skipped and counted before it reaches a model, and a weights
+document that fails ``WeightsDocument`` is skipped by the replica, which keeps the weights it has.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Annotated
 
-from specserve.routing.acceptance import ROUTER_PRIOR_ALPHA, LinearAcceptance
+from pydantic import Field, ValidationError, model_validator
+
+from specserve.policies.redis_schema import MAX_COUNT, Name, Rate, Strict, Time, Version, reject
+from specserve.routing.acceptance import MAX_FEATURES, ROUTER_PRIOR_ALPHA, LinearAcceptance
 
 WEIGHTS_FORMAT = 1
+# A feature is scaled to about [-2, 2] (``features.py``); far beyond is not one of ours.
+MAX_FEATURE = 100.0
+# Draft segments per request: the first choice and its switches.
+MAX_OBSERVATIONS = 16
+# Models per document: targets × topic bases × drafts, with room.
+MAX_MODELS = 1024
+
+Feature = Annotated[float, Field(ge=-MAX_FEATURE, le=MAX_FEATURE)]
+
+
+class Observation(Strict):
+    draft: Name
+    alpha: Rate
+    weight: Rate = 1.0
+
+
+class RouteOutcome(Strict):
+    """The fields of a routing outcome (``LearnedDraftRouter.finish``) that retraining reads."""
+
+    target: Name | None = None
+    basis: Name | None = None
+    features: list[Feature] | None = Field(None, min_length=1, max_length=MAX_FEATURES)
+    observations: list[Observation] | None = Field(None, max_length=MAX_OBSERVATIONS)
+
+
+class ModelWeights(Strict):
+    """``LinearAcceptance.to_dict``, bounded: dims first, so that A is never sized from garbage."""
+
+    dims: int = Field(ge=1, le=MAX_FEATURES)
+    ridge: float = Field(gt=0.0, le=1e6)
+    alpha_max: Rate = 0.95
+    prior_alpha: Rate = 0.0
+    observations: float = Field(0.0, ge=0.0, le=MAX_COUNT)
+    A: list[list[float]] = Field(max_length=MAX_FEATURES)
+    b: list[float] = Field(max_length=MAX_FEATURES)
+
+    @model_validator(mode="after")
+    def _square(self) -> "ModelWeights":
+        if len(self.b) != self.dims or len(self.A) != self.dims or any(len(row) != self.dims for row in self.A):
+            raise ValueError(f"A must be {self.dims}x{self.dims} and b of {self.dims}")
+        return self
+
+
+class PublishedModel(Strict):
+    target: Name
+    basis: Name
+    draft: Name
+    model: ModelWeights
+
+
+class WeightsDocument(Strict):
+    """The ``router`` document as ``RedisStats.publish_snapshot`` stamped it."""
+
+    version: Version
+    published_at: Time
+    format: int = Field(ge=0, le=1000)
+    computed_at: Time | None = None
+    outcomes: int = Field(0, ge=0, le=MAX_COUNT)
+    models: list[PublishedModel] = Field(default_factory=list, max_length=MAX_MODELS)
 
 
 def retrain(outcomes: Iterable[dict], ridge: float = 1.0, alpha_max: float = 0.95, now: float | None = None) -> dict:
-    models: dict[tuple[str, str, str], LinearAcceptance] = {}
+    models: dict[tuple[str, str, int, str], LinearAcceptance] = {}
     counted = 0
-    for outcome in outcomes:
-        x, target, basis = outcome.get("features"), outcome.get("target"), outcome.get("basis")
+    for raw in outcomes:
+        try:
+            outcome = RouteOutcome.model_validate(raw)
+        except ValidationError as err:
+            reject("router_outcome", "schema", "router:outcomes", err)
+            continue
+        x, target, basis = outcome.features, outcome.target, outcome.basis
         if not x or not target or not basis:
             continue
         counted += 1
-        for seen in outcome.get("observations") or ():
-            key = (target, basis, seen["draft"])
+        for seen in outcome.observations or ():
+            key = (target, basis, len(x), seen.draft)
             model = models.setdefault(key, LinearAcceptance(len(x), ridge, alpha_max, ROUTER_PRIOR_ALPHA))
-            if model.dims == len(x):
-                model.update(x, float(seen["alpha"]), float(seen.get("weight", 1.0)))
+            model.update(x, seen.alpha, seen.weight)
     return {
         "format": WEIGHTS_FORMAT, "computed_at": time.time() if now is None else now, "outcomes": counted,
-        "models": [{"target": t, "basis": b, "draft": d, "model": m.to_dict()} for (t, b, d), m in sorted(models.items())],
+        "models": [{"target": t, "basis": b, "draft": d, "model": m.to_dict()} for (t, b, _, d), m in sorted(models.items())],
     }
 
 
-def weights_for(document: dict | None, target: str, basis: str) -> dict[str, dict]:
-    """From a published weights document, the models of one target on one basis, by draft."""
+def weights_for(document: dict | None, target: str, basis: str, dims: int | None = None) -> dict[str, dict]:
+    """From a published weights document, the models of one target on one basis (of ``dims``
+    features when given), by draft."""
     if not document or document.get("format") != WEIGHTS_FORMAT:
         return {}
     return {m["draft"]: m["model"] for m in document.get("models", ())
-            if m.get("target") == target and m.get("basis") == basis}
+            if m.get("target") == target and m.get("basis") == basis
+            and (dims is None or m["model"].get("dims") == dims)}

@@ -8,7 +8,10 @@
 - **In**: the policy service retrains the acceptance models from the stream
   (``routing/retrain.py``) and publishes them; a background task reads them every few seconds and,
   on a new version, the router takes the models for its target and topic basis. A replica that
-  cannot reach Redis keeps the weights it has.
+  cannot reach Redis keeps the weights it has; so does one that reads a document failing
+  ``retrain.WeightsDocument`` (garbage, dims beyond bounds: checked before any matrix is
+  allocated) or a model of another feature count or not positive definite (counted,
+  ``policies/redis_schema.py``).
 
 Nothing here runs on the request path.
 """
@@ -21,11 +24,13 @@ import threading
 from collections import deque
 from collections.abc import Coroutine
 
+from specserve.policies.redis_schema import reject
 from specserve.policies.redis_stats import RedisStats
 from specserve.policies.stats_exporter import BatchFlusher
 from specserve.policies.snapshot_cache import SnapshotCache
 from specserve.routing.draft_router import LearnedDraftRouter
-from specserve.routing.retrain import weights_for
+from specserve.routing.acceptance import LinearAcceptance
+from specserve.routing.retrain import WeightsDocument, weights_for
 
 logger = logging.getLogger("ray.serve")
 
@@ -42,7 +47,8 @@ class RouteLearning:
         self._lock = threading.Lock()
         self._buffer: deque[dict] = deque(maxlen=buffer)
         self.outcomes = BatchFlusher(self._drain, store.add_routes, "routing outcomes", store.url, interval_s=interval_s)
-        self.weights = SnapshotCache(store, refresh_s=refresh_s, max_age_s=WEIGHTS_MAX_AGE_S, name="router")
+        self.weights = SnapshotCache(store, refresh_s=refresh_s, max_age_s=WEIGHTS_MAX_AGE_S, name="router",
+                                     schema=WeightsDocument)
         self.weights_version: int | None = None
         router.on_outcome.append(self.add)
 
@@ -65,7 +71,17 @@ class RouteLearning:
         if document is None or document.get("version") == self.weights_version:
             return False
         self.weights_version = document.get("version")
-        models = weights_for(document, self.target, self.router.basis_id)
+        dims = next((model.dims for model in self.router.models.values()), None)   # one feature vector for all
+        models = {}
+        for draft, data in weights_for(document, self.target, self.router.basis_id, dims).items():
+            if draft not in self.router.models:
+                continue
+            try:   # a model that cannot predict is not taken: the router keeps its own
+                LinearAcceptance.from_dict(data, dims=self.router.models[draft].dims)
+            except ValueError as err:
+                reject("router_weights", "schema", f"{self.store.prefix}:router:weights", f"{draft}: {err}")
+                continue
+            models[draft] = data
         if models:
             self.router.load_weights(models)
         return bool(models)
