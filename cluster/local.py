@@ -5,6 +5,10 @@ token authentication on, as Ray 2.60 wants), starts a Redis server unless given 
 Serve config through the dashboard's REST API (what ``serve deploy`` does) and waits until every
 deployment is healthy. What it started is written to a state file, so that ``down`` stops
 exactly that and nothing a user started themselves.
+
+The Redis ``up`` starts requires a random password (``redis_server``); the application and this
+module reach it through its URL, kept in the state file, which only its owner may read (0600).
+Status and logs show the URL redacted.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from specserve.cluster.prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusServer, prometheus_binary  # noqa: E402
-from specserve.cluster.redis_server import RedisServer, free_port, ping  # noqa: E402
+from specserve.cluster.redis_server import RedisServer, free_port, ping, redact  # noqa: E402
 from specserve.cluster.serve_config import (  # noqa: E402
     APP_NAME,
     local_ray_cpus,
@@ -66,8 +70,13 @@ class LocalState:
             return None
 
     def save(self) -> None:
-        self.path().parent.mkdir(parents=True, exist_ok=True)
-        self.path().write_text(json.dumps(asdict(self), indent=2))
+        # It holds the Redis password: owner only, also when an older file was more open.
+        path = self.path()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(asdict(self), indent=2))
 
 
 def _ray_cli() -> str:
@@ -177,6 +186,21 @@ def wait_healthy(app_name: str, timeout_s: float, on_progress: Callable[[dict], 
         time.sleep(1.0)
 
 
+def ensure_redis(state: LocalState, redis_url: str | None = None) -> None:
+    """``redis_url`` when it answers; else the Redis of ``state`` when it still answers; else a
+    new password-protected one (``redis_server``). Saves the state once it has started one, so
+    that ``down`` stops it whatever happens next."""
+    if redis_url is not None:
+        if not ping(redis_url, timeout_s=3.0):
+            raise ConnectionError(f"no Redis answers at {redact(redis_url)}: start it, or leave out --redis-url "
+                                  "and specserve starts one")
+        state.redis_url, state.redis_pid = redis_url, None
+    elif not (state.redis_url and ping(state.redis_url)):
+        server = RedisServer.start(state_dir())
+        state.redis_url, state.redis_pid = server.url, server.pid
+        state.save()
+
+
 def up(config: dict | None = None, redis_url: str | None = None, http_port: int = 8000, grpc_port: int = 9000,
        timeout_s: float = 600.0, on_progress: Callable[[dict], None] = lambda s: None,
        prometheus: bool = False) -> LocalState:
@@ -188,13 +212,7 @@ def up(config: dict | None = None, redis_url: str | None = None, http_port: int 
         prometheus_binary()   # missing: say so before anything starts
         if state.prometheus_url and not PrometheusServer(state.prometheus_url, state.prometheus_pid or 0).ready():
             state.prometheus_url, state.prometheus_pid = "", None   # gone since: start another
-    if redis_url is not None:
-        if not ping(redis_url, timeout_s=3.0):
-            raise ConnectionError(f"no Redis answers at {redis_url}: start it, or leave out --redis-url and specserve starts one")
-        state.redis_url, state.redis_pid = redis_url, None
-    elif not (state.redis_url and ping(state.redis_url)):
-        server = RedisServer.start(state_dir())
-        state.redis_url, state.redis_pid = server.url, server.pid
+    ensure_redis(state, redis_url)
     config = with_overrides(config, http_port=http_port, grpc_port=grpc_port, redis_url=state.redis_url)
     prometheus_port = free_port() if prometheus and not state.prometheus_url else None
     if not _ray_running():
@@ -244,7 +262,7 @@ def status() -> dict:
         "grpc": state.grpc_address,
         "dashboard": state.dashboard_url,
         "metrics": state.metrics_url or None,
-        "redis": {"url": state.redis_url, "pid": state.redis_pid, "up": ping(state.redis_url)},
+        "redis": {"url": redact(state.redis_url), "pid": state.redis_pid, "up": ping(state.redis_url)},
         "prometheus": state.prometheus_url or None,
         "placement": draft_placement(state.http_url),
     }

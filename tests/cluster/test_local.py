@@ -1,22 +1,69 @@
-"""``specserve up`` / ``down`` from a process that keeps running afterwards (the test suite, a
-notebook, ``bench soak`` against its own stack): leaving the cluster leaves nothing behind that
-calls Ray again."""
+"""``specserve up`` / ``down``: the Redis ``up`` starts requires its password (kept in a state file
+only the owner reads, never shown); and from a process that keeps running afterwards (the test
+suite, a notebook, ``bench soak`` against its own stack), leaving the cluster leaves nothing
+behind that calls Ray again."""
 
 from __future__ import annotations
 
+import stat
 import time
 
 import pytest
+import redis
 
 from conftest import local_stack
+from specserve.cluster import local
+from specserve.cluster.redis_server import ping
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
-
-pytestmark = [pytest.mark.reference, pytest.mark.slow, pytest.mark.e2e]
 
 # Serve's handles push autoscaling metrics every 10 s (RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S).
 METRICS_PUSH_S = 10.0
 
 
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(local, "_ray_running", lambda: False)   # these tests start no Ray
+    yield tmp_path / "home"
+    local.down()
+
+
+def test_up_starts_a_redis_that_refuses_connections_without_its_password(home):
+    state = local.LocalState()
+    local.ensure_redis(state)
+    assert state.redis_pid and ping(state.redis_url)
+    port = state.redis_url.rsplit(":", 1)[1].split("/")[0]
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(f"redis://127.0.0.1:{port}/0").keys()
+    saved = local.LocalState.load()
+    assert saved.redis_url == state.redis_url                          # the app and the CLI reach it through it
+    assert stat.S_IMODE(local.LocalState.path().stat().st_mode) == 0o600
+    password = state.redis_url.split("@")[0].rsplit(":", 1)[1]
+    assert password not in str(local.redact(state.redis_url))
+    again = local.LocalState.load()
+    local.ensure_redis(again)                                          # still answers: the same server
+    assert again.redis_pid == state.redis_pid
+    assert local.down() == [f"redis-server pid {state.redis_pid}"] and not ping(state.redis_url)
+
+
+def test_the_state_file_is_owner_only_even_when_an_older_one_was_not(home):
+    path = local.LocalState.path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{}")
+    path.chmod(0o644)
+    local.LocalState(redis_url="redis://:s3cret@127.0.0.1:1/0").save()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_given_redis_that_does_not_answer_is_named_without_its_password(home):
+    with pytest.raises(ConnectionError) as err:
+        local.ensure_redis(local.LocalState(), "redis://:s3cret@127.0.0.1:1/0")
+    assert "s3cret" not in str(err.value) and "127.0.0.1:1" in str(err.value)
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_down_leaves_no_handle_that_starts_a_new_ray_cluster(tmp_path):
     """A deployment handle's router pushes metrics from a background thread; left running after
     ``down``, its next Ray call auto-started a fresh local cluster inside this process, which the

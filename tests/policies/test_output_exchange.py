@@ -50,12 +50,12 @@ def test_the_stream_is_capped(server):
 
 def test_outputs_queued_while_redis_is_away_arrive_after(tmp_path):
     server = RedisServer.start(tmp_path)
-    port = server.url.rsplit(":", 1)[1].split("/")[0]
+    port, password = server.url.rsplit(":", 1)[1].split("/")[0], server.password
     a = OutputExchange(server.url, "app", "t", timeout_s=0.3)
     server.stop()
     a.share(None, [1, 2])
     assert a.exchange_once(lambda *_: None) == 0 and a.sent == 0
-    server = RedisServer.start(tmp_path, port=int(port))
+    server = RedisServer.start(tmp_path, port=int(port), password=password)
     try:
         a.exchange_once(lambda *_: None)
         got, receive = collect()

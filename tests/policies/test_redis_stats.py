@@ -114,7 +114,7 @@ def test_redis_killed_counts_wait_and_arrive_once_after_restart(server, tmp_path
     assert not exporter.flush_once()                       # Redis gone: the batch is kept
     c.observe(record(step("a", "pl", accepted=1)))          # and counting goes on meanwhile
     assert not exporter.flush_once()
-    restarted = RedisServer.start(tmp_path, port=int(server.url.rsplit(":", 1)[1].split("/")[0]))
+    restarted = RedisServer.start(tmp_path, port=int(server.url.rsplit(":", 1)[1].split("/")[0]), password=server.password)
     try:
         assert exporter.flush_once() and exporter.flush_once()   # the kept batch, then what came since
         assert total(store, "drafts") == 11 and total(store, "requests") == 1

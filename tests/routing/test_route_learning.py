@@ -79,7 +79,8 @@ def test_redis_down_outcomes_wait_and_arrive_once(server, tmp_path):
         serve_one(router, REPETITIVE, "lookup", 3, f"r{i}")
     assert not learning.flush_once() and not learning.flush_once()   # kept, retried as the same batch
     assert not learning.load_weights()                               # keeps what it has
-    restarted = RedisServer.start(tmp_path / "again", port=int(server.url.rsplit(":", 1)[1].split("/")[0]))
+    restarted = RedisServer.start(tmp_path / "again", port=int(server.url.rsplit(":", 1)[1].split("/")[0]),
+                               password=server.password)
     try:
         serve_one(router, VARIED, "lm", 1, "late")                   # waits behind the pending batch
         assert learning.flush_once() and learning.flush_once()
