@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from specserve.replicas import cpu_row_ops
-from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample, uniform
+from specserve.replicas.sampling import NonFiniteScores, SamplingParams, logits_to_probs, sample, uniform
 from specserve.replicas.step import Proposal
 
 
@@ -33,6 +33,8 @@ def verify(
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], int]:
     """Returns ``(accepted_path, bonus_token)``; ``accepted_path`` indexes ``proposal.tokens``.
+    Raises ``NonFiniteScores`` when a row it reads is not a distribution (the caller fails that
+    request alone).
 
     target_logits: [len(proposal) + 1, V]
     """
@@ -58,6 +60,9 @@ def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal) -> tuple[lis
         choice = cpu_row_ops.argmax(target_logits)
     else:
         choice = target_logits.argmax(-1).tolist()
+    # A NaN row's argmax is a NaN (torch's rule), an overflowed one's +inf: no token to follow.
+    if not bool(torch.isfinite(target_logits[torch.arange(len(choice)), choice]).all()):
+        raise NonFiniteScores("the target's logits are not finite")
     children = _children(proposal)
     path: list[int] = []
     row = 0

@@ -41,16 +41,35 @@ class SamplingParams:
         return gen
 
 
+class NonFiniteScores(ValueError):
+    """A request's scores are not a distribution (NaN or infinite logits, probabilities that do
+    not sum to a positive number): that request cannot be sampled, the others of its step can."""
+
+
+# The smallest temperature the warp divides by: float32's smallest normal number, so that a
+# temperature the API admits (down to a subnormal float64) is never 0 once in float32.
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Warped next-token probabilities, float32. logits: [..., V] -> probs: [..., V].
 
     Greedy becomes a one-hot on the argmax, so the rejection rule ``min(1, p/q)`` reduces to
     exact-match verification and one code path serves both modes.
+
+    The logits are shifted by their row's maximum before dividing by the temperature (softmax is
+    shift-invariant, so p is unchanged): ``(l − max) / T <= 0`` can only underflow to −inf, never
+    overflow, for every temperature down to the smallest float — a tiny T samples the limit
+    distribution (uniform over the tied maxima), not NaN. A row with a non-finite maximum
+    (NaN or +inf logits) is ``NonFiniteScores``.
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    top = logits.amax(-1, keepdim=True)
+    if not bool(torch.isfinite(top).all()):
+        raise NonFiniteScores("the target's logits are not finite")
+    logits = (logits - top) / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -72,5 +91,10 @@ def uniform(generator: torch.Generator | None) -> float:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id from a 1-D probability vector."""
+    """One token id from a 1-D probability vector; ``NonFiniteScores`` when it is not one (checked
+    here, not left to ``multinomial``: on CUDA a NaN there is a device-side assert, which ends
+    every request of the process)."""
+    total = probs.sum()
+    if not (bool(torch.isfinite(total)) and float(total) > 0.0) or bool((probs < 0).any()):
+        raise NonFiniteScores("the probabilities to sample from are not finite, or sum to 0")
     return int(torch.multinomial(probs, 1, generator=generator).item())

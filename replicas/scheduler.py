@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from specserve.replicas.kv_session import common_prefix_len
-from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StreamItem
+from specserve.replicas.request import (AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StepError,
+                                        StreamItem)
 from specserve.replicas.step import PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, StepRecord
 from specserve.replicas.target import DEFAULT_FEATURE_LAYERS, Target, VerifyItem
 
@@ -280,6 +281,10 @@ class Scheduler:
         per_request_draft_s = draft_s / len(live) if live else 0.0
         for state, item, result in zip(live, items, results):
             forward_tokens += 1 + len(item.proposal)
+            if result.error is not None:   # its own rows could not be sampled: it fails, the step goes on
+                logger.warning("request %s failed alone: %s", state.id, result.error)
+                state.fail(StepError(result.error, request_fault=True))
+                continue
             state.stats.draft_s += per_request_draft_s
             state.stats.verify_s += t2 - t1
             if result.proposal_error is not None:

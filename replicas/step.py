@@ -163,6 +163,7 @@ class StepResult:
     emitted_tokens: list[int]  # the n accepted draft tokens followed by the bonus token
     max_depth: int           # the longest path the proposal offered (γ for a chain)
     proposal_error: str | None = None   # why the draft's proposal was dropped (the step went plain)
+    error: str | None = None            # why this request could not be verified (it fails alone; nothing emitted)
 
 
 @dataclass(frozen=True)

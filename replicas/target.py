@@ -93,6 +93,14 @@ def proposal_error(proposal: Proposal, vocab: int, device: torch.device) -> str 
             return f"draft_probs have shape {tuple(q.shape)}, expected ({n}, {vocab})"
         if q.device.type != device.type:
             return f"draft_probs are on {q.device}, the target on {device}"
+        # The rejection test divides by q(x) and takes max(0, p − q) as a distribution: q must be
+        # one, and give each proposed token the mass it was drawn with (q(x) > 0).
+        if not bool(torch.isfinite(q).all()) or bool((q < 0).any()) or bool((q > 1).any()):
+            return "draft_probs must be finite and within [0, 1]"
+        if n and not bool(((q.float().sum(-1) - 1).abs() < 1e-3).all()):
+            return "draft_probs rows must each sum to 1"
+        if not bool((q[torch.arange(n, device=q.device), torch.tensor(proposal.tokens, device=q.device)] > 0).all()):
+            return "draft_probs give a proposed token no probability (q(x) = 0)"
     return None
 
 
@@ -280,7 +288,12 @@ class Target:
         for item, feed, rows, error in zip(items, feeds, logits, errors):
             proposal = item.proposal
             # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
-            path, bonus = verify(rows, proposal, item.params, item.generator)
+            try:
+                path, bonus = verify(rows, proposal, item.params, item.generator)
+            except Exception as err:  # noqa: BLE001 - this request's rows or parameters: it fails alone
+                path, bonus, failure = [], None, f"{type(err).__name__}: {err}"
+            else:
+                failure = None
             accepted = [proposal.tokens[i] for i in path]
             tail = len(feed.tokens) - len(proposal)
             kept.append(list(range(tail)) + [tail + i for i in path])
@@ -293,9 +306,10 @@ class Target:
                 proposed=len(proposal),
                 accepted=len(path),
                 accepted_path=path,
-                emitted_tokens=accepted + [bonus],
+                emitted_tokens=accepted + ([] if bonus is None else [bonus]),
                 max_depth=max(proposal.depths(), default=0),
                 proposal_error=error,
+                error=failure,
             ))
         self._keep_features(feeds, firsts, kept)
         return results

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specserve.replicas.sampling import SamplingParams, logits_to_probs
+from specserve.replicas.sampling import NonFiniteScores, SamplingParams, logits_to_probs, sample
 
 
 def test_greedy_is_one_hot_on_argmax():
@@ -37,3 +37,30 @@ def test_top_p_always_keeps_the_top_token():
 def test_bad_parameters_are_refused(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+# Temperatures the API admits (0 < T <= 2) down to float64's smallest subnormal: in float32
+# 1e-45 is subnormal and 5e-324 is 0, and dividing raw logits by them overflows to ±inf / NaN.
+TINY_TEMPERATURES = [1e-30, 1e-45, 1e-300, 5e-324]
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_a_tiny_temperature_samples_the_limit_not_nan(temperature):
+    logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [4.0, 4.0, 0.0, 1.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=temperature, top_p=0.9, top_k=3))
+    # As T -> 0 softmax(l / T) puts all mass on the maxima, shared equally between tied ones.
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]
+    assert sample(probs[0], torch.Generator().manual_seed(0)) == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_are_refused_not_sampled(bad):
+    logits = torch.tensor([0.0, bad, 1.0])
+    with pytest.raises(NonFiniteScores):
+        logits_to_probs(logits, SamplingParams(temperature=0.7))
+
+
+@pytest.mark.parametrize("probs", [[0.5, float("nan"), 0.5], [0.0, 0.0, 0.0], [1.5, -0.5, 0.0]])
+def test_sample_refuses_what_is_not_a_distribution(probs):
+    with pytest.raises(NonFiniteScores):
+        sample(torch.tensor(probs), torch.Generator().manual_seed(0))

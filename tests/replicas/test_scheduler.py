@@ -260,3 +260,84 @@ def test_runs_side_by_side_take_turns_and_each_equals_its_requests_alone():
     assert sum(g.stats.accepted for g in out[0][0]) > 10 and sum(g.stats.accepted for g in out[1][0]) == 0
     with pytest.raises(ValueError, match="one target per run"):
         run_side_by_side([Target(model, slots=2)], servers(model), [(plain, None), (plain, None)])
+
+
+def _poisoned_rows(target: Target, state):
+    """The target's forward with every row of ``state``'s feed NaN: a request whose own scores
+    are not a distribution, beside healthy ones in the same forward."""
+    forward = target.kv.forward
+
+    def poisoned(feeds):
+        logits = forward(feeds)
+        return [torch.full_like(rows, float("nan")) if feed.slot == state.slot and not state.done else rows for feed, rows in zip(feeds, logits)]
+
+    target.kv.forward = poisoned
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "sampled"])
+def test_a_request_whose_scores_are_not_finite_fails_alone_and_the_step_goes_on(params):
+    model = tiny_model("llama", seed=0)
+    target = Target(model, slots=4)
+    scheduler = Scheduler(target, StaticPolicy())
+    loop = StepLoop(scheduler, servers(model), InlineWorker())
+    items: dict[int, list] = {i: [] for i in range(4)}
+    asks = [("near", 3), ("prompt-lookup", 4), ("none", 0), ("near", 2)]
+    states = [loop.add(SpecRequest(PROMPTS[i], NEW_TOKENS, params if i == 2 else GREEDY, d, w, None, f"r{i}"),
+                       items[i].append) for i, (d, w) in enumerate(asks)]
+    _poisoned_rows(target, states[2])
+    asyncio.run(loop.run_until_idle())
+    failed = items[2][-1]
+    assert failed.error is not None and failed.error.request_fault, "the poisoned request must fail as its own fault"
+    assert "not finite" in failed.error.message and states[2].out == []
+    assert loop.failures == 0, "no step failed: the replica stays healthy"
+    for i in (0, 1, 3):
+        assert items[i][-1].error is None and states[i].out == alone(model, PROMPTS[i]), f"request {i} was hurt"
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45])
+def test_a_tiny_temperature_decodes_as_greedy_beside_greedy_requests(temperature):
+    # softmax(l / T) tends to the argmax as T -> 0: with no tied maxima that is greedy decoding.
+    model = tiny_model("llama", seed=0)
+    requests = [SpecRequest(PROMPTS[i], NEW_TOKENS, GREEDY if i else SamplingParams(temperature=temperature, seed=i),
+                            d, w, t, f"r{i}") for i, (d, w, t) in enumerate(ASKS)]
+    got = run_batch(Target(model, slots=8), servers(model), requests)
+    for prompt, gen in zip(PROMPTS, got):
+        assert gen.finish_reason == "length" and gen.token_ids == alone(model, prompt)
+
+
+class MalformedProbsDraft:
+    """A sampled chain whose ``draft_probs`` are not the distribution its tokens were drawn from:
+    NaN, out of [0, 1], rows not summing to 1, or no mass on a proposed token."""
+
+    name = "malformed-q"
+
+    def __init__(self):
+        self.calls = 0
+
+    def propose(self, context, window, params, generator):
+        self.calls += 1
+        q = torch.full((2, 96), 1 / 96)
+        kind = self.calls % 4
+        if kind == 0:
+            q[0, 5] = float("nan")
+        elif kind == 1:
+            q[1] = 0.0
+            q[1, 0] = 1.0                # the proposed token 7 has q(x) = 0: it would always be accepted
+        elif kind == 2:
+            q *= 2                       # sums to 2
+        else:
+            q[0, 0], q[0, 1] = 1.5, -0.5
+        return Proposal.chain([3, 7], draft_probs=q)
+
+    def propose_tree(self, context, shape):
+        return Proposal.empty()
+
+
+def test_malformed_draft_probs_cost_speculation_never_the_distribution():
+    model = tiny_model("llama", seed=0)
+    params = SamplingParams(temperature=1.0, seed=11)
+    gen = speculative_generate(Target(model), MalformedProbsDraft(), PROMPTS[1], 12, params, window=2)
+    # Every proposal is dropped, so each step is a plain sampled step drawing from the same
+    # generator as target-only decoding: the same tokens.
+    assert gen.token_ids == speculative_generate(Target(model), None, PROMPTS[1], 12, params).token_ids
+    assert gen.stats.proposal_errors == gen.stats.steps - 1 > 0
