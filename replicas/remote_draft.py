@@ -6,10 +6,12 @@ the target replica: a draft deployment that lost its only replica and cannot res
 free CPU on the nodes left) leaves Serve's handle queueing the call for ever. So each call has a
 deadline derived from the draft's own cost,
 
-    deadline = max(min_deadline_s, slack × the slowest of the last ``history`` calls)
+    deadline = min(max_deadline_s, max(min_deadline_s, slack × the slowest of the last ``history`` calls))
 
 (a step's draft call takes a few ms; the floor covers a replica's first calls, which resolve the
-handle), and a call that misses it, or fails, marks the draft down for ``cooldown_s``: its calls
+handle; the cap keeps one slow call from making every later step wait ``slack`` times as long: a
+proposal later than the cap is dropped, which costs speculation and leaves the output as it
+is), and a call that misses it, or fails, marks the draft down for ``cooldown_s``: its calls
 fail at once meanwhile (``DraftUnavailable``), so its requests go on by plain decoding
 (``StepLoop``) instead of each paying the deadline, and the first call after the cool-down tries
 again. The call that missed its deadline is cancelled.
@@ -32,10 +34,14 @@ class DraftUnavailable(RuntimeError):
 
 class RemoteDraft:
     def __init__(self, handle, name: str = "draft", min_deadline_s: float = 5.0, slack: float = 10.0,
-                 cooldown_s: float = 10.0, history: int = 32, clock: Callable[[], float] = time.monotonic):
+                 cooldown_s: float = 10.0, history: int = 32, clock: Callable[[], float] = time.monotonic,
+                 max_deadline_s: float = 10.0):
+        if max_deadline_s < min_deadline_s:
+            raise ValueError(f"max_deadline_s ({max_deadline_s}) must be >= min_deadline_s ({min_deadline_s})")
         self.handle = handle
         self.name = name
         self.min_deadline_s = min_deadline_s
+        self.max_deadline_s = max_deadline_s
         self.slack = slack
         self.cooldown_s = cooldown_s
         self._clock = clock
@@ -44,7 +50,7 @@ class RemoteDraft:
         self.last_error: str | None = None
 
     def deadline_s(self) -> float:
-        return max(self.min_deadline_s, self.slack * max(self._calls, default=0.0))
+        return min(self.max_deadline_s, max(self.min_deadline_s, self.slack * max(self._calls, default=0.0)))
 
     @property
     def down(self) -> bool:
