@@ -214,6 +214,7 @@ def up(
 ) -> None:
     """Start (or join) a local Ray cluster and a Redis server, deploy specserve, wait until healthy."""
     from specserve.cluster import local
+    from specserve.cluster.redis_server import redact
     from specserve.cluster.serve_config import load_serve_config
 
     try:
@@ -237,7 +238,7 @@ def up(
         fail(f"{err}\n(`specserve down` stops whatever was started)")
     typer.echo(f"specserve is up\n  HTTP       {state.http_url}/v1   (OpenAI API)\n  gRPC       {state.grpc_address}"
                f"\n  dashboard  {state.dashboard_url}\n  metrics    {state.metrics_url or '(cluster started elsewhere)'}"
-               f"\n  redis      {state.redis_url}"
+               f"\n  redis      {redact(state.redis_url)}"
                + (f"\n  prometheus {state.prometheus_url}" if state.prometheus_url else ""))
 
 

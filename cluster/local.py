@@ -34,6 +34,7 @@ from specserve.cluster.serve_config import (  # noqa: E402
     APP_NAME,
     local_ray_cpus,
     local_serve_config,
+    proxy_env,
     with_overrides,
 )
 
@@ -119,14 +120,17 @@ def _machine_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _start_ray(metrics_port: int, num_cpus: int, prometheus_url: str | None = None) -> None:
+def _start_ray(metrics_port: int, num_cpus: int, prometheus_url: str | None = None,
+               env: dict[str, str] | None = None) -> None:
     """``num_cpus``: Ray's logical CPUs, which may exceed the cores (``local_ray_cpus``);
-    ``prometheus_url``: where the dashboard reads metrics from (Ray's ``RAY_PROMETHEUS_HOST``)."""
+    ``prometheus_url``: where the dashboard reads metrics from (Ray's ``RAY_PROMETHEUS_HOST``);
+    ``env``: more of the head's environment (``serve_config.proxy_env``: the proxies run there)."""
     if auth_token() is None:
         _ray("get-auth-token", "--generate", timeout_s=60, check=True)
+    env = {**(env or {}), **({"RAY_PROMETHEUS_HOST": prometheus_url} if prometheus_url else {})}
     result = _ray("start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
                   "--metrics-export-port", str(metrics_port), "--num-cpus", str(num_cpus), "--disable-usage-stats",
-                  timeout_s=300, env={"RAY_PROMETHEUS_HOST": prometheus_url} if prometheus_url else None)
+                  timeout_s=300, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
 
@@ -223,7 +227,8 @@ def up(config: dict | None = None, redis_url: str | None = None, http_port: int 
         # config starts with can be placed (those autoscaling adds wait for room). A cluster this
         # machine already belongs to is used as it is.
         _start_ray(metrics_port, local_ray_cpus(config, _machine_cpus()),
-                   f"http://127.0.0.1:{prometheus_port}" if prometheus_port else state.prometheus_url or None)
+                   f"http://127.0.0.1:{prometheus_port}" if prometheus_port else state.prometheus_url or None,
+                   env=proxy_env(config))
         state.ray_started = True
         state.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     state.dashboard_url = state.dashboard_url or f"http://127.0.0.1:{DASHBOARD_PORT}"

@@ -80,3 +80,18 @@ def test_down_leaves_no_handle_that_starts_a_new_ray_cluster(tmp_path):
     assert not ray.is_initialized()
     time.sleep(2.5 * METRICS_PUSH_S)
     assert not ray.is_initialized(), "something called Ray after down and started a new cluster in this process"
+
+
+def test_the_head_starts_with_the_grpc_proxys_message_cap(monkeypatch):
+    # Serve's gRPC proxy reads its largest message from the head's environment only.
+    seen: dict = {}
+
+    def ray(*args, env=None, **_):
+        seen.update(env or {})
+        return type("Done", (), {"returncode": 0, "stdout": "", "stderr": ""})()
+
+    monkeypatch.setattr(local, "_ray", ray)
+    monkeypatch.setattr(local, "auth_token", lambda: "token")
+    config = app_serve_config({**local_serve_config()["applications"][0]["args"], "max_body_bytes": 1 << 20})
+    local._start_ray(metrics_port=1, num_cpus=2, prometheus_url="http://127.0.0.1:9", env=local.proxy_env(config))
+    assert seen == {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(1 << 20), "RAY_PROMETHEUS_HOST": "http://127.0.0.1:9"}
