@@ -1,24 +1,41 @@
-"""The ingress's continuation of a request whose target replica failed, and how it reads a target
-replica's stream of ``StreamItem``s: the replica's summary passed on, a failed step resumed or
-answered 503 / ``UNAVAILABLE`` (the live kill tests are in test_faults.py)."""
+"""The ingress's stream of a request from the target deployment, read without Ray (a fake target
+handle whose ``generate`` streams prepared items): a failed step resumed, a request that fails
+alone answered 400, busy replicas answered 503 (HTTP and gRPC, streamed or not) or waited for
+while a request resumes; then the HTTP face's error bodies and the request's preparation (the
+live kill tests are in test_faults.py)."""
 
 import asyncio
+import base64
+import io
+import json
+import threading
 
 import grpc
 import pytest
+from PIL import Image
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.testclient import TestClient
 
-from specserve.ingress.deployment import IngressConfig, Prepared, _openai_error
-from specserve.ingress.openai_api import OpenAIError
+from specserve.ingress.auth import ApiKeys
+from specserve.ingress.config import IngressConfig
+from specserve.ingress.grpc_api import GrpcFace, grpc_abort
+from specserve.ingress.http_api import HttpFace, _http_error, _openai_error, api
+from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+from specserve.ingress.prepare import Prepared, Preparer
+from specserve.ingress.resumable import BUSY_BACKOFF_S, MAX_BUSY_BACKOFF_S, TargetStreams, continuation
+from specserve.ingress import specserve_pb2 as pb
+from specserve.ingress.deployment import Ingress
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import SpecRequest, StepError, StreamItem
-from specserve.ingress.deployment import Ingress as IngressDeployment
-
-Ingress = IngressDeployment.func_or_class   # the class behind the Serve deployment
+from specserve.replicas.vlm import TargetText
 
 
 def test_a_continuation_is_the_prompt_plus_what_was_produced_with_the_tokens_left():
     original = SpecRequest([1, 2, 3], 10, SamplingParams(), "prompt-lookup", 4, request_id="abc", pinned=True)
-    rest = Ingress._continuation(original, [7, 8, 9], attempt=1)
+    rest = continuation(original, [7, 8, 9], attempt=1)
     assert rest.prompt_ids == [1, 2, 3, 7, 8, 9] and rest.max_tokens == 7
     assert (rest.draft, rest.window, rest.pinned, rest.params) == ("prompt-lookup", 4, True, original.params)
     assert rest.request_id == "abc-r1"
@@ -27,9 +44,9 @@ def test_a_continuation_is_the_prompt_plus_what_was_produced_with_the_tokens_lef
 
 def test_a_seeded_continuation_draws_from_a_new_seed_derived_from_the_requests():
     original = SpecRequest([1], 10, SamplingParams(temperature=1.0, seed=42), request_id="s")
-    first, second = (Ingress._continuation(original, [5], attempt=a) for a in (1, 2))
+    first, second = (continuation(original, [5], attempt=a) for a in (1, 2))
     assert len({original.params.seed, first.params.seed, second.params.seed}) == 3
-    assert first.params.seed == Ingress._continuation(original, [5], attempt=1).params.seed   # repeatable
+    assert first.params.seed == continuation(original, [5], attempt=1).params.seed   # repeatable
     assert 0 <= first.params.seed < 2**63 and first.params.temperature == 1.0
 
 
@@ -45,13 +62,23 @@ class Letters:
         return "".join(chr(97 + i) for i in ids)
 
 
+HANG = object()   # a replica that never answers
+
+
 class Stream:
-    def __init__(self, items: list[StreamItem]):
+    """One replica's answer: its items in order; an exception among them is raised there (a busy
+    deployment's before the first item, a dead replica's mid-stream)."""
+
+    def __init__(self, items: list):
         self.items, self.cancelled = items, False
 
     def __aiter__(self):
         async def items():
             for item in self.items:
+                if item is HANG:
+                    await asyncio.Event().wait()
+                if isinstance(item, BaseException):
+                    raise item
                 yield item
         return items()
 
@@ -63,7 +90,7 @@ class Replicas:
     """A target deployment's handle: each ``generate`` call streams the next list of items (as if
     each went to another replica)."""
 
-    def __init__(self, *streams: list[StreamItem]):
+    def __init__(self, *streams: list):
         self.streams, self.requests, self.opened = list(streams), [], []
 
     def options(self, **_):
@@ -79,14 +106,25 @@ class Replicas:
         return self.opened[-1]
 
 
-def ingress(replicas: Replicas, resume_attempts: int = 3):
-    # The class Serve wraps (no ASGI wrapper), without __init__: no tokenizer or model to load,
-    # only what the stream's path reads.
-    out = object.__new__(Ingress.__mro__[1])
-    out.target, out.tokenizer = replicas, Letters()
-    out.config = IngressConfig("t", "m", ["prompt-lookup"], "prompt-lookup", 4, resume_attempts=resume_attempts,
-                               retry_after_s=7)
-    return out
+class Clock:
+    """Time that passes only when the stream sleeps (a busy continuation's backoff)."""
+
+    def __init__(self):
+        self.now, self.slept = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def streams(replicas: "Replicas", resume_attempts: int = 3, clock: Clock | None = None, **config) -> TargetStreams:
+    clock = clock or Clock()
+    return TargetStreams(replicas, Letters(), IngressConfig("t", "m", ["prompt-lookup"], "prompt-lookup", 4,
+                                                            resume_attempts=resume_attempts, retry_after_s=7, **config),
+                         clock=clock, sleep=clock.sleep)
 
 
 def prepared() -> Prepared:
@@ -96,7 +134,7 @@ def prepared() -> Prepared:
 def test_a_failed_step_resumes_on_another_replica_and_the_spec_says_so():
     failed = StreamItem([], error=StepError("RuntimeError: the model raised"))
     replicas = Replicas([StreamItem([0, 1]), failed], [StreamItem([2, 3], "length", SPEC, cached_tokens=2)])
-    text, ids, last = asyncio.run(ingress(replicas)._generate(prepared()))
+    text, ids, last = asyncio.run(streams(replicas).answer(prepared()))
     assert (text, ids, last.finish_reason) == ("abcd", [0, 1, 2, 3], "length")
     # The replica's summary as it came, plus the one thing only the ingress knows.
     assert last.spec == {**SPEC, "resumed": 1}
@@ -107,14 +145,14 @@ def test_a_failed_step_resumes_on_another_replica_and_the_spec_says_so():
 
 def test_a_stop_string_before_the_last_item_cancels_the_replica_and_answers_an_empty_spec():
     replicas = Replicas([StreamItem([0, 1]), StreamItem([2, 3], "length", SPEC)])
-    events = asyncio.run(collect(ingress(replicas)._events(Prepared("abc", prepared().spec_request, ["b"]))))
+    events = asyncio.run(collect(streams(replicas).events(Prepared("abc", prepared().spec_request, ["b"]))))
     assert [(e.text, e.finish_reason, e.spec) for e in events] == [("a", "stop", {})]
     assert replicas.opened[0].cancelled   # the replica was still going: no summary to give
 
 
 def test_a_stop_string_on_the_last_item_keeps_the_replicas_spec():
     replicas = Replicas([StreamItem([0, 1]), StreamItem([2, 3], "length", SPEC)])
-    events = asyncio.run(collect(ingress(replicas)._events(Prepared("abc", prepared().spec_request, ["d"]))))
+    events = asyncio.run(collect(streams(replicas).events(Prepared("abc", prepared().spec_request, ["d"]))))
     assert "".join(e.text for e in events) == "abc" and events[-1].finish_reason == "stop"
     assert events[-1].spec == SPEC and not replicas.opened[0].cancelled
 
@@ -122,13 +160,13 @@ def test_a_stop_string_on_the_last_item_keeps_the_replicas_spec():
 def test_a_step_failure_with_no_attempts_left_is_a_503_with_retry_after_over_http_and_unavailable_over_grpc():
     replicas = Replicas([StreamItem([0]), StreamItem([], error=StepError("RuntimeError: boom"))])
     with pytest.raises(OpenAIError) as raised:
-        asyncio.run(ingress(replicas, resume_attempts=0)._generate(prepared()))
+        asyncio.run(streams(replicas, resume_attempts=0).answer(prepared()))
     error = raised.value
     assert error.code == "unavailable" and "StepFailed" in error.message
     response = asyncio.run(_openai_error(None, error))
     assert response.status_code == 503 and response.headers["retry-after"] == "7"
     context = GrpcContext()
-    Ingress._grpc_abort(context, error)
+    grpc_abort(context, error)
     assert context.code == grpc.StatusCode.UNAVAILABLE and context.metadata == [("retry-after", "7")]
 
 
@@ -147,3 +185,202 @@ class GrpcContext:
 
 async def collect(events) -> list:
     return [event async for event in events]
+
+
+def busy() -> list:
+    return [BackPressureError(num_queued_requests=8, max_queued_requests=8)]
+
+
+# ---- a request that fails alone ----------------------------------------------------------------
+
+
+def test_a_request_that_fails_alone_is_a_400_and_is_not_resumed():
+    fault = StreamItem([], error=StepError("ValueError: its logits are not finite", request_fault=True))
+    replicas = Replicas([StreamItem([0]), fault], [StreamItem([1, 2, 3], "length", SPEC)])
+    with pytest.raises(OpenAIError) as raised:
+        asyncio.run(streams(replicas).answer(prepared()))
+    error = raised.value
+    assert (error.status, error.type, error.code) == (400, "invalid_request_error", "request_failed")
+    assert "its logits are not finite" in error.message
+    assert len(replicas.requests) == 1   # another replica would fail it the same way
+    context = GrpcContext()
+    grpc_abort(context, error)
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---- busy replicas ---------------------------------------------------------------------------------
+
+
+def test_busy_replicas_while_resuming_are_waited_for_and_cost_no_attempt():
+    failed = StreamItem([], error=StepError("RuntimeError: the model raised"))
+    replicas = Replicas([StreamItem([0, 1]), failed], *[busy()] * 6, [StreamItem([2, 3], "length", SPEC)])
+    clock = Clock()
+    text, ids, last = asyncio.run(streams(replicas, resume_attempts=1, clock=clock).answer(prepared()))
+    assert (text, last.spec["resumed"]) == ("abcd", 1)   # one attempt, spent on the failed step
+    # The same continuation asked again after a doubling backoff, capped.
+    assert clock.slept == [min(BUSY_BACKOFF_S * 2**k, MAX_BUSY_BACKOFF_S) for k in range(6)]
+    assert {r.request_id for r in replicas.requests[1:]} == {"abc-r1"}
+
+
+def test_a_continuation_no_replica_takes_within_resume_timeout_s_is_a_503():
+    failed = StreamItem([], error=StepError("RuntimeError: the model raised"))
+    replicas = Replicas([StreamItem([0]), failed], *[busy()] * 100)
+    clock = Clock()
+    with pytest.raises(OpenAIError) as raised:
+        asyncio.run(streams(replicas, clock=clock, resume_timeout_s=5.0).answer(prepared()))
+    assert raised.value.status == 503 and raised.value.retry_after == 7
+    assert clock.now == pytest.approx(5.0)   # waited out its deadline, no longer
+    assert len(replicas.requests) < 100
+
+
+def test_a_replica_that_dies_while_resuming_spends_an_attempt():
+    failed = StreamItem([], error=StepError("RuntimeError: the model raised"))
+    replicas = Replicas([StreamItem([0]), failed], [RayActorError()], [StreamItem([1], "length", SPEC)])
+    with pytest.raises(OpenAIError, match="failed on 2 target replicas"):
+        asyncio.run(streams(replicas, resume_attempts=1).answer(prepared()))
+
+
+# ---- streams answer a status until their first piece --------------------------------------------
+
+
+def http_ingress(replicas: Replicas, **config) -> HttpFace:
+    target_streams = streams(replicas, **config)
+    return HttpFace(target_streams.config, None, target_streams, replicas)
+
+
+@pytest.mark.parametrize("before_first", [busy(), [HANG]], ids=["busy", "no-first-token"])
+def test_a_stream_that_fails_before_its_first_piece_is_a_503_with_retry_after(before_first):
+    face = http_ingress(Replicas(before_first), first_token_timeout_s=0.05)
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    with pytest.raises(OpenAIError) as raised:
+        asyncio.run(face._stream(prepared(), request, chat=True))
+    response = asyncio.run(_openai_error(None, raised.value))
+    assert response.status_code == 503 and response.headers["retry-after"] == "7"
+
+
+def test_a_stream_that_fails_after_its_first_piece_says_so_in_band():
+    fault = StreamItem([], error=StepError("ValueError: not finite", request_fault=True))
+    face = http_ingress(Replicas([StreamItem([0]), fault]))
+    request = CompletionRequest(model="m", prompt="hi", stream=True)
+
+    async def answered():
+        response = await face._stream(prepared(), request, chat=False)
+        return response, [chunk async for chunk in response.body_iterator]
+
+    response, chunks = asyncio.run(answered())
+    assert response.status_code == 200
+    assert json.loads(chunks[0][len("data: "):])["choices"][0]["text"] == "a"
+    assert json.loads(chunks[1][len("data: "):])["error"]["code"] == "request_failed"
+    assert chunks[-1] == "data: [DONE]\n\n"
+
+
+def test_a_grpc_stream_busy_before_its_first_piece_is_unavailable_with_a_retry_after_trailer():
+    class Prepare:
+        async def prepare(self, _):
+            return prepared()
+
+    face = GrpcFace("m", ApiKeys(), Prepare(), streams(Replicas(busy())))
+    context = GrpcContext()
+
+    async def chunks():
+        return [c async for c in face.complete_stream(pb.CompletionRequest(model="m", prompt="hi"), context)]
+
+    with pytest.raises(OpenAIError):
+        asyncio.run(chunks())
+    assert context.code == grpc.StatusCode.UNAVAILABLE and context.metadata == [("retry-after", "7")]
+
+
+# ---- the HTTP face's own errors in OpenAI's body ------------------------------------------------
+
+
+def test_fastapis_own_errors_get_openais_body_with_their_status():
+    request = Request({"type": "http", "method": "POST", "path": "/v1/nowhere", "headers": [], "query_string": b""})
+    response = asyncio.run(_http_error(request, HTTPException(400, "There was an error parsing the body")))
+    assert response.status_code == 400
+    assert json.loads(response.body)["error"]["type"] == "invalid_request_error"
+    response = asyncio.run(_http_error(request, HTTPException(404)))
+    assert response.status_code == 404 and "POST /v1/nowhere" in json.loads(response.body)["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def http():
+    # The module's app, not the replica's: a body FastAPI cannot parse, or a route it does not
+    # have, never reaches the ingress object the routes are bound to.
+    assert Ingress is not None   # serve.ingress has bound the routes
+    return TestClient(api, raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("body", ["[" * 100_000 + "]" * 100_000, '{"model": "m", "max_tokens": ' + "9" * 5000 + "}"],
+                         ids=["nested-deep", "5000-digits"])
+def test_a_body_json_cannot_read_is_a_400_with_openais_body(http, body):
+    response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_unknown_route_or_method_is_openais_body_with_404_or_405(http):
+    missing = http.post("/v1/nowhere", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Invalid URL (POST /v1/nowhere)"
+    wrong = http.get("/v1/completions")
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+# ---- preparing a request ---------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """Records the thread it tokenizes on; a token per character."""
+
+    chat_template = None
+
+    def __init__(self):
+        self.threads = []
+
+    def __call__(self, text, **_):
+        self.threads.append(threading.get_ident())
+        return {"input_ids": [ord(c) % 100 for c in text]}
+
+
+def preparer(tokenizer, processor=None) -> Preparer:
+    config = type("Config", (), {"max_position_embeddings": 1 << 22, "vocab_size": 100})()
+    return Preparer(TargetText(tokenizer, config, processor),
+                    IngressConfig("t", "m", ["prompt-lookup"], "prompt-lookup", 4))
+
+
+def test_a_requests_tokenizing_runs_off_the_event_loop():
+    tokenizer = Tokenizer()
+
+    async def prepare_and_tick():
+        loop_thread, ticks = threading.get_ident(), []
+
+        async def tick():
+            while True:
+                ticks.append(threading.get_ident())
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        out = await preparer(tokenizer).prepare(CompletionRequest(model="m", prompt="x" * (1 << 20)))
+        ticker.cancel()
+        return loop_thread, out
+
+    loop_thread, out = asyncio.run(prepare_and_tick())
+    assert len(out.spec_request.prompt_ids) == 1 << 20
+    assert tokenizer.threads and loop_thread not in tokenizer.threads
+
+
+def test_the_model_name_is_checked_before_any_picture_is_decoded():
+    picture = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(picture, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+    request = ChatCompletionRequest(model="other", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]}])
+
+    class Unusable:   # a processor that fails the test if a picture reaches it
+        def __getattr__(self, name):
+            raise AssertionError(f"the picture was prepared ({name}) before the model name was checked")
+
+    prep = object.__new__(Preparer)
+    prep.model_id, prep.processor = "m", Unusable()
+    with pytest.raises(OpenAIError) as raised:
+        asyncio.run(prep.prepare(request))
+    assert raised.value.status == 404 and raised.value.code == "model_not_found"

@@ -1,0 +1,192 @@
+"""The ingress's HTTP face: OpenAI's routes over FastAPI, answers as OpenAI JSON or Server-Sent Events.
+
+Every error is OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``, whoever raised
+it: a check (``OpenAIError``), pydantic (400, not FastAPI's 422), FastAPI itself (a body it could
+not parse, an unknown route or method: its status kept) or a bug (500). A stream answers 200 only
+once its first piece has come, so what fails before then (every replica busy, no first token in
+time, a bad request) is a status the client can act on; what fails later is an error chunk in the
+stream, which has said 200 already.
+
+The routes themselves are the ``Ingress`` deployment's methods, each a line that calls
+``HttpFace``: ``serve.ingress`` rewrites a route's function to bind it to the replica, and only
+the deployment's own methods reach the replica as rewritten (a base class's would be imported
+there afresh). Handlers and middleware are set on ``api`` here, at import, before
+``serve.ingress`` freezes a copy of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.ingress.config import IngressConfig
+from specserve.ingress.guard import Guard
+from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
+from specserve.ingress.prepare import Prepared, Preparer, validation_message
+from specserve.ingress.resumable import TargetStreams, started
+from specserve.policies.registry import POLICIES
+
+logger = logging.getLogger("ray.serve")
+
+api = FastAPI(title="specserve", description="Speculative-decoding LLM serving, OpenAI-compatible.")
+# Every HTTP route passes the API key and body-size checks first (ingress/guard.py).
+api.add_middleware(Guard)
+
+
+@api.exception_handler(OpenAIError)
+async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
+    # FastAPI's default is 422 with its own body; OpenAI clients expect 400 with theirs.
+    message, param = validation_message(err.errors())
+    return JSONResponse(OpenAIError(message, param=param).body(), status_code=400)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+    # FastAPI's and Starlette's own answers ({"detail": ...} by default), status kept.
+    if err.status_code in (404, 405):
+        message = f"Invalid URL ({request.method} {request.url.path})"   # OpenAI's words for it
+    elif err.status_code == 400:   # a body json.loads gave up on: nested too deep, a number too long
+        message = f"the body could not be parsed ({err.detail}): send one JSON object with the request's fields"
+    else:
+        message = str(err.detail)
+    kind = "server_error" if err.status_code >= 500 else "invalid_request_error"
+    return JSONResponse(OpenAIError(message, status=err.status_code, type=kind).body(), status_code=err.status_code,
+                        headers=getattr(err, "headers", None))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_: Request, err: Exception) -> JSONResponse:
+    # A bug, not the client's fault; still an OpenAI body, and the replica lives on.
+    logger.exception("unexpected error")
+    body = OpenAIError(f"internal error: {type(err).__name__}: {err}", status=500, type="server_error",
+                       code="internal_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class HttpFace:
+    """What OpenAI's routes answer (the ``Ingress`` deployment's routes call these)."""
+
+    def __init__(self, config: IngressConfig, preparer: Preparer, streams: TargetStreams, target, policy=None):
+        """``target``, ``policy``: the target deployment's and the policy service's handles."""
+        self.config, self.model_id = config, config.model_id
+        self.preparer, self.streams, self.target, self.policy = preparer, streams, target, policy
+        self.created = int(time.time())
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
+            "max_model_len": self.preparer.max_context, "drafts": self.config.draft_names, "policies": list(POLICIES),
+            "input_modalities": ["text", "image"] if self.preparer.processor is not None else ["text"],
+            "placement": self.config.placement,
+        }]}
+
+    async def policy_snapshot(self) -> dict:
+        if self.policy is None:
+            raise OpenAIError("this deployment has no policy service: give the application a redis_url",
+                              status=404, code="policy_service_not_configured")
+        try:
+            snapshot, status = await asyncio.wait_for(
+                asyncio.gather(self.policy.snapshot.remote(), self.policy.status.remote()), self.config.call_timeout_s)
+        except Exception as err:  # noqa: BLE001 - the service is down: say so, do not fail the ingress
+            raise OpenAIError(f"the policy service is not answering ({type(err).__name__}); retry shortly",
+                              status=503, type="server_error", code="policy_service_unavailable") from err
+        return {"object": "policy_snapshot", "snapshot": snapshot, "service": status}
+
+    async def routing_recent(self, limit: int) -> dict:
+        source, routes = "cluster", None
+        if self.policy is not None:
+            try:
+                routes = await asyncio.wait_for(self.policy.recent_routes.remote(limit), self.config.call_timeout_s)
+            except Exception:  # noqa: BLE001 - fall back to a replica's own view
+                routes = None
+        if routes is None:
+            source = "replica"
+            try:
+                routes = await asyncio.wait_for(self.target.recent_routes.remote(limit), self.config.call_timeout_s)
+            except Exception as err:  # noqa: BLE001
+                raise OpenAIError(f"no target replica is answering ({type(err).__name__}); retry shortly",
+                                  status=503, type="server_error", code="target_unavailable") from err
+        return {"object": "list", "source": source, "data": routes}
+
+    async def completions(self, req: CompletionRequest):
+        prepared = await self.preparer.prepare(req)
+        if req.stream:
+            return await self._stream(prepared, req, chat=False)
+        text, ids, last = await self.streams.answer(prepared)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = ids
+        return {
+            "id": f"cmpl-{prepared.id}", "object": "text_completion", "created": int(time.time()),
+            "model": self.model_id, "choices": [choice], "usage": last.usage, "spec": last.spec,
+        }
+
+    async def chat_completions(self, req: ChatCompletionRequest):
+        prepared = await self.preparer.prepare(req)
+        if req.stream:
+            return await self._stream(prepared, req, chat=True)
+        text, ids, last = await self.streams.answer(prepared)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": last.finish_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = ids
+        return {
+            "id": f"chatcmpl-{prepared.id}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_id, "choices": [choice], "usage": last.usage, "spec": last.spec,
+        }
+
+    async def _stream(self, prepared: Prepared, req: CompletionRequest | ChatCompletionRequest,
+                      chat: bool) -> StreamingResponse:
+        """Server-Sent Events, OpenAI's chunks ending in ``data: [DONE]``; answered once the first
+        piece has come (a failure before it raises here: the handlers give it its status)."""
+        events = await started(self.streams.events(prepared))
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{prepared.id}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_id}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def choice(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    yield _sse({**base, "choices": [choice(None, None, role=True)]})
+                async for event in events:
+                    chunk = {**base, "choices": [choice(event.text, event.finish_reason)]}
+                    if req.return_token_ids:   # vLLM's extension: each chunk's new token ids
+                        chunk["choices"][0]["token_ids"] = event.token_ids
+                    if event.finish_reason is not None:
+                        chunk["spec"] = event.spec
+                    yield _sse(chunk)
+                    if event.finish_reason is not None and include_usage:
+                        yield _sse({**base, "choices": [], "usage": event.usage})
+            except OpenAIError as err:
+                yield _sse(err.body())
+            except Exception as err:  # noqa: BLE001 - the stream already said 200; say what broke in-band
+                logger.exception("stream %s failed", prepared.id)
+                yield _sse(OpenAIError(f"generation failed: {type(err).__name__}: {err}", status=500,
+                                       type="server_error", code="internal_error").body())
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")

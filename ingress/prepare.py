@@ -1,0 +1,146 @@
+"""A request checked and turned into what a target replica serves: ``Prepared``.
+
+Everything a client sends is checked here (model name, pictures, prompt, context length, draft,
+policy) before any replica sees it; a failed check is an ``OpenAIError`` (400, 404 for an unknown
+model) that says what to fix. The model name is checked first: a request for another model costs
+nothing more, not even its pictures' decoding.
+
+The work a request's size sets (decoding and hashing pictures, chat templating and tokenizing a
+body of up to ``max_body_bytes``) runs in a worker thread: on the event loop it would stall every
+stream of the ingress replica for as long as it takes (seconds for the largest body).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+
+from specserve.ingress.config import IngressConfig
+from specserve.ingress.images import decode_images
+from specserve.ingress.openai_api import AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, CompletionRequest, OpenAIError
+from specserve.policies.registry import POLICIES
+from specserve.replicas.image_tokens import picture_ids
+from specserve.replicas.prompt_ids import encode_chat, encode_text
+from specserve.replicas.request import SpecRequest
+from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import TreeShape
+from specserve.replicas.vlm import (TargetText, image_prompt_ids, image_token_id, picture_markers, pixel_preparer,
+                                    tokens_per_image)
+
+
+@dataclass
+class Prepared:
+    """A checked request, ready for a target replica."""
+
+    id: str
+    spec_request: SpecRequest
+    stop: list[str]
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) of pydantic's errors for a body, the way OpenAI words a bad field."""
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}): send a JSON object", None
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        return "the body must be a JSON object (Content-Type: application/json) with the request's fields", None
+    return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+class Preparer:
+    def __init__(self, text: TargetText, config: IngressConfig):
+        self.tokenizer, self.processor, self.config = text.tokenizer, text.processor, config
+        self.model_id = config.model_id
+        # A VLM's pictures are prepared here, as its processor does, and named by their pixels
+        # (``image_tokens``): the prefix-affinity router and the replicas' caches key on them.
+        self.image_placeholder = None
+        if self.processor is not None:
+            self.prepare_pixels = pixel_preparer(self.processor.image_processor)
+            self.tokens_per_image = tokens_per_image(text.config, self.processor.image_processor)
+            self.image_placeholder = image_token_id(text.config)
+            self.picture_markers = picture_markers(self.processor)
+        self.max_context = getattr(text.text_config, "max_position_embeddings", None)
+        if config.max_model_len is not None:
+            self.max_context = min(self.max_context or config.max_model_len, config.max_model_len)
+        self.vocab_size = getattr(text.text_config, "vocab_size", None)
+
+    async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
+        if req.model != self.model_id:
+            raise OpenAIError(f"The model `{req.model}` does not exist; this server serves `{self.model_id}`.",
+                              status=404, param="model", code="model_not_found")
+        urls = [url for m in req.messages for url in m.image_urls()] if isinstance(req, ChatCompletionRequest) else []
+        if urls and self.processor is None:
+            raise OpenAIError(f"`{self.model_id}` reads text only: drop the image_url parts, or serve a "
+                              "vision-language target", param="messages", code="images_not_supported")
+        return await asyncio.to_thread(self._prepare, req, urls)
+
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest, urls: list[str]) -> Prepared:
+        """The checks and the work a request's size sets (in a worker thread)."""
+        pixels = [self.prepare_pixels(p) for p in decode_images(urls, self.config.images)] if urls else []
+        prompt_ids = self._prompt_ids(req, pixels)
+        is_chat = isinstance(req, ChatCompletionRequest)
+        max_tokens = req.token_limit if is_chat else req.max_tokens
+        if self.max_context:
+            room = self.max_context - len(prompt_ids)
+            if room < 1 or (max_tokens is not None and max_tokens > room):
+                raise OpenAIError(
+                    f"This model's maximum context length is {self.max_context} tokens. However, you requested "
+                    f"{len(prompt_ids) + (max_tokens or 1)} tokens ({len(prompt_ids)} in the prompt, "
+                    f"{max_tokens or 1} for the completion). Shorten the prompt or lower max_tokens.",
+                    param="max_tokens" if room >= 1 else ("messages" if is_chat else "prompt"),
+                    code="context_length_exceeded",
+                )
+            max_tokens = max_tokens or room
+        spec = req.spec
+        # "auto" goes to the target replica as it is: its draft router chooses after the prefill
+        # (or, with the router off, the configured default draft).
+        draft = spec.draft if spec and spec.draft else AUTO_DRAFT
+        if draft not in (AUTO_DRAFT, NO_DRAFT, *self.config.draft_names):
+            raise OpenAIError(f"unknown draft {draft!r}; available: {', '.join([AUTO_DRAFT, NO_DRAFT, *self.config.draft_names])}",
+                              param="spec.draft", code="draft_not_found")
+        policy = spec.policy if spec else None
+        if policy is not None and policy not in POLICIES:
+            raise OpenAIError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}",
+                              param="spec.policy", code="policy_not_found")
+        window = spec.window if spec and spec.window is not None else self.config.default_window
+        tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed)
+        request_id = uuid.uuid4().hex
+        return Prepared(
+            id=request_id,
+            spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id,
+                                     pinned=bool(spec and (spec.window is not None or spec.tree is not None)),
+                                     policy=policy, stream_interval=self.config.stream_interval,
+                                     cache_salt=req.cache_salt, images=tuple(pixels),
+                                     image_placeholder=self.image_placeholder if pixels else None),
+            stop=req.stop,
+        )
+
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pixels: list) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            if not pixels and not any(m.text().strip() for m in req.messages):
+                raise OpenAIError("messages: every message is empty; give some text", param="messages")
+            if not pixels:
+                return encode_chat(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
+            text = self.processor.apply_chat_template(
+                [{"role": m.role, "content": m.template_content()} for m in req.messages], tokenize=False,
+                add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            try:
+                return image_prompt_ids(ids, pixels, lambda p: picture_ids(p, self.tokens_per_image),
+                                        self.image_placeholder, self.picture_markers)
+            except ValueError as err:
+                raise OpenAIError(str(err), param="messages") from err
+        if isinstance(req.prompt, str):
+            if not req.prompt.strip():
+                raise OpenAIError("prompt: the prompt is empty; give some text", param="prompt")
+            return encode_text(self.tokenizer, req.prompt)
+        if not req.prompt:
+            raise OpenAIError("prompt: the list of token ids is empty", param="prompt")
+        bad = [t for t in req.prompt if not 0 <= t < (self.vocab_size or 2**31)]
+        if bad:
+            raise OpenAIError(f"prompt: token ids must be in [0, {self.vocab_size}), got {bad[:5]}", param="prompt")
+        return list(req.prompt)
