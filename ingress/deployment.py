@@ -13,8 +13,9 @@ With API keys configured (``auth.py``) every route but ``/health`` needs one (40
 (``guard.py``).
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: FastAPI reads the routes' annotations (a body's
+# model) on the replica, where Serve's copy of this class keeps only the globals its code uses, so
+# an annotation left as a string would not resolve there.
 import logging
 from collections.abc import AsyncIterator
 
