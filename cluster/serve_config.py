@@ -64,7 +64,7 @@ GRPC_MAX_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"
 # Replicas beyond what the cluster has room for wait (pending) until a node joins: on KubeRay its
 # autoscaler adds one for them (deploy/rayservice.yaml), on one machine they never start and the
 # running ones serve. A removed replica stops taking requests and finishes those it has for up to
-# GRACEFUL_SHUTDOWN_S; a stream still running then resumes on another replica (ingress/deployment.py).
+# GRACEFUL_SHUTDOWN_S; a stream still running then resumes on another replica (ingress/resumable.py).
 TARGET_ONGOING = 8
 UPSCALE_DELAY_S = 10.0
 DOWNSCALE_DELAY_S = 300.0

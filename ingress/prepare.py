@@ -13,6 +13,7 @@ stream of the ingress replica for as long as it takes (seconds for the largest b
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from dataclasses import dataclass
 
@@ -119,7 +120,31 @@ class Preparer:
             stop=req.stop,
         )
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token of the vocabulary decodes to (special tokens included)."""
+        pieces = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))], skip_special_tokens=False)
+        return max(len(piece.encode("utf-8", "replace")) for piece in pieces)
+
+    def _check_text_size(self, text_bytes: int, param: str) -> None:
+        """Refuse text that must tokenize to more than the context before tokenizing it: a token
+        decodes to at most ``max_token_bytes``, so ``text_bytes / max_token_bytes`` tokens at least
+        (halved again, for tokenizers whose normalizer drops characters). Tokenizing a body of
+        megabytes takes seconds of a worker thread and, freeing its result, of the event loop."""
+        if not self.max_context or text_bytes <= self.max_context:   # too few bytes to know
+            return
+        at_least = text_bytes // (2 * self.max_token_bytes)
+        if at_least > self.max_context:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_context} tokens. However, your prompt's "
+                f"{text_bytes} bytes make at least {at_least} tokens. Shorten the prompt.",
+                param=param, code="context_length_exceeded")
+
     def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pixels: list) -> list[int]:
+        if isinstance(req, ChatCompletionRequest):
+            self._check_text_size(sum(len(m.text().encode("utf-8")) for m in req.messages), "messages")
+        elif isinstance(req.prompt, str):
+            self._check_text_size(len(req.prompt.encode("utf-8")), "prompt")
         if isinstance(req, ChatCompletionRequest):
             if not pixels and not any(m.text().strip() for m in req.messages):
                 raise OpenAIError("messages: every message is empty; give some text", param="messages")

@@ -359,6 +359,44 @@ def test_a_requests_tokenizing_runs_off_the_event_loop():
     assert tokenizer.threads and loop_thread not in tokenizer.threads
 
 
+class Counting:
+    """A tokenizer that counts what it is asked to tokenize, decoding through the real one."""
+
+    def __init__(self, real):
+        self.real, self.tokenized = real, 0
+
+    def __call__(self, text, **kwargs):
+        self.tokenized += len(text)
+        return self.real(text, **kwargs)
+
+    def __len__(self):
+        return len(self.real)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("chat", [False, True], ids=["prompt", "messages"])
+def test_a_prompt_too_long_for_the_context_is_refused_before_it_is_tokenized(chat):
+    from specserve.replicas.vlm import load_target_text
+
+    text = load_target_text("smollm2-135m-instruct")
+    tokenizer = Counting(text.tokenizer)
+    prep = Preparer(TargetText(tokenizer, text.config, None),
+                    IngressConfig("t", "m", ["prompt-lookup"], "prompt-lookup", 4, max_model_len=2048))
+    big = "lighthouse " * ((4 << 20) // 11)           # ~4 MiB: hundreds of thousands of tokens
+    request = (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": big}]) if chat
+               else CompletionRequest(model="m", prompt=big))
+    with pytest.raises(OpenAIError) as raised:
+        asyncio.run(prep.prepare(request))
+    assert raised.value.code == "context_length_exceeded" and "at least" in raised.value.message
+    assert tokenizer.tokenized == 0
+    # A prompt that fits is tokenized as before (the bound refuses only what cannot fit).
+    fits = asyncio.run(prep.prepare(CompletionRequest(model="m", prompt="lighthouse " * 100)))
+    assert len(fits.spec_request.prompt_ids) == len(text.tokenizer("lighthouse " * 100)["input_ids"])
+
+
 def test_the_model_name_is_checked_before_any_picture_is_decoded():
     picture = io.BytesIO()
     Image.new("RGB", (4, 4)).save(picture, "PNG")
