@@ -198,8 +198,15 @@ class AppConfig(BaseModel):
     max_images: int = Field(8, ge=0, description="Pictures per request at most (a VLM target's image_url parts).")
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="A picture's width x height at most (400 beyond, "
                                   "checked before decoding). Its bytes count against max_body_bytes too.")
-    allow_image_urls: bool = Field(False, description="Fetch http(s) image URLs (10 s deadline, 16 MB cap); off: "
-                                   "pictures come inline as data: URLs only.")
+    allow_image_urls: bool = Field(False, description="Fetch http(s) image URLs (public addresses only, every "
+                                   "redirect checked, 10 s for the whole fetch, 16 MB cap); off: pictures come inline "
+                                   "as data: URLs only.")
+    max_request_image_pixels: int = Field(2 * 4096 * 4096, ge=1, description="All of a request's pictures together, "
+                                          "width x height summed (400 beyond, checked before each is decoded).")
+    max_image_aspect_ratio: float = Field(32.0, ge=1.0, description="A picture's longer side over its shorter at most: "
+                                          "a processor that resizes the shorter side makes ratio x side² pixels.")
+    body_timeout_s: float = Field(30.0, gt=0, description="How long a client may take to send its whole HTTP body "
+                                  "(408 beyond): a trickling client holds an ingress slot no longer.")
 
     @model_validator(mode="after")
     def _drafts_known(self) -> "AppConfig":
@@ -222,7 +229,10 @@ class AppConfig(BaseModel):
                              stream_interval=self.stream_interval,
                              resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s,
                              first_token_timeout_s=self.first_token_timeout_s,
-                             images=ImageLimits(self.max_images, self.max_image_pixels, self.allow_image_urls))
+                             body_timeout_s=self.body_timeout_s,
+                             images=ImageLimits(self.max_images, self.max_image_pixels, self.allow_image_urls,
+                                                max_total_pixels=self.max_request_image_pixels,
+                                                max_aspect_ratio=self.max_image_aspect_ratio))
 
     @property
     def model_id(self) -> str:

@@ -17,6 +17,7 @@ class IngressConfig:
     api_keys_file: str | None = None     # besides SPECSERVE_API_KEYS in the ingress's environment
     max_model_len: int | None = None     # prompt + completion at most (default: the model's context)
     max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0         # the whole HTTP body within this (guard.py)
     stream_interval: int = 1             # tokens per streamed piece at least (the first piece excepted)
     resume_attempts: int = 3             # continuations of one request after its target replica failed
     resume_timeout_s: float = 60.0       # how long a continuation may wait for a replica to take it

@@ -48,7 +48,7 @@ class Ingress:
         preparer = Preparer(text, config)
         streams = TargetStreams(target, text.tokenizer, config)
         api_keys = ApiKeys.load(config.api_keys_file)
-        guard.configure(api_keys, config.max_body_bytes)
+        guard.configure(api_keys, config.max_body_bytes, config.body_timeout_s)
         self.http = HttpFace(config, preparer, streams, target, policy)
         self.grpc = GrpcFace(config.model_id, api_keys, preparer, streams)
         logger.info("ingress for %s: API keys %s", config.model_id,

@@ -44,3 +44,10 @@ def test_the_shipped_answers_seed_a_suffix_draft_by_name():
 
     spec = DraftSpec(name="suffix", method="suffix", seed_outputs="answers")
     assert spec.seed_outputs == str(ANSWERS_DIR) and any(ANSWERS_DIR.glob("answers-*.npz"))
+
+
+def test_the_edges_limits_reach_the_ingress():
+    from specserve.cluster.config import AppConfig
+
+    config = AppConfig(max_request_image_pixels=1000, max_image_aspect_ratio=4.0, body_timeout_s=7.5).ingress_config()
+    assert (config.images.max_total_pixels, config.images.max_aspect_ratio, config.body_timeout_s) == (1000, 4.0, 7.5)
