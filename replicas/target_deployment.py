@@ -190,7 +190,7 @@ class TargetDeployment:
         self._suffixes = [d.suffix for d in inside.values() if d.suffix is not None]
         self._arrived: deque[tuple[str | None, object]] = deque(maxlen=MAX_ARRIVED)
         if self._suffixes and self.learning is not None:
-            self.learning.receive_outputs(lambda salt, tokens: self._arrived.append((salt, tokens)))
+            self.learning.receive_outputs(lambda salt, tokens: self._arrived.append((salt, tokens)), target.vocab)
         logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s; measured costs: %s", config.model,
                     self.loaded.model.device, self.loaded.model.dtype, threads, config.max_batch,
                     ", ".join(f"{n} ({'inside' if n in inside else 'separate'})" for n in drafts) or "none",
