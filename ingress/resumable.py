@@ -74,6 +74,15 @@ _RESUMABLE = (RayActorError, StepFailed)
 _BUSY = (BackPressureError, DeploymentUnavailableError)
 
 
+def _cancel(stream) -> None:
+    """Cancel a target stream, whatever became of it: Serve's ``cancel`` re-raises the error of a
+    request that was never assigned a replica (``BackPressureError``), which is already handled."""
+    try:
+        stream.cancel()
+    except Exception:  # noqa: BLE001 - nothing is left to cancel
+        pass
+
+
 def continuation(original: SpecRequest, produced: list[int], attempt: int) -> SpecRequest:
     """The rest of ``original`` after ``produced``: the target recomputes the KV of the prompt
     and those tokens (greedy output is the same token for token). A seeded sampled request
@@ -155,7 +164,7 @@ class TargetStreams:
                     if text.stopped:
                         finish = "stop"
                         if not item.last:   # ended early by a stop string: the target is still going
-                            stream.cancel()
+                            _cancel(stream)
                             spec = {}
                     elif finish is not None:
                         delta += text.flush()
@@ -177,7 +186,7 @@ class TargetStreams:
             except _RESUMABLE as caught:
                 err = caught
             except _BUSY as caught:
-                stream.cancel()
+                _cancel(stream)
                 if not resumed:   # not taken at all: the client retries
                     raise self.unavailable(f"every target replica is busy or restarting ({type(caught).__name__})") from caught
                 # A continuation waits for a replica until its deadline; asking again is no new attempt.
@@ -189,9 +198,9 @@ class TargetStreams:
                 backoff = min(2 * backoff, MAX_BUSY_BACKOFF_S)
                 continue
             except (asyncio.CancelledError, GeneratorExit):   # the client left: so does the request
-                stream.cancel()
+                _cancel(stream)
                 raise
-            stream.cancel()
+            _cancel(stream)
             if resumed >= config.resume_attempts:
                 raise self.unavailable(f"the request failed on {resumed + 1} target replicas ({type(err).__name__})") from err
             resumed += 1
@@ -217,7 +226,7 @@ class TargetStreams:
             except StopAsyncIteration:
                 return
             except asyncio.TimeoutError:
-                stream.cancel()
+                _cancel(stream)
                 raise self.unavailable("no target replica answered in time") from None
             yield first
         async for item in iterator:

@@ -204,6 +204,7 @@ def test_a_full_target_answers_503_with_retry_after_and_serves_the_rest(served):
     assert busy, "28 at once must exceed 2 x 4 slots + 8 queued"
     assert codes.count(200) >= 2 * TARGET_SLOTS, codes
     for r in busy:
+        assert "retry-after" in r.headers, (r.headers, r.text)
         assert int(r.headers["retry-after"]) > 0 and r.json()["error"]["code"] == "unavailable"
     assert one(0).status_code == 200
 
@@ -229,16 +230,152 @@ def test_a_full_target_answers_grpc_unavailable_with_a_retry_after_trailer(serve
         assert "retry in" in err.details()
 
 
+# ---- one client's values never hurt another -------------------------------------------------------
+
+# Temperatures the API admits whose float32 form underflows (1e-45 is subnormal, 5e-324 is 0, 1e-300
+# is 0): dividing logits by them overflows, and a NaN once failed every request of the step.
+POISON_TEMPERATURES = [1e-300, 5e-324, 1e-45]
+
+
+def test_poison_sampling_values_fail_alone_over_http_and_grpc(served, stub, expected):
+    """Six greedy streams run while requests with underflowing temperatures arrive over HTTP and
+    gRPC (through the separate draft LM, whose q they also reach): every innocent stream ends with
+    its exact output and was never resumed; each poison request is answered 200 or 400."""
+    innocent: dict[int, tuple] = {}
+    poison_codes: list = []
+
+    def stream(i: int) -> None:
+        innocent[i] = streamed(served.http_url, chat_body(i, stream=True))
+
+    def poison_http(t: float) -> None:
+        body = {**chat_body(1, {"draft": DRAFT_LM, "window": 3}, max_tokens=16), "temperature": t}
+        poison_codes.append(httpx.post(served.http_url + "/v1/chat/completions", json=body, headers=headers(),
+                                       timeout=300).status_code)
+
+    def poison_grpc(t: float) -> None:
+        request = pb.CompletionRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content=PROMPTS[3])],
+                                       max_tokens=16, temperature=t, spec=pb.SpecOptions(draft=DRAFT_LM, window=3))
+        try:
+            list(stub.CompleteStream(request, timeout=300, metadata=(("authorization", f"Bearer {KEY}"),)))
+            poison_codes.append(200)
+        except grpc.RpcError as err:
+            poison_codes.append(err.code())
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        streams = [pool.submit(stream, i) for i in range(len(PROMPTS))]
+        time.sleep(1.0)   # the innocent streams are running
+        poisons = [pool.submit(poison_http, t) for t in POISON_TEMPERATURES]
+        poisons += [pool.submit(poison_grpc, t) for t in POISON_TEMPERATURES]
+        for future in [*streams, *poisons]:
+            future.result()
+    for i, (ids, spec, error) in sorted(innocent.items()):
+        assert error is None and ids == expected[i], (i, error)
+        assert "resumed" not in spec, (i, spec)
+    assert set(poison_codes) <= {200, 400, grpc.StatusCode.INVALID_ARGUMENT}, poison_codes
+    assert len(poison_codes) == 2 * len(POISON_TEMPERATURES)
+
+
+def test_a_grpc_message_larger_than_an_http_body_is_refused_before_the_ingress_holds_it(stub):
+    request = pb.CompletionRequest(model=MODEL, prompt="x" * (64 << 20), max_tokens=1)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Complete(request, timeout=60, metadata=(("authorization", f"Bearer {KEY}"),))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value.details()
+    assert time.monotonic() - start < 10
+
+
+def test_slow_bodies_do_not_keep_other_clients_waiting(served):
+    """300 connections that send headers and a trickle of body hold no one else up: a normal
+    request is answered within 5 s, and the slow ones end at the body deadline."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(served.http_url)
+    slow = []
+    try:
+        for _ in range(300):
+            conn = socket.create_connection((url.hostname, url.port), timeout=10)
+            conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {url.hostname}\r\n"
+                         f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+                         "Content-Length: 100000\r\n\r\n{\"model\"".encode())
+            slow.append(conn)
+        time.sleep(1.0)
+        start = time.monotonic()
+        response = httpx.post(served.http_url + "/v1/chat/completions", headers=headers(), timeout=60,
+                              json=chat_body(2, {"draft": "none"}, max_tokens=4))
+        assert response.status_code == 200, response.text
+        assert time.monotonic() - start < 5.0
+    finally:
+        for conn in slow:
+            conn.close()
+
+
+# Every key family the replicas and the policy service read, overwritten with values of the wrong
+# shape, size and Redis type (docs/design.md §7: Redis is an optimisation, and input like any other).
+GARBAGE = {
+    "specserve:policy:snapshot": ("string", json.dumps({"version": 99, "published_at": "x", "priors": "garbage"})),
+    "specserve:policy:version": ("string", "x"),
+    "specserve:router:weights": ("string", json.dumps({"version": 1, "models": {DRAFT_LM: {"dims": 40000}}})),
+    "specserve:router:version": ("list", ["not", "a", "counter"]),
+    "specserve:router:outcomes": ("string", "{" * 10_000),
+    "specserve:outputs:" + MODEL: ("hash", {"tokens": "-1"}),
+    "specserve:stats:index": ("string", "garbage"),
+}
+
+
+def test_garbage_in_every_redis_key_family_costs_no_request_and_publishing_resumes(served):
+    import redis as redis_client
+
+    from specserve.policies.redis_schema import PolicySnapshot, parse
+
+    r = redis_client.Redis.from_url(served.redis_url)
+    saved = {key: r.dump(key) for key in GARBAGE}
+
+    def version() -> int:
+        response = httpx.get(served.http_url + "/v1/policy", headers=headers(), timeout=60)
+        snapshot = response.json().get("snapshot") if response.status_code == 200 else None
+        return snapshot["version"] if isinstance(snapshot, dict) and isinstance(snapshot.get("version"), int) else -1
+
+    before = version()
+    try:
+        for key, (kind, value) in GARBAGE.items():
+            r.delete(key)
+            {"string": lambda: r.set(key, value), "list": lambda: r.rpush(key, *value),
+             "hash": lambda: r.hset(key, mapping=value)}[kind]()
+        time.sleep(7)   # every replica has re-read the snapshot and weights (every 5 s)
+        asks = [{}, {"draft": "auto"}, {"draft": "prompt-lookup", "window": 3}, {"draft": "none"},
+                {"draft": DRAFT_LM, "tree": {"depth": 3, "top_k": 2, "budget": 6}}]
+        for i, spec in enumerate(asks):
+            response = httpx.post(served.http_url + "/v1/chat/completions", json=chat_body(i, spec, max_tokens=8),
+                                  headers=headers(), timeout=300)
+            assert response.status_code == 200, (spec, response.text)
+        # The service repairs the counter it publishes under and publishes over the garbage.
+        def stored() -> int:
+            raw = r.get("specserve:policy:snapshot")
+            document = parse(PolicySnapshot, raw, "policy_snapshot", "snapshot") if raw else None
+            return -1 if document is None else document.version
+
+        assert wait_until(stored, lambda v: v > before, timeout=60, interval=1) > before
+        assert version() > before
+    finally:
+        for key, dumped in saved.items():
+            r.delete(key)
+            if dumped is not None:
+                r.restore(key, 0, dumped)
+
+
 # ---- bad input, generated -----------------------------------------------------------------------
 
+# Text a JSON body can carry but UTF-8 cannot: lone surrogates, and control characters, beside letters.
+ODD_TEXT = st.text(st.characters(categories=["Cs", "Cc", "Lu", "Zs"]), max_size=12)
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                         st.text(max_size=20))
+                         st.text(max_size=20), ODD_TEXT)
 ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                         max_leaves=6)
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "", 7]),
-                                 "content": st.one_of(st.text(max_size=40), st.lists(st.fixed_dictionaries(
-                                     {"type": st.sampled_from(["text", "image"]), "text": st.text(max_size=20)}), max_size=2),
-                                     ANY_JSON)})
+                                 "content": st.one_of(st.text(max_size=40), ODD_TEXT, st.lists(st.fixed_dictionaries(
+                                     {"type": st.sampled_from(["text", "image"]), "text": st.text(max_size=20) | ODD_TEXT}),
+                                     max_size=2), ANY_JSON)})
 SPEC = st.fixed_dictionaries({}, optional={
     "draft": st.sampled_from(["auto", "none", "prompt-lookup", DRAFT_LM, "nope", ""]) | ANY_JSON,
     "window": st.integers(-3, 20) | ANY_JSON,
@@ -248,9 +385,10 @@ SPEC = st.fixed_dictionaries({}, optional={
     "extra": ANY_JSON,
 })
 COMMON = {
-    "model": st.sampled_from([MODEL, "gpt-9", ""]) | ANY_JSON,
+    "model": st.sampled_from([MODEL, "gpt-9", "", "\udc00"]) | ANY_JSON,
     "max_tokens": st.integers(-2, 6) | st.integers(8000, 2**40) | ANY_JSON,
-    "temperature": st.floats(-1, 3) | st.sampled_from([math.nan, math.inf]) | ANY_JSON,
+    # down to float64's subnormals: admitted values that underflow in float32
+    "temperature": st.floats(-1, 3) | st.floats(0, 1e-30) | st.sampled_from([math.nan, math.inf, 5e-324]) | ANY_JSON,
     "top_p": st.floats(-0.5, 1.5) | ANY_JSON,
     "top_k": st.integers(-3, 100_000) | ANY_JSON,
     "seed": st.integers(-2**70, 2**70) | ANY_JSON,
@@ -303,10 +441,10 @@ GRPC_REQUEST = st.builds(
         model=model, prompt=prompt, messages=[pb.ChatMessage(role=r, content=c) for r, c in messages],
         stop=stop, spec=spec, **{k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature),
                                                    ("top_p", top_p), ("top_k", top_k), ("seed", seed)) if v is not None}),
-    prompt=st.text(max_size=40), messages=st.lists(st.tuples(st.sampled_from(["user", "system", "bot", ""]),
-                                                             st.text(max_size=30)), max_size=2),
+    prompt=st.text(max_size=40) | st.text(st.characters(categories=["Cc", "Lu"]), max_size=12),
+    messages=st.lists(st.tuples(st.sampled_from(["user", "system", "bot", ""]), st.text(max_size=30)), max_size=2),
     max_tokens=st.none() | st.integers(-2**31, 6) | st.integers(8000, 2**31 - 1),
-    temperature=st.none() | st.floats(-2, 3, width=32) | st.sampled_from([math.nan, math.inf]),
+    temperature=st.none() | st.floats(-2, 3, width=32) | st.floats(0, 1e-38, width=32) | st.sampled_from([math.nan, math.inf]),
     top_p=st.none() | st.floats(-1, 2, width=32), top_k=st.none() | st.integers(-2**31, 2**31 - 1),
     seed=st.none() | st.integers(-2**63, 2**63 - 1), stop=st.lists(st.text(max_size=300), max_size=6),
     spec=st.none() | st.builds(lambda d, w, p: pb.SpecOptions(draft=d, policy=p, **({} if w is None else {"window": w})),

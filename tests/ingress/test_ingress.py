@@ -14,7 +14,7 @@ import grpc
 import pytest
 from PIL import Image
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.testclient import TestClient
@@ -84,6 +84,9 @@ class Stream:
 
     def cancel(self):
         self.cancelled = True
+        # Serve's cancel re-raises the error of a request no replica was assigned.
+        if self.items and isinstance(self.items[0], (BackPressureError, DeploymentUnavailableError)):
+            raise self.items[0]
 
 
 class Replicas:
