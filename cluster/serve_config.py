@@ -48,9 +48,12 @@ MODEL_FREE_CPUS = 0.1     # the ingress and prompt lookup: an event loop and no 
 # is allocated for this many positions at start (0.9 GB in bfloat16), so memory stays flat.
 LOCAL_MAX_MODEL_LEN = 2048
 TARGET_QUEUE = 32         # requests an ingress replica holds for the target beyond its replicas' slots
-# Requests each proxy holds for the ingress beyond its replicas' slots: one more replica's worth,
-# what autoscaling is about to add; past it the proxy answers 503 at once instead of holding
-# connections (a client trickling its body holds an ingress slot until the body deadline) without end.
+# Requests an ingress replica holds at once. A slot is a coroutine (the target's queue bounds the
+# real work), and a client trickling its body holds one until the body deadline: many slots keep
+# a few hundred such clients from holding everyone else up for that long.
+INGRESS_ONGOING = 1024
+# Requests each proxy holds for the ingress beyond its replicas' slots; past it the proxy answers
+# 503 at once instead of holding connections without end.
 INGRESS_QUEUE = 256
 # Serve's gRPC proxy takes messages of up to 2 GiB unless its process finds this variable set:
 # Serve's gRPCOptions have no such field, so it belongs in the environment of the Ray node that
@@ -146,7 +149,7 @@ def app_serve_config(args: dict, http_port: int = 8000, grpc_port: int = 9000, t
             drafts.append(deployment(name, threads[name], 64, 1, 32))
         else:                 # prompt lookup: an n-gram search
             drafts.append(deployment(name, MODEL_FREE_CPUS, 64, 2, 32))
-    ingress = with_resources(deployment(INGRESS_DEPLOYMENT, MODEL_FREE_CPUS, 256, 2, 32), HEAD_NODE)
+    ingress = with_resources(deployment(INGRESS_DEPLOYMENT, MODEL_FREE_CPUS, INGRESS_ONGOING, 2, 32), HEAD_NODE)
     ingress["max_queued_requests"] = INGRESS_QUEUE
     return {
         "proxy_location": "HeadOnly",

@@ -39,7 +39,7 @@ __all__ = ["Ingress", "IngressConfig", "api"]
 logger = logging.getLogger("ray.serve")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=256, health_check_period_s=10)
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1024, health_check_period_s=10)
 @serve.ingress(api)
 class Ingress:
     def __init__(self, target: DeploymentHandle, config: IngressConfig, policy: DeploymentHandle | None = None):

@@ -444,7 +444,7 @@ GRPC_REQUEST = st.builds(
     prompt=st.text(max_size=40) | st.text(st.characters(categories=["Cc", "Lu"]), max_size=12),
     messages=st.lists(st.tuples(st.sampled_from(["user", "system", "bot", ""]), st.text(max_size=30)), max_size=2),
     max_tokens=st.none() | st.integers(-2**31, 6) | st.integers(8000, 2**31 - 1),
-    temperature=st.none() | st.floats(-2, 3, width=32) | st.floats(0, 1e-38, width=32) | st.sampled_from([math.nan, math.inf]),
+    temperature=st.none() | st.floats(-2, 3, width=32) | st.floats(0, 1.1754943508222875e-38, width=32) | st.sampled_from([math.nan, math.inf]),
     top_p=st.none() | st.floats(-1, 2, width=32), top_k=st.none() | st.integers(-2**31, 2**31 - 1),
     seed=st.none() | st.integers(-2**63, 2**63 - 1), stop=st.lists(st.text(max_size=300), max_size=6),
     spec=st.none() | st.builds(lambda d, w, p: pb.SpecOptions(draft=d, policy=p, **({} if w is None else {"window": w})),
