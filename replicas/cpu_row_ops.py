@@ -46,9 +46,10 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _SUFFIX and library() is not None
 
 
-def argmax(logits: torch.Tensor) -> list[int]:
+def argmax(logits: torch.Tensor, nan: int | None = None) -> list[int]:
     """The first index of each row's largest value (torch's rule): logits [R, V], rows may be
-    strided. A row holding NaN takes torch's own argmax (NaN counts as the largest there)."""
+    strided. A row holding NaN takes torch's own argmax (NaN counts as the largest there), or
+    ``nan`` when given (a caller that must refuse such rows learns of them for free)."""
     rows, n = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -56,8 +57,10 @@ def argmax(logits: torch.Tensor) -> list[int]:
     getattr(library(), f"argmax_{_SUFFIX[logits.dtype]}")(logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr())
     choice = out.tolist()
     for r, c in enumerate(choice):
-        if c < 0:
+        if c < 0:   # a NaN or a largest zero: torch decides
             choice[r] = int(logits[r].argmax())
+            if nan is not None and logits[r, choice[r]].isnan():
+                choice[r] = nan
     return choice
 
 

@@ -56,13 +56,15 @@ def _children(proposal: Proposal) -> list[list[int]]:
 def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal) -> tuple[list[int], int]:
     # Only the argmax matters: no softmax over the vocabulary. On the CPU a C pass per row
     # (torch's bfloat16 argmax is a scalar loop: 180 us a row of 49k logits, here ~14).
+    # A row holding NaN has no argmax to follow (torch would pick the NaN).
     if cpu_row_ops.usable(target_logits):
-        choice = cpu_row_ops.argmax(target_logits)
+        choice = cpu_row_ops.argmax(target_logits, nan=-1)
+        if -1 in choice:
+            raise NonFiniteScores("the target's logits are not finite")
     else:
         choice = target_logits.argmax(-1).tolist()
-    # A NaN row's argmax is a NaN (torch's rule), an overflowed one's +inf: no token to follow.
-    if not bool(torch.isfinite(target_logits[torch.arange(len(choice)), choice]).all()):
-        raise NonFiniteScores("the target's logits are not finite")
+        if target_logits[torch.arange(len(choice)), choice].isnan().any():
+            raise NonFiniteScores("the target's logits are not finite")
     children = _children(proposal)
     path: list[int] = []
     row = 0

@@ -36,6 +36,8 @@ def test_argmax_is_torchs_first_largest_index(dtype):
     x[8, 9], x[8, 10] = -0.0, 0.0       # -0 and +0 tie as floats
     x[9, 11] = float("-nan")
     assert cpu_row_ops.argmax(x) == x.argmax(-1).tolist()
+    # Asked to, NaN rows say so instead (the greedy verifier refuses them without another pass).
+    assert cpu_row_ops.argmax(x, nan=-1) == [-1 if r in (7, 9) else c for r, c in enumerate(x.argmax(-1).tolist())]
     strided = torch.randn(6, 2, 1000, generator=g).to(dtype)[:, 1]   # rows 2000 apart
     assert cpu_row_ops.argmax(strided) == strided.argmax(-1).tolist()
     short = torch.randn(3, 37, generator=g).to(dtype)                # shorter than a block
