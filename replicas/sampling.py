@@ -79,6 +79,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         # Drop a token when the mass strictly before it already reaches top_p; the first token
         # always survives.
         drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        drop_sorted[..., 0] = False   # even when top_p rounds to 0 in float32
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

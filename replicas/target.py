@@ -25,7 +25,7 @@ from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.mrope import MRope
 from specserve.replicas.rejection_sampler import verify
-from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.sampling import NonFiniteScores, SamplingParams
 from specserve.replicas.step import Proposal, StepResult
 
 
@@ -99,7 +99,8 @@ def proposal_error(proposal: Proposal, vocab: int, device: torch.device) -> str 
             return "draft_probs must be finite and within [0, 1]"
         if n and not bool(((q.float().sum(-1) - 1).abs() < 1e-3).all()):
             return "draft_probs rows must each sum to 1"
-        if not bool((q[torch.arange(n, device=q.device), torch.tensor(proposal.tokens, device=q.device)] > 0).all()):
+        picked = q[torch.arange(n, device=q.device), torch.tensor(proposal.tokens, dtype=torch.long, device=q.device)]
+        if not bool((picked > 0).all()):
             return "draft_probs give a proposed token no probability (q(x) = 0)"
     return None
 
@@ -290,7 +291,7 @@ class Target:
             # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
             try:
                 path, bonus = verify(rows, proposal, item.params, item.generator)
-            except Exception as err:  # noqa: BLE001 - this request's rows or parameters: it fails alone
+            except NonFiniteScores as err:   # this request's own rows: it fails alone, the step goes on
                 path, bonus, failure = [], None, f"{type(err).__name__}: {err}"
             else:
                 failure = None

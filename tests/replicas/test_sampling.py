@@ -64,3 +64,9 @@ def test_non_finite_logits_are_refused_not_sampled(bad):
 def test_sample_refuses_what_is_not_a_distribution(probs):
     with pytest.raises(NonFiniteScores):
         sample(torch.tensor(probs), torch.Generator().manual_seed(0))
+
+
+def test_a_top_p_below_float32s_smallest_keeps_the_top_token():
+    # 1e-50 is 0 in float32: "mass before a token >= top_p" would drop even the first one.
+    probs = logits_to_probs(torch.tensor([2.0, 1.0, 0.0]), SamplingParams(temperature=1.0, top_p=1e-50))
+    assert probs.tolist() == [1.0, 0.0, 0.0]

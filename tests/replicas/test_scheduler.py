@@ -341,3 +341,9 @@ def test_malformed_draft_probs_cost_speculation_never_the_distribution():
     # generator as target-only decoding: the same tokens.
     assert gen.token_ids == speculative_generate(Target(model), None, PROMPTS[1], 12, params).token_ids
     assert gen.stats.proposal_errors == gen.stats.steps - 1 > 0
+
+
+def test_an_empty_chain_with_its_empty_draft_probs_is_a_plain_step_not_an_error():
+    from specserve.replicas.target import proposal_error
+
+    assert proposal_error(Proposal.chain([], draft_probs=torch.empty(0, 96)), 96, torch.device("cpu")) is None
