@@ -18,6 +18,7 @@ import redis
 from ray import serve
 
 from specserve.policies.priors import compute_snapshot
+from specserve.policies.redis_schema import MAX_PRIORS, Prior, valid
 from specserve.policies.redis_stats import RedisStats
 
 logger = logging.getLogger("ray.serve")
@@ -47,6 +48,7 @@ class PolicyService:
         now = time.time()
         counts = self.store.read(since=now - self.horizon_s)
         snapshot = compute_snapshot(counts, now, self.half_life_s, self.min_steps)
+        snapshot["priors"] = valid(Prior, snapshot.get("priors", []), "policy_snapshot", "policy:snapshot", MAX_PRIORS)
         self.latest = self.store.publish_snapshot(snapshot)
         if self.router_retrain is not None:
             self.router_latest = self.store.publish_snapshot(self.router_retrain(self.store.read_routes()), "router")

@@ -117,6 +117,24 @@ def parse(model: type[M], raw: str | bytes, family: Family, key: str) -> M | Non
         return None
 
 
+def valid(model: type[BaseModel], items: list, family: Family, key: str, most: int) -> list:
+    """The ``items`` (dicts about to be written) that ``model`` accepts, at most ``most``: a
+    writer keeps what its readers would refuse out of its document, so that one bad entry does not
+    make every reader refuse the whole of it. The rest are counted."""
+    kept = []
+    for item in items:
+        try:
+            model.model_validate(item)
+        except ValidationError as err:
+            reject(family, "schema", key, err)
+            continue
+        if len(kept) == most:
+            reject(family, "size", key, f"over {most} entries")
+            break
+        kept.append(item)
+    return kept
+
+
 # ---- the policy snapshot ------------------------------------------------------------------------
 
 class Strict(BaseModel):

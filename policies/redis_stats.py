@@ -89,9 +89,10 @@ MAX_OUTCOME_BYTES = 64 * 1024
 
 def connect(url: str, timeout_s: float = 0.5) -> redis.Redis:
     """A client for ``redis://`` or ``rediss://`` (TLS) URLs, password in the URL; every call is
-    bounded by ``timeout_s``."""
+    bounded by ``timeout_s``. Bytes that are not UTF-8 decode to U+FFFD instead of raising: such a
+    value then fails its schema and is skipped like any other bad one."""
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                decode_responses=True, retry_on_timeout=False)
+                                decode_responses=True, encoding_errors="replace", retry_on_timeout=False)
 
 
 class RedisStats:

@@ -16,6 +16,7 @@ document that fails ``WeightsDocument`` is skipped by the replica, which keeps t
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import Annotated
 
@@ -31,6 +32,10 @@ MAX_FEATURE = 100.0
 MAX_OBSERVATIONS = 16
 # Models per document: targets × topic bases × drafts, with room.
 MAX_MODELS = 1024
+# All models' A matrices together, in floats: what the retrainer holds and what the document
+# carries (~20 bytes a float as JSON, within the readers' MAX_DOCUMENT_BYTES). Outcomes name their
+# own targets, bases and drafts, so without it they would say how much is allocated.
+MAX_MODEL_FLOATS = 1 << 18
 
 Feature = Annotated[float, Field(ge=-MAX_FEATURE, le=MAX_FEATURE)]
 
@@ -87,22 +92,35 @@ class WeightsDocument(Strict):
 
 
 def retrain(outcomes: Iterable[dict], ridge: float = 1.0, alpha_max: float = 0.95, now: float | None = None) -> dict:
-    models: dict[tuple[str, str, int, str], LinearAcceptance] = {}
-    counted = 0
+    usable: list[RouteOutcome] = []
     for raw in outcomes:
         try:
             outcome = RouteOutcome.model_validate(raw)
         except ValidationError as err:
             reject("router_outcome", "schema", "router:outcomes", err)
             continue
-        x, target, basis = outcome.features, outcome.target, outcome.basis
-        if not x or not target or not basis:
-            continue
-        counted += 1
+        if outcome.features and outcome.target and outcome.basis:
+            usable.append(outcome)
+    # The most observed models first, within MAX_MODELS and MAX_MODEL_FLOATS.
+    seen_by_key = Counter((o.target, o.basis, len(o.features), seen.draft) for o in usable for seen in o.observations or ())
+    chosen, floats = set(), 0
+    for key, _ in seen_by_key.most_common():
+        if len(chosen) == MAX_MODELS or floats + key[2] ** 2 > MAX_MODEL_FLOATS:
+            reject("router_outcome", "size", "router:outcomes", f"{len(seen_by_key) - len(chosen)} models left out")
+            break
+        chosen.add(key)
+        floats += key[2] ** 2
+    models: dict[tuple[str, str, int, str], LinearAcceptance] = {}
+    for outcome in usable:
+        x = outcome.features
         for seen in outcome.observations or ():
-            key = (target, basis, len(x), seen.draft)
-            model = models.setdefault(key, LinearAcceptance(len(x), ridge, alpha_max, ROUTER_PRIOR_ALPHA))
-            model.update(x, seen.alpha, seen.weight)
+            key = (outcome.target, outcome.basis, len(x), seen.draft)
+            if key not in chosen:
+                continue
+            if key not in models:
+                models[key] = LinearAcceptance(len(x), ridge, alpha_max, ROUTER_PRIOR_ALPHA)
+            models[key].update(x, seen.alpha, seen.weight)
+    counted = len(usable)
     return {
         "format": WEIGHTS_FORMAT, "computed_at": time.time() if now is None else now, "outcomes": counted,
         "models": [{"target": t, "basis": b, "draft": d, "model": m.to_dict()} for (t, b, _, d), m in sorted(models.items())],

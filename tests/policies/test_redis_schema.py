@@ -309,3 +309,37 @@ def test_the_metric_is_made_outside_ray_and_named_for_prometheus(monkeypatch):
     redis_schema.reject("stats", "schema", "k")
     assert redis_schema._metric._name == "specserve_redis_rejected_values"
     assert {"family", "reason"} <= set(redis_schema._metric._tag_keys)
+
+
+def test_bytes_that_are_not_utf8_are_skipped_not_raised(server, raw):
+    store = RedisStats(server.url, "app")
+    good = publish_good(store)
+    cache = SnapshotCache(store)
+    assert cache.refresh()["version"] == good["version"]
+    raw.set(store.snapshot_key, b'{"version": \xff\xfe}')
+    key = StatsKey("t", "pl", "p64", 60)
+    store.flush("r", 1, {key: Counter(drafts=3)})
+    raw.hset(store._stats_key(key), mapping={b"\xff": b"\xfe"})
+    with Rejected() as rejected:
+        assert cache.refresh()["version"] == good["version"]
+        assert store.read() == {key: Counter(drafts=3)}
+    assert rejected[("policy_snapshot", "json")] == 1 and rejected[("stats", "schema")] == 1
+
+
+def test_the_policy_service_leaves_out_a_prior_its_readers_would_refuse(server, monkeypatch):
+    # One prior out of bounds (a fitted intercept near 0 makes a huge latency ratio) must not make
+    # every replica refuse the whole snapshot.
+    from specserve.policies import policy_service
+
+    def one_bad(*args, **kwargs):
+        snapshot = compute_snapshot(*args, **kwargs)
+        snapshot["priors"][0] = {**snapshot["priors"][0], "latency_ratio": 1e300}
+        return snapshot
+
+    store = RedisStats(server.url, "app")
+    store.flush("r", 1, {RECENT: good_counts()})
+    monkeypatch.setattr(policy_service, "compute_snapshot", one_bad)
+    with Rejected() as rejected:
+        published = Service(server.url, "app").publish()
+    assert len(published["priors"]) == 1 and rejected[("policy_snapshot", "schema")] == 1
+    assert SnapshotCache(store).refresh()["version"] == published["version"]

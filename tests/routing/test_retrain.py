@@ -63,8 +63,8 @@ def test_a_bad_outcome_is_skipped_and_counted_and_the_good_ones_still_train(bad)
 
 
 def test_outcomes_of_another_feature_count_make_their_own_model_which_no_replica_takes():
-    """The first outcome of a group used to fix its feature count: one of another length then
-    kept every genuine outcome of that (target, basis, draft) out of the model."""
+    """A group's feature count is part of its name: one outcome of another length cannot keep the
+    genuine outcomes of that (target, basis, draft) out of their model."""
     document = retrain([outcome(features=[0.5] * 7), outcome(), outcome()])
     models = weights_for(document, "t", "none-d8", DIMS)
     assert models["lookup"]["dims"] == DIMS and models["lookup"]["observations"] == 2.0
@@ -185,3 +185,18 @@ def test_a_published_model_round_trips():
     again = LinearAcceptance.from_dict(model.to_dict(), dims=3)
     assert again.predict([1.0, 0.5, 0.2]) == model.predict([1.0, 0.5, 0.2])
 
+
+
+def test_outcomes_naming_ever_more_models_are_held_to_the_budget_most_observed_first():
+    # Each outcome names its own draft: untrusted names must not say how much is allocated.
+    from specserve.routing.retrain import MAX_MODEL_FLOATS, MAX_MODELS
+
+    many = [{**outcome(), "observations": [{"draft": f"d{i}", "alpha": 0.5}]} for i in range(MAX_MODELS + 50)]
+    popular = [{**outcome(), "observations": [{"draft": "popular", "alpha": 0.8}]}] * 3
+    wide = [outcome(features=[0.5] * 256)] * 2     # 65,536 floats each
+    before = REJECTED.copy()
+    document = retrain([*many, *popular, *wide])
+    drafts = [m["draft"] for m in document["models"]]
+    assert len(drafts) <= MAX_MODELS and "popular" in drafts
+    assert sum(m["model"]["dims"] ** 2 for m in document["models"]) <= MAX_MODEL_FLOATS
+    assert rejected_since(before)[("router_outcome", "size")] == 1
