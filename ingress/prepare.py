@@ -7,18 +7,22 @@ nothing more, not even its pictures' decoding.
 
 The work a request's size sets (decoding and hashing pictures, chat templating and tokenizing a
 body of up to ``max_body_bytes``) runs in a worker thread: on the event loop it would stall every
-stream of the ingress replica for as long as it takes (seconds for the largest body).
+stream of the ingress replica for as long as it takes (seconds for the largest body). A request
+that fetches picture URLs runs on the fetch pool instead (``image_fetch.fetch_pool``), its one
+fetch deadline starting when it arrives: a slow picture server then holds only those few threads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 import uuid
 from dataclasses import dataclass
 
 from specserve.ingress.config import IngressConfig
-from specserve.ingress.images import decode_images
+from specserve.ingress.image_fetch import fetch_pool
+from specserve.ingress.images import decode_images, fetches
 from specserve.ingress.openai_api import AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.policies.registry import POLICIES
 from specserve.replicas.image_tokens import picture_ids
@@ -76,11 +80,19 @@ class Preparer:
         if urls and self.processor is None:
             raise OpenAIError(f"`{self.model_id}` reads text only: drop the image_url parts, or serve a "
                               "vision-language target", param="messages", code="images_not_supported")
+        if fetches(urls, self.config.images):
+            # The deadline starts now, so that a wait for a fetch thread counts against it: a
+            # request that cannot start fetching in time fails as a timed-out fetch does.
+            deadline = time.monotonic() + self.config.images.fetch_timeout_s
+            return await asyncio.get_running_loop().run_in_executor(fetch_pool, self._prepare, req, urls, deadline)
         return await asyncio.to_thread(self._prepare, req, urls)
 
-    def _prepare(self, req: CompletionRequest | ChatCompletionRequest, urls: list[str]) -> Prepared:
-        """The checks and the work a request's size sets (in a worker thread)."""
-        pixels = [self.prepare_pixels(p) for p in decode_images(urls, self.config.images)] if urls else []
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest, urls: list[str],
+                 deadline: float | None = None) -> Prepared:
+        """The checks and the work a request's size sets (in a worker thread); its picture fetches
+        end by ``deadline``."""
+        pixels = ([self.prepare_pixels(p) for p in decode_images(urls, self.config.images, deadline=deadline)]
+                  if urls else [])
         prompt_ids = self._prompt_ids(req, pixels)
         is_chat = isinstance(req, ChatCompletionRequest)
         max_tokens = req.token_limit if is_chat else req.max_tokens

@@ -2,16 +2,12 @@
 to fix, never an exception that escapes."""
 
 import base64
-import http.server
 import io
-import ipaddress
-import threading
-import time
 
 import pytest
 from PIL import Image, ImageFile
 from specserve.data.synthetic_images import example
-from specserve.ingress.images import FETCH_FAILED, ImageLimits, decode_image, decode_images, public_address
+from specserve.ingress.images import ImageLimits, decode_image, decode_images, fetches
 from specserve.ingress.openai_api import ChatCompletionRequest, OpenAIError
 from pydantic import ValidationError
 
@@ -162,212 +158,10 @@ def test_the_requests_pictures_together_are_capped_before_the_one_past_the_cap_i
     assert decode_image(urls[0], limits).size == (100, 100)
 
 
-# ---- fetching a picture URL -------------------------------------------------------------------
-# The servers below listen on 127.0.0.1, which the default policy refuses; a test that must reach
-# one allows exactly that server's port, so that every other hop (another loopback port, the
-# cloud metadata address) still meets the policy a deployment runs with.
-
-PNG = base64.b64decode(data_url(Image.new("RGB", (8, 8), "red")).split(",", 1)[1])
-
-
-class Site:
-    """An HTTP server on a loopback port, on its own threads; ``respond(handler)`` answers a GET."""
-
-    def __init__(self, respond):
-        site = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                site.hits.append(self.path)
-                try:
-                    respond(self)
-                except OSError:   # the client hung up: what a refused fetch does
-                    pass
-
-            def log_message(self, *_):
-                pass
-
-        self.hits: list[str] = []
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def sites():
-    opened = []
-
-    def site(respond) -> Site:
-        opened.append(Site(respond))
-        return opened[-1]
-    yield site
-    for s in opened:
-        s.close()
-
-
-def picture(handler):
-    handler.send_response(200)
-    handler.send_header("Content-Type", "image/png")
-    handler.send_header("Content-Length", str(len(PNG)))
-    handler.end_headers()
-    handler.wfile.write(PNG)
-
-
-def redirect(to: str):
-    def respond(handler):
-        handler.send_response(302)
-        handler.send_header("Location", to)
-        handler.end_headers()
-    return respond
-
-
-def only(*sites_allowed: Site, asked: list | None = None):
-    """A policy that allows exactly these servers' loopback ports, and public addresses."""
-    ports = {s.port for s in sites_allowed}
-
-    def allow(address, port):
-        if asked is not None:
-            asked.append((str(address), port))
-        return (address == ipaddress.ip_address("127.0.0.1") and port in ports) or public_address(address, port)
-    return allow
-
-
-def fetching(allow=public_address, **limits) -> ImageLimits:
-    return ImageLimits(allow_image_urls=True, allow_address=allow, **{"fetch_timeout_s": 2.0, **limits})
-
-
-def refused(url: str, limits: ImageLimits, within_s: float = 3.0) -> OpenAIError:
-    start = time.monotonic()
-    with pytest.raises(OpenAIError) as err:
-        decode_image(url, limits)
-    assert time.monotonic() - start < within_s, f"refused only after {time.monotonic() - start:.1f} s"
-    assert err.value.status == 400 and err.value.code == "invalid_image"
-    assert err.value.message.startswith(FETCH_FAILED), err.value.message
-    return err.value
-
-
-def test_a_fetch_follows_redirects_between_allowed_servers(sites):
-    # The control for the refusals below: with both servers allowed the same redirect is followed.
-    second = sites(picture)
-    first = sites(redirect(f"{second.url}/cat.png"))
-    got = decode_image(f"{first.url}/start", fetching(only(first, second)))
-    assert got.getpixel((0, 0)) == (255, 0, 0) and second.hits == ["/cat.png"]
-
-
-def test_a_redirect_to_another_loopback_port_is_refused_and_never_followed(sites):
-    inside = sites(picture)
-    first = sites(redirect(f"{inside.url}/secret"))
-    refused(f"{first.url}/start", fetching(only(first)))
-    assert first.hits == ["/start"] and inside.hits == []
-
-
-@pytest.mark.parametrize("target", ["http://169.254.169.254/latest/meta-data/", "http://[::ffff:169.254.169.254]/",
-                                    "http://10.0.0.1/", "http://[fd00::1]/", "http://0.0.0.0/"])
-def test_a_redirect_to_a_private_address_is_refused_before_connecting(sites, target):
-    # Nothing listens at these addresses here: a fetch that tried would wait out its deadline (or
-    # fail on its own), so the policy must have been asked about the address, and said no.
-    asked = []
-    first = sites(redirect(target))
-    refused(f"{first.url}/start", fetching(only(first, asked=asked), fetch_timeout_s=5.0), within_s=2.0)
-    host = target.split("//")[1].split("/")[0].strip("[]")
-    assert (str(ipaddress.ip_address(host)), 80) in asked
-
-
-def test_loopback_itself_is_refused_by_the_default_policy(sites):
-    inside = sites(picture)
-    for url in (f"{inside.url}/x.png", f"http://localhost:{inside.port}/x.png", f"http://[::1]:{inside.port}/x.png"):
-        refused(url, fetching())
-    assert inside.hits == []
-
-
-def dripping(where: str, every_s: float, count: int):
-    def respond(handler):
-        out = handler.wfile
-        if where == "headers":   # the status line, then the headers a byte at a time
-            out.write(b"HTTP/1.0 200 OK\r\n")
-            drip = b"Content-Type: image/png\r\n" * count
-        else:
-            out.write(f"HTTP/1.0 200 OK\r\nContent-Length: {count}\r\n\r\n".encode())
-            drip = PNG[:count]
-        out.flush()
-        for byte in drip[:count]:
-            time.sleep(every_s)
-            out.write(bytes([byte]))
-            out.flush()
-    return respond
-
-
-@pytest.mark.parametrize("where", ["headers", "body"])
-def test_a_drip_fed_response_is_cut_at_the_one_deadline_of_the_fetch(sites, where):
-    # A byte every 0.25 s keeps any per-read timeout happy for ever; one deadline for the whole
-    # fetch (1 s here) ends it. Left alone, the server would take 30 x 0.25 s.
-    slow = sites(dripping(where, 0.25, 30))
-    refused(f"{slow.url}/x.png", fetching(only(slow), fetch_timeout_s=1.0), within_s=2.5)
-
-
-def test_a_byte_every_nine_seconds_is_refused_within_the_deadline(sites):
-    slow = sites(dripping("body", 9.0, 30))
-    refused(f"{slow.url}/x.png", fetching(only(slow), fetch_timeout_s=1.0), within_s=2.5)
-
-
-def test_a_body_over_the_byte_cap_is_refused(sites):
-    def big(handler, declared: bool):
-        handler.send_response(200)
-        if declared:
-            handler.send_header("Content-Length", str(len(PNG) + 10_000))
-        handler.end_headers()
-        handler.wfile.write(PNG + b"\0" * 10_000)
-    undeclared = sites(lambda h: big(h, False))
-    declared = sites(lambda h: big(h, True))
-    for site in (undeclared, declared):
-        refused(f"{site.url}/x.png", fetching(only(site), max_image_bytes=len(PNG) + 100))
-    assert decode_image(f"{undeclared.url}/x.png", fetching(only(undeclared))).size == (8, 8)
-
-
-def test_a_redirect_loop_and_a_redirect_off_http_are_refused(sites):
-    loop = sites(lambda h: redirect(f"http://127.0.0.1:{loop.port}/again")(h))
-    refused(f"{loop.url}/start", fetching(only(loop), max_redirects=3))
-    assert len(loop.hits) == 4   # the first request and three redirects
-    for target in ("file:///etc/passwd", "ftp://example.com/x.png", "http://user:pw@example.com/x.png"):
-        off = sites(redirect(target))
-        refused(f"{off.url}/start", fetching(only(off)))
-
-
-def test_every_failed_fetch_reads_the_same(sites):
-    # No status, errno or resolver message comes back: the answers cannot map what is behind the server.
-    def status(code):
-        def respond(handler):
-            handler.send_response(code)
-            handler.end_headers()
-        return respond
-    closed = sites(picture)
-    closed.close()
-    not_found, teapot, plain = sites(status(404)), sites(status(418)), sites(picture)
-    allow = only(not_found, teapot, closed, plain)
-    messages = {refused(url, fetching(allow)).message for url in (
-        f"{not_found.url}/x.png", f"{teapot.url}/x.png", f"{closed.url}/x.png",   # refused connection
-        f"https://127.0.0.1:{plain.port}/x.png",                                 # no TLS there
-        f"{plain.url.replace('127.0.0.1', '10.1.2.3')}/x.png",                    # a private address
-        "http://no-such-host.invalid/x.png")}
-    assert len(messages) == 1, messages
-    assert not any(str(code) in next(iter(messages)) for code in (404, 418, not_found.port, teapot.port))
-
-
-@pytest.mark.parametrize("address, public", [
-    ("8.8.8.8", True), ("2606:4700:4700::1111", True),
-    ("127.0.0.1", False), ("10.0.0.1", False), ("172.16.0.1", False), ("192.168.1.1", False),
-    ("169.254.169.254", False), ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False),
-    ("240.0.0.1", False), ("255.255.255.255", False),
-    ("::1", False), ("::", False), ("fe80::1", False), ("fd00::1", False), ("fec0::1", False), ("ff02::1", False),
-    ("::ffff:127.0.0.1", False), ("::ffff:169.254.169.254", False),
-    ("2002:7f00:1::", False),        # 6to4 of 127.0.0.1
-    ("64:ff9b::a00:1", False),       # NAT64 of 10.0.0.1
-])
-def test_public_address(address, public):
-    assert public_address(ipaddress.ip_address(address), 80) is public
+def test_only_http_urls_with_fetching_on_are_fetched():
+    # The request that fetches is the one prepared on the fetch pool; data URLs never are.
+    inline, remote = "data:image/png;base64,AAAA", "https://example.com/x.png"
+    assert not fetches([inline], ImageLimits(allow_image_urls=True))
+    assert not fetches([inline, remote], ImageLimits())   # off: refused, never fetched
+    assert fetches([inline, remote], ImageLimits(allow_image_urls=True))
+    assert not fetches([], ImageLimits(allow_image_urls=True))
