@@ -199,8 +199,8 @@ class AppConfig(BaseModel):
     max_image_pixels: int = Field(4096 * 4096, ge=1, description="A picture's width x height at most (400 beyond, "
                                   "checked before decoding). Its bytes count against max_body_bytes too.")
     allow_image_urls: bool = Field(False, description="Fetch http(s) image URLs (public addresses only, every "
-                                   "redirect checked, 10 s for the whole fetch, 16 MB cap); off: pictures come inline "
-                                   "as data: URLs only.")
+                                   "redirect checked, 10 s for all of a request's fetches, 16 MB a picture); off: "
+                                   "pictures come inline as data: URLs only.")
     max_request_image_pixels: int = Field(2 * 4096 * 4096, ge=1, description="All of a request's pictures together, "
                                           "width x height summed (400 beyond, checked before each is decoded).")
     max_image_aspect_ratio: float = Field(32.0, ge=1.0, description="A picture's longer side over its shorter at most: "
