@@ -424,3 +424,26 @@ def test_the_routes_annotations_are_objects_a_replica_can_read():
     cls = Ingress.func_or_class
     for name in ("completions", "chat_completions", "routing_recent", "Complete", "CompleteStream"):
         assert not any(isinstance(a, str) for a in getattr(cls, name).__annotations__.values()), name
+
+
+def test_a_request_that_fetches_pictures_prepares_on_the_fetch_pool(monkeypatch):
+    # Slow picture servers must not hold the threads every other request tokenizes on.
+    from specserve.ingress import prepare as prepare_module
+    from specserve.ingress.images import ImageLimits
+
+    seen = []
+
+    def decode(urls, limits, deadline=None):
+        seen.append((threading.current_thread().name, deadline))
+        raise OpenAIError("stop here", code="invalid_image")
+
+    monkeypatch.setattr(prepare_module, "decode_images", decode)
+    prep = object.__new__(Preparer)
+    prep.model_id, prep.processor = "m", object()
+    prep.config = IngressConfig("t", "m", [], "none", 0, images=ImageLimits(allow_image_urls=True))
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}, {"type": "text", "text": "?"}]}])
+    with pytest.raises(OpenAIError, match="stop here"):
+        asyncio.run(prep.prepare(request))
+    (thread, deadline), = seen
+    assert thread.startswith("image-fetch") and deadline is not None
