@@ -663,3 +663,71 @@ def test_a_draft_deployment_with_no_running_replica_costs_a_deadline_not_the_tar
         assert time.monotonic() - quick < 1.0
     finally:
         serve.delete("unplaceable-draft", _blocking=False)
+
+
+class MalformedProbs:
+    """A draft deployment whose proposals carry ``draft_probs`` that are not the distribution the
+    tokens were drawn from: NaN, mass above 1, rows summing to 2, and q(x) = 0 for a proposed
+    token (which the rejection test would always accept), in turn."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.calls = vocab, 0
+
+    async def info(self) -> dict:
+        return {"needs_features": False, "vocab_size": self.vocab}
+
+    async def propose_batch(self, asks):
+        import torch
+
+        from specserve.replicas.step import Proposal
+
+        out = []
+        for ask in asks:
+            self.calls += 1
+            tokens = [ask.context[-1]] * max(ask.window, 1)
+            q = torch.full((len(tokens), self.vocab), 1.0 / self.vocab)
+            kind = self.calls % 4
+            if kind == 0:
+                q[0, 0] = float("nan")
+            elif kind == 1:
+                q[0] = 0.0
+                q[0, (tokens[0] + 1) % self.vocab] = 1.0
+            elif kind == 2:
+                q *= 2
+            else:
+                q[0, 0] = 1.5
+            out.append(Proposal.chain(tokens, draft_probs=q))
+        return out
+
+    async def release(self, session_ids) -> None:
+        return None
+
+
+def test_a_draft_replica_answering_malformed_probabilities_costs_speculation_never_the_distribution(served, engine):
+    """The draft runs as its own Serve deployment, so its proposals cross the wire as a remote
+    draft's do; the target drops each one and the sampled output is target-only's for the seed."""
+    import sys
+
+    import ray.cloudpickle
+    from ray import serve
+
+    from specserve.replicas.engine import run_batch
+    from specserve.replicas.remote_draft import RemoteDraft
+    from specserve.replicas.request import SpecRequest
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])   # the test's class, by value
+    target = Target(engine.loaded.model)
+    app = serve.deployment(MalformedProbs, name="draft-malformed", ray_actor_options={"num_cpus": 0}).bind(target.vocab)
+    handle = serve.run(app, name="malformed-draft", route_prefix=None)
+    try:
+        prompt, params = engine.encode(PROMPTS[0]), SamplingParams(temperature=1.0, seed=17)
+        drafted = run_batch(target, {"malformed": RemoteDraft(handle, "malformed")},
+                            [SpecRequest(prompt, 16, params, "malformed", 3, request_id="m0")],
+                            eos_token_ids=engine.loaded.eos_token_ids)[0]
+        plain = run_batch(Target(engine.loaded.model), {}, [SpecRequest(prompt, 16, params, "none", 0, request_id="p0")],
+                          eos_token_ids=engine.loaded.eos_token_ids)[0]
+        assert drafted.token_ids == plain.token_ids
+        # Every step's proposal dropped (the last may have had no room to draft).
+        assert drafted.stats.proposal_errors >= max(1, drafted.stats.steps - 1)
+    finally:
+        serve.delete("malformed-draft", _blocking=False)
