@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 import redis
 
-from specserve.policies.redis_schema import MAX_NAME, is_wrong_type, reject
+from specserve.policies.redis_schema import MAX_NAME, OVERSIZE, is_wrong_type, reject, stream_range
 
 logger = logging.getLogger("ray.serve")
 
@@ -109,11 +109,14 @@ class OutputExchange:
     def _read(self, receive: Callable[[str | None, np.ndarray], None]) -> int:
         received = read = 0
         while read < self.max_outputs:
-            answer = self.client.xread({self.key: self._last_id}, count=min(READ_BATCH, self.max_outputs - read))
-            entries = answer[0][1] if answer else []
+            entries = stream_range(self.client, self.key, min(READ_BATCH, self.max_outputs - read),
+                                   4 * MAX_OUTPUT_TOKENS, after=self._last_id)
             for entry_id, fields in entries:
                 self._last_id = entry_id
                 read += 1
+                if OVERSIZE.encode() in fields:   # left on the server
+                    reject("output", "size", self.key, f"a field of {fields[OVERSIZE.encode()].decode()} bytes")
+                    continue
                 if fields.get(b"r") == self.replica or b"t" not in fields:
                     continue
                 output = self._checked(fields)

@@ -83,7 +83,47 @@ def reject(family: Family, reason: Reason, key: str, detail: object = "") -> Non
 
 
 def is_wrong_type(err: redis.ResponseError) -> bool:
-    return str(err).startswith("WRONGTYPE")
+    return "WRONGTYPE" in str(err)   # also as a script's error, which wraps Redis's own
+
+
+# A stream's entries with every field value longer than ARGV[3] bytes left on the server: such an
+# entry comes back as {oversize: <bytes>}. ARGV[4] = 1: the newest ARGV[2] entries, newest first;
+# else those after the id ARGV[1], oldest first.
+_STREAM_RANGE = """
+local entries
+if ARGV[4] == '1' then
+  entries = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', ARGV[2])
+else
+  entries = redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2])
+end
+local limit = tonumber(ARGV[3])
+for _, entry in ipairs(entries) do
+  local fields = entry[2]
+  for i = 2, #fields, 2 do
+    if string.len(fields[i]) > limit then
+      entry[2] = {'oversize', tostring(string.len(fields[i]))}
+      break
+    end
+  end
+end
+return entries
+"""
+OVERSIZE = "oversize"
+
+
+def stream_range(client: redis.Redis, key: str, count: int, max_field_bytes: int, after: str | bytes = "0-0",
+                 newest: bool = False) -> list[tuple]:
+    """``(id, fields)`` of up to ``count`` stream entries (after the id ``after``, or the newest
+    first), no field longer than ``max_field_bytes`` ever transferred: XRANGE would send a value of
+    up to 512 MB whole before a reader could check it. An entry with a longer field comes back as
+    ``{"oversize": <bytes>}`` (keys of the client's type) for the caller to count. Raises
+    ``redis.ResponseError`` for a key of another type (``is_wrong_type``)."""
+    script = getattr(client, "_specserve_stream_range", None)
+    if script is None:
+        script = client._specserve_stream_range = client.register_script(_STREAM_RANGE)
+    after = after.decode() if isinstance(after, bytes) else after
+    entries = script(keys=[key], args=[after, count, max_field_bytes, 1 if newest else 0])
+    return [(entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in entries]
 
 
 def get_bounded(client: redis.Redis, key: str, family: Family, max_bytes: int = MAX_DOCUMENT_BYTES) -> str | bytes | None:

@@ -45,6 +45,7 @@ from specserve.policies.redis_schema import (
     COUNTER_VALUE,
     MAX_COUNT,
     MAX_VERSION,
+    OVERSIZE,
     PolicySnapshot,
     StatsIdentity,
     Versioned,
@@ -52,6 +53,7 @@ from specserve.policies.redis_schema import (
     is_wrong_type,
     parse,
     reject,
+    stream_range,
 )
 from specserve.policies.stats import StatsKey
 
@@ -266,7 +268,7 @@ class RedisStats:
         what an outcome's fields mean the router checks (``routing/retrain.py``)."""
         count = MAX_ROUTES if count is None else max(0, min(count, MAX_ROUTES))
         try:
-            entries = list(reversed(self.client.xrevrange(self.routes_key, count=count)))
+            entries = list(reversed(stream_range(self.client, self.routes_key, count, MAX_OUTCOME_BYTES, newest=True)))
         except redis.ResponseError as err:
             if not is_wrong_type(err):
                 raise
@@ -274,10 +276,10 @@ class RedisStats:
             return []
         out = []
         for _, fields in entries:
-            raw = fields.get("o", "")
-            if len(raw) > MAX_OUTCOME_BYTES:
-                reject("router_outcome", "size", self.routes_key, f"{len(raw)} characters")
+            if OVERSIZE in fields:   # left on the server
+                reject("router_outcome", "size", self.routes_key, f"a field of {fields[OVERSIZE]} bytes")
                 continue
+            raw = fields.get("o", "")
             try:
                 outcome = _JSON_OBJECT.validate_json(raw)
                 json.dumps(outcome, allow_nan=False)   # NaN and Infinity are not JSON to a client
