@@ -347,3 +347,14 @@ def test_an_empty_chain_with_its_empty_draft_probs_is_a_plain_step_not_an_error(
     from specserve.replicas.target import proposal_error
 
     assert proposal_error(Proposal.chain([], draft_probs=torch.empty(0, 96)), 96, torch.device("cpu")) is None
+
+
+def test_a_draft_lms_own_sampled_chains_pass_the_draft_probs_checks():
+    # The checks must refuse only what is not a distribution: a real draft's q is never dropped.
+    from specserve.replicas.drafts.draft_lm import DraftLM
+    from tiny_models import perturbed
+
+    model = tiny_model("llama", seed=0)
+    draft = DraftLM("near", perturbed(model, seed=1))
+    gen = speculative_generate(Target(model), draft, PROMPTS[2], 16, SamplingParams(temperature=0.9, seed=4), window=3)
+    assert gen.stats.proposal_errors == 0 and gen.stats.steps < 16
