@@ -26,6 +26,7 @@ q/k norms. Anything else takes the Hugging Face path in ``BatchKV``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -124,8 +125,19 @@ class Linear:
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
+    """Whether oneDNN can pack ``weight``: a 16-bit CPU weight, on a CPU whose instructions oneDNN
+    has a path for in that dtype (without AVX-512 or AVX-NE-CONVERT it has none and refuses)."""
+    if not (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    return _onednn_supports(weight.dtype)
+
+
+@functools.cache
+def _onednn_supports(dtype: torch.dtype) -> bool:
+    mkldnn = torch.ops.mkldnn
+    check = mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else mkldnn._is_mkldnn_fp16_supported
+    return bool(check())
 
 
 class _Layer:

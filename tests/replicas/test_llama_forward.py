@@ -123,13 +123,23 @@ def test_other_architectures_keep_the_hugging_face_path():
     assert BatchKV(tiny_model("gpt2", seed=0), slots=1)._fast is None
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packing is oneDNN's")
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_packed_bfloat16_products_equal_f_linear_bit_for_bit(rows):
     torch.manual_seed(0)
     weight = (torch.randn(384, 96) * 0.05).bfloat16()
+    if not llama_forward.packable(weight):
+        pytest.skip("oneDNN has no bfloat16 path on this CPU (it needs AVX-512 or AVX-NE-CONVERT)")
     linear = llama_forward.Linear(weight, None)
     assert linear.packed is not None
     x = torch.randn(2, rows, 96).bfloat16()
     assert torch.equal(linear(x), F.linear(x, weight))
     assert llama_forward.Linear(weight.float(), None).packed is None   # float32 is left as it is
+
+
+def test_a_cpu_onednn_cannot_pack_for_keeps_16_bit_weights_as_they_are(monkeypatch):
+    # Without AVX-512 or AVX-NE-CONVERT oneDNN refuses to pack bfloat16: F.linear serves instead.
+    monkeypatch.setattr(llama_forward, "_onednn_supports", lambda dtype: False)
+    weight = (torch.randn(8, 4) * 0.05).bfloat16()
+    linear = llama_forward.Linear(weight, None)
+    x = torch.randn(1, 2, 4).bfloat16()
+    assert linear.packed is None and torch.equal(linear(x), F.linear(x, weight))
