@@ -464,8 +464,11 @@ def test_redis_killed_while_requests_stream_loses_nothing_and_the_counts_arrive_
     statuses = {name: d["status"] for name, d in local.app_status()["deployments"].items()}
     assert set(statuses.values()) == {"HEALTHY"}, statuses
     assert httpx.get(served.http_url + "/v1/policy", timeout=30).status_code == 200   # the last snapshot
-    port = int(served.redis_url.rsplit(":", 1)[1].split("/")[0])
-    restarted = RedisServer.start(tmp_path, port=port)   # empty: it kept nothing on disk
+    from urllib.parse import unquote, urlsplit
+
+    url = urlsplit(served.redis_url)
+    # Empty (it kept nothing on disk), on the same port with the same password: the replicas' URL.
+    restarted = RedisServer.start(tmp_path, port=url.port, password=unquote(url.password))
     try:
         # The 8 requests counted during the outage arrive, once each (exactly-once flushes).
         wait_until(lambda: _redis_counts(served.redis_url, "requests"), lambda n: n >= 8, timeout=60, interval=1)
