@@ -38,8 +38,7 @@ more than the few percent the aims are about, rows taking turns per step see the
   the rows alternating per wave. Why steady and step by step: a wave's makespan is its slowest
   request (the speculating ones finish first, the others end the wave), and whole runs of the same
   code 25 s apart differed by ±8% on these shared machines, while rows taking turns per step (~40
-  ms) agreed within ±1.5% (16 at once, target-only 223-229 tok/s over four rounds; measured
-  2026-11-26 on a 2-core AMD EPYC with AVX512-BF16).
+  ms) agreed within ±1.5% (docs/benchmarks.md §4.2).
 
 Per row (policy × section × category, plus an ``all`` row over the categories; the load rows are
 ``all``): ``tokens_per_s`` = Σ tokens / Σ seconds over the requests, ``mean_accepted_len`` τ =

@@ -22,8 +22,8 @@ adaptation of speculative decoding in large language models" (the drop-in paper 
    objective prefers; its tokens/s is the table's for that candidate, not a separate run).
 
 The oracle is chosen on some timings and read on others. The fastest of four noisy medians is
-faster than the fastest candidate really is (the winner's curse: by up to 1.7% on the mix, half
-the 3% aim, in runs of 2026-11-26 on a 2-core AMD EPYC), while the router's row is one live run
+faster than the fastest candidate really is (the winner's curse: up to half the 3% aim on the
+mix, docs/benchmarks.md §5.1), while the router's row is one live run
 that nothing selected. So with ``repeats`` ≥ 2 each repeat k is held out in turn: the candidate
 with the best median over the other repeats is picked and its k-th timing read; the prompt's
 oracle is their median. ``oracle-in-sample`` (the best median, the same timings choosing and

@@ -802,9 +802,8 @@ def bench_policies(
     target-only at each concurrency, by category, side by side in one run.
 
     A default run (4 categories x 2 prompts x 96 tokens, 32 load requests in 2 steady rounds, prompt
-    lookup) takes about 10 minutes on a quiet 2-core AMD EPYC (11 with --learn-snapshot 16 and
-    --concurrency 1,4,8,16) and over twice that on the slower 2-core Intel Xeon; a model draft
-    takes longer."""
+    lookup) takes about 10 minutes on a quiet 2-core machine, twice that on a slower one; a model
+    draft takes longer."""
     from specserve.bench.policies import PoliciesBenchConfig, run_policies_bench
 
     set_threads(threads)

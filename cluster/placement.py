@@ -12,8 +12,8 @@ So a draft goes inside when γ·a_in ≤ h + γ·a_sep; as its own deployment wh
 GPU actors in production) or when measurement says its own hardware is that much faster.
 
     model-free (prompt lookup)   always inside: an n-gram search costs microseconds, a handle
-                                 call milliseconds (6-14 ms on a 35 ms step, measured on a
-                                 2-core AMD EPYC, 2026-11-26)
+                                 call milliseconds (a sixth to a third of a CPU step;
+                                 docs/benchmarks.md §2)
     model draft, ``auto``        a_in measured on this host at build time with the target's thread
                                  count (``replicas/cost_probe.py``); a_sep = a_in unless measured
                                  on other hardware (a separate replica on the same kind of host
@@ -34,8 +34,8 @@ from specserve.cluster.config import AUTO, INSIDE, SEPARATE, AppConfig, DraftSpe
 
 logger = logging.getLogger("ray.serve")
 
-# The least a Serve handle call costs a step (ms): the low end of 6-14 ms measured per step with
-# prompt lookup as its own deployment (2-core AMD EPYC, 2026-11-26, bench serve, 12 prompts).
+# The least a Serve handle call costs a step (ms): the low end of what prompt lookup as its own
+# deployment cost per step in ``bench serve`` (docs/benchmarks.md §2).
 HANDLE_CALL_MS = 6.0
 # The window placement prices a step at: the shipped default window.
 PLACEMENT_WINDOW = 4

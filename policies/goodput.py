@@ -44,13 +44,11 @@ Exploring: once speculation is off, α̂ is no longer observed, and a draft that
 credit covers that window's price (b·tokens fed + its share of the draft's call): at most that
 share of the verify time goes to exploring, spread over the requests one at a time. Exploring
 every request of one step in 32·B/4 instead cost 3% of the verify time at batch 8 and made that
-step several times slower than its neighbours (in-process, 8 chat prompts at once: 146-148 tok/s
-with it, 151-152 without exploring; measured 2026-11-26 on a 2-core AMD EPYC).
+step several times slower than its neighbours (docs/benchmarks.md §4.3).
 
 Why a line per load bucket (b1, b4, b8, b8+ requests in the step, ``stats.load_bucket``): one line
 through steps of every batch size underestimated what the extra tokens cost at batch 16 on two
-threads (in-process, 16 at once: 0.94x target-only, measured 2026-11-23 on a 2-core AMD EPYC),
-where the forward is past the size at which the CPU's matrix products stop being flat. Within a
+threads (docs/benchmarks.md §4.3), where the forward is past the size at which the CPU's matrix products stop being flat. Within a
 bucket the line is local.
 """
 

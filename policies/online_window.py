@@ -28,9 +28,7 @@ Where this deviates from the paper, and why:
   steps". One request's steps are too few and too noisy for b (a step varies by ~2 ms, the
   windows that matter differ by 0-1.5 ms): replayed over recorded outputs with that noise, b from
   the request's own steps reached 0.95 of the per-request oracle and b from the replica's table
-  0.99 (``verify_costs.py``). In ``bench policies`` the table moved the rule from 0.952 to
-  0.959-0.960 of the oracle: the replay's gain did not fully carry over (measured 2026-11-26 on
-  a 2-core AMD EPYC).
+  0.99 (``verify_costs.py``); served, part of that gain carries over (docs/benchmarks.md §4.1).
 - **Before measurement.** Until α̂ and two forward sizes are measured the request alternates its
   own window with a second size (half of it, or 2 when it asked for 1), so that the first fit
   comes from steps that differ.

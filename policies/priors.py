@@ -123,7 +123,7 @@ def window_for(alpha: float, costs: dict, window_max: int) -> int:
     the line elsewhere. Beyond the largest window measured only when the line rises (two windows or
     more, slope > 0: extending it is a model). A flat line says nothing about longer windows: from
     windows 1-4 it recommended 7-8 to warm starts, where the CPU's verify cost steps up at γ = 6
-    (bench policies, 2026-11-26: warm rows at 7-8 while the oracle mostly took 5); and with one
+    (``bench policies``: warm rows at 7-8 while the oracle mostly took 5); and with one
     window seen b(γ) is flat by construction (bench serve: warm starts at γ = 8 from γ = 4 data fed
     larger forwards than the verify cost allowed under load)."""
     windows = costs["windows"]

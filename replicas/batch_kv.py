@@ -10,10 +10,8 @@ a tree: its path), nothing of other slots. Two layouts:
 - **flat** (Llama-family models on the CPU when no feed has more than
   ``cpu_attention.MAX_NEW_TOKENS`` tokens: verify steps, unless a window, tree or uncached tail
   is longer): the feeds' tokens one after another, no padding (``LlamaForward.flat``). A request
-  verifying 5 tokens beside fifteen decoding 1 makes a forward of 20 tokens. Measured in-process, 16
-  ShareGPT chat prompts at once, one thread, bfloat16, 128 tokens: 4 of the 16 speculating with
-  γ = 4, 97 -> 174 tok/s; all 16 at γ = 4, 113 -> 144; none, ~190 either way (2-core AMD EPYC,
-  2026-11-25).
+  verifying 5 tokens beside fifteen decoding 1 makes a forward of 20 tokens, not 16 x 5
+  (docs/benchmarks.md §2.3).
 - **padded** (any other model, device or long prefill chunk): rows are left-padded to the longest
   feed, so every row's real tokens end at the last column, with a 4D mask. The batch is the slot
   range ``[lo, hi)``: a *view* of the buffers, no gather; slots in that range that take no part

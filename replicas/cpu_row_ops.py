@@ -3,10 +3,8 @@ argmax over the vocabulary, RMSNorm fused with the residual add before it, and t
 embedding of q and k.
 
 Why: at decode sizes (1-16 rows) torch runs each of these as several passes with temporaries
-and a dispatch each, and its bfloat16 argmax is a scalar loop. Measured 2026-11-25 on a 2-core AMD EPYC
-(one thread, bfloat16): argmax of 16 rows of 49,152 logits 2.8 ms in torch, 0.22 ms here
-(float32: 1.1 vs 0.11 ms); residual add + RMSNorm of [16, 576] as Hugging Face orders it 42 vs
-14 us. At 16 sequences a step ran 16 argmaxes and 61 norms: ~5 ms of a ~60 ms step.
+and a dispatch each, and its bfloat16 argmax is a scalar loop: at 16 sequences these took a
+twelfth of a step, ten times what they take here (docs/benchmarks.md §2.4).
 
 The numbers are Hugging Face's eager ones to the rounding: float32 arithmetic, each
 intermediate rounded to the model's dtype where torch's ops round it (the residual sum; the norm

@@ -181,10 +181,8 @@ def query_blocks(mask: torch.Tensor, heads: int) -> list[tuple[int, int, int]]:
     scores in one piece leave the CPU's caches (495 new tokens, 9 heads: 8.8 MB), and the softmax
     and both products then run from memory. And a block reads only the keys up to the last one
     any of its rows may see: under a causal mask, the later keys are masked for all its rows, and
-    their products need not be computed (about half of a fresh prompt's). Measured on the 2-core
-    AMD EPYC, one thread, bfloat16, a layer's attention: 495 new tokens 16-19 -> 7.0 ms (torch's
-    scaled_dot_product_attention: 9.4) before trimming the keys; 512 after 512 cached 37 -> 13 ms;
-    256 after 300 and 200 alone unchanged (4.1, 1.1 ms)."""
+    their products need not be computed (about half of a fresh prompt's; docs/benchmarks.md
+    §2.4)."""
     B, _, S, L = mask.shape
     rows = max(16, SCORES_BLOCK_BYTES // (4 * B * heads * L))
     if rows >= S or mask.device.type != "cpu":   # sized for a CPU's caches; elsewhere, no device sync

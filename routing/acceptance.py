@@ -15,7 +15,7 @@ One class serves both models:
 **The prior** (``prior_alpha``, α₀): the ridge pulls the fit towards α₀ instead of 0 (it regresses
 α − α₀), so a draft nothing has been observed for is predicted α₀. Pulled towards 0, a draft
 tried twice on unlucky prompts was predicted α ≈ 0.1 and LinUCB's bonus (β·width ≈ 0.3) never
-brought it back: in ``bench router`` (2026-11-26) the bandit then chose the HSR head for 36 of
+brought it back: in ``bench router`` the bandit then chose the HSR head for 36 of
 its 40 warm-up prompts and prompt lookup, the faster draft on most of them, for 2. The router's
 models start at ``ROUTER_PRIOR_ALPHA``; the least-squares baseline keeps the paper's α₀ = 0 (with
 its tiny ridge the prior does not matter once it has data).
