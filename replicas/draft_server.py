@@ -189,6 +189,11 @@ class DraftServer:
             self._batched.prior = previous._batched.prior
 
     @property
+    def worker(self):
+        """The thread this draft's model work runs on (the target's, when it shares it)."""
+        return self._worker
+
+    @property
     def features_size(self) -> int | None:
         """The width of the target states a hidden-state-reuse draft reads per position (n·H for
         n layers); None for the others."""

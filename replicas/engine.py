@@ -22,7 +22,7 @@ from specserve.replicas.drafts.hsr_head import feature_layers
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
-from specserve.replicas.model_worker import InlineWorker
+from specserve.replicas.model_worker import InlineWorker, ModelWorker
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, DraftRouter, RequestState, SpecRequest, StaticPolicy
 from specserve.replicas.scheduler import Scheduler
@@ -57,15 +57,18 @@ class Generation:
 
 
 def in_process_server(name: str, draft: Draft, ensemble: dict | None = None, tokenizer=None,
-                      images=None) -> DraftServer:
+                      images=None, apart: bool = False) -> DraftServer:
     """``draft`` served in-process: a draft of its own (and KV cache) per session, all on the
     draft's one model; a model-free draft (prompt lookup) serves every session as it is.
     ``ensemble``: a draft LM's chains as a TABED ensemble of its views (``DraftServer``);
-    ``images``: a VLM target's ``ImageStore``, which its picture views read."""
+    ``images``: a VLM target's ``ImageStore``, which its picture views read. ``apart``: the
+    draft's model work runs on a one-thread model worker of its own, beside the target's
+    forward (the step loop drafts ahead with it), instead of in the caller's thread."""
     model = draft_model(draft)
     windowed = getattr(draft, "windowed", False)
     make = (lambda: draft) if model is None else (lambda: draft_from_model(name, model, windowed))
-    return DraftServer(name, worker=InlineWorker(), make_draft=make, ensemble=ensemble, tokenizer=tokenizer,
+    worker = ModelWorker(f"draft-{name}", threads=1) if apart else InlineWorker()
+    return DraftServer(name, worker=worker, make_draft=make, ensemble=ensemble, tokenizer=tokenizer,
                        images=images)
 
 

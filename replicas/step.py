@@ -103,6 +103,16 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def chain_after_first(self, window: int) -> "Proposal":
+        """A chain's tokens after its first, at most ``window`` of them, with their draft rows:
+        what a chain drafted from one token further back proposes once that token is emitted."""
+        if not self.is_chain:
+            raise ValueError("only a chain continues past its first token")
+        end = 1 + max(0, window)
+        probs = None if self.draft_probs is None else self.draft_probs[1:end]
+        token_probs = None if self.token_probs is None else self.token_probs[1:end]
+        return Proposal.chain(self.tokens[1:end], probs, token_probs)
+
     @property
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))

@@ -11,6 +11,18 @@ A draft is a ``DraftServer`` (in-process, or inside the target replica) or a dra
 (``remote_draft.RemoteDraft``, every call bounded in time); both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs
 its requests their speculation (they go on with plain decoding), never the requests (docs/design.md §7).
 
+**Drafting ahead** (docs/design.md §5.4). A draft that runs apart from the target's model thread
+(its own deployment, or its own thread inside the replica) does not idle while the target
+verifies: for each chain it proposed it drafts the next step at once, from the outcome that would
+need it soonest, every token accepted, as PEARL's post-verify does ("PEARL: Parallel Speculative
+Decoding with Adaptive Draft Length"): it is asked for γ + 1 tokens after the chain, the first
+being its guess of the bonus token. When the verdict emits exactly the chain and that guess, the
+rest is the next step's proposal and the step asks nothing; any other verdict rules the draft
+out and it is dropped, unused. A proposal drafted ahead is used only when the context it was drafted
+from is the request's context, so verification, and the output, are as without it. A draft
+ahead that is still running when the next step is planned is waited for at most one verify's
+time, then dropped (that step of its request goes plain).
+
 Tokens reach their requests on the event loop's thread, never from the model thread
 (``asyncio`` objects are not thread-safe), and after the next forward has started, so that a
 served replica's streaming overlaps the model's work (with 16 requests on one-thread replicas
@@ -24,22 +36,48 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from specserve.replicas.drafts.base import NeedFeatures, vocabulary_error
+from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest, StepError, StreamItem
-from specserve.replicas.scheduler import Scheduler
+from specserve.replicas.scheduler import Scheduler, StepPlan
 from specserve.replicas.target import DEFAULT_FEATURE_LAYERS
 from specserve.replicas.step import Proposal, ProposeRequest, Speculation, StepRecord
 
 logger = logging.getLogger("ray.serve")
 
 
+@dataclass
+class AheadCounts:
+    """What drafting ahead did: chains drafted ahead, and what became of them."""
+
+    drafted: int = 0     # chains asked for while their step was verified
+    used: int = 0        # the verdict was the hypothesis: the next step's proposal, not asked again
+    ruled_out: int = 0   # the verdict was another: dropped unused
+    late: int = 0        # the hypothesis held but the draft had not answered within a verify's time
+
+    def to_dict(self) -> dict:
+        return {"drafted": self.drafted, "used": self.used, "ruled_out": self.ruled_out, "late": self.late}
+
+
+@dataclass
+class _Ahead:
+    """A chain drafted ahead for one request: it continues ``basis`` (the request's context as the
+    step was planned, then that step's proposal), and its first token guesses the bonus."""
+
+    draft: str
+    basis_len: int               # len(context) when the step was planned
+    proposal: tuple[int, ...]    # the step's chain, appended to the context in the hypothesis
+    task: asyncio.Task           # -> dict[request id, Proposal]
+
+
 class StepLoop:
     def __init__(self, scheduler: Scheduler, drafts: dict, worker, clock: Callable[[], float] = time.perf_counter,
-                 on_idle: Callable[[], Awaitable[None]] | None = None):
+                 on_idle: Callable[[], Awaitable[None]] | None = None, draft_ahead: bool = True):
         """``drafts``: ``DraftServer`` or ``RemoteDraft`` by name. ``on_idle``: awaited each time
-        the work runs out (the served replica gives freed memory back)."""
+        the work runs out (the served replica gives freed memory back). ``draft_ahead``: drafts
+        that run apart from ``worker`` draft the next step while the target verifies."""
         self.scheduler = scheduler
         self.drafts = dict(drafts)
         self.worker = worker
@@ -54,6 +92,11 @@ class StepLoop:
         self.on_idle = on_idle
         # (emit, item) pairs the scheduler sent, from whichever thread, until _deliver hands them on.
         self._outbox: deque[tuple[Callable[[StreamItem], None], StreamItem]] = deque()
+        self.draft_ahead = draft_ahead
+        self.ahead = AheadCounts()
+        self._ahead: dict[str, _Ahead] = {}     # request id -> the chain drafted ahead for it
+        self._last_verify_s = 0.0
+        self._chores: set[asyncio.Task] = set()   # releases waiting for a draft ahead to answer
 
     def add(self, request: SpecRequest, emit: Callable[[StreamItem], None] | None = None) -> RequestState:
         """Queue ``request``; ``emit`` gets its items on the event loop's thread."""
@@ -140,6 +183,88 @@ class StepLoop:
                 state.speculating = False
             return {}
 
+    # ---- drafting ahead ----------------------------------------------------------------------
+
+    def runs_apart(self, name: str) -> bool:
+        """Whether ``name`` drafts on hardware other than the target's model thread, and is a model
+        draft that reads no target states: only then is there anything to overlap (a model-free
+        draft answers in microseconds; a hidden-state-reuse draft needs states of tokens the
+        target has not yet verified)."""
+        draft = self.drafts[name]
+        info = self._info.get(name)
+        if info is None or info.get("needs_features") or info.get("vocab_size") is None:
+            return False
+        worker = getattr(draft, "worker", None)   # a DraftServer's; a draft deployment has none here
+        return worker is not self.worker and not isinstance(worker, InlineWorker)
+
+    def _ahead_asks(self, plan: StepPlan, proposals: dict[str, Proposal]) -> dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]:
+        """The asks of drafting ahead, built before the step's forward changes any context."""
+        out: dict[str, list] = {}
+        if not self.draft_ahead:
+            return out
+        for name, entries in plan.asks.items():
+            if not self.runs_apart(name):
+                continue
+            for state, spec in entries:
+                proposal = proposals.get(state.id)
+                if spec.tree is not None or proposal is None or not proposal.tokens or not proposal.is_chain:
+                    continue
+                base = self.scheduler.propose_request(state, spec)
+                ask = replace(base, context=base.context + proposal.tokens, window=spec.window + 1)
+                out.setdefault(name, []).append((state, ask, _Ahead(name, len(base.context), tuple(proposal.tokens), None)))
+        return out
+
+    def _start_ahead(self, asks: dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]) -> None:
+        for name, entries in asks.items():
+            task = asyncio.get_running_loop().create_task(self._draft_ahead(name, [ask for _, ask, _ in entries]))
+            for state, _, ahead in entries:
+                ahead.task = task
+                self._ahead[state.id] = ahead
+                self.ahead.drafted += 1
+
+    async def _draft_ahead(self, name: str, asks: list[ProposeRequest]) -> dict[str, Proposal]:
+        try:
+            replies = await self.drafts[name].propose_batch(asks)
+        except Exception as err:  # noqa: BLE001 - a draft ahead that fails is only not used
+            logger.info("draft %s: drafting ahead failed (%s: %s)", name, type(err).__name__, err)
+            return {}
+        return {ask.session_id: reply for ask, reply in zip(asks, replies) if isinstance(reply, Proposal)}
+
+    async def _take_ahead(self, plan: StepPlan) -> dict[str, Proposal]:
+        """The proposals drafted ahead that this step's requests can use, by request id: the
+        verdict emitted exactly the chain and the draft's guess of the bonus, the request still
+        asks that draft for a chain, and the draft answered within one verify's time."""
+        pending, self._ahead = self._ahead, {}
+        waiting: dict[str, tuple[_Ahead, Speculation, RequestState]] = {}
+        for name, entries in plan.asks.items():
+            for state, spec in entries:
+                ahead = pending.pop(state.id, None)
+                if ahead is None:
+                    continue
+                context = state.context
+                n = ahead.basis_len + len(ahead.proposal)
+                if (ahead.draft != name or spec.tree is not None or len(context) != n + 1
+                        or tuple(context[ahead.basis_len:n]) != ahead.proposal):
+                    self.ahead.ruled_out += 1
+                    continue
+                waiting[state.id] = (ahead, spec, state)
+        self.ahead.ruled_out += len(pending)   # requests that finished, or went plain
+        tasks = {ahead.task for ahead, _, _ in waiting.values() if not ahead.task.done()}
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(self._last_verify_s, 1e-3))
+        used: dict[str, Proposal] = {}
+        for request_id, (ahead, spec, state) in waiting.items():
+            if not ahead.task.done():
+                self.ahead.late += 1
+                continue
+            proposal = ahead.task.result().get(request_id)
+            if proposal is None or len(proposal) < 2 or not proposal.is_chain or proposal.tokens[0] != state.context[-1]:
+                self.ahead.ruled_out += 1
+                continue
+            used[request_id] = proposal.chain_after_first(spec.window)
+            self.ahead.used += 1
+        return used
+
     async def _release(self, sessions: list[tuple[str, str]]) -> None:
         """Free the draft sessions of (draft, request id) pairs."""
         by_draft: dict[str, list[str]] = {}
@@ -169,21 +294,50 @@ class StepLoop:
         if not self._asked_every_draft:
             await self._ask_every_draft()
         t0 = self._clock()
-        proposals: dict[str, Proposal] = {}
         self._draft_ms: dict[str, float] = {}
-        proposing = asyncio.gather(*(self._propose(name, entries) for name, entries in plan.asks.items()))
+        proposals: dict[str, Proposal] = await self._take_ahead(plan) if self._ahead else {}
+        asks = {name: rest for name, entries in plan.asks.items()
+                if (rest := [(state, spec) for state, spec in entries if state.id not in proposals])}
+        for name in plan.asks.keys() - asks.keys():
+            self._draft_ms[name] = 0.0   # every proposal was drafted ahead: the step waited for none
+        proposing = asyncio.gather(*(self._propose(name, entries) for name, entries in asks.items()))
         self._deliver()
         for part in await proposing:
             proposals.update(part)
-        work = self.worker.submit(self.scheduler.execute, plan, proposals, self._clock() - t0, self._draft_ms)
+        ahead = self._ahead_asks(plan, proposals)
+        if ahead:   # the drafts start on their own hardware before this thread runs the forward
+            self._start_ahead(ahead)
+            await asyncio.sleep(0)
+        t_verify = self._clock()
+        work = self.worker.submit(self.scheduler.execute, plan, proposals, t_verify - t0, self._draft_ms)
         self._deliver()   # the previous step's tokens stream while this step's forward runs
         record = await work
+        self._last_verify_s = self._clock() - t_verify
         # Sessions of finished requests, and of drafts a request switched away from.
         sessions = [(s.request.draft, s.id) for s in plan.decode if s.done] + self.scheduler.released
         self.scheduler.released = []
         if sessions:
-            await self._release(sessions)
+            await self._release_after_ahead(sessions)
         return record
+
+    async def _release_after_ahead(self, sessions: list[tuple[str, str]]) -> None:
+        """Free sessions now, or, where a draft ahead for the session is still running, once it
+        answers (released first, the session would be made again by the late call)."""
+        now, later = [], []
+        for draft, request_id in sessions:
+            ahead = self._ahead.get(request_id)
+            (later if ahead is not None and ahead.draft == draft and not ahead.task.done() else now).append((draft, request_id))
+        if now:
+            await self._release(now)
+        if later:
+            tasks = {self._ahead[request_id].task for _, request_id in later}
+            chore = asyncio.get_running_loop().create_task(self._release_when(tasks, later))
+            self._chores.add(chore)
+            chore.add_done_callback(self._chores.discard)
+
+    async def _release_when(self, tasks: set[asyncio.Task], sessions: list[tuple[str, str]]) -> None:
+        await asyncio.wait(tasks)
+        await self._release(sessions)
 
     async def run_until_idle(self) -> None:
         while self.scheduler.has_work:
