@@ -50,13 +50,15 @@ def build_app(args: AppConfig) -> Application:
         spec.name: spec.model_dump() if placements[spec.name].where == INSIDE else DraftDeployment.options(
             name=draft_deployment(spec.name), request_router_config=SESSION_AFFINITY
         ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle,
-               ensemble=spec.ensemble.model_dump() if spec.ensemble else None, windowed=spec.windowed)
+               ensemble=spec.ensemble.model_dump() if spec.ensemble else None, windowed=spec.windowed,
+               measure_cost=True)
         for spec in config.drafts
     }
     target_config = TargetConfig(
         model=config.target, dtype=config.dtype, torch_threads=config.torch_threads,
         kv_sessions_idle=config.kv_sessions_idle, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
         stats_name=config.model_id, default_draft=config.default_draft, max_model_len=config.max_model_len,
+        draft_ahead=config.draft_ahead,
     )
     router = RouterFactory(config.router_explore, topic_corpus, redis_url=config.redis_url,
                            redis_prefix=config.redis_prefix) if config.router else None

@@ -99,8 +99,13 @@ class DraftSpec(BaseModel):
         "draft inside when its in-replica step costs less than a handle call plus its forwards elsewhere.",
     )
     torch_threads: int | None = Field(
-        None, ge=1, description="torch threads in each draft replica; default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
+        None, ge=1, description="torch threads in each draft replica (or on an inside draft's own thread, 1 by "
+        "default); default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
     )
+    own_thread: bool = Field(
+        False, description="A model draft placed inside only: its model work runs on a thread of its own in the "
+        "target replica (on a GPU, its own CUDA stream), so it drafts the next step while the target verifies "
+        "(draft_ahead); the replica then keeps a second core busy. Off: it shares the target's model thread.")
 
     @model_validator(mode="after")
     def _reserved_names(self) -> "DraftSpec":
@@ -117,6 +122,9 @@ class DraftSpec(BaseModel):
                              "pictures, which only its replica holds; placement separate is not possible")
         if self.seed_outputs is not None and self.method != SUFFIX:
             raise ValueError(f"draft {self.name!r}: seed_outputs seeds a suffix draft's index; set method: suffix")
+        if self.own_thread and (self.model is None or self.placement == SEPARATE):
+            raise ValueError(f"draft {self.name!r}: own_thread runs a model draft placed inside on a thread of its "
+                             "own; a model-free draft needs none and a separate one has its own replica")
         if self.method == SUFFIX and self.placement == SEPARATE:
             raise ValueError(f"draft {self.name!r}: a suffix draft runs inside the target replica, whose finished "
                              "requests feed its index; placement separate is not possible")
@@ -153,6 +161,10 @@ class AppConfig(BaseModel):
     router_explore: float = Field(0.2, ge=0.0, le=5.0, description="The router's exploration weight (LinUCB's β): "
                                   "how much an untried draft's uncertainty counts in its favour; 0: always the predicted best.")
     default_window: int = Field(4, ge=0, le=MAX_WINDOW, description="Window γ for requests that name none.")
+    draft_ahead: bool = Field(True, description="A model draft that runs apart from the target's model thread "
+                              "(placement separate, or own_thread) drafts each chain's next step while the target "
+                              "verifies it, from the outcome where every token is accepted (replicas/step_loop.py); "
+                              "a chain the verdict rules out is dropped unused.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch threads in each target replica; default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
     )

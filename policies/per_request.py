@@ -32,10 +32,13 @@ class PolicyByRequest:
 
     def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None:
         """The replica's costs measured at start, to every policy that prices with them (now, and
-        each created later)."""
-        self._seed = (verify, draft_ms_per_position)
+        each created later). Called again with more (a draft deployment's costs, known once it
+        answers), it adds to what was seeded: later instances get all of it."""
+        old_verify, old_drafts = self._seed or ((), {})
+        self._seed = (tuple(verify) or old_verify, {**old_drafts, **draft_ms_per_position})
         for policy in self.instances.values():
-            self._seed_one(policy)
+            if isinstance(policy, PricesSteps):
+                policy.seed_costs(verify, draft_ms_per_position)
 
     def _seed_one(self, policy) -> None:
         if isinstance(policy, PricesSteps) and self._seed is not None:   # only the cost-aware ones

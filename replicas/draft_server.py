@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 
 from specserve.data.answers import answer_outputs
+from specserve.replicas.cost_probe import draft_ms_per_position
 from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, propose
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.ensemble import EnsembleDraftLM, user_turn_marker
@@ -59,7 +60,7 @@ class DraftServer:
     def __init__(self, name: str, model: str | None = None, dtype: str = "auto", torch_threads: int | None = None,
                  kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None,
                  method: str | None = None, seed_outputs: str | None = None, ensemble: dict | None = None,
-                 tokenizer=None, images=None, windowed: bool = False):
+                 tokenizer=None, images=None, windowed: bool = False, measure_cost: bool = False):
         """``model``: a draft LM or HSR head to load; None: the model-free ``method``, prompt lookup
         or suffix (its index seeded with the answers in ``seed_outputs``). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
@@ -70,7 +71,9 @@ class DraftServer:
         the draft runs beside it, so an ensemble's multimodal and pooled views read a VLM
         request's pictures; every other draft reads the image placeholder in their place.
         ``windowed``: a hidden-state-reuse head attends to a VLM request's text positions alone
-        (Sparrow's text-anchored window, ``HSRDraft``)."""
+        (Sparrow's text-anchored window, ``HSRDraft``). ``measure_cost``: a model draft times its
+        own drafted position on its own thread and hardware before it serves (``cost_probe``),
+        and ``info`` reports it: what a target prices a draft deployment with before using it."""
         self.name = name
         self.images = images
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
@@ -115,6 +118,10 @@ class DraftServer:
             self.pool = SessionPool(lambda: draft_from_model(name, loaded.model, windowed), keep_idle=kv_sessions_idle)
             if ensemble:
                 self._ensemble(loaded.model, ensemble, loaded.tokenizer)
+        self.ms_per_position: float | None = None
+        if measure_cost and (self.pool is not None or self._batched is not None):
+            self.ms_per_position = self._worker.call(draft_ms_per_position, self.propose_now,
+                                                     self.vocab_size or 1 << 15, self._features_size)
         logger.info("draft %s ready (%s)", name, model or ("in-process" if make_draft else "suffix, no model" if self.suffix
                                                            else "prompt lookup, no model"))
 
@@ -159,7 +166,8 @@ class DraftServer:
         side by side), and the vocabulary the draft's ids come from (None: the target's own, as
         prompt lookup copies them from the context)."""
         return {"needs_features": self._needs_features, "vocab_size": self.vocab_size,
-                **({"feature_layers": self._feature_layers} if self._feature_layers else {})}
+                **({"feature_layers": self._feature_layers} if self._feature_layers else {}),
+                **({"ms_per_position": self.ms_per_position} if self.ms_per_position is not None else {})}
 
     async def propose_batch(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
         """One proposal per ask, in order. An HSR head that holds fewer of a session's target

@@ -22,13 +22,17 @@ T = TypeVar("T")
 
 class ModelWorker:
     def __init__(self, name: str, threads: int | None = None, stuck_after_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, own_stream: bool = False):
         """``threads``: torch's thread count for model work. OpenMP thread counts are per OS
         thread, and Ray sets ``OMP_NUM_THREADS`` to an actor's ``num_cpus``: set in the replica's
         constructor, it would not reach this thread (measured: a matmul here ran 1.7x slower),
-        so it is set here, in the thread that runs the model."""
+        so it is set here, in the thread that runs the model. ``own_stream``: on a GPU, this
+        thread's kernels go to a CUDA stream of their own (a draft beside the target's forward,
+        not queued behind it), and each call waits for them before it returns, so what it hands
+        to another thread is complete."""
         self.name = name
         self.threads = threads
+        self._stream = own_stream and torch.cuda.is_available()
         self.stuck_after_s = stuck_after_s
         self._clock = clock
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=self._init_thread)
@@ -37,6 +41,8 @@ class ModelWorker:
     def _init_thread(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
+        if self._stream:
+            torch.cuda.set_stream(torch.cuda.Stream())
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the model thread, waiting for it here: start-up work outside an event
@@ -58,7 +64,10 @@ class ModelWorker:
     def _timed(self, fn: Callable[..., T], args: tuple) -> T:
         self._busy_since = self._clock()
         try:
-            return fn(*args)
+            out = fn(*args)
+            if self._stream:
+                torch.cuda.current_stream().synchronize()
+            return out
         finally:
             self._busy_since = None
 

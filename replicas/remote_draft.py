@@ -80,6 +80,16 @@ class RemoteDraft:
     async def info(self) -> dict:
         return await self._call("info")
 
+    async def round_trip_ms(self, calls: int = 3) -> float:
+        """What a call costs the step beyond the draft's own work, measured from here: the least
+        of ``calls`` ``info`` calls (no model work; the first one resolved the handle)."""
+        times = []
+        for _ in range(calls):
+            t0 = self._clock()
+            await self._call("info")
+            times.append(1e3 * (self._clock() - t0))
+        return min(times)
+
     async def propose_batch(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
         return await self._call("propose_batch", asks)
 

@@ -74,10 +74,13 @@ class _Ahead:
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler, drafts: dict, worker, clock: Callable[[], float] = time.perf_counter,
-                 on_idle: Callable[[], Awaitable[None]] | None = None, draft_ahead: bool = True):
+                 on_idle: Callable[[], Awaitable[None]] | None = None, draft_ahead: bool = True,
+                 on_draft_costs: Callable[[str, float, float], None] | None = None):
         """``drafts``: ``DraftServer`` or ``RemoteDraft`` by name. ``on_idle``: awaited each time
         the work runs out (the served replica gives freed memory back). ``draft_ahead``: drafts
-        that run apart from ``worker`` draft the next step while the target verifies."""
+        that run apart from ``worker`` draft the next step while the target verifies.
+        ``on_draft_costs(name, ms per drafted position, round trip ms)``: a draft deployment's
+        costs, once it first answers: its own start-up probe, and the handle call measured from here."""
         self.scheduler = scheduler
         self.drafts = dict(drafts)
         self.worker = worker
@@ -97,6 +100,8 @@ class StepLoop:
         self._ahead: dict[str, _Ahead] = {}     # request id -> the chain drafted ahead for it
         self._last_verify_s = 0.0
         self._chores: set[asyncio.Task] = set()   # releases waiting for a draft ahead to answer
+        self.on_draft_costs = on_draft_costs
+        self.draft_costs: dict[str, dict] = {}    # draft deployment -> its measured costs
 
     def add(self, request: SpecRequest, emit: Callable[[StreamItem], None] | None = None) -> RequestState:
         """Queue ``request``; ``emit`` gets its items on the event loop's thread."""
@@ -141,6 +146,27 @@ class StepLoop:
         for name, answer in zip(names, answers):
             if isinstance(answer, BaseException):
                 logger.warning("draft %s: no info before the first step (%s: %s)", name, type(answer).__name__, answer)
+            elif isinstance(answer, dict) and hasattr(self.drafts[name], "round_trip_ms"):
+                await self._price_remote(name, answer)
+
+    async def _price_remote(self, name: str, info: dict) -> None:
+        """A draft deployment's costs, from its own probe and a measured handle call: until a
+        step uses it, nothing here measures it, and an unpriced draft is never routed."""
+        try:
+            ms = float(info.get("ms_per_position"))
+            if not 0.0 <= ms < 1e4:
+                raise ValueError(f"ms_per_position {ms!r} out of range")
+            round_trip = await self.drafts[name].round_trip_ms()
+        except (TypeError, ValueError) as err:
+            logger.info("draft %s reports no usable cost (%s)", name, err)
+            return
+        except Exception as err:  # noqa: BLE001 - an unpriced draft is only not routed
+            logger.warning("draft %s: its round trip could not be measured (%s: %s)", name, type(err).__name__, err)
+            return
+        self.draft_costs[name] = {"ms_per_position": round(ms, 3), "round_trip_ms": round(round_trip, 3)}
+        logger.info("draft %s (its own deployment) costs %s", name, self.draft_costs[name])
+        if self.on_draft_costs is not None:
+            self.on_draft_costs(name, ms, round_trip)
 
     async def _propose(self, name: str, entries: list[tuple[RequestState, Speculation]]) -> dict[str, Proposal]:
         t0 = self._clock()

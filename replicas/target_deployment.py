@@ -51,6 +51,9 @@ from specserve.replicas.target import Target
 logger = logging.getLogger("ray.serve")
 
 
+# The window a draft deployment's handle call is shared over when it is first priced (the shipped
+# default window); its steps then measure what it really costs.
+PRICED_WINDOW = 4
 # Steps that fail one after another (every request of each failing) mean the model cannot run.
 UNHEALTHY_AFTER_FAILED_STEPS = 3
 # Freed native memory goes back to the OS when the replica runs out of work, at most this often.
@@ -94,6 +97,8 @@ class TargetConfig:
     # the cache grew towards the longest sequence seen). None: the model's context, the cache
     # growing as sequences do, for the in-process tests and small runs that never fill it.
     max_model_len: int | None = None
+    # Drafts that run apart from the model thread draft the next step while the target verifies.
+    draft_ahead: bool = True
 
 
 @runtime_checkable
@@ -151,8 +156,11 @@ class TargetDeployment:
         resolved = {}
         for name, d in drafts.items():
             if isinstance(d, dict):
+                # A draft on its own thread gets a one-thread worker (and CUDA stream) of its own.
+                worker = (ModelWorker(f"draft-{name}", threads=d.get("torch_threads") or 1, own_stream=True)
+                          if d.get("own_thread") else self._worker)
                 resolved[name] = DraftServer(name, d["model"], config.dtype, kv_sessions_idle=config.kv_sessions_idle,
-                                             worker=self._worker, method=d.get("method"), seed_outputs=d.get("seed_outputs"),
+                                             worker=worker, method=d.get("method"), seed_outputs=d.get("seed_outputs"),
                                              ensemble=d.get("ensemble"), images=self.images,
                                              windowed=d.get("windowed", False))
             else:
@@ -172,13 +180,15 @@ class TargetDeployment:
             max_running=config.max_batch, router=None if self.routing is None else self.routing.router, default_draft=config.default_draft,
             observers=self.learning.observers if self.learning is not None else (),
             on_draft=[self._routed] if self.learning is not None else ())
-        self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory)
+        self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory,
+                             draft_ahead=config.draft_ahead, on_draft_costs=self._price_separate)
         self._released_at = -math.inf
         self._task: asyncio.Task | None = None
         self._probe()   # the model runs before the replica reports healthy (and a reserved cache is allocated)
         # Priced before it serves: the router and the policy start from this replica's own costs.
         inside = {name: d for name, d in resolved.items() if isinstance(d, DraftServer)}
         self.costs = self._worker.call(self._measure_costs, inside)
+        self.policy = policy
         policy.seed_costs(self.costs.verify, self.costs.draft_ms_per_position)
         if self.routing is not None:
             self.routing.router.costs.seed_verify(self.costs.verify)
@@ -338,6 +348,14 @@ class TargetDeployment:
         if not math.isfinite(done.nll):
             raise RuntimeError("the model's output is not finite")
 
+    def _price_separate(self, name: str, ms_per_position: float, round_trip_ms: float) -> None:
+        """A draft deployment's cost per drafted position to this replica's steps, at the default
+        window: its own forwards plus its share of the handle call (the steps measure it after)."""
+        ms = ms_per_position + round_trip_ms / PRICED_WINDOW
+        self.policy.seed_costs((), {name: ms})
+        if self.routing is not None:
+            self.routing.router.costs.seed(name, ms)
+
     def _measure_costs(self, inside: dict[str, DraftServer]) -> ProbedCosts:
         """On the model thread: the verify forward's cost by tokens fed, and each in-replica
         draft's per drafted position (``cost_probe``), on the last KV slot (free at start)."""
@@ -345,7 +363,9 @@ class TargetDeployment:
         drafts = {}
         for name, draft in inside.items():
             try:
-                drafts[name] = draft_ms_per_position(draft.propose_now, target.vocab, draft.features_size)
+                probe = (draft_ms_per_position, draft.propose_now, target.vocab, draft.features_size)
+                # A draft on its own thread is timed there, with that thread's count.
+                drafts[name] = probe[0](*probe[1:]) if draft.worker is self._worker else draft.worker.call(*probe)
             except Exception as err:  # noqa: BLE001 - an unmeasured draft is only unpriced (the router skips it)
                 logger.warning("draft %s: its cost could not be measured (%s: %s); the router will not choose it "
                                "until a request that names it measures it", name, type(err).__name__, err)
