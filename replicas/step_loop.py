@@ -11,7 +11,7 @@ A draft is a ``DraftServer`` (in-process, or inside the target replica) or a dra
 (``remote_draft.RemoteDraft``, every call bounded in time); both answer ``info``, ``propose_batch`` and ``release``. A draft that fails costs
 its requests their speculation (they go on with plain decoding), never the requests (docs/design.md §7).
 
-**Drafting ahead** (docs/design.md §5.4). A draft that runs apart from the target's model thread
+**Drafting ahead** (docs/design.md §9). A draft that runs apart from the target's model thread
 (its own deployment, or its own thread inside the replica) does not idle while the target
 verifies: for each chain it proposed it drafts the next step at once, from the outcome that would
 need it soonest, every token accepted, as PEARL's post-verify does ("PEARL: Parallel Speculative
@@ -72,6 +72,14 @@ class _Ahead:
     task: asyncio.Task           # -> dict[request id, Proposal]
 
 
+# A proposal from a draft that runs apart is waited for at most the longer of one verify's time and
+# LATE_SLACK times the draft's median call (its own pace, whatever the hardware), never less than
+# MIN_DRAFT_WAIT_S; a draft with no call timed yet is waited for as long as its own deadline.
+MIN_DRAFT_WAIT_S = 0.005
+LATE_SLACK = 2.0
+CALL_HISTORY = 32
+
+
 class StepLoop:
     def __init__(self, scheduler: Scheduler, drafts: dict, worker, clock: Callable[[], float] = time.perf_counter,
                  on_idle: Callable[[], Awaitable[None]] | None = None, draft_ahead: bool = True,
@@ -101,6 +109,9 @@ class StepLoop:
         self._last_verify_s = 0.0
         self._chores: set[asyncio.Task] = set()   # releases waiting for a draft ahead to answer
         self.on_draft_costs = on_draft_costs
+        self._inflight: dict[str, asyncio.Task] = {}   # draft -> its step's call that came too late, still running
+        self.late: dict[str, int] = {}   # draft -> request steps that went plain waiting for it
+        self._call_s: dict[str, deque[float]] = {}   # draft -> its recent calls' seconds
         self.draft_costs: dict[str, dict] = {}    # draft deployment -> its measured costs
 
     def add(self, request: SpecRequest, emit: Callable[[StreamItem], None] | None = None) -> RequestState:
@@ -173,7 +184,17 @@ class StepLoop:
         try:
             return await self._proposals(name, entries)
         finally:
-            self._draft_ms[name] = 1e3 * (self._clock() - t0)
+            seconds = self._clock() - t0
+            self._draft_ms[name] = 1e3 * seconds
+            self._call_s.setdefault(name, deque(maxlen=CALL_HISTORY)).append(seconds)
+
+    def _wait_limit(self, name: str) -> float | None:
+        """How long this step waits for ``name``'s proposals (None: its own deadline)."""
+        calls = self._call_s.get(name)
+        if not calls:
+            return None
+        median = sorted(calls)[len(calls) // 2]
+        return max(self._last_verify_s, LATE_SLACK * median, MIN_DRAFT_WAIT_S)
 
     async def _proposals(self, name: str, entries: list[tuple[RequestState, Speculation]]) -> dict[str, Proposal]:
         draft = self.drafts[name]
@@ -312,7 +333,16 @@ class StepLoop:
             emit, item = self._outbox.popleft()
             emit(item)
 
+    def unavailable(self) -> frozenset[str]:
+        """Drafts that cannot propose now: disabled, a deployment marked down, or late with a
+        call still running."""
+        return frozenset({*self._disabled, *(n for n, d in self.drafts.items() if getattr(d, "down", False)),
+                          *(n for n, task in self._inflight.items() if not task.done())})
+
     async def step(self) -> StepRecord | None:
+        router = self.scheduler.router
+        if router is not None and hasattr(router, "unavailable"):   # routed around before the plan
+            router.unavailable = self.unavailable()
         plan = self.scheduler.plan()
         if plan.empty:
             self._deliver()
@@ -326,10 +356,7 @@ class StepLoop:
                 if (rest := [(state, spec) for state, spec in entries if state.id not in proposals])}
         for name in plan.asks.keys() - asks.keys():
             self._draft_ms[name] = 0.0   # every proposal was drafted ahead: the step waited for none
-        proposing = asyncio.gather(*(self._propose(name, entries) for name, entries in asks.items()))
-        self._deliver()
-        for part in await proposing:
-            proposals.update(part)
+        proposals.update(await self._proposals_in_time(asks))
         ahead = self._ahead_asks(plan, proposals)
         if ahead:   # the drafts start on their own hardware before this thread runs the forward
             self._start_ahead(ahead)
@@ -345,6 +372,40 @@ class StepLoop:
         if sessions:
             await self._release_after_ahead(sessions)
         return record
+
+    async def _proposals_in_time(self, asks: dict[str, list[tuple[RequestState, Speculation]]]) -> dict[str, Proposal]:
+        """The step's proposals. A draft on the model thread is waited for (it runs there); one
+        that runs apart, at most the longer of one verify's time and twice its usual call: later,
+        its requests decode plainly this step, and it is not asked again until that call ends (its
+        answer, for contexts gone by, is dropped), so a slow or stalled draft holds no step and
+        gathers no queue of calls."""
+        calls: dict[str, asyncio.Task] = {}
+        for name, entries in asks.items():
+            running = self._inflight.get(name)
+            if running is not None and not running.done():
+                self.late[name] = self.late.get(name, 0) + len(entries)
+                continue
+            calls[name] = asyncio.get_running_loop().create_task(self._propose(name, entries))
+        self._deliver()
+        if not calls:
+            return {}
+        limits = {name: self._wait_limit(name) for name in calls if self.runs_apart(name)}
+        bounded = {name for name, limit in limits.items() if limit is not None}
+        waited = [calls[name] for name in calls if name not in bounded]
+        if waited:
+            await asyncio.wait(waited)
+        if bounded:
+            await asyncio.wait([calls[name] for name in bounded], timeout=max(limits[name] for name in bounded))
+        proposals: dict[str, Proposal] = {}
+        for name, task in calls.items():
+            if task.done():
+                self._inflight.pop(name, None)
+                proposals.update(task.result())
+            else:
+                self._inflight[name] = task
+                self.late[name] = self.late.get(name, 0) + len(asks[name])
+                self._draft_ms[name] = 1e3 * limits[name]
+        return proposals
 
     async def _release_after_ahead(self, sessions: list[tuple[str, str]]) -> None:
         """Free sessions now, or, where a draft ahead for the session is still running, once it

@@ -96,6 +96,10 @@ class LearnedDraftRouter:
         self.recent: deque[dict] = deque(maxlen=recent)   # finished requests' decisions and outcomes
         # Who else learns from a finished request (metrics, the cluster's Redis stream).
         self.on_outcome: list[Callable[[dict], None]] = []
+        # Drafts that cannot propose now (a deployment down, or late with a call still running),
+        # set by the step loop before each step: priced at 0 tokens/s, so none is chosen, and a
+        # request on one moves at its next revisit.
+        self.unavailable: frozenset[str] = frozenset()
 
     # ---- the decision ------------------------------------------------------------------------
 
@@ -111,9 +115,11 @@ class LearnedDraftRouter:
             alpha, width = model.predict(x), model.width(x)
             optimistic = self._optimistic(alpha, width)
             tps, window = self.costs.best(alpha, draft, batch_size)
+            ucb = self.costs.best(optimistic, draft, batch_size)[0]
+            if draft in self.unavailable:
+                tps = ucb = 0.0
             out[draft] = {"alpha": round(alpha, 4), "width": round(width, 4), "window": window,
-                          "tokens_per_s": round(tps, 2),
-                          "ucb_tokens_per_s": round(self.costs.best(optimistic, draft, batch_size)[0], 2)}
+                          "tokens_per_s": round(tps, 2), "ucb_tokens_per_s": round(ucb, 2)}
         plain = round(self.costs.plain(batch_size), 2)
         out[NO_DRAFT] = {"tokens_per_s": plain, "ucb_tokens_per_s": plain}
         return out
@@ -196,10 +202,10 @@ class LearnedDraftRouter:
             return None
         segment.since_revisit = 0
         realised = self.realised_alpha(segment, with_prior=True)
-        current = self.costs.best(realised, segment.draft, batch_size)[0]
+        current = 0.0 if segment.draft in self.unavailable else self.costs.best(realised, segment.draft, batch_size)[0]
         x = self._features[state.id]
         candidates = {d: self.costs.best(m.predict(x), d, batch_size)[0]
-                      for d, m in self.models.items() if d != segment.draft}
+                      for d, m in self.models.items() if d != segment.draft and d not in self.unavailable}
         candidates[NO_DRAFT] = self.costs.plain(batch_size)
         best = max(candidates, key=candidates.get)
         if candidates[best] <= (1.0 + self.switch_margin) * current:

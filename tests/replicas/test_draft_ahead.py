@@ -92,6 +92,36 @@ def test_chains_drafted_too_late_are_dropped_and_the_step_goes_on(target):
     assert loop.ahead.late > 0 and loop.ahead.used == 0, loop.ahead
 
 
+def test_a_stalled_draft_holds_no_step_and_is_not_asked_again_while_its_call_runs(target):
+    """A draft apart that stalls (one call far beyond its usual pace): its requests decode plainly
+    meanwhile (the output unchanged), and no second call is made to it while that one runs."""
+    draft = DraftLM("close", perturbed(target, seed=1, noise=0.1))
+    requests = [SpecRequest(PROMPTS[1], 32, GREEDY, "close", 3, None, "stall")]
+    calls, running, overlapping = [0], [0], [0]
+
+    def stalling(loop):
+        server = loop.drafts["close"]
+        propose = server.propose_batch
+
+        async def stall(asks):
+            overlapping[0] += running[0] > 0
+            running[0] += 1
+            calls[0] += 1
+            try:
+                if calls[0] == 4:
+                    await asyncio.sleep(0.5)
+                return await propose(asks)
+            finally:
+                running[0] -= 1
+
+        server.propose_batch = stall
+
+    outs, loop = run(target, draft, requests, loop_hook=stalling, draft_ahead=False)
+    assert outs[0] == speculative_generate(Target(target), None, PROMPTS[1], 32, GREEDY).token_ids
+    assert loop.late.get("close", 0) >= 2, loop.late   # plain steps while the stalled call ran
+    assert overlapping[0] == 0, "a draft was asked again while its late call still ran"
+
+
 def test_without_draft_ahead_nothing_is_drafted_ahead(target):
     draft = DraftLM("near", perturbed(target, seed=1))
     outs, loop = run(target, draft, [SpecRequest(PROMPTS[0], 20, GREEDY, "near", 3, None, "off")], draft_ahead=False)

@@ -146,6 +146,30 @@ def test_a_request_whose_draft_disappoints_switches_once():
     assert router.revisit(s, 1) is None               # at most max_switches
 
 
+def test_an_unavailable_draft_is_not_chosen_and_its_requests_move_off_it():
+    """A draft deployment down, or late with a call still running (the step loop says which):
+    priced at nothing, so the next best is chosen, and a request on it switches at its revisit."""
+    router = LearnedDraftRouter(["lookup", "lm"], explore=0.0, revisit_every=4, log=False)
+    priced(router, lookup=0.05, lm=1.0)
+    teach(router, "lm", VARIED, 0.8)
+    teach(router, "lookup", VARIED, 0.3)
+    assert router.route(state(VARIED, request_id="a"), 1) == "lm"
+    router.unavailable = frozenset({"lm"})
+    b = state(VARIED, request_id="b")
+    assert router.route(b, 1) == "lookup" and b.routing["tokens_per_s"]["lm"] == 0.0
+    on_lm = state(VARIED, request_id="c")
+    router.unavailable = frozenset()
+    assert router.route(on_lm, 1) == "lm"
+    good = StepRecord(1, 5, 0, 1.0, 22.0, 0.0, (RequestStep("c", "lm", Speculation(4), 4, 3, 4, None),))
+    for _ in range(4):
+        router.observe(good)
+    assert router.revisit(on_lm, 1) is None   # doing well, available: it stays
+    router.unavailable = frozenset({"lm"})
+    for _ in range(4):
+        router.observe(good)
+    assert router.revisit(on_lm, 1) in ("lookup", NO_DRAFT)
+
+
 def test_decision_and_outcome_are_json_log_lines(caplog):
     import json
     router = LearnedDraftRouter(["lookup"])
