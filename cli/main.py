@@ -351,6 +351,32 @@ def bench_engine(
         fail(str(err))
 
 
+@bench_app.command("steps")
+def bench_steps(
+    json_path: Path = typer.Option(Path("bench-steps.json"), "--json", help="Where to write the rows."),
+    plot_path: Path = typer.Option(Path("bench-steps.png"), "--plot", help="Where to write the stacked plot."),
+    draft: str = typer.Option("smollm2-draft-2l", help="A zoo draft LM, pinned."),
+    window: int = typer.Option(4, help="Its window γ."),
+    loads: str = typer.Option("1,4", help="Comma-separated requests at once."),
+    prompts: int = typer.Option(8, help="Prompts per load, the categories in turn."),
+    max_tokens: int = typer.Option(64, help="New tokens per prompt."),
+    rounds: int = typer.Option(2, help="Rounds per load, the rows taking turns."),
+    dtype: str = typer.Option("auto", help="auto, float32 or bfloat16."),
+    threads: int = typer.Option(1, help="torch threads of the target (a draft apart runs one of its own)."),
+) -> None:
+    """Where one step's time goes, in-process: a model draft on the target's thread, on its own
+    thread, and drafting ahead there, against target-only, at each load. JSON + stacked plot."""
+    from specserve.bench.steps import StepsBenchConfig, run_steps_bench
+
+    set_threads(threads)
+    try:
+        run_steps_bench(StepsBenchConfig(json_path=json_path, plot_path=plot_path, draft=draft, window=window,
+                                         loads=tuple(int(x) for x in loads.split(",") if x.strip()), prompts=prompts,
+                                         max_tokens=max_tokens, rounds=rounds, dtype=dtype))
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        fail(str(err))
+
+
 @zoo_app.command("list")
 def zoo_list() -> None:
     """The recipes the zoo can train."""
