@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import cpu_attention, cpu_row_ops, image_tokens, mrope
+from specserve.replicas import cpu_attention, cpu_row_ops, image_tokens, mrope, small_gemm
 
 
 # The zoo's pruned-head draft LM (``drafts/pruned_head.py``) is a Llama with its own model type.
@@ -117,10 +117,14 @@ class Linear:
         self.packed = None
         if packable(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        # Float32 products of a step's few rows in one pass over the weights, where that pays here.
+        self.few_rows = self.packed is None and small_gemm.takes(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.few_rows:
+            return small_gemm.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
