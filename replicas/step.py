@@ -90,11 +90,15 @@ class Proposal:
     # distribution, ``tree_growth.ROOT_TOP_PROBS`` of them): SAGE's entropy (its Eq. 7-9)
     # is computed from them. None for chains and for drafts without a distribution.
     root_probs: list[float] | None = None
+    # A greedy chain's runner-up at each position: the draft's best token other than the one it
+    # chose. Drafting ahead (``StepLoop``) guesses from it what the target emits where it rejects.
+    alternatives: list[int] | None = None
 
     @classmethod
     def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None,
-              token_probs: list[float] | None = None) -> "Proposal":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, token_probs)
+              token_probs: list[float] | None = None, alternatives: list[int] | None = None) -> "Proposal":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_probs, token_probs,
+                   alternatives=None if alternatives is None else list(alternatives))
 
     @classmethod
     def empty(cls) -> "Proposal":
@@ -103,15 +107,17 @@ class Proposal:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def chain_after_first(self, window: int) -> "Proposal":
-        """A chain's tokens after its first, at most ``window`` of them, with their draft rows:
-        what a chain drafted from one token further back proposes once that token is emitted."""
+    def chain_from(self, skip: int, window: int) -> "Proposal":
+        """A chain's tokens after its first ``skip``, at most ``window`` of them, with their draft
+        rows: what a chain drafted from ``skip`` tokens further back proposes once those are emitted."""
         if not self.is_chain:
-            raise ValueError("only a chain continues past its first token")
-        end = 1 + max(0, window)
-        probs = None if self.draft_probs is None else self.draft_probs[1:end]
-        token_probs = None if self.token_probs is None else self.token_probs[1:end]
-        return Proposal.chain(self.tokens[1:end], probs, token_probs)
+            raise ValueError("only a chain is cut into a shorter chain")
+        end = skip + max(0, window)
+
+        def part(values):
+            return None if values is None else values[skip:end]
+
+        return Proposal.chain(self.tokens[skip:end], part(self.draft_probs), part(self.token_probs), part(self.alternatives))
 
     @property
     def is_chain(self) -> bool:

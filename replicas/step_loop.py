@@ -17,8 +17,9 @@ verifies: for each chain it proposed it drafts the next step at once, from the o
 need it soonest, every token accepted, as PEARL's post-verify does ("PEARL: Parallel Speculative
 Decoding with Adaptive Draft Length"): it is asked for γ + 1 tokens after the chain, the first
 being its guess of the bonus token. When the verdict emits exactly the chain and that guess, the
-rest is the next step's proposal and the step asks nothing; any other verdict rules the draft
-out and it is dropped, unused. A proposal drafted ahead is used only when the context it was drafted
+rest is the next step's proposal and the step asks nothing. For a greedy request among few it
+also drafts from a rejection at each of the chain's first positions, the target emitting there
+the draft's runner-up. A chain drafted from an outcome the verdict was not is dropped, unused. A proposal drafted ahead is used only when the context it was drafted
 from is the request's context, so verification, and the output, are as without it. A draft
 ahead that is still running when the next step is planned is waited for at most one verify's
 time, then dropped (that step of its request goes plain).
@@ -50,26 +51,50 @@ logger = logging.getLogger("ray.serve")
 
 @dataclass
 class AheadCounts:
-    """What drafting ahead did: chains drafted ahead, and what became of them."""
+    """What drafting ahead did: chains drafted ahead (one per outcome drafted from), and what
+    became of them."""
 
     drafted: int = 0     # chains asked for while their step was verified
-    used: int = 0        # the verdict was the hypothesis: the next step's proposal, not asked again
+    used: int = 0        # the verdict was the outcome drafted from: the next step's proposal, not asked again
+    used_after_rejection: int = 0   # of those, outcomes where the target rejected a draft token
     ruled_out: int = 0   # the verdict was another: dropped unused
-    late: int = 0        # the hypothesis held but the draft had not answered within a verify's time
+    late: int = 0        # the verdict was its outcome but the draft had not answered within a verify's time
 
     def to_dict(self) -> dict:
-        return {"drafted": self.drafted, "used": self.used, "ruled_out": self.ruled_out, "late": self.late}
+        return {"drafted": self.drafted, "used": self.used, "used_after_rejection": self.used_after_rejection,
+                "ruled_out": self.ruled_out, "late": self.late}
 
 
 @dataclass
 class _Ahead:
-    """A chain drafted ahead for one request: it continues ``basis`` (the request's context as the
-    step was planned, then that step's proposal), and its first token guesses the bonus."""
+    """A chain drafted ahead for one request, from one outcome of the step being verified: the
+    request's context as the step was planned (``start`` tokens), then ``tail``. With
+    ``guesses_bonus`` the tail is the whole proposal and the chain's first token guesses the
+    bonus; otherwise the tail is the accepted part and the emitted token the draft guessed for
+    the rejected position, and the whole chain is the next step's."""
 
     draft: str
-    basis_len: int               # len(context) when the step was planned
-    proposal: tuple[int, ...]    # the step's chain, appended to the context in the hypothesis
-    task: asyncio.Task           # -> dict[request id, Proposal]
+    session: str                 # the draft session it was drafted in (the reply's key)
+    start: int
+    tail: tuple[int, ...]
+    guesses_bonus: bool
+    task: asyncio.Task | None = None   # -> dict[session, Proposal]
+
+    def holds(self, context: list[int]) -> bool:
+        n = self.start + len(self.tail)
+        return len(context) == n + self.guesses_bonus and tuple(context[self.start:n]) == self.tail
+
+
+# Drafting ahead from rejections too: at most this many of a chain's first positions, for a step
+# of at most AHEAD_REJECTION_REQUESTS of a draft's greedy requests (each outcome is a draft session
+# of its own; a few requests can afford them, a full batch cannot).
+AHEAD_REJECTIONS = 2
+AHEAD_REJECTION_REQUESTS = 4
+
+
+def outcome_session(request_id: str, position: int) -> str:
+    """The draft session that drafts ahead from a rejection at ``position`` of a request's chain."""
+    return f"{request_id}#rejected-at-{position}"
 
 
 # A proposal from a draft that runs apart is waited for at most the longer of one verify's time and
@@ -105,7 +130,8 @@ class StepLoop:
         self._outbox: deque[tuple[Callable[[StreamItem], None], StreamItem]] = deque()
         self.draft_ahead = draft_ahead
         self.ahead = AheadCounts()
-        self._ahead: dict[str, _Ahead] = {}     # request id -> the chain drafted ahead for it
+        self._ahead: dict[str, list[_Ahead]] = {}     # request id -> the chains drafted ahead for it
+        self._outcome_sessions: dict[str, set[tuple[str, str]]] = {}   # request id -> (draft, session) drafted ahead in
         self._last_verify_s = 0.0
         self._chores: set[asyncio.Task] = set()   # releases waiting for a draft ahead to answer
         self.on_draft_costs = on_draft_costs
@@ -245,20 +271,36 @@ class StepLoop:
         return worker is not self.worker and not isinstance(worker, InlineWorker)
 
     def _ahead_asks(self, plan: StepPlan, proposals: dict[str, Proposal]) -> dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]:
-        """The asks of drafting ahead, built before the step's forward changes any context."""
+        """The asks of drafting ahead, built before the step's forward changes any context: for
+        each chain, from the outcome where every token is accepted (γ + 1 tokens, the first
+        guessing the bonus), and, for a greedy request among few, from a rejection at each of
+        its first ``AHEAD_REJECTIONS`` positions, the target emitting there the draft's runner-up."""
         out: dict[str, list] = {}
         if not self.draft_ahead:
             return out
         for name, entries in plan.asks.items():
             if not self.runs_apart(name):
                 continue
+            few = len(entries) <= AHEAD_REJECTION_REQUESTS
             for state, spec in entries:
                 proposal = proposals.get(state.id)
                 if spec.tree is not None or proposal is None or not proposal.tokens or not proposal.is_chain:
                     continue
                 base = self.scheduler.propose_request(state, spec)
-                ask = replace(base, context=base.context + proposal.tokens, window=spec.window + 1)
-                out.setdefault(name, []).append((state, ask, _Ahead(name, len(base.context), tuple(proposal.tokens), None)))
+                start, tokens = len(base.context), list(proposal.tokens)
+                asks = out.setdefault(name, [])
+                asks.append((state, replace(base, context=base.context + tokens, window=spec.window + 1),
+                             _Ahead(name, state.id, start, tuple(tokens), True)))
+                if not (few and state.request.params.greedy and proposal.alternatives):
+                    continue
+                for i, runner_up in enumerate(proposal.alternatives[:AHEAD_REJECTIONS]):
+                    if runner_up < 0:
+                        continue
+                    tail = tokens[:i] + [runner_up]
+                    session = outcome_session(state.id, i)
+                    asks.append((state, replace(base, session_id=session, context=base.context + tail),
+                                 _Ahead(name, session, start, tuple(tail), False)))
+                    self._outcome_sessions.setdefault(state.id, set()).add((name, session))
         return out
 
     def _start_ahead(self, asks: dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]) -> None:
@@ -266,7 +308,7 @@ class StepLoop:
             task = asyncio.get_running_loop().create_task(self._draft_ahead(name, [ask for _, ask, _ in entries]))
             for state, _, ahead in entries:
                 ahead.task = task
-                self._ahead[state.id] = ahead
+                self._ahead.setdefault(state.id, []).append(ahead)
                 self.ahead.drafted += 1
 
     async def _draft_ahead(self, name: str, asks: list[ProposeRequest]) -> dict[str, Proposal]:
@@ -279,23 +321,19 @@ class StepLoop:
 
     async def _take_ahead(self, plan: StepPlan) -> dict[str, Proposal]:
         """The proposals drafted ahead that this step's requests can use, by request id: the
-        verdict emitted exactly the chain and the draft's guess of the bonus, the request still
-        asks that draft for a chain, and the draft answered within one verify's time."""
+        verdict was the outcome one was drafted from (the whole chain and the guessed bonus, or the
+        accepted part and the guessed token at the rejection), the request still asks that draft
+        for a chain, and the draft answered within one verify's time."""
         pending, self._ahead = self._ahead, {}
         waiting: dict[str, tuple[_Ahead, Speculation, RequestState]] = {}
         for name, entries in plan.asks.items():
             for state, spec in entries:
-                ahead = pending.pop(state.id, None)
-                if ahead is None:
-                    continue
-                context = state.context
-                n = ahead.basis_len + len(ahead.proposal)
-                if (ahead.draft != name or spec.tree is not None or len(context) != n + 1
-                        or tuple(context[ahead.basis_len:n]) != ahead.proposal):
-                    self.ahead.ruled_out += 1
-                    continue
-                waiting[state.id] = (ahead, spec, state)
-        self.ahead.ruled_out += len(pending)   # requests that finished, or went plain
+                outcomes = pending.pop(state.id, [])
+                held = next((a for a in outcomes if a.draft == name and spec.tree is None and a.holds(state.context)), None)
+                self.ahead.ruled_out += len(outcomes) - (held is not None)
+                if held is not None:
+                    waiting[state.id] = (held, spec, state)
+        self.ahead.ruled_out += sum(len(outcomes) for outcomes in pending.values())   # finished, or went plain
         tasks = {ahead.task for ahead, _, _ in waiting.values() if not ahead.task.done()}
         if tasks:
             await asyncio.wait(tasks, timeout=max(self._last_verify_s, 1e-3))
@@ -304,20 +342,27 @@ class StepLoop:
             if not ahead.task.done():
                 self.ahead.late += 1
                 continue
-            proposal = ahead.task.result().get(request_id)
-            if proposal is None or len(proposal) < 2 or not proposal.is_chain or proposal.tokens[0] != state.context[-1]:
+            proposal = ahead.task.result().get(ahead.session)
+            skip = 1 if ahead.guesses_bonus else 0
+            if (proposal is None or len(proposal) <= skip or not proposal.is_chain
+                    or (ahead.guesses_bonus and proposal.tokens[0] != state.context[-1])):
                 self.ahead.ruled_out += 1
                 continue
-            used[request_id] = proposal.chain_after_first(spec.window)
+            used[request_id] = proposal.chain_from(skip, spec.window)
             self.ahead.used += 1
+            self.ahead.used_after_rejection += not ahead.guesses_bonus
         return used
 
     async def _release(self, sessions: list[tuple[str, str]]) -> None:
-        """Free the draft sessions of (draft, request id) pairs."""
+        """Free the draft sessions of (draft, request id) pairs, and those the request drafted
+        ahead from rejections in."""
         by_draft: dict[str, list[str]] = {}
         for draft, request_id in sessions:
             if draft in self.drafts and draft not in self._disabled:
                 by_draft.setdefault(draft, []).append(request_id)
+            for name, session in self._outcome_sessions.pop(request_id, ()):
+                if name in self.drafts and name not in self._disabled:
+                    by_draft.setdefault(name, []).append(session)
         for name, ids in by_draft.items():
             try:
                 await self.drafts[name].release(ids)
@@ -412,12 +457,12 @@ class StepLoop:
         answers (released first, the session would be made again by the late call)."""
         now, later = [], []
         for draft, request_id in sessions:
-            ahead = self._ahead.get(request_id)
-            (later if ahead is not None and ahead.draft == draft and not ahead.task.done() else now).append((draft, request_id))
+            running = [a.task for a in self._ahead.get(request_id, ()) if not a.task.done()]
+            (later if running else now).append((draft, request_id))
         if now:
             await self._release(now)
         if later:
-            tasks = {self._ahead[request_id].task for _, request_id in later}
+            tasks = {a.task for _, request_id in later for a in self._ahead[request_id] if not a.task.done()}
             chore = asyncio.get_running_loop().create_task(self._release_when(tasks, later))
             self._chores.add(chore)
             chore.add_done_callback(self._chores.discard)

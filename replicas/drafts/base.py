@@ -62,13 +62,18 @@ class ChainBuilder:
         self.tokens: list[int] = []
         self.probs: list[torch.Tensor] = []
         self.token_probs: list[float] = []
+        self.alternatives: list[int] = []   # greedy: the runner-up at each position
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` [V] (or [K], the tokens of ``head``)."""
         if self.params.greedy:
             index = int(logits.argmax())
             self.token_probs.append(float(torch.softmax(logits.float(), -1)[index]))
-            tok = index if self.head is None else int(self.head.head_token_ids(logits.device)[index])
+            top = logits.topk(min(2, logits.shape[-1])).indices.tolist()
+            second = top[0] if top[0] != index else top[-1]
+            ids = None if self.head is None else self.head.head_token_ids(logits.device)
+            tok = index if ids is None else int(ids[index])
+            self.alternatives.append(-1 if second == index else (second if ids is None else int(ids[second])))
         else:
             if self.head is not None:
                 logits = self.head.to_full_vocab(logits)
@@ -80,7 +85,8 @@ class ChainBuilder:
         return tok
 
     def proposal(self) -> Proposal:
-        return Proposal.chain(self.tokens, torch.stack(self.probs) if self.probs else None, self.token_probs)
+        return Proposal.chain(self.tokens, torch.stack(self.probs) if self.probs else None, self.token_probs,
+                              self.alternatives if self.params.greedy else None)
 
 
 def draft_chain(logits: torch.Tensor, window: int, params: SamplingParams, generator: torch.Generator | None,

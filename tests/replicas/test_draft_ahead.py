@@ -61,6 +61,32 @@ def test_greedy_output_equals_target_only_and_chains_drafted_ahead_are_used(targ
     assert counts.ruled_out > 0, "a perturbed draft is rejected somewhere: those chains must be dropped"
 
 
+def test_outcomes_with_a_rejection_are_drafted_ahead_too_and_used_when_the_target_emits_the_runner_up(target):
+    """A greedy request among few is also drafted ahead from a rejection at each of its chain's
+    first positions, the target emitting there the draft's runner-up. Verifying here is slowed to
+    a real model's pace relative to the draft's, so the drafts ahead are in time."""
+    import time
+
+    draft = DraftLM("near", perturbed(target, seed=1))
+    requests = [SpecRequest(p, NEW_TOKENS, GREEDY, "near", 3, None, f"rej{i}") for i, p in enumerate(PROMPTS)]
+
+    def slow_verify(loop):
+        target_ = loop.scheduler.target
+        verify = target_.verify
+
+        def slowly(items):
+            time.sleep(0.02)
+            return verify(items)
+
+        target_.verify = slowly
+
+    outs, loop = run(target, draft, requests, loop_hook=slow_verify)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out == speculative_generate(Target(target), None, prompt, NEW_TOKENS, GREEDY).token_ids
+    assert loop.ahead.used_after_rejection > 0, loop.ahead
+    assert not loop._outcome_sessions, "the sessions drafted ahead in were not released"
+
+
 def test_a_far_draft_is_ruled_out_and_the_output_is_still_the_targets(target):
     far = DraftLM("far", tiny_model("llama", seed=7, layers=1))
     requests = [SpecRequest(PROMPTS[1], NEW_TOKENS, GREEDY, "far", 3, None, "far")]
