@@ -46,6 +46,10 @@ def test_drafting_ahead_prices_a_separate_draft_by_what_it_adds_to_the_verify():
     slow = replace(costs, verify_ms=5.0)   # a miss also waits for the ahead call still running
     assert slow.separate_ahead_ms == pytest.approx(slow.hit_rate * 13.5 + (1 - slow.hit_rate) * (16.0 + 7.5))
     assert place(LM, slow).where == INSIDE
+    # A draft beside the verify on one host slows it: that slowdown is the separate side's cost too.
+    shared = replace(costs, verify_beside_ms=45.0)
+    assert shared.separate_ahead_ms == pytest.approx(15.0 + (1 - 0.9 ** 5) * 16.0)
+    assert place(LM, shared).where == INSIDE
     # A hidden-state-reuse head cannot draft ahead: priced as a plain separate draft.
     assert replace(costs, drafts_ahead=False).separate_ahead_ms is None
     assert place(LM, replace(costs, drafts_ahead=False)).where == INSIDE
@@ -65,7 +69,10 @@ def test_measured_costs_choose_either_side():
     faster = replace(costs, separate_ms_per_position=costs.inside_ms_per_position / 2,
                      handle_ms=costs.inside_ms_per_position)
     assert place(config.drafts[0], faster, draft_ahead=False).where == SEPARATE
-    near_copy = replace(costs, alpha=0.97, handle_ms=min(HANDLE_CALL_MS, costs.verify_ms / 4))
+    assert costs.verify_beside_ms is not None and costs.verify_beside_ms > 0   # timed with the draft beside it
+    assert costs.separate_ahead_ms >= max(0.0, costs.verify_beside_ms - costs.verify_ms)
+    # On a device of its own (nothing shared with the verify), drafting ahead a near-copy of the target.
+    near_copy = replace(costs, alpha=0.97, handle_ms=min(HANDLE_CALL_MS, costs.verify_ms / 4), verify_beside_ms=None)
     decided = place(config.drafts[0], near_copy)
     if (costs.window + 1) * costs.inside_ms_per_position < 0.75 * costs.verify_ms:   # the draft fits in the verify
         assert decided.where == SEPARATE, decided.figures
