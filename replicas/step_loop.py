@@ -90,6 +90,8 @@ class _Ahead:
 # of its own; a few requests can afford them, a full batch cannot).
 AHEAD_REJECTIONS = 2
 AHEAD_REJECTION_REQUESTS = 4
+# The share of a verify's time drafting ahead may fill at the draft's measured pace.
+AHEAD_SHARE = 0.8
 
 
 def outcome_session(request_id: str, position: int) -> str:
@@ -138,6 +140,7 @@ class StepLoop:
         self._inflight: dict[str, asyncio.Task] = {}   # draft -> its step's call that came too late, still running
         self.late: dict[str, int] = {}   # draft -> request steps that went plain waiting for it
         self._call_s: dict[str, deque[float]] = {}   # draft -> its recent calls' seconds
+        self._position_s: dict[str, deque[float]] = {}   # draft -> its recent calls' seconds per drafted position
         self.draft_costs: dict[str, dict] = {}    # draft deployment -> its measured costs
 
     def add(self, request: SpecRequest, emit: Callable[[StreamItem], None] | None = None) -> RequestState:
@@ -213,6 +216,9 @@ class StepLoop:
             seconds = self._clock() - t0
             self._draft_ms[name] = 1e3 * seconds
             self._call_s.setdefault(name, deque(maxlen=CALL_HISTORY)).append(seconds)
+            positions = sum(spec.window if spec.tree is None else spec.tree.budget for _, spec in entries)
+            if positions:
+                self._position_s.setdefault(name, deque(maxlen=CALL_HISTORY)).append(seconds / positions)
 
     def _wait_limit(self, name: str) -> float | None:
         """How long this step waits for ``name``'s proposals (None: its own deadline)."""
@@ -270,37 +276,57 @@ class StepLoop:
         worker = getattr(draft, "worker", None)   # a DraftServer's; a draft deployment has none here
         return worker is not self.worker and not isinstance(worker, InlineWorker)
 
+    def _ahead_budget(self, name: str) -> float:
+        """Drafted positions that fit in one verify at the draft's measured pace (its recent calls'
+        median seconds per position; a verify's time as yet unmeasured: none), times
+        ``AHEAD_SHARE``: what drafting ahead may ask of it without the next step waiting."""
+        paces = self._position_s.get(name)
+        if not paces or self._last_verify_s <= 0:
+            return 0.0
+        pace = sorted(paces)[len(paces) // 2]
+        return AHEAD_SHARE * self._last_verify_s / max(pace, 1e-6)
+
     def _ahead_asks(self, plan: StepPlan, proposals: dict[str, Proposal]) -> dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]:
-        """The asks of drafting ahead, built before the step's forward changes any context: for
-        each chain, from the outcome where every token is accepted (γ + 1 tokens, the first
-        guessing the bonus), and, for a greedy request among few, from a rejection at each of
-        its first ``AHEAD_REJECTIONS`` positions, the target emitting there the draft's runner-up."""
+        """The asks of drafting ahead, built before the step's forward changes any context, as many
+        as fit in a verify at the draft's pace (``_ahead_budget``), likeliest first: for each chain,
+        the outcome where every token is accepted (γ + 1 tokens, the first guessing the bonus);
+        then, for greedy requests among few, a rejection at each of their first
+        ``AHEAD_REJECTIONS`` positions in turn, the target emitting there the draft's runner-up."""
         out: dict[str, list] = {}
         if not self.draft_ahead:
             return out
         for name, entries in plan.asks.items():
             if not self.runs_apart(name):
                 continue
-            few = len(entries) <= AHEAD_REJECTION_REQUESTS
+            budget = self._ahead_budget(name)
+            chains = []
             for state, spec in entries:
                 proposal = proposals.get(state.id)
-                if spec.tree is not None or proposal is None or not proposal.tokens or not proposal.is_chain:
-                    continue
-                base = self.scheduler.propose_request(state, spec)
-                start, tokens = len(base.context), list(proposal.tokens)
-                asks = out.setdefault(name, [])
-                asks.append((state, replace(base, context=base.context + tokens, window=spec.window + 1),
-                             _Ahead(name, state.id, start, tuple(tokens), True)))
-                if not (few and state.request.params.greedy and proposal.alternatives):
-                    continue
-                for i, runner_up in enumerate(proposal.alternatives[:AHEAD_REJECTIONS]):
-                    if runner_up < 0:
+                if spec.tree is None and proposal is not None and proposal.tokens and proposal.is_chain:
+                    chains.append((state, spec, proposal, self.scheduler.propose_request(state, spec)))
+            asks = []
+            for state, spec, proposal, base in chains:   # every token accepted
+                if budget < spec.window + 1:
+                    break
+                budget -= spec.window + 1
+                asks.append((state, replace(base, context=base.context + proposal.tokens, window=spec.window + 1),
+                             _Ahead(name, state.id, len(base.context), tuple(proposal.tokens), True)))
+            few = len(entries) <= AHEAD_REJECTION_REQUESTS
+            for i in range(AHEAD_REJECTIONS if few else 0):   # a rejection at position i, the likelier first
+                for state, spec, proposal, base in chains:
+                    alternatives = proposal.alternatives or []
+                    if not state.request.params.greedy or i >= len(alternatives) or alternatives[i] < 0:
                         continue
-                    tail = tokens[:i] + [runner_up]
+                    if budget < spec.window:
+                        break
+                    budget -= spec.window
+                    tail = list(proposal.tokens[:i]) + [alternatives[i]]
                     session = outcome_session(state.id, i)
                     asks.append((state, replace(base, session_id=session, context=base.context + tail),
-                                 _Ahead(name, session, start, tuple(tail), False)))
+                                 _Ahead(name, session, len(base.context), tuple(tail), False)))
                     self._outcome_sessions.setdefault(state.id, set()).add((name, session))
+            if asks:
+                out[name] = asks
         return out
 
     def _start_ahead(self, asks: dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]) -> None:

@@ -6,6 +6,7 @@ Proposals the verdict rules out, and those that come too late, are dropped, neve
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -32,11 +33,22 @@ def target():
     return tiny_model("llama", seed=0)
 
 
-def run(target, draft, requests, slots: int = 4, draft_ahead: bool = True, loop_hook=None):
-    """The requests through one scheduler, the draft on its own model thread; the loop after."""
+def run(target, draft, requests, slots: int = 4, draft_ahead: bool = True, loop_hook=None, verify_s: float = 0.01):
+    """The requests through one scheduler, the draft on its own model thread; the loop after.
+    Each verify takes at least ``verify_s``: a real target's verify is many times a tiny draft's
+    drafted position, and drafting ahead asks only what fits in one."""
     server = in_process_server(draft.name, draft, apart=True)
-    loop = StepLoop(Scheduler(Target(target, slots=slots), StaticPolicy()), {draft.name: server}, InlineWorker(),
-                    draft_ahead=draft_ahead)
+    target_ = Target(target, slots=slots)
+    verify = target_.verify
+
+    def at_a_real_pace(items):
+        t0 = time.perf_counter()
+        out = verify(items)
+        time.sleep(max(0.0, verify_s - (time.perf_counter() - t0)))
+        return out
+
+    target_.verify = at_a_real_pace
+    loop = StepLoop(Scheduler(target_, StaticPolicy()), {draft.name: server}, InlineWorker(), draft_ahead=draft_ahead)
     if loop_hook is not None:
         loop_hook(loop)
     states = [loop.add(r) for r in requests]
@@ -63,24 +75,11 @@ def test_greedy_output_equals_target_only_and_chains_drafted_ahead_are_used(targ
 
 def test_outcomes_with_a_rejection_are_drafted_ahead_too_and_used_when_the_target_emits_the_runner_up(target):
     """A greedy request among few is also drafted ahead from a rejection at each of its chain's
-    first positions, the target emitting there the draft's runner-up. Verifying here is slowed to
-    a real model's pace relative to the draft's, so the drafts ahead are in time."""
-    import time
-
+    first positions, the target emitting there the draft's runner-up, as far as a verify's time
+    allows at the draft's pace."""
     draft = DraftLM("near", perturbed(target, seed=1))
     requests = [SpecRequest(p, NEW_TOKENS, GREEDY, "near", 3, None, f"rej{i}") for i, p in enumerate(PROMPTS)]
-
-    def slow_verify(loop):
-        target_ = loop.scheduler.target
-        verify = target_.verify
-
-        def slowly(items):
-            time.sleep(0.02)
-            return verify(items)
-
-        target_.verify = slowly
-
-    outs, loop = run(target, draft, requests, loop_hook=slow_verify)
+    outs, loop = run(target, draft, requests, verify_s=0.03)
     for prompt, out in zip(PROMPTS, outs):
         assert out == speculative_generate(Target(target), None, prompt, NEW_TOKENS, GREEDY).token_ids
     assert loop.ahead.used_after_rejection > 0, loop.ahead
@@ -146,6 +145,14 @@ def test_a_stalled_draft_holds_no_step_and_is_not_asked_again_while_its_call_run
     assert outs[0] == speculative_generate(Target(target), None, PROMPTS[1], 32, GREEDY).token_ids
     assert loop.late.get("close", 0) >= 2, loop.late   # plain steps while the stalled call ran
     assert overlapping[0] == 0, "a draft was asked again while its late call still ran"
+
+
+def test_nothing_is_drafted_ahead_that_does_not_fit_in_a_verify(target):
+    """A verify as quick as the tiny draft's positions leaves no time to draft ahead in: none is asked."""
+    draft = DraftLM("close", perturbed(target, seed=1, noise=0.1))
+    outs, loop = run(target, draft, [SpecRequest(PROMPTS[0], 20, GREEDY, "close", 3, None, "quick")], verify_s=0.0)
+    assert outs[0] == speculative_generate(Target(target), None, PROMPTS[0], 20, GREEDY).token_ids
+    assert loop.ahead.drafted <= 2, loop.ahead   # at most before the pace is known
 
 
 def test_without_draft_ahead_nothing_is_drafted_ahead(target):
