@@ -327,6 +327,9 @@ class StepLoop:
                     self._outcome_sessions.setdefault(state.id, set()).add((name, session))
             if asks:
                 out[name] = asks
+        if len(self._outcome_sessions) > 4 * len(self.scheduler.slots):   # requests that ended by a failed step
+            running = {state.id for state in self.scheduler.running}
+            self._outcome_sessions = {rid: v for rid, v in self._outcome_sessions.items() if rid in running}
         return out
 
     def _start_ahead(self, asks: dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]) -> None:
