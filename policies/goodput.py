@@ -199,11 +199,16 @@ class GoodputPolicy:
             fed = positions = spec.window
         return spec if self.explores(state.id, draft, fed, positions, batch_size) else PLAIN
 
-    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None:
-        """Costs measured before any step (batch 1): verify (forward tokens, ms) points and each
-        draft's ms per drafted position; the replica's steps push them out of the history."""
+    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float],
+                   loaded: tuple = ()) -> None:
+        """Costs measured before any step: batch-1 verify (forward tokens, ms) points, each draft's
+        ms per drafted position, and ``loaded``: (batch size, verify points) pairs; the replica's
+        steps push them out of the history."""
         for tokens, ms in verify:
             self._lines.add(1, tokens, ms)
+        for batch_size, points in loaded:
+            for tokens, ms in points:
+                self._lines.add(batch_size, tokens, ms)
         for draft, ms in draft_ms_per_position.items():
             self._draft_share.setdefault(draft, deque(maxlen=self._history)).append(ms)
 

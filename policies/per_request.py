@@ -19,7 +19,8 @@ from specserve.replicas.step import Speculation, StepRecord
 class PricesSteps(Protocol):
     """A policy that prices steps with measured costs, and takes the replica's start-up ones."""
 
-    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None: ...
+    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float],
+                   loaded: tuple = ()) -> None: ...
 
 
 class PolicyByRequest:
@@ -30,15 +31,17 @@ class PolicyByRequest:
         self.instances: dict[str, object] = {}
         self._seed: tuple | None = None   # the start-up probe's costs, for instances made later
 
-    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None:
+    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float],
+                   loaded: tuple = ()) -> None:
         """The replica's costs measured at start, to every policy that prices with them (now, and
-        each created later). Called again with more (a draft deployment's costs, known once it
-        answers), it adds to what was seeded: later instances get all of it."""
-        old_verify, old_drafts = self._seed or ((), {})
-        self._seed = (tuple(verify) or old_verify, {**old_drafts, **draft_ms_per_position})
+        each created later): batch-1 verify points, drafts' ms per position, ``loaded`` (batch
+        size, verify points) pairs. Called again with more (a draft deployment's costs, known once
+        it answers), it adds to what was seeded: later instances get all of it."""
+        old_verify, old_drafts, old_loaded = self._seed or ((), {}, ())
+        self._seed = (tuple(verify) or old_verify, {**old_drafts, **draft_ms_per_position}, tuple(loaded) or old_loaded)
         for policy in self.instances.values():
             if isinstance(policy, PricesSteps):
-                policy.seed_costs(verify, draft_ms_per_position)
+                policy.seed_costs(verify, draft_ms_per_position, loaded)
 
     def _seed_one(self, policy) -> None:
         if isinstance(policy, PricesSteps) and self._seed is not None:   # only the cost-aware ones

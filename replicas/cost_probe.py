@@ -9,12 +9,16 @@ thread and device:
 
     verify    one request's forward feeding 1 + γ tokens (γ = 0, 2, 4, 6) at a short context,
               through ``Target.verify``: the points of b(γ) = c0 + c1·(1 + γ) at batch 1
+    loaded    the same forward for ``LOADED_BATCH`` requests at once (γ = 0 and 4): a loaded
+              step's line, which batch-1 points do not give (see below)
     a_d       a draft's ms per drafted position: a proposal of 5 positions minus one of 1,
               over 4, so that the session's prefill (paid once per request) cancels out
 
 Each is the median of ``rounds`` repetitions, after one unmeasured warm-up. Batch-1 points do not
-price a loaded step (the forward's cost per token grows past the CPU's flat region): the
-replica's real steps replace them within a few dozen steps (``StepCosts``, ``GoodputPolicy``
+price a loaded step (the forward's cost per token grows past the CPU's flat region): priced with
+them, the first requests of a burst were routed to drafts that cost more than they saved. The
+loaded points seed the busy buckets' lines, and the replica's real steps replace them within a
+few dozen steps (``StepCosts``, ``GoodputPolicy``
 keep a bounded history, and the load-aware policy fits a line per load bucket).
 """
 
@@ -30,6 +34,8 @@ from specserve.replicas.target import Target, VerifyItem
 
 PROBE_CONTEXT = 64          # prompt tokens of each probe: a short chat turn
 VERIFY_WINDOWS = (0, 2, 4, 6)
+LOADED_BATCH = 12           # requests of the loaded probe: in the busiest load bucket (more than 8)
+LOADED_WINDOWS = (0, 4)
 DRAFT_POSITIONS = (1, 5)
 
 
@@ -40,9 +46,13 @@ class ProbedCosts:
 
     verify: tuple[tuple[int, float], ...]
     draft_ms_per_position: dict[str, float]
+    # (forward tokens, ms) of LOADED_BATCH requests verified together; empty where not measured
+    verify_loaded: tuple[tuple[int, float], ...] = ()
 
     def to_dict(self) -> dict:
         return {"verify_ms": {str(tokens): round(ms, 3) for tokens, ms in self.verify},
+                **({f"verify_ms_batch_{LOADED_BATCH}": {str(t): round(ms, 3) for t, ms in self.verify_loaded}}
+                   if self.verify_loaded else {}),
                 "draft_ms_per_position": {d: round(ms, 3) for d, ms in self.draft_ms_per_position.items()}}
 
 
@@ -73,6 +83,33 @@ def verify_points(target: Target, slot: int, rounds: int = 3, clock=time.perf_co
                 target.kv.reset(slot)
         points.append((1 + window, statistics.median(times)))
     return tuple(points)
+
+
+def loaded_verify_points(target: Target, slots: list[int], rounds: int = 2,
+                         clock=time.perf_counter) -> tuple[tuple[int, float], ...]:
+    """(forward tokens, median ms) of one verify forward for a request on each of ``slots`` at
+    once, each feeding 1 + γ tokens, γ in ``LOADED_WINDOWS``; the slots are reset before and after
+    (their prefix caches are lost)."""
+    contexts = [probe_tokens(target.vocab, start=3 * i) for i in range(len(slots))]
+    try:
+        for slot, context in zip(slots, contexts):
+            target.kv.reset(slot)
+            target.prefill(slot, context[:-1], len(context), next_token=context[-1])
+        points = []
+        for window in LOADED_WINDOWS:
+            times = []
+            for r in range(rounds + 1):
+                items = [VerifyItem(slot, context, Proposal.chain(probe_tokens(target.vocab, window, start=r + i + 1)),
+                                    SamplingParams()) for i, (slot, context) in enumerate(zip(slots, contexts))]
+                t0 = clock()
+                target.verify(items)   # each slot is synced back to its context first
+                if r:
+                    times.append(1e3 * (clock() - t0))
+            points.append((len(slots) * (1 + window), statistics.median(times)))
+        return tuple(points)
+    finally:
+        for slot in slots:
+            target.kv.reset(slot)
 
 
 def draft_ms_per_position(propose_now, vocab: int, features_size: int | None = None, rounds: int = 3,

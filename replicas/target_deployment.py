@@ -36,7 +36,8 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specserve.replicas.cost_probe import ProbedCosts, draft_ms_per_position, verify_points
+from specserve.replicas.cost_probe import (LOADED_BATCH, ProbedCosts, draft_ms_per_position, loaded_verify_points,
+                                           verify_points)
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
@@ -108,8 +109,10 @@ class ServedPolicy(Policy, Protocol):
 
     def name_for(self, state: RequestState) -> str: ...
 
-    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float]) -> None:
-        """The replica's costs measured at start (``cost_probe``), for the policies that price steps."""
+    def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float],
+                   loaded: tuple = ()) -> None:
+        """The replica's costs measured at start (``cost_probe``), for the policies that price steps:
+        batch-1 verify points, drafts' ms per position, and ``loaded``: (batch size, verify points) pairs."""
 
 
 def merged(item: StreamItem, queue: asyncio.Queue) -> StreamItem:
@@ -189,9 +192,11 @@ class TargetDeployment:
         inside = {name: d for name, d in resolved.items() if isinstance(d, DraftServer)}
         self.costs = self._worker.call(self._measure_costs, inside)
         self.policy = policy
-        policy.seed_costs(self.costs.verify, self.costs.draft_ms_per_position)
+        policy.seed_costs(self.costs.verify, self.costs.draft_ms_per_position,
+                          loaded=((LOADED_BATCH, self.costs.verify_loaded),) if self.costs.verify_loaded else ())
         if self.routing is not None:
             self.routing.router.costs.seed_verify(self.costs.verify)
+            self.routing.router.costs.seed_verify(self.costs.verify_loaded, batch_size=LOADED_BATCH)
             for name, ms in self.costs.draft_ms_per_position.items():
                 self.routing.router.costs.seed(name, ms)
         self._background: list[asyncio.Task] | None = None   # learning's tasks, once started
@@ -369,7 +374,11 @@ class TargetDeployment:
             except Exception as err:  # noqa: BLE001 - an unmeasured draft is only unpriced (the router skips it)
                 logger.warning("draft %s: its cost could not be measured (%s: %s); the router will not choose it "
                                "until a request that names it measures it", name, type(err).__name__, err)
-        return ProbedCosts(verify=verify_points(target, target.slots - 1), draft_ms_per_position=drafts)
+        # The loaded probe takes the last slots (free at start); a replica with too few skips it.
+        loaded = () if target.slots < LOADED_BATCH + 1 else loaded_verify_points(
+            target, list(range(target.slots - LOADED_BATCH, target.slots)))
+        return ProbedCosts(verify=verify_points(target, target.slots - 1), draft_ms_per_position=drafts,
+                           verify_loaded=loaded)
 
     async def check_health(self) -> None:
         """Healthy means the model runs: a stuck forward, a dead step loop, steps failing in a row

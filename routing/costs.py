@@ -48,11 +48,11 @@ class StepCosts:
         replica's steps measure it."""
         self._seeded[draft] = max(0.0, float(ms_per_position))
 
-    def seed_verify(self, points) -> None:
-        """(forward tokens, ms) of verify forwards measured before serving; real steps push them
-        out of the history. Measured alone: batch 1."""
+    def seed_verify(self, points, batch_size: int = 1) -> None:
+        """(forward tokens, ms) of verify forwards of ``batch_size`` requests measured before
+        serving (the start-up probe: alone, and loaded); real steps push them out of the history."""
         for tokens, ms in points:
-            self._verify.add(1, tokens, ms)
+            self._verify.add(batch_size, tokens, ms)
 
     def observe(self, record: StepRecord) -> None:
         if record.batch_size:

@@ -276,3 +276,14 @@ def test_a_tree_that_pays_is_kept_even_when_a_shorter_chain_would_pay_more():
     assert policy.choose(state, batch_size=1) == Speculation(0, tree)
     assert policy.choose(state, batch_size=64).plain   # a busy step prices its 6 nodes too high
 
+
+
+def test_the_start_up_probes_loaded_points_price_a_burst_before_its_first_steps():
+    """Seeded with batch-1 points only, a burst's first steps are priced on the idle line, where
+    drafting pays; the loaded probe's points give the busy bucket its own line from the start."""
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, min_steps=1, margin=0.0)
+    policy.seed_costs(((1, 10.1), (5, 10.5)), {"d": 0.05}, loaded=((12, ((12, 14.0), (60, 60.0))),))
+    for _ in range(4):
+        policy.observe(StepRecord(1, 5, 0, 0.0, 10.5, 0.0, (outcome(2),)))   # α̂ = 2/3
+    assert policy.pays("d", 4, batch_size=1)
+    assert not policy.pays("d", 4, batch_size=12)

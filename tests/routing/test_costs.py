@@ -59,6 +59,19 @@ def test_an_unpriced_draft_is_no_candidate_and_the_probe_seeds_the_verify_line()
     assert costs.best(0.95, "unmeasured", 1)[0] > costs.plain(1)
 
 
+def test_the_loaded_probe_prices_a_burst_before_any_loaded_step():
+    """Seeded with the start-up probe's loaded points, the first requests of a burst are priced at
+    their load, not at the batch-1 line (under which drafting looked worth it)."""
+    costs = StepCosts()
+    costs.seed_verify([(1, 20.0), (5, 22.0)])                    # alone: 0.5 ms per token fed
+    costs.seed_verify([(12, 64.0), (60, 160.0)], batch_size=12)  # 12 at once: 2 ms per token fed
+    assert costs.verify_model(16) == (pytest.approx(40.0), pytest.approx(2.0))
+    assert costs.verify_model(1) == (pytest.approx(19.5), pytest.approx(0.5))
+    costs.seed("lookup", 0.1)
+    assert costs.best(0.3, "lookup", 1)[0] > costs.plain(1)
+    assert costs.best(0.3, "lookup", 12)[0] < costs.plain(12)
+
+
 def test_a_loaded_step_is_priced_by_the_line_of_its_own_load():
     costs = StepCosts()
     costs.seed_verify([(1, 20.0), (5, 22.0)])          # alone: 0.5 ms per token fed
