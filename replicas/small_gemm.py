@@ -2,11 +2,10 @@
 weights whatever the row count (``kernels/small_gemm.c``).
 
 Why: on some CPUs torch's float32 ``F.linear`` re-reads the weights for each of a step's first
-rows. On a 2-core AMD EPYC without AVX-512 (its BLAS on a generic path), the 49152 x 576 output
-layer took 11 ms for one row, 24 for two, 36 for three (docs/benchmarks.md §3.0), so a verify of
-1 + γ tokens cost nearly 1 + γ plain steps and no draft could pay. Memory-bound, one pass is the
-floor for up to a few rows: the kernel multiplies each weight row with up to 8 rows of x while
-it sits in cache.
+rows (a BLAS on a generic path), so a verify of 1 + γ tokens costs nearly 1 + γ plain steps and no
+draft can pay (docs/benchmarks.md §3.0 has the measurements). Memory-bound, one pass is the floor
+for up to a few rows: the kernel multiplies each weight row with up to 8 rows of x while it sits
+in cache.
 
 Each output is a fixed-order dot product, the same whatever the step's row count (a row's result
 never depends on the batch), but not the same order as the BLAS's: float32 results may differ

@@ -4,7 +4,7 @@
  * ldy). Output rows are taken in blocks of ROWS; within a block every weight row is read once
  * from memory and multiplied with each x row of the block while it sits in L1, so a step of up to
  * ROWS rows costs one pass over the weights, as one row does (the BLAS of some CPUs re-reads the
- * weights for each of 2-4 rows: replicas/small_gemm.py has the measurements).
+ * weights for each of 2-4 rows: docs/benchmarks.md §3.0 has the measurements).
  *
  * Each y[m, n] is the same fixed-order dot product whatever M is and wherever row m sits, so a
  * row's result never depends on the other rows of the step (batch invariance), nor on the
