@@ -45,14 +45,15 @@ import logging
 from dataclasses import dataclass, field
 
 from specserve.cluster.config import AUTO, INSIDE, SEPARATE, AppConfig, DraftSpec
+from specserve.replicas.cost_probe import PRICED_WINDOW
 
 logger = logging.getLogger("ray.serve")
 
 # The least a Serve handle call costs a step (ms): the low end of what prompt lookup as its own
 # deployment cost per step in ``bench serve`` (docs/benchmarks.md §2).
 HANDLE_CALL_MS = 6.0
-# The window placement prices a step at: the shipped default window.
-PLACEMENT_WINDOW = 4
+# The window placement prices a step at: the one every start-up price uses.
+PLACEMENT_WINDOW = PRICED_WINDOW
 # The per-token acceptance a draft is priced with when its training record gives none.
 DEFAULT_ALPHA = 0.5
 

@@ -34,6 +34,9 @@ from specserve.replicas.target import Target, VerifyItem
 
 PROBE_CONTEXT = 64          # prompt tokens of each probe: a short chat turn
 VERIFY_WINDOWS = (0, 2, 4, 6)
+# The window a step is priced at before the replica's own steps measure it (the shipped default):
+# a draft deployment's handle call is shared over its positions, and placement compares at it.
+PRICED_WINDOW = 4
 LOADED_BATCH = 12           # requests of the loaded probe: in the busiest load bucket (more than 8)
 LOADED_WINDOWS = (0, 4)
 DRAFT_POSITIONS = (1, 5)

@@ -36,8 +36,8 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specserve.replicas.cost_probe import (LOADED_BATCH, ProbedCosts, draft_ms_per_position, loaded_verify_points,
-                                           verify_points)
+from specserve.replicas.cost_probe import (LOADED_BATCH, PRICED_WINDOW, ProbedCosts, draft_ms_per_position,
+                                           loaded_verify_points, verify_points)
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
@@ -52,9 +52,6 @@ from specserve.replicas.target import Target
 logger = logging.getLogger("ray.serve")
 
 
-# The window a draft deployment's handle call is shared over when it is first priced (the shipped
-# default window); its steps then measure what it really costs.
-PRICED_WINDOW = 4
 # Steps that fail one after another (every request of each failing) mean the model cannot run.
 UNHEALTHY_AFTER_FAILED_STEPS = 3
 # Freed native memory goes back to the OS when the replica runs out of work, at most this often.
