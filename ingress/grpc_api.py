@@ -11,6 +11,7 @@ Serve's gRPC proxy calls the ``Ingress`` deployment's method of the RPC's name, 
 
 from __future__ import annotations
 
+import functools
 import base64
 from collections.abc import AsyncIterator
 
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress.auth import ApiKeys
+from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer, validation_message
 from specserve.ingress.resumable import TargetStreams
@@ -43,9 +45,26 @@ def from_pb(request: pb.CompletionRequest, model_id: str) -> CompletionRequest |
     """The HTTP API's request for a gRPC one (checked by pydantic as a body is)."""
     # gRPC has no model listing: an empty model means the one this server serves.
     body: dict = {"model": request.model or model_id, "stop": list(request.stop) or None}
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_p", "min_tokens"):
         if request.HasField(name):
             body[name] = getattr(request, name)
+    if request.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in request.logit_bias.items()}
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if getattr(request, name):
+            body[name] = list(getattr(request, name))
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    if request.HasField("logprobs"):
+        if request.messages:
+            body.update(logprobs=True, top_logprobs=request.logprobs)
+        else:
+            body["logprobs"] = request.logprobs
+    if request.echo:
+        if request.messages:
+            raise OpenAIError("echo is for a prompt request, not messages", param="echo")
+        body["echo"] = True
     if request.HasField("spec"):
         spec: dict = {}
         if request.spec.draft:
@@ -71,6 +90,16 @@ def from_pb(request: pb.CompletionRequest, model_id: str) -> CompletionRequest |
     except ValidationError as err:
         message, param = validation_message(err.errors())
         raise OpenAIError(message, param=param) from err
+
+
+def logprobs_pb(fields: LogprobFields, token_ids: list[int], logprobs: list | None) -> list[pb.TokenLogprob]:
+    """The gRPC TokenLogprobs of ``token_ids`` (None: not asked, none)."""
+    if logprobs is None:
+        return []
+    return [pb.TokenLogprob(token_id=t, token=fields.token(t), logprob=None if lp is None else lp.logprob,
+                            top_logprobs=[] if lp is None else [pb.TopLogprob(token_id=i, token=fields.token(i), logprob=v)
+                                                                for i, v in lp.top])
+            for t, lp in zip(token_ids, logprobs)]
 
 
 def usage_pb(usage: dict) -> pb.Usage:
@@ -104,6 +133,20 @@ class GrpcFace:
     def __init__(self, model_id: str, api_keys: ApiKeys, preparer: Preparer, streams: TargetStreams):
         self.model_id, self.api_keys, self.preparer, self.streams = model_id, api_keys, preparer, streams
 
+    @functools.cached_property
+    def logprob_fields(self) -> LogprobFields:
+        return LogprobFields(self.preparer.tokenizer)
+
+    def _logprobs(self, prepared: Prepared, event, first: bool) -> dict:
+        """The response's or chunk's logprobs fields for ``event`` (the prompt's on the first)."""
+        asked = prepared.spec_request
+        out = {"logprobs": logprobs_pb(self.logprob_fields, event.token_ids,
+                                       (event.logprobs or []) if asked.logprobs is not None else None)}
+        if first and asked.prompt_logprobs is not None:
+            out["prompt_logprobs"] = logprobs_pb(self.logprob_fields, asked.prompt_ids,
+                                                 event.prompt_logprobs or [None] * len(asked.prompt_ids))
+        return out
+
     async def _grpc_prepare(self, request: pb.CompletionRequest, grpc_context) -> Prepared:
         if self.api_keys.enabled and not self.api_keys.allows_metadata(grpc_context.invocation_metadata()):
             raise OpenAIError("missing or invalid API key: send metadata `authorization: Bearer <key>`",
@@ -113,20 +156,24 @@ class GrpcFace:
     async def complete(self, request: pb.CompletionRequest, grpc_context) -> pb.CompletionResponse:
         try:
             prepared = await self._grpc_prepare(request, grpc_context)
-            text, ids, last = await self.streams.answer(prepared)
+            whole = await self.streams.answer(prepared)
         except OpenAIError as err:
             grpc_abort(grpc_context, err)
             return pb.CompletionResponse()
         return pb.CompletionResponse(
-            id=prepared.id, model=self.model_id, text=text, token_ids=ids, finish_reason=last.finish_reason,
-            usage=usage_pb(last.usage), spec=spec_pb(last.spec),
+            id=prepared.id, model=self.model_id, text=(prepared.echo or "") + whole.text, token_ids=whole.token_ids,
+            finish_reason=whole.finish_reason, usage=usage_pb(whole.usage), spec=spec_pb(whole.spec),
+            **self._logprobs(prepared, whole, first=True),
         )
 
     async def complete_stream(self, request: pb.CompletionRequest, grpc_context) -> AsyncIterator[pb.CompletionChunk]:
         try:
             prepared = await self._grpc_prepare(request, grpc_context)
+            first = True
             async for event in self.streams.events(prepared):
-                chunk = pb.CompletionChunk(id=prepared.id, text=event.text, token_ids=event.token_ids)
+                chunk = pb.CompletionChunk(id=prepared.id, text=((prepared.echo or "") if first else "") + event.text,
+                                           token_ids=event.token_ids, **self._logprobs(prepared, event, first))
+                first = False
                 if event.finish_reason is not None:
                     chunk.finish_reason = event.finish_reason
                     chunk.usage.CopyFrom(usage_pb(event.usage))

@@ -16,6 +16,7 @@ there afresh). Handlers and middleware are set on ``api`` here, at import, befor
 
 from __future__ import annotations
 
+import functools
 import asyncio
 import json
 import logging
@@ -29,9 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.guard import Guard
+from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer, validation_message
-from specserve.ingress.resumable import TargetStreams, started
+from specserve.ingress.resumable import Event, TargetStreams, started
 from specserve.policies.registry import POLICIES
 
 logger = logging.getLogger("ray.serve")
@@ -89,6 +91,24 @@ class HttpFace:
         self.preparer, self.streams, self.target, self.policy = preparer, streams, target, policy
         self.created = int(time.time())
 
+    @functools.cached_property
+    def logprob_fields(self) -> LogprobFields:
+        return LogprobFields(self.preparer.tokenizer)
+
+    def _completion_logprobs(self, prepared: Prepared, event: Event, offset: int, first: bool) -> dict | None:
+        """A completion choice's ``logprobs`` for ``event``'s tokens, ``offset`` characters into the
+        choice's text; the echoed prompt's tokens first on the ``first`` piece."""
+        if prepared.spec_request.logprobs is None:
+            return None
+        fields = self.logprob_fields
+        out = fields.completion(event.token_ids, event.logprobs or [], offset)
+        if first and prepared.echo is not None:
+            prompt_ids = prepared.spec_request.prompt_ids
+            prompt = fields.completion(prompt_ids, event.prompt_logprobs or [None] * len(prompt_ids))
+            out = {key: prompt[key] + ([o + len(prepared.echo) - offset for o in out[key]] if key == "text_offset"
+                                       else out[key]) for key in out}
+        return out
+
     def models(self) -> dict:
         return {"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
@@ -129,27 +149,30 @@ class HttpFace:
         prepared = await self.preparer.prepare(req)
         if req.stream:
             return await self._stream(prepared, req, chat=False)
-        text, ids, last = await self.streams.answer(prepared)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        whole = await self.streams.answer(prepared)
+        echo = prepared.echo or ""
+        choice = {"index": 0, "text": echo + whole.text, "logprobs": self._completion_logprobs(prepared, whole, 0, True),
+                  "finish_reason": whole.finish_reason}
         if req.return_token_ids:
-            choice["token_ids"] = ids
+            choice["token_ids"] = whole.token_ids
         return {
             "id": f"cmpl-{prepared.id}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_id, "choices": [choice], "usage": last.usage, "spec": last.spec,
+            "model": self.model_id, "choices": [choice], "usage": whole.usage, "spec": whole.spec,
         }
 
     async def chat_completions(self, req: ChatCompletionRequest):
         prepared = await self.preparer.prepare(req)
         if req.stream:
             return await self._stream(prepared, req, chat=True)
-        text, ids, last = await self.streams.answer(prepared)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": last.finish_reason}
+        whole = await self.streams.answer(prepared)
+        logprobs = self.logprob_fields.chat(whole.token_ids, whole.logprobs or []) if req.logprobs else None
+        choice = {"index": 0, "message": {"role": "assistant", "content": whole.text}, "logprobs": logprobs,
+                  "finish_reason": whole.finish_reason}
         if req.return_token_ids:
-            choice["token_ids"] = ids
+            choice["token_ids"] = whole.token_ids
         return {
             "id": f"chatcmpl-{prepared.id}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_id, "choices": [choice], "usage": last.usage, "spec": last.spec,
+            "model": self.model_id, "choices": [choice], "usage": whole.usage, "spec": whole.spec,
         }
 
     async def _stream(self, prepared: Prepared, req: CompletionRequest | ChatCompletionRequest,
@@ -162,18 +185,27 @@ class HttpFace:
                 "created": int(time.time()), "model": self.model_id}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def choice(text: str | None, finish: str | None, role: bool = False) -> dict:
+        offset, first = 0, True   # characters of the choice's text sent so far (text_offset); no piece yet
+
+        def choice(event: Event | None, role: bool = False) -> dict:
+            nonlocal offset, first
             if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                text = ((prepared.echo or "") if first else "") + event.text
+                logprobs = self._completion_logprobs(prepared, event, offset, first)
+                offset, first = offset + len(text), False
+                return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}
+            if role:
+                return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            logprobs = self.logprob_fields.chat(event.token_ids, event.logprobs or []) if req.logprobs else None
+            return {"index": 0, "delta": {"content": event.text} if event.text else {}, "logprobs": logprobs,
+                    "finish_reason": event.finish_reason}
 
         async def body() -> AsyncIterator[str]:
             try:
                 if chat:
-                    yield _sse({**base, "choices": [choice(None, None, role=True)]})
+                    yield _sse({**base, "choices": [choice(None, role=True)]})
                 async for event in events:
-                    chunk = {**base, "choices": [choice(event.text, event.finish_reason)]}
+                    chunk = {**base, "choices": [choice(event)]}
                     if req.return_token_ids:   # vLLM's extension: each chunk's new token ids
                         chunk["choices"][0]["token_ids"] = event.token_ids
                     if event.finish_reason is not None:

@@ -1,9 +1,8 @@
 """The OpenAI-compatible request bodies, and the error every bad request turns into.
 
 Requests are checked here, at the edge, so that nothing a client sends can reach a replica in a
-shape it cannot serve. Fields OpenAI defines but specserve cannot honour (``n > 1``, ``echo``,
-``logprobs``, penalties) are accepted at their neutral values and refused otherwise, with the
-field named; unknown fields are refused, as OpenAI does. ``spec`` is specserve's extension.
+shape it cannot serve. Fields OpenAI defines but specserve cannot honour yet (``n > 1``,
+``best_of``) are accepted at their neutral values and refused otherwise, with the field named; unknown fields are refused, as OpenAI does. ``spec`` is specserve's extension.
 Every string must be text UTF-8 can carry (no lone surrogates, which JSON escapes can spell);
 names (model, draft, policy) must also be free of control characters, which content may hold.
 """
@@ -15,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from specserve.replicas.logprobs import MAX_TOP_LOGPROBS
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT   # spec.draft: "auto", the router decides; "none", no speculation
 
 __all__ = ["AUTO_DRAFT", "NO_DRAFT", "MAX_WINDOW", "MAX_TREE_DEPTH", "MAX_TREE_BUDGET", "MAX_STOP_CHARS", "Text", "Name"]
@@ -26,6 +26,10 @@ MAX_TREE_DEPTH = 16
 MAX_TREE_BUDGET = 64
 # A stop string is matched against the decoded text's tail on every streamed piece.
 MAX_STOP_CHARS = 256
+# Token lists a request may name (stop_token_ids, logit_bias) and the allowed set, whose
+# processors build a vocabulary-sized row once per request.
+MAX_TOKEN_LIST = 1024
+MAX_ALLOWED_TOKENS = 262144
 
 
 def _check_unicode(value, keys_only: bool = False):
@@ -122,9 +126,21 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = Field(1, description="Only one choice per request.")
-    presence_penalty: Literal[0, 0.0] = 0.0
-    frequency_penalty: Literal[0, 0.0] = 0.0
-    logit_bias: dict[Text, float] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from every token the output holds.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description=(
+        "Divides the positive logits (multiplies the negative ones) of every token in the prompt or the output "
+        "(vLLM's extension); 1 = off."))
+    logit_bias: dict[Text, float] | None = Field(None, max_length=MAX_TOKEN_LIST, description=(
+        "Token id (as a string) -> a bias in [-100, 100] added to its logit."))
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p times the likeliest "
+                         "(vLLM's extension).")
+    min_tokens: int = Field(0, ge=0, description="Tokens before a stop token or the EOS may end the output (vLLM's extension).")
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST, description=(
+        "Token ids that end the output, as the EOS does (vLLM's extension)."))
+    ignore_eos: bool = Field(False, description="Run past the EOS until max_tokens or a stop (vLLM's extension).")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKENS, description=(
+        "Sample only among these token ids (vLLM's extension)."))
     user: Text | None = None
     spec: SpecOptions | None = None
     return_token_ids: bool = Field(False, description="Add the generated token ids to the choice (vLLM's extension).")
@@ -152,24 +168,30 @@ class _Common(BaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported: it would change the target's distribution")
+    def _logit_bias(cls, value):
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"logit_bias keys are token ids written as strings, got {key[:20]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"a logit_bias value is in [-100, 100], got {bias} for token {key}")
         return value
 
 
 class CompletionRequest(_Common):
-    prompt: Annotated[str | list[str] | list[int], Unicode] = Field(description="Text, a one-element list of text, or token ids.")
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], Unicode] = Field(
+        description="Text, token ids, or a one-element list of either (the shape batching clients send).")
     max_tokens: int | None = Field(16, ge=1, description="New tokens at most (OpenAI's default: 16).")
-    echo: Literal[False] = False
-    logprobs: None = None
+    echo: bool = Field(False, description="The prompt's text before the completion's (and, with logprobs, its tokens' "
+                       "log-probabilities).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "Each token's log-probability with this many likeliest alternatives."))
     suffix: None = None
     best_of: Literal[1] | None = None
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], str):
+        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
             if len(value) != 1:
                 raise ValueError(f"one prompt per request, got {len(value)}")
             return value[0]
@@ -220,8 +242,15 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="New tokens at most; default: what the context has room for.")
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
-    logprobs: Literal[False] = False
-    top_logprobs: None = None
+    logprobs: bool = Field(False, description="Each output token's log-probability.")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "With logprobs: this many likeliest alternatives per token."))
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def token_limit(self) -> int | None:

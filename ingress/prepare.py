@@ -41,6 +41,7 @@ class Prepared:
     id: str
     spec_request: SpecRequest
     stop: list[str]
+    echo: str | None = None   # the prompt's text, for a completion that echoes it
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -120,7 +121,11 @@ class Preparer:
                               param="spec.policy", code="policy_not_found")
         window = spec.window if spec and spec.window is not None else self.config.default_window
         tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
-        params = SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed)
+        params = self._sampling(req, max_tokens or 16)
+        if is_chat:
+            logprobs, echo = (req.top_logprobs or 0) if req.logprobs else None, False
+        else:
+            logprobs, echo = req.logprobs, req.echo
         request_id = uuid.uuid4().hex
         return Prepared(
             id=request_id,
@@ -128,9 +133,34 @@ class Preparer:
                                      pinned=bool(spec and (spec.window is not None or spec.tree is not None)),
                                      policy=policy, stream_interval=self.config.stream_interval,
                                      cache_salt=req.cache_salt, images=tuple(pixels),
-                                     image_placeholder=self.image_placeholder if pixels else None),
+                                     image_placeholder=self.image_placeholder if pixels else None,
+                                     logprobs=logprobs, prompt_logprobs=logprobs if echo else None),
             stop=req.stop,
+            echo=(req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)) if echo else None,
         )
+
+    def _token_ids(self, ids, param: str) -> tuple[int, ...]:
+        vocab = self.vocab_size or len(self.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(f"{param}: token ids must be in [0, {vocab}), got {bad[:5]}", param=param)
+        return tuple(ids)
+
+    def _sampling(self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+        """The request's sampling fields, token ids checked against the target's vocabulary."""
+        if req.min_tokens > max_tokens:
+            raise OpenAIError(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                              param="min_tokens")
+        bias = sorted((req.logit_bias or {}).items())
+        ids = self._token_ids([int(key) for key, _ in bias], "logit_bias")
+        return SamplingParams(
+            temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed, min_p=req.min_p,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, logit_bias=tuple(zip(ids, (b for _, b in bias))),
+            allowed_token_ids=(None if req.allowed_token_ids is None
+                               else self._token_ids(sorted(set(req.allowed_token_ids)), "allowed_token_ids")),
+            min_tokens=req.min_tokens, stop_token_ids=self._token_ids(req.stop_token_ids or (), "stop_token_ids"),
+            ignore_eos=req.ignore_eos)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:

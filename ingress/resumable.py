@@ -39,6 +39,7 @@ from specserve.ingress.openai_api import OpenAIError
 from specserve.ingress.prepare import Prepared
 from specserve.ingress.text_stream import TextStream
 from specserve.replicas.request import SpecRequest, StreamItem
+from specserve.replicas.step import TokenLogprob
 
 logger = logging.getLogger("ray.serve")
 
@@ -59,6 +60,14 @@ class Event:
     finish_reason: str | None = None
     spec: dict | None = None
     usage: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None   # per token of ``token_ids``, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # on the first piece, when the request asked
+
+    def then(self, later: "Event") -> "Event":
+        """This piece and ``later`` as one: both texts and tokens, ``later``'s ending."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
+        return replace(later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids, logprobs=logprobs,
+                       prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 class StepFailed(RuntimeError):
@@ -93,7 +102,8 @@ def continuation(original: SpecRequest, produced: list[int], attempt: int) -> Sp
         params = replace(params, seed=(params.seed + attempt * 0x9E3779B97F4A7C15) % 2**63)
     return replace(original, prompt_ids=[*original.prompt_ids, *produced],
                    max_tokens=original.max_tokens - len(produced), params=params,
-                   request_id=f"{original.request_id}-r{attempt}")
+                   request_id=f"{original.request_id}-r{attempt}", prompt_logprobs=None,
+                   resumed_tokens=original.resumed_tokens + len(produced))
 
 
 async def started(events: AsyncIterator[Event]) -> AsyncIterator[Event]:
@@ -124,17 +134,15 @@ class TargetStreams:
         return OpenAIError(f"{why}; retry in {self.config.retry_after_s} s", status=503, type="server_error",
                            code="unavailable", retry_after=self.config.retry_after_s)
 
-    async def answer(self, prepared: Prepared) -> tuple[str, list[int], Event]:
-        """The whole answer at once: the target sends its tokens in large pieces (each piece is a
-        message; a continuation after a replica failure starts from the last piece received)."""
+    async def answer(self, prepared: Prepared) -> Event:
+        """The whole answer as one event: the target sends its tokens in large pieces (each piece is
+        a message; a continuation after a replica failure starts from the last piece received)."""
         if not prepared.stop:   # stop strings are found in the text as it comes: keep pieces small then
             prepared = replace(prepared, spec_request=replace(prepared.spec_request, stream_interval=WHOLE_ANSWER_INTERVAL))
-        pieces, ids, last = [], [], None
+        whole: Event | None = None
         async for event in self.events(prepared):
-            pieces.append(event.text)
-            ids.extend(event.token_ids)
-            last = event
-        return "".join(pieces), ids, last
+            whole = event if whole is None else whole.then(event)
+        return whole
 
     async def events(self, prepared: Prepared) -> AsyncIterator[Event]:
         config = self.config
@@ -146,6 +154,8 @@ class TargetStreams:
         deadline: float | None = self.clock() + config.first_token_timeout_s
         continuing = False   # ``deadline`` is a continuation's
         backoff = BUSY_BACKOFF_S
+        # An item whose tokens add no text yet (part of a character) waits for the next one.
+        pending = StreamItem([])
         while True:
             # _by_reference=False: the stream's items come over gRPC, not through Ray's object store:
             # each item is a message, and relaying them through the object store costs the ingress more.
@@ -160,6 +170,7 @@ class TargetStreams:
                         raise StepFailed(f"the target's step failed: {item.error.message}")
                     deadline, continuing = None, False
                     delta = text.push(item.token_ids)
+                    item = pending.then(item)
                     finish, spec = item.finish_reason, item.spec
                     if text.stopped:
                         finish = "stop"
@@ -178,7 +189,10 @@ class TargetStreams:
                                      "total_tokens": prompt_tokens + done,
                                      # OpenAI's field: prompt tokens whose KV the replica already held.
                                      "prompt_tokens_details": {"cached_tokens": min(prompt_tokens, item.cached_tokens)}}
-                        yield Event(delta, item.token_ids, finish, spec, usage)
+                        yield Event(delta, item.token_ids, finish, spec, usage, item.logprobs, item.prompt_logprobs)
+                        pending = StreamItem([])
+                    else:
+                        pending = item
                     if finish is not None:
                         return
                 # The stream ended without a last item: the replica went away between two items.

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specserve/ingress/specserve.proto\x12\tspecserve\"<\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0e\n\x06images\x18\x03 \x03(\x0c\"9\n\tTreeShape\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\x05\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x05\"p\n\x0bSpecOptions\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\x13\n\x06window\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\"\n\x04tree\x18\x03 \x01(\x0b\x32\x14.specserve.TreeShape\x12\x0e\n\x06policy\x18\x04 \x01(\tB\t\n\x07_window\"\xba\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.specserve.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12$\n\x04spec\x18\n \x01(\x0b\x32\x16.specserve.SpecOptionsB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x9b\x01\n\x0bSpecSummary\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x05\x12\x19\n\x11mean_accepted_len\x18\x03 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x0f\n\x07windows\x18\x05 \x03(\x05\x12)\n\x06router\x18\x06 \x01(\x0b\x32\x19.specserve.RouterDecision\"\xc4\x01\n\x0eRouterDecision\x12\x0e\n\x06\x63hoice\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x46\n\x0fpredicted_alpha\x18\x03 \x03(\x0b\x32-.specserve.RouterDecision.PredictedAlphaEntry\x12\x13\n\x0bswitched_to\x18\x04 \x03(\t\x1a\x35\n\x13PredictedAlphaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xae\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.specserve.Usage\x12$\n\x04spec\x18\x07 \x01(\x0b\x32\x16.specserve.SpecSummary\"\x9c\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.specserve.Usage\x12$\n\x04spec\x18\x06 \x01(\x0b\x32\x16.specserve.SpecSummary2\xa2\x01\n\tSpecServe\x12G\n\x08\x43omplete\x12\x1c.specserve.CompletionRequest\x1a\x1d.specserve.CompletionResponse\x12L\n\x0e\x43ompleteStream\x12\x1c.specserve.CompletionRequest\x1a\x1a.specserve.CompletionChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specserve/ingress/specserve.proto\x12\tspecserve\"<\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0e\n\x06images\x18\x03 \x03(\x0c\"9\n\tTreeShape\x12\r\n\x05\x64\x65pth\x18\x01 \x01(\x05\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x0e\n\x06\x62udget\x18\x03 \x01(\x05\"p\n\x0bSpecOptions\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\x13\n\x06window\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\"\n\x04tree\x18\x03 \x01(\x0b\x32\x14.specserve.TreeShape\x12\x0e\n\x06policy\x18\x04 \x01(\tB\t\n\x07_window\"\x8e\x06\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.specserve.ChatMessage\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12$\n\x04spec\x18\n \x01(\x0b\x32\x16.specserve.SpecOptions\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.specserve.CompletionRequest.LogitBiasEntry\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\x05H\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x12\x12\n\nignore_eos\x18\x12 \x01(\x08\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12\x15\n\x08logprobs\x18\x14 \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04\x65\x63ho\x18\x15 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\x9b\x01\n\x0bSpecSummary\x12\r\n\x05\x64raft\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x05\x12\x19\n\x11mean_accepted_len\x18\x03 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x0f\n\x07windows\x18\x05 \x03(\x05\x12)\n\x06router\x18\x06 \x01(\x0b\x32\x19.specserve.RouterDecision\"\xc4\x01\n\x0eRouterDecision\x12\x0e\n\x06\x63hoice\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x46\n\x0fpredicted_alpha\x18\x03 \x03(\x0b\x32-.specserve.RouterDecision.PredictedAlphaEntry\x12\x13\n\x0bswitched_to\x18\x04 \x03(\t\x1a\x35\n\x13PredictedAlphaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12+\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x15.specserve.TopLogprobB\n\n\x08_logprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x8b\x02\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.specserve.Usage\x12$\n\x04spec\x18\x07 \x01(\x0b\x32\x16.specserve.SpecSummary\x12)\n\x08logprobs\x18\x08 \x03(\x0b\x32\x17.specserve.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.specserve.TokenLogprob\"\xf9\x01\n\x0f\x43ompletionChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.specserve.Usage\x12$\n\x04spec\x18\x06 \x01(\x0b\x32\x16.specserve.SpecSummary\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.specserve.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.specserve.TokenLogprob2\xa2\x01\n\tSpecServe\x12G\n\x08\x43omplete\x12\x1c.specserve.CompletionRequest\x1a\x1d.specserve.CompletionResponse\x12L\n\x0e\x43ompleteStream\x12\x1c.specserve.CompletionRequest\x1a\x1a.specserve.CompletionChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specserve.ingress.specserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_ROUTERDECISION_PREDICTEDALPHAENTRY']._loaded_options = None
   _globals['_ROUTERDECISION_PREDICTEDALPHAENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=48
@@ -40,19 +42,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECOPTIONS']._serialized_start=169
   _globals['_SPECOPTIONS']._serialized_end=281
   _globals['_COMPLETIONREQUEST']._serialized_start=284
-  _globals['_COMPLETIONREQUEST']._serialized_end=598
-  _globals['_USAGE']._serialized_start=600
-  _globals['_USAGE']._serialized_end=679
-  _globals['_SPECSUMMARY']._serialized_start=682
-  _globals['_SPECSUMMARY']._serialized_end=837
-  _globals['_ROUTERDECISION']._serialized_start=840
-  _globals['_ROUTERDECISION']._serialized_end=1036
-  _globals['_ROUTERDECISION_PREDICTEDALPHAENTRY']._serialized_start=983
-  _globals['_ROUTERDECISION_PREDICTEDALPHAENTRY']._serialized_end=1036
-  _globals['_COMPLETIONRESPONSE']._serialized_start=1039
-  _globals['_COMPLETIONRESPONSE']._serialized_end=1213
-  _globals['_COMPLETIONCHUNK']._serialized_start=1216
-  _globals['_COMPLETIONCHUNK']._serialized_end=1372
-  _globals['_SPECSERVE']._serialized_start=1375
-  _globals['_SPECSERVE']._serialized_end=1537
+  _globals['_COMPLETIONREQUEST']._serialized_end=1066
+  _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._serialized_start=854
+  _globals['_COMPLETIONREQUEST_LOGITBIASENTRY']._serialized_end=902
+  _globals['_USAGE']._serialized_start=1068
+  _globals['_USAGE']._serialized_end=1147
+  _globals['_SPECSUMMARY']._serialized_start=1150
+  _globals['_SPECSUMMARY']._serialized_end=1305
+  _globals['_ROUTERDECISION']._serialized_start=1308
+  _globals['_ROUTERDECISION']._serialized_end=1504
+  _globals['_ROUTERDECISION_PREDICTEDALPHAENTRY']._serialized_start=1451
+  _globals['_ROUTERDECISION_PREDICTEDALPHAENTRY']._serialized_end=1504
+  _globals['_TOKENLOGPROB']._serialized_start=1506
+  _globals['_TOKENLOGPROB']._serialized_end=1632
+  _globals['_TOPLOGPROB']._serialized_start=1634
+  _globals['_TOPLOGPROB']._serialized_end=1696
+  _globals['_COMPLETIONRESPONSE']._serialized_start=1699
+  _globals['_COMPLETIONRESPONSE']._serialized_end=1966
+  _globals['_COMPLETIONCHUNK']._serialized_start=1969
+  _globals['_COMPLETIONCHUNK']._serialized_end=2218
+  _globals['_SPECSERVE']._serialized_start=2221
+  _globals['_SPECSERVE']._serialized_end=2383
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ from specserve.replicas.model_worker import InlineWorker, ModelWorker
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, DraftRouter, RequestState, SpecRequest, StaticPolicy
 from specserve.replicas.scheduler import Scheduler
-from specserve.replicas.step import SpecStats, TreeShape
+from specserve.replicas.step import SpecStats, TokenLogprob, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 from specserve.replicas.image_tokens import placeholder_for
@@ -54,6 +54,8 @@ class Generation:
     finish_reason: str   # "stop" (an EOS token) or "length" (max_tokens), as in the OpenAI API
     stats: SpecStats
     routing: dict | None = None   # the draft router's decision (``spec.router``), when one decided
+    logprobs: list[TokenLogprob] | None = None   # per token, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # per prompt token, when the request asked
 
 
 def in_process_server(name: str, draft: Draft, ensemble: dict | None = None, tokenizer=None,
@@ -93,7 +95,8 @@ def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[Spe
 
 def generation(state: RequestState) -> Generation:
     """What a finished request hands back."""
-    return Generation(state.out, state.finish_reason or "length", state.stats, state.routing)
+    return Generation(state.out, state.finish_reason or "length", state.stats, state.routing, state.logprobs,
+                      state.prompt_logprobs)
 
 
 def run_side_by_side(targets: list[Target], drafts: dict[str, DraftServer],

@@ -17,8 +17,10 @@ from typing import Protocol
 
 import torch
 
+from specserve.replicas.logits_processors import RowProcessors
+from specserve.replicas.logprobs import MAX_TOP_LOGPROBS
 from specserve.replicas.sampling import SamplingParams
-from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, StepResult, TreeShape
+from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, StepResult, TokenLogprob, TreeShape
 
 NO_DRAFT = "none"
 # The draft is chosen by the replica's draft router (``routing/``) when the request's prefill is
@@ -63,6 +65,13 @@ class SpecRequest:
     # Written by the replica for itself (a picture's caption, ``captions.py``): the router neither
     # routes it nor learns from it.
     internal: bool = False
+    # The emitted tokens' log-probabilities with this many alternatives each (``logprobs.py``);
+    # None: none. ``prompt_logprobs``: the same for the prompt's tokens (the API's ``echo``).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # A continuation (``ingress/resumable.py``): the prompt's last this-many tokens are the
+    # request's own output from before it resumed here; processors count them as output.
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -73,6 +82,11 @@ class SpecRequest:
             raise ValueError(f"window must be >= 0, got {self.window}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if not 0 <= self.resumed_tokens < len(self.prompt_ids):
+            raise ValueError(f"resumed_tokens must be in [0, {len(self.prompt_ids)}), got {self.resumed_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {getattr(self, name)}")
 
     @property
     def speculation(self) -> Speculation:
@@ -106,11 +120,20 @@ class StreamItem:
     spec: dict | None = None           # the replica's summary, on the last item (``TargetDeployment``)
     cached_tokens: int = 0             # prompt tokens the KV slot already held, on the last item (usage)
     error: StepError | None = None
+    logprobs: list[TokenLogprob] | None = None   # per token of ``token_ids``, when the request asked
+    # The prompt's tokens' (the first has none), on the first item, when the request asked.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def last(self) -> bool:
         """Nothing follows this item: the request finished or failed."""
         return self.finish_reason is not None or self.error is not None
+
+    def then(self, later: "StreamItem") -> "StreamItem":
+        """This item and ``later`` (which follows it) as one: ``later``'s ending, both items' tokens."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
+        return replace(later, token_ids=self.token_ids + later.token_ids, logprobs=logprobs,
+                       prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 
 def draft_seed(seed: int | None) -> int | None:
@@ -132,13 +155,20 @@ class RequestState:
         self.context = list(request.prompt_ids)
         self.out: list[int] = []
         self.finish_reason: str | None = None
-        self.eos_token_ids = eos_token_ids
+        params = request.params
+        # The tokens that end the output: the model's EOS (unless ignore_eos) and stop_token_ids.
+        self.stop_ids = params.stop_ids(eos_token_ids)
+        self.processors = (RowProcessors(params, len(request.prompt_ids) - request.resumed_tokens, self.stop_ids)
+                           if params.processed else None)
+        # The prompt's log-probabilities as the prefill's chunks give them, sent on the first item.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if request.prompt_logprobs is not None else None
+        self.prompt_logprobs_sent = False
+        self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self.stats = SpecStats(draft=request.draft)
         self.slot: int | None = None
         self.prefilled = False
         self.cached_tokens: int | None = None   # context tokens found in the slot's cache at admission
         self.speculating = not request.speculation.plain
-        params = request.params
         self.generator = None if params.greedy else params.generator(device)
         self.draft_seed = draft_seed(params.seed)
         self.features_sent = 0     # target states already sent to a remote draft for this request
@@ -173,14 +203,14 @@ class RequestState:
         return Speculation(min(spec.window, room), None)
 
     def advance(self, result: StepResult) -> list[int]:
-        """Record a verified step; returns the tokens it adds (cut at EOS / max_tokens)."""
+        """Record a verified step; returns the tokens it adds (cut at a stop token / max_tokens)."""
         self.stats.record(result)
         new: list[int] = []
         for token in result.emitted_tokens:
             new.append(token)
             self.out.append(token)
             self.context.append(token)
-            if token in self.eos_token_ids:
+            if token in self.stop_ids:
                 self.finish_reason = "stop"
             elif len(self.out) == self.request.max_tokens:
                 self.finish_reason = "length"

@@ -6,6 +6,7 @@ the target distribution we must reproduce is the warped one, not the raw softmax
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,12 +14,30 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature == 0`` means greedy; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+    """How a request turns the target's logits into the tokens it emits, with vLLM's names and
+    semantics. ``temperature == 0`` means greedy; ``top_k == 0``, ``top_p == 1`` and
+    ``min_p == 0`` disable those filters.
+
+    The processors (``logits_processors.RowProcessors``) act on the logits first, in vLLM's order:
+    ``allowed_token_ids``, ``logit_bias``, ``min_tokens`` (the stop tokens masked until that many
+    are out), then the repetition penalty (prompt and output tokens), the frequency and presence
+    penalties (output tokens). The warp (``logits_to_probs``) then divides by the temperature and
+    applies ``min_p``, ``top_k`` and ``top_p``. ``stop_token_ids`` end the output as the EOS does;
+    ``ignore_eos`` lets it run past the EOS."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias added to its logit)
+    allowed_token_ids: tuple[int, ...] | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -27,6 +46,33 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be finite")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must name at least one token")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether any processor acts on this request's logits before the warp."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def stop_ids(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end this request's output (and that ``min_tokens`` holds back)."""
+        return (frozenset() if self.ignore_eos else frozenset(eos_token_ids)) | frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +116,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if not bool(torch.isfinite(top).all()):
         raise NonFiniteScores("the target's logits are not finite")
     logits = (logits - top) / max(params.temperature, MIN_TEMPERATURE)
+    if params.min_p > 0.0:
+        # p(x) < min_p · max p  ⇔  (l(x) − max l) / T < log(min_p): one comparison in the shifted
+        # space the warp already has, where a softmax and a sort would read the row twice more.
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -263,7 +263,13 @@ class Scheduler:
             if state.done:
                 continue
             scored = 0 if state.request.draft == NO_DRAFT else score_rows   # no draft: no router choice to feed
-            done = self.target.prefill(state.slot, state.context[:-1], chunk, state.context[-1], scored)
+            asked = state.request.prompt_logprobs
+            if asked is not None and state.cached_tokens is None:
+                # Every prompt position's row is wanted: a cached prefix would skip them.
+                self.target.kv.crop(state.slot, 0)
+            done = self.target.prefill(state.slot, state.context[:-1], chunk, state.context[-1], scored, asked)
+            if asked is not None:
+                state.prompt_logprobs.extend(done.logprobs)
             prefilled += done.fed
             if state.cached_tokens is None:   # the first chunk: what the slot already held
                 state.cached_tokens = len(state.context) - 1 - done.fed - done.left
@@ -272,8 +278,8 @@ class Scheduler:
             state.prefilled = done.left == 0
         t1 = self._clock()
         live = [s for s in plan.decode if not s.done]
-        items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator)
-                 for s in live]
+        items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator,
+                            s.processors, s.request.logprobs) for s in live]
         forward_tokens = 0
         results = self.target.verify(items) if items else []
         t2 = self._clock()
@@ -293,10 +299,14 @@ class Scheduler:
             if asked.tree is not None:   # the response's spec says which trees the policy asked for
                 state.stats.trees.append([asked.tree.depth, asked.tree.top_k, asked.tree.budget])
             new = state.advance(result)
-            if state.done:
-                state.send(StreamItem(new, state.finish_reason, cached_tokens=state.cached_tokens or 0))
-            else:
-                state.send(StreamItem(new))
+            logprobs = None if result.logprobs is None else result.logprobs[:len(new)]
+            if logprobs is not None:
+                state.logprobs.extend(logprobs)
+            prompt_logprobs = None
+            if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+                prompt_logprobs, state.prompt_logprobs_sent = state.prompt_logprobs, True
+            state.send(StreamItem(new, state.finish_reason, cached_tokens=(state.cached_tokens or 0) if state.done else 0,
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs))
             steps.append(RequestStep(
                 request_id=state.id, draft=state.request.draft, asked=plan.speculation.get(state.id, PLAIN),
                 proposed=result.proposed, accepted=result.accepted, max_depth=result.max_depth,

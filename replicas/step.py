@@ -170,6 +170,15 @@ class ProposeRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one emitted token and its ``top`` alternatives ((token id,
+    log-probability), likeliest first), from the raw logits of the row that predicted it."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What one step did. ``accepted_path`` indexes ``Proposal.tokens`` (root to leaf)."""
 
@@ -180,6 +189,7 @@ class StepResult:
     max_depth: int           # the longest path the proposal offered (γ for a chain)
     proposal_error: str | None = None   # why the draft's proposal was dropped (the step went plain)
     error: str | None = None            # why this request could not be verified (it fails alone; nothing emitted)
+    logprobs: list[TokenLogprob] | None = None   # per emitted token, when the request asked for them
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,12 @@ import torch
 from specserve.replicas.batch_kv import BatchKV, Feed
 from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.logits_processors import RowProcessors
+from specserve.replicas.logprobs import token_logprobs
 from specserve.replicas.mrope import MRope
 from specserve.replicas.rejection_sampler import verify
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams
-from specserve.replicas.step import Proposal, StepResult
+from specserve.replicas.step import Proposal, StepResult, TokenLogprob
 
 
 class FeatureTap:
@@ -116,6 +118,8 @@ class VerifyItem:
     proposal: Proposal
     params: SamplingParams
     generator: torch.Generator | None = None
+    processors: RowProcessors | None = None   # the request's logits processors, if it has any
+    logprobs: int | None = None   # the emitted tokens' log-probabilities with this many alternatives; None: none
 
 
 class _Features:
@@ -149,6 +153,7 @@ class Prefilled(NamedTuple):
     left: int
     nll: float = 0.0
     scored: int = 0
+    logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob] = ()   # the fed tokens' next prompt tokens', when asked
 
 
 # The hidden state a target keeps from the start: Sparrow's ``h^h`` (``hsr_head``'s default).
@@ -230,7 +235,7 @@ class Target:
         self._features[a], self._features[b] = self._features[b], self._features[a]
 
     def prefill(self, slot: int, tokens: list[int], chunk: int, next_token: int | None = None,
-                score_rows: int = 0) -> Prefilled:
+                score_rows: int = 0, logprobs: int | None = None) -> Prefilled:
         """Feed at most ``chunk`` of the tokens ``slot`` lacks of ``tokens`` (a prompt without its
         last token, which the first step feeds as its root, ``next_token``).
 
@@ -239,7 +244,10 @@ class Target:
         runs anyway. "A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in
         Large Language Models" (Eq. 9) averages over the whole prompt; we score only the last
         rows of each chunk, because the output layer over every prompt position would add ~20%
-        to the prefill (a 49k-token vocabulary against a 135M-parameter model)."""
+        to the prefill (a 49k-token vocabulary against a 135M-parameter model).
+
+        ``logprobs``: the log-probability of every prompt token the chunk predicts, with this many
+        alternatives (the API's ``echo``); then every row's logits come back."""
         missing = self.kv.sync(slot, tokens)
         if not missing:
             return Prefilled(0, 0)
@@ -249,14 +257,17 @@ class Target:
         rows = min(score_rows, len(known_next))
         # Feed row j predicts known_next[j]; a chunk that ends the prompt without ``next_token``
         # has no target for its last row, so that row's logits come back too and are dropped.
-        feed = Feed(slot, fed, rows + len(fed) - len(known_next) if rows else 1)
+        every = logprobs is not None
+        feed = Feed(slot, fed, len(fed) if every else (rows + len(fed) - len(known_next) if rows else 1))
         logits = self.kv.forward([feed])[0]   # [feed.logits_rows, V]
         self._keep_features([feed], [first])
         nll = 0.0
         if rows:
+            scored = logits[len(known_next) - rows:len(known_next)] if every else logits[:rows]
             wanted = torch.tensor(known_next[-rows:], device=logits.device)   # [rows]
-            nll = float(-torch.log_softmax(logits[:rows].float(), -1).gather(-1, wanted[:, None]).sum())
-        return Prefilled(len(fed), len(missing) - len(fed), nll, rows)
+            nll = float(-torch.log_softmax(scored.float(), -1).gather(-1, wanted[:, None]).sum())
+        prompt = token_logprobs(logits[:len(known_next)], known_next, logprobs) if every else []
+        return Prefilled(len(fed), len(missing) - len(fed), nll, rows, prompt)
 
     def verify(self, items: list[VerifyItem]) -> list[StepResult]:
         """One forward over every item's [uncached context tail] + proposal.
@@ -291,7 +302,10 @@ class Target:
         for item, feed, rows, error in zip(items, feeds, logits, errors):
             proposal = item.proposal
             # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
+            raw = rows
             try:
+                if item.processors is not None:
+                    rows = item.processors.apply(rows, item.context, proposal)
                 path, bonus = verify(rows, proposal, item.params, item.generator)
             except NonFiniteScores as err:   # this request's own rows: it fails alone, the step goes on
                 path, bonus, failure = [], None, f"{type(err).__name__}: {err}"
@@ -305,14 +319,21 @@ class Target:
                 self.kv.crop(item.slot, base + len(path))
             else:
                 self.kv.keep(item.slot, list(range(base)) + [base + i for i in path], item.context + accepted)
+            emitted = accepted + ([] if bonus is None else [bonus])
+            logprobs = None
+            if item.logprobs is not None and failure is None:
+                # Emitted token j was predicted by row 0 (the root's) or by the row of the path's
+                # node before it.
+                logprobs = token_logprobs(raw[[0] + [i + 1 for i in path]], emitted, item.logprobs)
             results.append(StepResult(
                 proposed=len(proposal),
                 accepted=len(path),
                 accepted_path=path,
-                emitted_tokens=accepted + ([] if bonus is None else [bonus]),
+                emitted_tokens=emitted,
                 max_depth=max(proposal.depths(), default=0),
                 proposal_error=error,
                 error=failure,
+                logprobs=logprobs,
             ))
         self._keep_features(feeds, firsts, kept)
         return results

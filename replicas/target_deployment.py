@@ -119,7 +119,7 @@ def merged(item: StreamItem, queue: asyncio.Queue) -> StreamItem:
         more = queue.get_nowait()
         if more.error is not None:
             return more
-        item = replace(more, token_ids=item.token_ids + more.token_ids)
+        item = item.then(more)
     return item
 
 
@@ -291,7 +291,7 @@ class TargetDeployment:
             request, prior = self.learning.start(request, len(self.scheduler.running) + 1)
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         state = self.loop.add(request, queue.put_nowait)
-        held: list[int] = []   # tokens not yet sent (``request.stream_interval``)
+        held: StreamItem | None = None   # tokens not yet sent (``request.stream_interval``)
         sent = False
         try:
             while True:
@@ -299,11 +299,10 @@ class TargetDeployment:
                 if item.error is not None:
                     yield item
                     return
-                if held:
-                    item = replace(item, token_ids=held + item.token_ids)
-                    held = []
+                if held is not None:
+                    item, held = held.then(item), None
                 if not item.last and sent and len(item.token_ids) < request.stream_interval:
-                    held = item.token_ids
+                    held = item
                     continue
                 if item.last:
                     item = replace(item, spec=self._spec(state, request, prior or self._priors.pop(state.id, None)))

@@ -30,7 +30,8 @@ from specserve.replicas.sampling import SamplingParams
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress import specserve_pb2_grpc
 from specserve.replicas.engine import SpecEngine
-from specserve.replicas.engine import speculative_generate
+from specserve.replicas.engine import run_batch, speculative_generate
+from specserve.replicas.request import SpecRequest
 from specserve.replicas.target import Target
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
@@ -260,6 +261,154 @@ def test_completions_endpoint(client, engine):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
     assert streamed == out.choices[0].text
+
+
+CONTROLS = {"frequency_penalty": 0.8, "presence_penalty": 0.3, "logit_bias": {"28": 4.0, "30": -50.0},
+            "repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 20, "stop_token_ids": [30], "ignore_eos": True}
+
+
+def test_sampling_controls_over_http_and_grpc_are_plain_decodings_with_them(client, stub, engine):
+    """vLLM's sampling controls change the target's distribution; verification accepts drafts
+    against the changed one, so speculative output equals target-only decoding with them."""
+    params = SamplingParams(frequency_penalty=0.8, presence_penalty=0.3, logit_bias=((28, 4.0), (30, -50.0)),
+                            repetition_penalty=1.3, min_p=0.05, min_tokens=20, stop_token_ids=(30,), ignore_eos=True)
+    want = speculative_generate(Target(engine.loaded.model), None, engine.encode(PROMPTS[0]), NEW_TOKENS, params,
+                                eos_token_ids=engine.loaded.eos_token_ids).token_ids
+    assert want != expected_plain(engine, PROMPTS[0])   # the controls changed the output
+    for spec in ({"draft": "prompt-lookup", "window": 4}, {"draft": DRAFT_LM, "window": 3}, {"draft": "auto"}):
+        extra = {k: v for k, v in CONTROLS.items() if k not in ("frequency_penalty", "presence_penalty", "logit_bias")}
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=NEW_TOKENS, temperature=0,
+            frequency_penalty=0.8, presence_penalty=0.3, logit_bias={"28": 4, "30": -50},
+            extra_body={"spec": spec, "return_token_ids": True, **extra})
+        assert out.choices[0].model_extra["token_ids"] == want, spec
+    got = stub.Complete(grpc_request(PROMPTS[0], spec=pb.SpecOptions(draft="prompt-lookup", window=4),
+                                     frequency_penalty=0.8, presence_penalty=0.3, logit_bias={28: 4.0, 30: -50.0},
+                                     repetition_penalty=1.3, min_p=0.05, min_tokens=20, stop_token_ids=[30],
+                                     ignore_eos=True), timeout=300)
+    assert list(got.token_ids) == want
+
+
+def expected_plain(engine, prompt: str) -> list[int]:
+    return speculative_generate(Target(engine.loaded.model), None, engine.encode(prompt), NEW_TOKENS, SamplingParams(),
+                                eos_token_ids=engine.loaded.eos_token_ids).token_ids
+
+
+def test_logprobs_are_the_targets_whatever_drafted_streamed_or_not(client, stub, engine):
+    prompt_ids = engine.encode(PROMPTS[1])
+    want = run_batch(Target(engine.loaded.model), {}, [SpecRequest(prompt_ids, NEW_TOKENS, logprobs=2)],
+                     engine.loaded.eos_token_ids)[0]
+    out = chat(client, PROMPTS[1], {"draft": "prompt-lookup", "window": 4}, logprobs=True, top_logprobs=2)
+    assert out.choices[0].model_extra["token_ids"] == want.token_ids
+    content = out.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in want.logprobs], abs=2e-3)
+    assert [len(c.top_logprobs) for c in content] == [2] * len(want.token_ids)
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    streamed = [c for chunk in chat(client, PROMPTS[1], {"draft": "prompt-lookup", "window": 4}, stream=True,
+                                    logprobs=True, top_logprobs=2)
+                if chunk.choices and chunk.choices[0].logprobs for c in chunk.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=2e-3)
+    grpc_out = stub.Complete(grpc_request(PROMPTS[1], spec=pb.SpecOptions(draft="prompt-lookup", window=4), logprobs=2),
+                             timeout=300)
+    assert [lp.logprob for lp in grpc_out.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=2e-3)
+
+
+def test_completions_echo_the_prompt_with_its_logprobs(client, engine):
+    prompt = "The capital of France is"
+    ids = engine.encode(prompt, chat=False)
+    want = run_batch(Target(engine.loaded.model), {}, [SpecRequest(ids, 3, logprobs=1, prompt_logprobs=1)],
+                     engine.loaded.eos_token_ids)[0]
+    for _ in range(2):   # the second time the prompt's KV is cached on a replica: the logprobs stay
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+        logprobs = out.choices[0].logprobs
+        assert out.choices[0].text.startswith(prompt)
+        assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) == len(ids) + 3
+        assert logprobs.token_logprobs[1:] == pytest.approx(
+            [lp.logprob for lp in want.prompt_logprobs[1:]] + [lp.logprob for lp in want.logprobs], abs=2e-3)
+        assert logprobs.text_offset[len(ids)] == len(prompt)
+
+
+CHOICE_TASK = """task: specserve_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+GENERATE_TASK = """task: specserve_generate
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 16
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+CHOICES = [
+    {"question": "The capital of France is", "choices": [" Paris", " Rome", " Berlin"], "answer": 0},
+    {"question": "Two plus two equals", "choices": [" five", " four", " three"], "answer": 1},
+    {"question": "Water freezes at zero degrees", "choices": [" Celsius", " Fahrenheit"], "answer": 0},
+    {"question": "The opposite of hot is", "choices": [" warm", " cold", " loud"], "answer": 1},
+]
+QUESTIONS = [
+    {"question": "Name a primary colour.", "answer": "Red"},
+    {"question": "What is the largest planet in the solar system?", "answer": "Jupiter"},
+    {"question": "Write the word 'yes' in capitals.", "answer": "YES"},
+]
+
+
+def test_lm_evaluation_harness_over_http_scores_as_it_does_in_process(served, tmp_path):
+    """lm-evaluation-harness, unmodified: a loglikelihood task through ``local-completions`` (echo
+    and prompt logprobs) and a generate-until task through ``local-chat-completions`` give the
+    per-sample numbers and outputs its own in-process run of the same weights (its ``hf``
+    backend, float32) gives."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from specserve.replicas.model_store import resolve_model_path
+
+    weights = resolve_model_path(MODEL)
+    for name, task, rows in (("choice", CHOICE_TASK, CHOICES), ("generate", GENERATE_TASK, QUESTIONS)):
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (tmp_path / f"{name}.yaml").write_text(task.format(data=data))
+    tasks = TaskManager(include_path=str(tmp_path))
+
+    def evaluate(task: str, model: str, model_args: str, chat: bool = False) -> dict:
+        return simple_evaluate(model=model, model_args=model_args, tasks=[task], task_manager=tasks, log_samples=True,
+                               apply_chat_template=chat, batch_size=1)
+
+    served_args = f"model={MODEL},tokenizer={weights},num_concurrent=2,max_retries=1"
+    local_args = f"pretrained={weights},dtype=float32,device=cpu"
+    choice = evaluate("specserve_choice", "local-completions",
+                      f"{served_args},base_url={served.http_url}/v1/completions,tokenized_requests=True")
+    choice_local = evaluate("specserve_choice", "hf", local_args)
+    assert choice["results"]["specserve_choice"]["acc,none"] == choice_local["results"]["specserve_choice"]["acc,none"]
+    got = [r for sample in choice["samples"]["specserve_choice"] for r in sample["resps"]]
+    want = [r for sample in choice_local["samples"]["specserve_choice"] for r in sample["resps"]]
+    assert len(got) == len(want) == sum(len(c["choices"]) for c in CHOICES)
+    for (served_ll, served_greedy), (local_ll, local_greedy) in ((g[0], w[0]) for g, w in zip(got, want)):
+        assert served_ll == pytest.approx(local_ll, abs=2e-3) and served_greedy == local_greedy
+
+    generated = evaluate("specserve_generate", "local-chat-completions",
+                         f"{served_args},base_url={served.http_url}/v1/chat/completions", chat=True)
+    generated_local = evaluate("specserve_generate", "hf", local_args, chat=True)
+    texts = [s["filtered_resps"] for s in generated["samples"]["specserve_generate"]]
+    assert texts == [s["filtered_resps"] for s in generated_local["samples"]["specserve_generate"]]
+    assert all(t[0].strip() for t in texts)
 
 
 def test_stop_string_ends_the_text(client):

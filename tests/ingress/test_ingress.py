@@ -22,6 +22,7 @@ from starlette.testclient import TestClient
 from specserve.ingress.auth import ApiKeys
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.grpc_api import GrpcFace, grpc_abort
+from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.http_api import HttpFace, _http_error, _openai_error, api
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer
@@ -30,6 +31,7 @@ from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress.deployment import Ingress
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import SpecRequest, StepError, StreamItem
+from specserve.replicas.step import TokenLogprob
 from specserve.replicas.vlm import TargetText
 
 
@@ -137,13 +139,39 @@ def prepared() -> Prepared:
 def test_a_failed_step_resumes_on_another_replica_and_the_spec_says_so():
     failed = StreamItem([], error=StepError("RuntimeError: the model raised"))
     replicas = Replicas([StreamItem([0, 1]), failed], [StreamItem([2, 3], "length", SPEC, cached_tokens=2)])
-    text, ids, last = asyncio.run(streams(replicas).answer(prepared()))
-    assert (text, ids, last.finish_reason) == ("abcd", [0, 1, 2, 3], "length")
+    last = asyncio.run(streams(replicas).answer(prepared()))
+    assert (last.text, last.token_ids, last.finish_reason) == ("abcd", [0, 1, 2, 3], "length")
     # The replica's summary as it came, plus the one thing only the ingress knows.
     assert last.spec == {**SPEC, "resumed": 1}
     # The continuation: the prompt plus the two tokens received, two tokens left.
     assert replicas.requests[1].prompt_ids == [20, 21, 22, 0, 1] and replicas.requests[1].max_tokens == 2
+    # ... whose processors count those two tokens as output, not as prompt.
+    assert replicas.requests[1].resumed_tokens == 2
     assert last.usage["completion_tokens"] == 4 and last.usage["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+def test_logprobs_reach_the_answer_in_order_across_a_resume():
+    lp = [TokenLogprob(-float(i), ((i, -float(i)),)) for i in range(4)]
+    failed = StreamItem([], error=StepError("RuntimeError: the model raised"))
+    replicas = Replicas([StreamItem([0, 1], logprobs=lp[:2], prompt_logprobs=[None, TokenLogprob(-0.5)]), failed],
+                        [StreamItem([2], logprobs=lp[2:3]), StreamItem([3], "length", logprobs=lp[3:])])
+    asked = Prepared("abc", SpecRequest([20, 21, 22], 4, request_id="abc", logprobs=1, prompt_logprobs=1), stop=[])
+    whole = asyncio.run(streams(replicas).answer(asked))
+    assert whole.token_ids == [0, 1, 2, 3] and whole.logprobs == lp
+    assert whole.prompt_logprobs == [None, TokenLogprob(-0.5)]
+    # The continuation asks for the output's logprobs, not the prompt's again.
+    assert (replicas.requests[1].logprobs, replicas.requests[1].prompt_logprobs) == (1, None)
+
+
+def test_logprob_fields_are_openais_shapes():
+    fields = LogprobFields(Letters())
+    lps = [TokenLogprob(-0.25, ((0, -0.25), (2, -2.0))), TokenLogprob(-1.5, ((3, -0.5), (1, -1.5)))]
+    chat = fields.chat([0, 1], lps)
+    assert chat["content"][0] == {"token": "a", "logprob": -0.25, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.25, "bytes": [97]}, {"token": "c", "logprob": -2.0, "bytes": [99]}]}
+    legacy = fields.completion([0, 1], [None, lps[1]], offset=5)
+    assert legacy == {"tokens": ["a", "b"], "token_logprobs": [None, -1.5], "top_logprobs": [None, {"d": -0.5, "b": -1.5}],
+                      "text_offset": [5, 6]}
 
 
 def test_a_stop_string_before_the_last_item_cancels_the_replica_and_answers_an_empty_spec():
@@ -218,8 +246,8 @@ def test_busy_replicas_while_resuming_are_waited_for_and_cost_no_attempt():
     failed = StreamItem([], error=StepError("RuntimeError: the model raised"))
     replicas = Replicas([StreamItem([0, 1]), failed], *[busy()] * 6, [StreamItem([2, 3], "length", SPEC)])
     clock = Clock()
-    text, ids, last = asyncio.run(streams(replicas, resume_attempts=1, clock=clock).answer(prepared()))
-    assert (text, last.spec["resumed"]) == ("abcd", 1)   # one attempt, spent on the failed step
+    last = asyncio.run(streams(replicas, resume_attempts=1, clock=clock).answer(prepared()))
+    assert (last.text, last.spec["resumed"]) == ("abcd", 1)   # one attempt, spent on the failed step
     # The same continuation asked again after a doubling backoff, capped.
     assert clock.slept == [min(BUSY_BACKOFF_S * 2**k, MAX_BUSY_BACKOFF_S) for k in range(6)]
     assert {r.request_id for r in replicas.requests[1:]} == {"abc-r1"}
@@ -360,6 +388,40 @@ def test_a_requests_tokenizing_runs_off_the_event_loop():
     loop_thread, out = asyncio.run(prepare())
     assert len(out.spec_request.prompt_ids) == 1 << 20
     assert tokenizer.threads and loop_thread not in tokenizer.threads
+
+
+def test_sampling_controls_reach_the_replica_with_their_token_ids_checked():
+    prep = preparer(Tokenizer())
+    out = asyncio.run(prep.prepare(ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0.5,
+        "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1, "min_p": 0.1,
+        "logit_bias": {"7": 2, "3": -1}, "min_tokens": 2, "stop_token_ids": [9], "ignore_eos": True,
+        "allowed_token_ids": [9, 3, 7, 3]})))
+    params = out.spec_request.params
+    assert params.logit_bias == ((3, -1.0), (7, 2.0)) and params.allowed_token_ids == (3, 7, 9)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p) == (0.5, 0.25, 1.1, 0.1)
+    assert (params.min_tokens, params.stop_token_ids, params.ignore_eos) == (2, (9,), True)
+    for field, value in (("logit_bias", {"100": 1}), ("stop_token_ids", [100]), ("allowed_token_ids", [5, 100]),
+                         ("min_tokens", 9)):
+        with pytest.raises(OpenAIError) as raised:
+            asyncio.run(prep.prepare(ChatCompletionRequest.model_validate({
+                "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, field: value})))
+        assert raised.value.param == field and raised.value.status == 400
+
+
+def test_grpcs_sampling_controls_are_the_http_apis():
+    from specserve.ingress import specserve_pb2 as pb
+    from specserve.ingress.grpc_api import from_pb
+
+    req = from_pb(pb.CompletionRequest(prompt="hi", presence_penalty=0.5, repetition_penalty=1.25, min_p=0.5,
+                                       min_tokens=2, logit_bias={7: 2.0}, stop_token_ids=[9], ignore_eos=True,
+                                       allowed_token_ids=[3, 7]), "m")
+    assert (req.presence_penalty, req.repetition_penalty, req.min_p, req.min_tokens) == (0.5, 1.25, 0.5, 2)
+    assert (req.logit_bias, req.stop_token_ids, req.ignore_eos, req.allowed_token_ids) == ({"7": 2.0}, [9], True, [3, 7])
+    assert from_pb(pb.CompletionRequest(prompt="hi"), "m").allowed_token_ids is None
+    with pytest.raises(OpenAIError) as raised:
+        from_pb(pb.CompletionRequest(prompt="hi", logit_bias={7: 200.0}), "m")
+    assert raised.value.param == "logit_bias"
 
 
 class Counting:

@@ -31,8 +31,16 @@ def test_openai_defaults():
     ({"max_tokens": -5}, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
-    ({"logit_bias": {"42": 5}}, "logit_bias"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"x42": 5}}, "logit_bias"),
+    ({"logit_bias": {"42": 101}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"stop_token_ids": list(range(2000))}, "stop_token_ids"),
     ({"spec": {"window": 99}}, "spec"),
     ({"spec": {"tree": {"depth": 3, "top_k": 2}}}, "spec"),
     ({"spec": {"draft": "x", "unknown": 1}}, "spec"),
@@ -54,13 +62,31 @@ def test_chat_needs_messages_with_known_roles():
 
 
 def test_neutral_values_of_unsupported_features_are_accepted():
-    req = chat(n=1, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, logprobs=False)
+    req = chat(n=1, logprobs=False)
     assert req.n == 1
+
+
+def test_vllms_sampling_controls_are_taken():
+    req = chat(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, logit_bias={"42": -100},
+               min_p=0.05, min_tokens=3, stop_token_ids=[7], ignore_eos=True, allowed_token_ids=[1, 2, 42])
+    assert (req.presence_penalty, req.repetition_penalty, req.logit_bias, req.min_tokens) == (0.5, 1.2, {"42": -100}, 3)
+
+
+def test_a_non_finite_penalty_from_json_is_refused():
+    # Python's json (FastAPI's parser) reads NaN and Infinity.
+    for field in ("presence_penalty", "repetition_penalty", "min_p"):
+        with pytest.raises(ValidationError):
+            chat(**json.loads(f'{{"{field}": NaN}}'))
+        with pytest.raises(ValidationError):
+            chat(**json.loads(f'{{"{field}": Infinity}}'))
 
 
 def test_prompt_shapes():
     assert CompletionRequest.model_validate({"model": MODEL, "prompt": ["one"]}).prompt == "one"
     assert CompletionRequest.model_validate({"model": MODEL, "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    assert CompletionRequest.model_validate({"model": MODEL, "prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]
+    with pytest.raises(ValidationError, match="one prompt per request"):
+        CompletionRequest.model_validate({"model": MODEL, "prompt": [[1], [2]]})
     with pytest.raises(ValidationError, match="one prompt per request"):
         CompletionRequest.model_validate({"model": MODEL, "prompt": ["one", "two"]})
 
