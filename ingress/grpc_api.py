@@ -61,6 +61,11 @@ def from_pb(request: pb.CompletionRequest, model_id: str) -> CompletionRequest |
             body.update(logprobs=True, top_logprobs=request.logprobs)
         else:
             body["logprobs"] = request.logprobs
+    if request.HasField("structured_output"):
+        kind = request.structured_output.WhichOneof("constraint")
+        value = getattr(request.structured_output, kind) if kind else None
+        body["structured_outputs"] = {"json": value} if kind == "json_schema" else (
+            {"choice": list(value.choices)} if kind == "choice" else {kind: value} if kind else {})
     if request.echo:
         if request.messages:
             raise OpenAIError("echo is for a prompt request, not messages", param="echo")

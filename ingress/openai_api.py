@@ -113,6 +113,46 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: Name = Field(max_length=64)
+    description: Text | None = None
+    schema_: Annotated[dict, Unicode] = Field(alias="schema", description="The JSON schema the output follows.")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of these constrains the output."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: Annotated[dict | str | None, Unicode] = Field(None, alias="json", description="A JSON schema.")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1)
+    grammar: Text | None = Field(None, description="A Lark or GBNF (EBNF) grammar.")
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [name for name in ("json_", "regex", "choice", "grammar", "json_object") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {len(given)})")
+        return self
+
+
 class _Common(BaseModel):
     """Sampling and speculation fields shared by both endpoints."""
 
@@ -143,6 +183,13 @@ class _Common(BaseModel):
         "Sample only among these token ids (vLLM's extension)."))
     user: Text | None = None
     spec: SpecOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's older names for structured_outputs' fields.
+    guided_json: Annotated[dict | str | None, Unicode] = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
     return_token_ids: bool = Field(False, description="Add the generated token ids to the choice (vLLM's extension).")
     cache_salt: Text | None = Field(None, min_length=1, max_length=256, description=(
         "Prefix-cache isolation (vLLM's extension): a request reuses the target's cached KV only "

@@ -24,6 +24,7 @@ from specserve.ingress.config import IngressConfig
 from specserve.ingress.image_fetch import fetch_pool
 from specserve.ingress.images import decode_images, fetches
 from specserve.ingress.openai_api import AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, CompletionRequest, OpenAIError
+from specserve.ingress.structured import request_grammar
 from specserve.policies.registry import POLICIES
 from specserve.replicas.image_tokens import picture_ids
 from specserve.replicas.prompt_ids import encode_chat, encode_text
@@ -122,6 +123,7 @@ class Preparer:
         window = spec.window if spec and spec.window is not None else self.config.default_window
         tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
         params = self._sampling(req, max_tokens or 16)
+        grammar = request_grammar(req)
         if is_chat:
             logprobs, echo = (req.top_logprobs or 0) if req.logprobs else None, False
         else:
@@ -134,7 +136,8 @@ class Preparer:
                                      policy=policy, stream_interval=self.config.stream_interval,
                                      cache_salt=req.cache_salt, images=tuple(pixels),
                                      image_placeholder=self.image_placeholder if pixels else None,
-                                     logprobs=logprobs, prompt_logprobs=logprobs if echo else None),
+                                     logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                                     grammar=grammar),
             stop=req.stop,
             echo=(req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)) if echo else None,
         )

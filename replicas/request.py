@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from specserve.replicas.grammar import GrammarState
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import MAX_TOP_LOGPROBS
 from specserve.replicas.sampling import SamplingParams
@@ -69,6 +70,9 @@ class SpecRequest:
     # None: none. ``prompt_logprobs``: the same for the prompt's tokens (the API's ``echo``).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The grammar the output follows (structured output): llguidance's grammar text
+    # (``ingress/structured.py``); None: free text.
+    grammar: str | None = None
     # A continuation (``ingress/resumable.py``): the prompt's last this-many tokens are the
     # request's own output from before it resumed here; processors count them as output.
     resumed_tokens: int = 0
@@ -164,6 +168,7 @@ class RequestState:
         self.prompt_logprobs: list[TokenLogprob | None] | None = [None] if request.prompt_logprobs is not None else None
         self.prompt_logprobs_sent = False
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
+        self.grammar: GrammarState | None = None   # set by the scheduler for a request with a grammar
         self.stats = SpecStats(draft=request.draft)
         self.slot: int | None = None
         self.prefilled = False

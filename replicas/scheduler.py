@@ -34,6 +34,7 @@ from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.request import (AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StepError,
                                         StreamItem)
 from specserve.replicas.step import PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, StepRecord
+from specserve.replicas.grammar import GrammarState
 from specserve.replicas.target import DEFAULT_FEATURE_LAYERS, Target, VerifyItem
 
 logger = logging.getLogger("ray.serve")
@@ -66,13 +67,16 @@ class Scheduler:
                  prefill_chunk: int = 512, max_running: int | None = None,
                  clock: Callable[[], float] = time.perf_counter, router: DraftRouter | None = None,
                  default_draft: str = NO_DRAFT, observers: Iterable[Callable[[StepRecord], None]] = (),
-                 on_draft: Iterable[Callable[[RequestState, str | None], None]] = ()):
+                 on_draft: Iterable[Callable[[RequestState, str | None], None]] = (),
+                 grammar_tokenizer: Callable[[], object] | None = None):
         """``max_running``: requests in the batch at once (default: every slot); slots beyond it
         keep finished requests' caches as a prefix cache. ``router`` chooses the draft of
         ``AUTO_DRAFT`` requests; without one they get ``default_draft``. ``observers``: besides
         the policy and the router, whoever learns from every step's record (statistics, metrics).
         ``on_draft``: called with a request and its previous draft (None: its first) each time its
-        draft is set or switched (the replica's warm start, statistics)."""
+        draft is set or switched (the replica's warm start, statistics). ``grammar_tokenizer``:
+        llguidance's tokenizer for requests with a grammar (``grammar.grammar_tokenizer``), made
+        when the first such request comes; None: such requests are refused."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target = target
@@ -91,6 +95,7 @@ class Scheduler:
         # (draft, request id) whose draft sessions the step loop should free: the draft a request
         # switched away from keeps no KV cache.
         self.released: list[tuple[str, str]] = []
+        self.grammar_tokenizer = grammar_tokenizer
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -101,6 +106,11 @@ class Scheduler:
             raise ValueError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) "
                              f"exceed this replica's limit of {limit} tokens; shorten the prompt or lower max_tokens")
         state = RequestState(request, self.eos_token_ids, self.target.model.device, emit)
+        if request.grammar is not None:
+            if self.grammar_tokenizer is None:
+                raise ValueError("this replica serves no structured output (it was given no grammar tokenizer)")
+            produced = request.prompt_ids[len(request.prompt_ids) - request.resumed_tokens:]
+            state.grammar = GrammarState(request.grammar, self.grammar_tokenizer(), produced)
         self.waiting.append(state)
         self._caption(state)
         return state
@@ -279,7 +289,7 @@ class Scheduler:
         t1 = self._clock()
         live = [s for s in plan.decode if not s.done]
         items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator,
-                            s.processors, s.request.logprobs) for s in live]
+                            s.processors, s.request.logprobs, s.grammar) for s in live]
         forward_tokens = 0
         results = self.target.verify(items) if items else []
         t2 = self._clock()

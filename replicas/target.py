@@ -22,6 +22,7 @@ import torch
 
 from specserve.replicas.batch_kv import BatchKV, Feed
 from specserve.replicas.drafts.hsr_head import decoder_layer
+from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
@@ -120,6 +121,7 @@ class VerifyItem:
     generator: torch.Generator | None = None
     processors: RowProcessors | None = None   # the request's logits processors, if it has any
     logprobs: int | None = None   # the emitted tokens' log-probabilities with this many alternatives; None: none
+    grammar: GrammarState | None = None   # the grammar the request's output follows (structured output)
 
 
 class _Features:
@@ -278,11 +280,19 @@ class Target:
         feeds: list[Feed] = []
         firsts: list[int] = []
         errors: list[str | None] = []
+        failures: list[str | None] = []
         for item in items:
             error = proposal_error(item.proposal, self.vocab, self.model.device)
             if error is not None:
                 item.proposal = Proposal.empty()
             errors.append(error)
+            failure = None
+            if item.grammar is not None:
+                try:   # drafted tokens the grammar forbids are never verified
+                    item.proposal = item.grammar.admit(item.proposal)
+                except GrammarError as err:
+                    item.proposal, failure = Proposal.empty(), f"{type(err).__name__}: {err}"
+            failures.append(failure)
             missing = self.kv.sync(item.slot, item.context[:-1]) + item.context[-1:]
             firsts.append(len(item.context) - len(missing))
             proposal = item.proposal
@@ -299,18 +309,22 @@ class Target:
         logits = self.kv.forward(feeds)   # per feed: [n + 1, V]
         results: list[StepResult] = []
         kept: list[list[int]] = []
-        for item, feed, rows, error in zip(items, feeds, logits, errors):
+        for item, feed, rows, error, failure in zip(items, feeds, logits, errors, failures):
             proposal = item.proposal
             # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
             raw = rows
+            path, bonus = [], None
             try:
-                if item.processors is not None:
-                    rows = item.processors.apply(rows, item.context, proposal)
-                path, bonus = verify(rows, proposal, item.params, item.generator)
-            except NonFiniteScores as err:   # this request's own rows: it fails alone, the step goes on
+                if failure is None:
+                    if item.grammar is not None:
+                        rows = item.grammar.mask(rows)
+                    if item.processors is not None:
+                        rows = item.processors.apply(rows, item.context, proposal)
+                    path, bonus = verify(rows, proposal, item.params, item.generator)
+                    if item.grammar is not None:
+                        item.grammar.advance([proposal.tokens[i] for i in path] + [bonus])
+            except (NonFiniteScores, GrammarError) as err:   # this request's own rows: it fails alone, the step goes on
                 path, bonus, failure = [], None, f"{type(err).__name__}: {err}"
-            else:
-                failure = None
             accepted = [proposal.tokens[i] for i in path]
             tail = len(feed.tokens) - len(proposal)
             kept.append(list(range(tail)) + [tail + i for i in path])

@@ -21,6 +21,7 @@ the next step and its KV slot is freed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from ray.serve.handle import DeploymentHandle
 from specserve.replicas.cost_probe import (LOADED_BATCH, PRICED_WINDOW, ProbedCosts, draft_ms_per_position,
                                            loaded_verify_points, verify_points)
 from specserve.replicas.draft_server import DraftServer
+from specserve.replicas.grammar import grammar_tokenizer
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
 from specserve.replicas.model_worker import ModelWorker
@@ -179,7 +181,9 @@ class TargetDeployment:
             target, policy, self.loaded.eos_token_ids, prefill_chunk=config.prefill_chunk,
             max_running=config.max_batch, router=None if self.routing is None else self.routing.router, default_draft=config.default_draft,
             observers=self.learning.observers if self.learning is not None else (),
-            on_draft=[self._routed] if self.learning is not None else ())
+            on_draft=[self._routed] if self.learning is not None else (),
+            grammar_tokenizer=functools.partial(grammar_tokenizer, self.tokenizer, target.vocab,
+                                                tuple(sorted(self.loaded.eos_token_ids))))
         self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory,
                              draft_ahead=config.draft_ahead, on_draft_costs=self._price_separate)
         self._released_at = -math.inf

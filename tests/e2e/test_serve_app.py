@@ -328,6 +328,41 @@ def test_completions_echo_the_prompt_with_its_logprobs(client, engine):
         assert logprobs.text_offset[len(ids)] == len(prompt)
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+          "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def test_structured_output_follows_the_schema_and_equals_plain_decoding_under_it(client, stub, engine):
+    """JSON-schema output through the openai client (response_format) and gRPC: it parses, it
+    validates, and whatever drafted, it is the target's own greedy decoding under the grammar."""
+    import jsonschema
+    import llguidance
+
+    from specserve.replicas.grammar import grammar_tokenizer
+
+    prompt = "Describe a person as JSON with their name, age and city."
+    loaded = engine.loaded
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(PERSON)
+    tokenizer = lambda: grammar_tokenizer(loaded.tokenizer, loaded.model.config.vocab_size,  # noqa: E731
+                                          tuple(sorted(loaded.eos_token_ids)))
+    want = run_batch(Target(loaded.model), {}, [SpecRequest(engine.encode(prompt), 64, grammar=grammar)],
+                     loaded.eos_token_ids, grammar_tokenizer=tokenizer)[0].token_ids
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    for spec in ({"draft": "prompt-lookup", "window": 4}, {"draft": DRAFT_LM, "window": 3}, {"draft": "auto"}):
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=64, temperature=0,
+            response_format=schema_format, extra_body={"spec": spec, "return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == want, spec
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    got = stub.Complete(grpc_request(prompt, max_tokens=64, spec=pb.SpecOptions(draft="prompt-lookup", window=4),
+                                     structured_output=pb.StructuredOutput(json_schema=json.dumps(PERSON))), timeout=300)
+    assert list(got.token_ids) == want
+    choice = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": [" blue", " green"]}})
+    assert choice.choices[0].text in (" blue", " green")
+
+
 CHOICE_TASK = """task: specserve_choice
 dataset_path: json
 dataset_kwargs:

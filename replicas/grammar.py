@@ -1,0 +1,145 @@
+"""Structured output: a request's grammar as a mask on the target's rows, and a check on its drafts.
+
+A request that must follow a grammar (a JSON schema, JSON, a regex, a choice, a Lark grammar:
+``ingress/structured.py`` turns each into llguidance's grammar text) carries a ``GrammarState``:
+llguidance's matcher, advanced by every emitted token. Each step:
+
+- ``admit`` checks the proposal against the grammar before it is verified: a drafted token the
+  grammar forbids ends its branch there (``validate_tokens`` on a chain; a tree loses the node and
+  its subtree), and the grammar's mask is computed for every row the verify will score, each on
+  the prefix that row follows (a chain's row ``i + 1`` after its first ``i + 1`` drafted tokens);
+- ``mask`` sets the logits of forbidden tokens to −inf in those rows, before the request's other
+  processors (vLLM's order): verification then accepts against the grammar's distribution, and the
+  output is what plain decoding under the grammar gives (docs/design.md §10);
+- ``advance`` moves the matcher past the emitted tokens.
+
+llguidance, not xgrammar: both compute a mask in tens of microseconds here (a verify takes tens of
+milliseconds), but llguidance has no dependencies (xgrammar pulls in triton), compiles a schema ~6x
+faster, and has the speculative primitives this needs: how many of a draft's tokens the grammar
+admits, forced (fast-forward) tokens, rollback. Measured in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from specserve.replicas.step import Proposal
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or a matcher that went wrong: the request fails alone."""
+
+
+@functools.lru_cache(maxsize=4)
+def grammar_tokenizer(tokenizer, vocab: int, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
+    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: ~0.5 s)."""
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(eos_token_ids) or None)
+
+
+def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None) -> str | None:
+    """Why ``grammar`` (llguidance's text) cannot be used, or None when it can."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    return messages[0] if is_error else None
+
+
+class GrammarState:
+    """One request's grammar. The matcher is built on the first ``admit`` (on the model thread: a
+    large grammar takes a while to compile, which the event loop must not wait for)."""
+
+    def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, produced: list[int] = ()):
+        """``produced``: output the request emitted before it resumed here (a continuation), which
+        the matcher moves past first."""
+        self.grammar = grammar
+        self.tokenizer = tokenizer
+        self.produced = list(produced)
+        self.matcher: llguidance.LLMatcher | None = None
+        self._masks: torch.Tensor | None = None   # [rows, words] int32 bitmask of the admitted proposal's rows
+
+    def _matcher(self) -> llguidance.LLMatcher:
+        if self.matcher is None:
+            self.matcher = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+            self._raise_on_error()
+            self.advance(self.produced)
+        return self.matcher
+
+    def _raise_on_error(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar failed: {self.matcher.get_error()}")
+
+    def admit(self, proposal: Proposal) -> Proposal:
+        """``proposal`` without what the grammar forbids; the masks of the rows it leaves are kept
+        for ``mask``."""
+        matcher = self._matcher()
+        if proposal.is_chain:
+            ok = matcher.validate_tokens(proposal.tokens) if proposal.tokens else 0
+            kept = proposal if ok == len(proposal) else proposal.chain_from(0, ok)
+            masks = llguidance.torch.allocate_token_bitmask(len(kept) + 1, self.tokenizer.vocab_size)
+            for row, token in enumerate([*kept.tokens, None]):
+                llguidance.torch.fill_next_token_bitmask(matcher, masks, row)
+                if token is not None and not matcher.consume_token(token):
+                    self._raise_on_error()
+            if kept.tokens:
+                matcher.rollback(len(kept))
+            self._masks = masks
+            return kept
+        return self._admit_tree(proposal)
+
+    def _admit_tree(self, proposal: Proposal) -> Proposal:
+        """A tree's nodes the grammar admits, depth first from the root, each node's row masked on
+        the path to it."""
+        matcher = self.matcher
+        children: list[list[int]] = [[] for _ in range(len(proposal) + 1)]
+        for node, parent in enumerate(proposal.parents):
+            children[parent + 1].append(node)
+        kept: list[int] = []
+        rows: dict[int, int] = {}   # kept node -> its row in the masks (row 0: the root)
+        masks = llguidance.torch.allocate_token_bitmask(len(proposal) + 1, self.tokenizer.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(matcher, masks, 0)
+
+        def visit(row: int) -> None:
+            for child in children[row]:
+                token = proposal.tokens[child]
+                if matcher.validate_tokens([token]) != 1:
+                    continue
+                matcher.consume_token(token)
+                kept.append(child)
+                rows[child] = len(kept)
+                llguidance.torch.fill_next_token_bitmask(matcher, masks, len(kept))
+                visit(child + 1)
+                matcher.rollback(1)
+
+        visit(0)
+        self._raise_on_error()
+        order = sorted(kept)   # parents before children, as a proposal needs
+        index = {node: i for i, node in enumerate(order)}
+        self._masks = masks[[0] + [rows[node] for node in order]]
+        if len(order) == len(proposal):
+            return proposal
+        return Proposal(
+            [proposal.tokens[n] for n in order],
+            [-1 if proposal.parents[n] < 0 else index[proposal.parents[n]] for n in order],
+            token_probs=None if proposal.token_probs is None else [proposal.token_probs[n] for n in order],
+            root_probs=proposal.root_probs)
+
+    def mask(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows: [len(admitted proposal) + 1, V] -> float32 rows with what the grammar forbids at −inf."""
+        rows = rows.float().clone()
+        vocab = min(rows.shape[-1], self.tokenizer.vocab_size)
+        llguidance.torch.apply_token_bitmask_inplace(rows[:, :vocab], self._masks.to(rows.device))
+        if rows.shape[-1] > vocab:   # ids the tokenizer does not have are never text
+            rows[:, vocab:] = float("-inf")
+        return rows
+
+    def advance(self, emitted: list[int]) -> None:
+        """Move past this step's emitted tokens (each one the grammar admitted)."""
+        matcher = self._matcher()
+        for token in emitted:
+            if matcher.is_stopped():   # the grammar is complete: an EOS may follow, nothing else
+                break
+            if not matcher.consume_token(token):
+                self._raise_on_error()
