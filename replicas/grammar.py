@@ -51,12 +51,17 @@ class GrammarState:
     """One request's grammar. The matcher is built on the first ``admit`` (on the model thread: a
     large grammar takes a while to compile, which the event loop must not wait for)."""
 
-    def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, produced: list[int] = ()):
+    def __init__(self, grammar: str, tokenizer: llguidance.LLTokenizer, produced: list[int] = (),
+                 ends: frozenset[int] = frozenset()):
         """``produced``: output the request emitted before it resumed here (a continuation), which
-        the matcher moves past first."""
+        the matcher moves past first. ``ends``: the tokens that end the output (the EOS, stop
+        tokens): the matcher is never moved past one. (llguidance does not count an EOS it
+        consumes in a stopped state as a token to roll back, so consuming one would make a
+        rollback take one token too many.)"""
         self.grammar = grammar
         self.tokenizer = tokenizer
         self.produced = list(produced)
+        self.ends = ends
         self.matcher: llguidance.LLMatcher | None = None
         self._masks: torch.Tensor | None = None   # [rows, words] int32 bitmask of the admitted proposal's rows
 
@@ -67,9 +72,9 @@ class GrammarState:
             self.advance(self.produced)
         return self.matcher
 
-    def _raise_on_error(self) -> None:
+    def _raise_on_error(self, where: str = "") -> None:
         if self.matcher.is_error():
-            raise GrammarError(f"the grammar failed: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar failed{where}: {self.matcher.get_error()}")
 
     def admit(self, proposal: Proposal) -> Proposal:
         """``proposal`` without what the grammar forbids; the masks of the rows it leaves are kept
@@ -79,12 +84,15 @@ class GrammarState:
             ok = matcher.validate_tokens(proposal.tokens) if proposal.tokens else 0
             kept = proposal if ok == len(proposal) else proposal.chain_from(0, ok)
             masks = llguidance.torch.allocate_token_bitmask(len(kept) + 1, self.tokenizer.vocab_size)
+            consumed = 0   # rows after an ending token are never emitted: they keep its row's mask
             for row, token in enumerate([*kept.tokens, None]):
                 llguidance.torch.fill_next_token_bitmask(matcher, masks, row)
-                if token is not None and not matcher.consume_token(token):
-                    self._raise_on_error()
-            if kept.tokens:
-                matcher.rollback(len(kept))
+                if token is not None and consumed == row and self._moves(token):
+                    if not matcher.consume_token(token):
+                        self._raise_on_error(" on a drafted token")
+                    consumed += 1
+            if consumed:
+                matcher.rollback(consumed)
             self._masks = masks
             return kept
         return self._admit_tree(proposal)
@@ -106,12 +114,15 @@ class GrammarState:
                 token = proposal.tokens[child]
                 if matcher.validate_tokens([token]) != 1:
                     continue
-                matcher.consume_token(token)
+                moves = self._moves(token)
+                if moves:
+                    matcher.consume_token(token)
                 kept.append(child)
                 rows[child] = len(kept)
                 llguidance.torch.fill_next_token_bitmask(matcher, masks, len(kept))
-                visit(child + 1)
-                matcher.rollback(1)
+                if moves:   # below an ending token nothing is emitted: its subtree is cut
+                    visit(child + 1)
+                    matcher.rollback(1)
 
         visit(0)
         self._raise_on_error()
@@ -135,11 +146,16 @@ class GrammarState:
             rows[:, vocab:] = float("-inf")
         return rows
 
+    def _moves(self, token: int) -> bool:
+        """Whether the matcher moves past ``token``: not past the output's end, nor once the
+        grammar is complete (only an EOS may follow then)."""
+        return token not in self.ends and not self.matcher.is_stopped()
+
     def advance(self, emitted: list[int]) -> None:
         """Move past this step's emitted tokens (each one the grammar admitted)."""
         matcher = self._matcher()
         for token in emitted:
-            if matcher.is_stopped():   # the grammar is complete: an EOS may follow, nothing else
+            if not self._moves(token):
                 break
             if not matcher.consume_token(token):
-                self._raise_on_error()
+                self._raise_on_error(f" on an emitted token ({emitted})")

@@ -110,7 +110,8 @@ class Scheduler:
             if self.grammar_tokenizer is None:
                 raise ValueError("this replica serves no structured output (it was given no grammar tokenizer)")
             produced = request.prompt_ids[len(request.prompt_ids) - request.resumed_tokens:]
-            state.grammar = GrammarState(request.grammar, self.grammar_tokenizer(), produced)
+            state.grammar = GrammarState(request.grammar, self.grammar_tokenizer(), produced,
+                                         ends=state.stop_ids | self.eos_token_ids)
         self.waiting.append(state)
         self._caption(state)
         return state

@@ -55,6 +55,35 @@ def test_drafted_tokens_the_grammar_forbids_end_the_chain_and_prune_the_tree(ref
     assert bool(rows[0, yes[0]].isfinite()) and not bool(rows[0, bad[0]].isfinite())
 
 
+def test_the_matcher_follows_the_output_through_any_proposals_and_rollbacks(reference):
+    """Random chains and trees around a valid output (its tokens, others, the EOS), each admitted,
+    then the longest valid prefix emitted: the matcher stays on the output and row 0 always
+    admits its next token. (An EOS consumed in a complete grammar is no rollback step in
+    llguidance: a rollback counting it lost the token before.)"""
+    import random
+
+    loaded, tokenizer = reference
+    eos = min(loaded.eos_token_ids)
+    true = ids(loaded, json.dumps({"name": "John Smith", "age": 45, "city": "Paris"})) + [eos]
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(PERSON)
+    rng = random.Random(0)
+    for _ in range(100):
+        state, at = GrammarState(grammar, tokenizer(), ends=frozenset(loaded.eos_token_ids)), 0
+        while at < len(true):
+            k = rng.randint(0, 5)
+            tokens = [true[at + i] if at + i < len(true) and rng.random() < 0.7 else rng.choice(true) for i in range(k)]
+            tree = k >= 2 and rng.random() < 0.3
+            kept = state.admit(Proposal(tokens, [-1] + [rng.randint(-1, i - 1) for i in range(1, k)]) if tree
+                               else Proposal.chain(tokens))
+            rows = state.mask(torch.zeros(len(kept) + 1, loaded.model.config.vocab_size))
+            assert bool(rows[0, true[at]].isfinite())
+            n = 0
+            while kept.is_chain and n < len(kept) and at + n < len(true) and kept.tokens[n] == true[at + n]:
+                n += 1
+            state.advance(true[at:at + n + 1])
+            at += n + 1
+
+
 def plain_under_grammar(loaded, tokenizer, prompt: list[int], grammar: str, max_tokens: int) -> list[int]:
     """Greedy decoding with the grammar's mask, the whole prefix through the model for every token."""
     matcher = llguidance.LLMatcher(tokenizer, grammar)
