@@ -165,6 +165,8 @@ class AppConfig(BaseModel):
                               "(placement separate, or own_thread) drafts each chain's next step while the target "
                               "verifies it, from the outcome where every token is accepted (replicas/step_loop.py); "
                               "a chain the verdict rules out is dropped unused.")
+    grammar_draft: bool = Field(True, description="Structured output: where a request's grammar admits only one "
+                                "continuation, those tokens are proposed as its step's draft (verified like any other).")
     torch_threads: int | None = Field(
         None, ge=1, description="torch threads in each target replica; default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
     )

@@ -78,14 +78,15 @@ def run_batch(target: Target, drafts: dict[str, DraftServer], requests: list[Spe
               eos_token_ids: frozenset[int] | set[int] = frozenset(), policy=None,
               on_tokens: Callable[[int, list[int]], None] | None = None, prefill_chunk: int = 512,
               router: DraftRouter | None = None, max_running: int | None = None,
-              grammar_tokenizer: Callable[[], object] | None = None) -> list[Generation]:
+              grammar_tokenizer: Callable[[], object] | None = None, grammar_draft: bool = True) -> list[Generation]:
     """Every request through one scheduler (batched as the target's slots allow, or at most
     ``max_running`` at once: the next waiting request enters as one finishes), in-process.
     ``on_tokens(i, tokens)`` sees request i's tokens as each step verifies them. ``router``
     chooses the draft of ``AUTO_DRAFT`` requests (and learns from every request).
-    ``grammar_tokenizer``: for requests with a grammar (``Scheduler``)."""
+    ``grammar_tokenizer``, ``grammar_draft``: for requests with a grammar (``Scheduler``)."""
     scheduler = Scheduler(target, policy or StaticPolicy(), eos_token_ids, prefill_chunk=prefill_chunk,
-                          max_running=max_running, router=router, grammar_tokenizer=grammar_tokenizer)
+                          max_running=max_running, router=router, grammar_tokenizer=grammar_tokenizer,
+                          grammar_draft=grammar_draft)
     loop = StepLoop(scheduler, drafts, InlineWorker())
     states = []
     for i, request in enumerate(requests):

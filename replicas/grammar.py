@@ -13,6 +13,9 @@ llguidance's matcher, advanced by every emitted token. Each step:
   output is what plain decoding under the grammar gives (docs/design.md §10);
 - ``advance`` moves the matcher past the emitted tokens.
 
+Where the grammar admits a single continuation, ``with_forced`` proposes it as the step's draft
+("grammar-forced tokens as a draft", docs/design.md §10).
+
 llguidance, not xgrammar: both compute a mask in tens of microseconds here (a verify takes tens of
 milliseconds), but llguidance has no dependencies (xgrammar pulls in triton), compiles a schema ~6x
 faster, and has the speculative primitives this needs: how many of a draft's tokens the grammar
@@ -159,3 +162,21 @@ class GrammarState:
                 break
             if not matcher.consume_token(token):
                 self._raise_on_error(f" on an emitted token ({emitted})")
+
+    def with_forced(self, proposal: Proposal, limit: int) -> tuple[Proposal, int]:
+        """The grammar as a draft: where it admits only one continuation from here (JSON's keys
+        and punctuation under a schema), those tokens, at most ``limit``, are the proposal,
+        unless the draft's own proposal already starts with them. Returns the proposal and how
+        many of its tokens the grammar forced (0: the draft's). Lossless as any proposal: the
+        verify accepts a forced token only where the target, masked, would emit it."""
+        forced: list[int] = []
+        for token in self._matcher().compute_ff_tokens():
+            if len(forced) >= limit:
+                break
+            forced.append(token)
+            if token in self.ends:
+                break
+        if not forced or proposal.tokens[:len(forced)] == forced:
+            return proposal, 0
+        return Proposal.chain(forced), len(forced)
+

@@ -34,7 +34,7 @@ from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.request import (AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StepError,
                                         StreamItem)
 from specserve.replicas.step import PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, StepRecord
-from specserve.replicas.grammar import GrammarState
+from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.target import DEFAULT_FEATURE_LAYERS, Target, VerifyItem
 
 logger = logging.getLogger("ray.serve")
@@ -48,6 +48,8 @@ PERPLEXITY_ROWS = 64
 # waits for (in-process, 8 chat prompts at once: 3.5% of the run), and under load the goodput
 # policy switches most speculation off whatever the router chose.
 PERPLEXITY_BUSY = 4
+# Tokens a grammar forces proposed in one step at most (a window's bound, ``openai_api.MAX_WINDOW``).
+MAX_FORCED = 16
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.perf_counter, router: DraftRouter | None = None,
                  default_draft: str = NO_DRAFT, observers: Iterable[Callable[[StepRecord], None]] = (),
                  on_draft: Iterable[Callable[[RequestState, str | None], None]] = (),
-                 grammar_tokenizer: Callable[[], object] | None = None):
+                 grammar_tokenizer: Callable[[], object] | None = None, grammar_draft: bool = True):
         """``max_running``: requests in the batch at once (default: every slot); slots beyond it
         keep finished requests' caches as a prefix cache. ``router`` chooses the draft of
         ``AUTO_DRAFT`` requests; without one they get ``default_draft``. ``observers``: besides
@@ -76,7 +78,8 @@ class Scheduler:
         ``on_draft``: called with a request and its previous draft (None: its first) each time its
         draft is set or switched (the replica's warm start, statistics). ``grammar_tokenizer``:
         llguidance's tokenizer for requests with a grammar (``grammar.grammar_tokenizer``), made
-        when the first such request comes; None: such requests are refused."""
+        when the first such request comes; None: such requests are refused. ``grammar_draft``:
+        the tokens a grammar forces are proposed as the step's draft."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.target = target
@@ -96,6 +99,7 @@ class Scheduler:
         # switched away from keeps no KV cache.
         self.released: list[tuple[str, str]] = []
         self.grammar_tokenizer = grammar_tokenizer
+        self.grammar_draft = grammar_draft
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -261,6 +265,22 @@ class Scheduler:
 
     # ---- model work ---------------------------------------------------------------------------
 
+    def _grammar_drafts(self, live: list[RequestState], proposals: dict[str, Proposal]) -> dict[str, int]:
+        """Where a request's grammar forces its next tokens, those are its proposal
+        (``GrammarState.with_forced``); returns how many each such proposal holds."""
+        forced: dict[str, int] = {}
+        for state in live:
+            if state.grammar is None or state.room <= 0:
+                continue
+            try:
+                proposal, n = state.grammar.with_forced(proposals.get(state.id, Proposal.empty()),
+                                                        min(MAX_FORCED, state.room))
+            except GrammarError:   # the verify fails this request alone, with the reason
+                continue
+            if n:
+                proposals[state.id], forced[state.id] = proposal, n
+        return forced
+
     def execute(self, plan: StepPlan, proposals: dict[str, Proposal], draft_s: float = 0.0,
                 draft_ms_by: dict[str, float] | None = None) -> StepRecord:
         """Prefill chunks, then one forward verifying every running request; streams each
@@ -289,6 +309,7 @@ class Scheduler:
             state.prefilled = done.left == 0
         t1 = self._clock()
         live = [s for s in plan.decode if not s.done]
+        forced = self._grammar_drafts(live, proposals) if self.grammar_draft else {}
         items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator,
                             s.processors, s.request.logprobs, s.grammar) for s in live]
         forward_tokens = 0
@@ -309,6 +330,10 @@ class Scheduler:
             asked = plan.speculation.get(state.id, PLAIN)
             if asked.tree is not None:   # the response's spec says which trees the policy asked for
                 state.stats.trees.append([asked.tree.depth, asked.tree.top_k, asked.tree.budget])
+            if forced.get(state.id):   # the grammar's tokens, not the draft's: its statistics do not see them
+                state.stats.forced += forced[state.id]
+                state.stats.forced_accepted += result.accepted
+                result = replace(result, proposed=0, accepted=0, accepted_path=[], max_depth=0)
             new = state.advance(result)
             logprobs = None if result.logprobs is None else result.logprobs[:len(new)]
             if logprobs is not None:

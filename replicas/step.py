@@ -239,6 +239,10 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     proposal_errors: int = 0   # proposals dropped as malformed (those steps went plain)
+    # Tokens the grammar forced (structured output): proposed in place of the draft's, accepted
+    # where the target agreed; not the draft's, so not in ``accepted``.
+    forced: int = 0
+    forced_accepted: int = 0
 
     def record(self, result: StepResult) -> None:
         self.steps += 1
@@ -266,5 +270,6 @@ class SpecStats:
             "draft_ms_per_step": round(1e3 * self.draft_s / self.steps, 3) if self.steps else 0.0,
             "verify_ms_per_step": round(1e3 * self.verify_s / self.steps, 3) if self.steps else 0.0,
             **({"proposal_errors": self.proposal_errors} if self.proposal_errors else {}),
+            **({"forced": self.forced, "forced_accepted": self.forced_accepted} if self.forced else {}),
             **({"trees": [list(t) for t in self.trees]} if self.trees else {}),
         }

@@ -99,6 +99,7 @@ class TargetConfig:
     max_model_len: int | None = None
     # Drafts that run apart from the model thread draft the next step while the target verifies.
     draft_ahead: bool = True
+    grammar_draft: bool = True   # a grammar's forced tokens proposed as the step's draft
 
 
 @runtime_checkable
@@ -183,7 +184,8 @@ class TargetDeployment:
             observers=self.learning.observers if self.learning is not None else (),
             on_draft=[self._routed] if self.learning is not None else (),
             grammar_tokenizer=functools.partial(grammar_tokenizer, self.tokenizer, target.vocab,
-                                                tuple(sorted(self.loaded.eos_token_ids))))
+                                                tuple(sorted(self.loaded.eos_token_ids))),
+            grammar_draft=config.grammar_draft)
         self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory,
                              draft_ahead=config.draft_ahead, on_draft_costs=self._price_separate)
         self._released_at = -math.inf

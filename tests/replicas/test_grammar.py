@@ -103,17 +103,21 @@ def plain_under_grammar(loaded, tokenizer, prompt: list[int], grammar: str, max_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("speculation", [dict(window=4), dict(tree=TreeShape(3, 2, 6))], ids=["chain", "tree"])
-def test_greedy_output_under_a_grammar_is_plain_decodings(reference, speculation):
+@pytest.mark.parametrize("grammar_draft", [True, False], ids=["grammar-draft", "draft-only"])
+@pytest.mark.parametrize("speculation", [dict(window=4), dict(tree=TreeShape(3, 2, 6)), dict(draft="none")],
+                         ids=["chain", "tree", "plain"])
+def test_greedy_output_under_a_grammar_is_plain_decodings(reference, speculation, grammar_draft):
     loaded, tokenizer = reference
     prompt = encode_chat(loaded.tokenizer, [{"role": "user", "content": "Describe a person as JSON: name, age, city."}])
     grammar = llguidance.LLMatcher.grammar_from_json_schema(PERSON)
     expected = plain_under_grammar(loaded, tokenizer(), prompt, grammar, 48)
     got = run_batch(Target(loaded.model), {"prompt-lookup": in_process_server("prompt-lookup", PromptLookupDraft())},
-                    [SpecRequest(prompt, 48, draft="prompt-lookup", window=speculation.get("window", 0),
-                                 tree=speculation.get("tree"), grammar=grammar)],
-                    loaded.eos_token_ids, grammar_tokenizer=tokenizer)[0]
+                    [SpecRequest(prompt, 48, draft=speculation.get("draft", "prompt-lookup"),
+                                 window=speculation.get("window", 0), tree=speculation.get("tree"), grammar=grammar)],
+                    loaded.eos_token_ids, grammar_tokenizer=tokenizer, grammar_draft=grammar_draft)[0]
     assert got.token_ids == expected
+    # The schema's keys are forced (name, age, city): proposed by the grammar and accepted.
+    assert (got.stats.forced_accepted >= 2) if grammar_draft else got.stats.forced == 0
     jsonschema.validate(json.loads(loaded.tokenizer.decode(got.token_ids, skip_special_tokens=True)), PERSON)
 
 
