@@ -16,10 +16,10 @@ llguidance's matcher, advanced by every emitted token. Each step:
 Where the grammar admits a single continuation, ``with_forced`` proposes it as the step's draft
 ("grammar-forced tokens as a draft", docs/design.md §10).
 
-llguidance, not xgrammar: both compute a mask in tens of microseconds here (a verify takes tens of
-milliseconds), but llguidance has no dependencies (xgrammar pulls in triton), compiles a schema ~6x
-faster, and has the speculative primitives this needs: how many of a draft's tokens the grammar
-admits, forced (fast-forward) tokens, rollback. Measured in docs/benchmarks.md.
+llguidance, not xgrammar: either computes a mask in a small fraction of a verify's time, but
+llguidance has no dependencies (xgrammar pulls in triton), compiles a request's grammar faster, and
+has the speculative primitives this needs: how many of a draft's tokens the grammar admits, forced
+(fast-forward) tokens, rollback (docs/benchmarks.md §9.1).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class GrammarError(ValueError):
 
 @functools.lru_cache(maxsize=4)
 def grammar_tokenizer(tokenizer, vocab: int, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
-    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: ~0.5 s)."""
+    """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: it walks the vocabulary)."""
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(eos_token_ids) or None)
 
 

@@ -170,7 +170,7 @@ def test_a_chain_used_from_ahead_has_the_draft_rows_of_its_own_positions(target)
     past the bonus guess): the rejection sampler's q."""
     close = perturbed(target, seed=1, noise=0.02)
     # A low temperature: a chain drafted ahead is used only when the draft's guess of the bonus
-    # token is the token the target samples, which at 0.5 happened in about 1 of 25 outcomes.
+    # token is the token the target samples, which at 0.5 was too rare for the test to see one.
     params = SamplingParams(temperature=0.2, top_k=30)
     draft = DraftLM("close", close)
     requests = [SpecRequest(PROMPTS[i % 2], 16, replace(params, seed=i), "close", 2, None, f"q{i}")
