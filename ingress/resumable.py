@@ -39,6 +39,7 @@ from specserve.ingress.openai_api import OpenAIError
 from specserve.ingress.prepare import Prepared
 from specserve.ingress.text_stream import TextStream
 from specserve.replicas.request import SpecRequest, StreamItem
+from specserve.replicas.logprobs import joined
 from specserve.replicas.step import TokenLogprob
 
 logger = logging.getLogger("ray.serve")
@@ -65,8 +66,8 @@ class Event:
 
     def then(self, later: "Event") -> "Event":
         """This piece and ``later`` as one: both texts and tokens, ``later``'s ending."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
-        return replace(later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids, logprobs=logprobs,
+        return replace(later, text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
+                       logprobs=joined(self.logprobs, later.logprobs),
                        prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 

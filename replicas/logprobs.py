@@ -24,3 +24,9 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[Toke
         return [TokenLogprob(lp) for lp in chosen]
     values, ids = logp.topk(min(top, logp.shape[-1]), -1)
     return [TokenLogprob(lp, tuple(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
+def joined(first: list | None, later: list | None) -> list | None:
+    """Two consecutive pieces' log-probabilities as one list (None when neither piece has any)."""
+    return None if first is None and later is None else (first or []) + (later or [])
+

@@ -19,7 +19,7 @@ import torch
 
 from specserve.replicas.grammar import GrammarState
 from specserve.replicas.logits_processors import RowProcessors
-from specserve.replicas.logprobs import MAX_TOP_LOGPROBS
+from specserve.replicas.logprobs import MAX_TOP_LOGPROBS, joined
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, StepResult, TokenLogprob, TreeShape
 
@@ -135,8 +135,7 @@ class StreamItem:
 
     def then(self, later: "StreamItem") -> "StreamItem":
         """This item and ``later`` (which follows it) as one: ``later``'s ending, both items' tokens."""
-        logprobs = None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
-        return replace(later, token_ids=self.token_ids + later.token_ids, logprobs=logprobs,
+        return replace(later, token_ids=self.token_ids + later.token_ids, logprobs=joined(self.logprobs, later.logprobs),
                        prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs)
 
 

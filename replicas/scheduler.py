@@ -30,11 +30,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.request import (AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StepError,
                                         StreamItem)
 from specserve.replicas.step import PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, StepRecord
-from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.target import DEFAULT_FEATURE_LAYERS, Target, VerifyItem
 
 logger = logging.getLogger("ray.serve")
