@@ -107,7 +107,8 @@ def test_chains_drafted_too_late_are_dropped_and_the_step_goes_on(target):
         propose = server.propose_batch
 
         async def slow(asks):
-            if any(a.window == 3 for a in asks):   # drafting ahead (γ + 1), not the step's own ask
+            # drafting ahead: an all-accepted outcome (γ + 1) or a rejection's (a session of its own)
+            if any(a.window == 3 or a.session_id != "slow" for a in asks):
                 await asyncio.sleep(0.2)
             return await propose(asks)
 
