@@ -211,6 +211,20 @@ class BatchKV:
         self.tokens[a], self.tokens[b] = self.tokens[b], self.tokens[a]
         self.salts[a], self.salts[b] = self.salts[b], self.salts[a]
 
+    @torch.inference_mode()
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """``dst`` holds the first ``length`` cached positions of ``src`` (and its salt): requests
+        that share a prompt (a request's choices, a repeated prompt) compute its prefill once."""
+        length = min(length, len(self.tokens[src]))
+        if src == dst:
+            return
+        if length:
+            for layer in self.cache.layers:
+                for buf in layer.buffers or ():
+                    buf[dst, :, :length] = buf[src, :, :length]
+        self.tokens[dst] = self.tokens[src][:length]
+        self.salts[dst] = self.salts[src]
+
     # ---- the batched forward ------------------------------------------------------------------
 
     def reserve(self) -> None:

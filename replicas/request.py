@@ -73,6 +73,8 @@ class SpecRequest:
     # The grammar the output follows (structured output): llguidance's grammar text
     # (``ingress/structured.py``); None: free text.
     grammar: str | None = None
+    # The tokens the grammar forces are the step's draft (``Scheduler``); None: the replica's setting.
+    grammar_draft: bool | None = None
     # A continuation (``ingress/resumable.py``): the prompt's last this-many tokens are the
     # request's own output from before it resumed here; processors count them as output.
     resumed_tokens: int = 0

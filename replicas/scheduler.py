@@ -58,6 +58,7 @@ class StepPlan:
     decode: list[RequestState] = field(default_factory=list)
     speculation: dict[str, Speculation] = field(default_factory=dict)       # by request id
     asks: dict[str, list[tuple[RequestState, Speculation]]] = field(default_factory=dict)  # by draft
+    copies: list[tuple[int, int, int]] = field(default_factory=list)   # (from slot, to slot, positions)
 
     @property
     def empty(self) -> bool:
@@ -236,10 +237,16 @@ class Scheduler:
         self._admit()
         plan = StepPlan()
         budget = self.prefill_chunk
+        prefilling: list[RequestState] = []   # requests ahead in this step whose prefill is under way
+        copied: set[int] = set()
         for state in self.running:
             if state.prefilled:
                 plan.decode.append(state)
-            elif budget > 0:
+                continue
+            if state.cached_tokens is None and self._waits_or_copies(state, prefilling, copied, plan):
+                continue
+            prefilling.append(state)
+            if budget > 0:
                 plan.prefill.append((state, budget))
                 budget -= min(budget, len(state.context) - 1)
         self._route(plan.decode)
@@ -249,6 +256,33 @@ class Scheduler:
             if not spec.plain:
                 plan.asks.setdefault(state.request.draft, []).append((state, spec))
         return plan
+
+    def _waits_or_copies(self, state: RequestState, prefilling: list[RequestState], copied: set[int],
+                         plan: StepPlan) -> bool:
+        """A prompt is prefilled once however many requests share it (a request's ``n`` choices, a
+        repeated prompt, a long common system prompt): a request about to start its prefill takes
+        the longest prefix of its prompt that a running request's slot holds (a copy of those KV
+        rows, far cheaper than computing them), and waits (True) while a request ahead of it is
+        still prefilling at least half of what it would compute. Only a cache of the same salt
+        counts; a request that wants every prompt row's log-probabilities computes its own."""
+        if state.request.prompt_logprobs is not None:
+            return False
+        kv, salt = self.target.kv, state.request.cache_salt
+        prompt = state.context[:-1]
+        donor, best = None, common_prefix_len(kv.tokens[state.slot], prompt)
+        for other in self.running:
+            if other is not state and other.slot not in copied and kv.salts[other.slot] == salt:
+                shared = common_prefix_len(kv.tokens[other.slot], prompt)
+                if shared > best:
+                    donor, best = other.slot, shared
+        ahead = max((common_prefix_len(other.context[:-1], prompt) for other in prefilling
+                     if other.request.cache_salt == salt), default=0)
+        if ahead - best >= max(1, (len(prompt) - best) // 2):
+            return True
+        if donor is not None:
+            plan.copies.append((donor, state.slot, best))
+            copied.add(state.slot)
+        return False
 
     def propose_request(self, state: RequestState, spec: Speculation, features_from: int | None = None,
                         feature_layers=DEFAULT_FEATURE_LAYERS) -> ProposeRequest:
@@ -270,7 +304,8 @@ class Scheduler:
         (``GrammarState.with_forced``); returns how many each such proposal holds."""
         forced: dict[str, int] = {}
         for state in live:
-            if state.grammar is None or state.room <= 0:
+            wanted = state.request.grammar_draft
+            if state.grammar is None or state.room <= 0 or not (self.grammar_draft if wanted is None else wanted):
                 continue
             try:
                 proposal, n = state.grammar.with_forced(proposals.get(state.id, Proposal.empty()),
@@ -290,6 +325,8 @@ class Scheduler:
         # The router's perplexity feature costs an output layer over PERPLEXITY_ROWS rows (~25 ms
         # of a one-thread prefill here): a busy replica scores none.
         score_rows = PERPLEXITY_ROWS if self.router is not None and len(self.running) < PERPLEXITY_BUSY else 0
+        for src, dst, length in plan.copies:
+            self.target.copy_prefix(src, dst, length)
         for state, chunk in plan.prefill:
             if state.done:
                 continue
@@ -309,7 +346,7 @@ class Scheduler:
             state.prefilled = done.left == 0
         t1 = self._clock()
         live = [s for s in plan.decode if not s.done]
-        forced = self._grammar_drafts(live, proposals) if self.grammar_draft else {}
+        forced = self._grammar_drafts(live, proposals)
         items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator,
                             s.processors, s.request.logprobs, s.grammar) for s in live]
         forward_tokens = 0

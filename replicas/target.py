@@ -236,6 +236,18 @@ class Target:
         self.kv.swap(a, b)
         self._features[a], self._features[b] = self._features[b], self._features[a]
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """``dst`` holds ``src``'s cache of its first ``length`` positions, hidden states included."""
+        if src == dst:
+            return
+        self.kv.copy_prefix(src, dst, length)
+        for layer, store in self._features[src].items():
+            copy = _Features()
+            known = min(store.known, len(self.kv.tokens[dst]))
+            if store.rows is not None and known:
+                copy.put(0, store.rows[:known].clone())
+            self._features[dst][layer] = copy
+
     def prefill(self, slot: int, tokens: list[int], chunk: int, next_token: int | None = None,
                 score_rows: int = 0, logprobs: int | None = None) -> Prefilled:
         """Feed at most ``chunk`` of the tokens ``slot`` lacks of ``tokens`` (a prompt without its

@@ -113,8 +113,9 @@ def test_greedy_output_under_a_grammar_is_plain_decodings(reference, speculation
     expected = plain_under_grammar(loaded, tokenizer(), prompt, grammar, 48)
     got = run_batch(Target(loaded.model), {"prompt-lookup": in_process_server("prompt-lookup", PromptLookupDraft())},
                     [SpecRequest(prompt, 48, draft=speculation.get("draft", "prompt-lookup"),
-                                 window=speculation.get("window", 0), tree=speculation.get("tree"), grammar=grammar)],
-                    loaded.eos_token_ids, grammar_tokenizer=tokenizer, grammar_draft=grammar_draft)[0]
+                                 window=speculation.get("window", 0), tree=speculation.get("tree"), grammar=grammar,
+                                 grammar_draft=None if grammar_draft else False)],   # the request overrides the replica
+                    loaded.eos_token_ids, grammar_tokenizer=tokenizer, grammar_draft=True)[0]
     assert got.token_ids == expected
     # The schema's keys are forced (name, age, city): proposed by the grammar and accepted.
     assert (got.stats.forced_accepted >= 2) if grammar_draft else got.stats.forced == 0

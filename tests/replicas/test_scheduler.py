@@ -358,3 +358,56 @@ def test_a_draft_lms_own_sampled_chains_pass_the_draft_probs_checks():
     draft = DraftLM("near", perturbed(model, seed=1))
     gen = speculative_generate(Target(model), draft, PROMPTS[2], 16, SamplingParams(temperature=0.9, seed=4), window=3)
     assert gen.stats.proposal_errors == 0 and gen.stats.steps < 16
+
+
+def test_requests_that_share_a_prompt_prefill_it_once_and_each_decodes_as_alone():
+    """A request's choices (one prompt, one salt): the first prefills it, in chunks, the others
+    wait and take a copy of its KV rows. Greedy and seeded sampled outputs equal each request's
+    run alone; another salt's request computes its own."""
+    model = tiny_model("llama", seed=0)
+    prompt = list(range(20, 50))
+    sampled = SamplingParams(temperature=0.8, seed=11)
+    asks = [(GREEDY, "near", "a"), (sampled, "near", "a"), (GREEDY, "prompt-lookup", "a"), (GREEDY, "none", "b")]
+
+    def served(requests, slots=5):
+        scheduler = Scheduler(Target(model, slots=slots), StaticPolicy(), prefill_chunk=8)
+        loop = StepLoop(scheduler, servers(model), InlineWorker())
+        states = [loop.add(r) for r in requests]
+        asyncio.run(loop.run_until_idle())
+        return states, sum(r.prefill_tokens for r in scheduler.records)
+
+    requests = [SpecRequest(prompt, 12, params, draft, 3, None, f"c{i}", cache_salt=salt)
+                for i, (params, draft, salt) in enumerate(asks)]
+    together, prefilled = served(requests)
+    assert prefilled == 2 * (len(prompt) - 1), "the shared prompt was prefilled more than once per salt"
+    assert [s.cached_tokens for s in together] == [0, len(prompt) - 1, len(prompt) - 1, 0]
+    for request, state in zip(requests, together):
+        alone_state, _ = served([request], slots=1)
+        assert state.out == alone_state[0].out, request.request_id
+
+
+def test_a_long_common_prefix_is_prefilled_once_and_the_rest_by_each():
+    model = tiny_model("llama", seed=0)
+    system = list(range(30, 70))
+    prompts = [system + [5, 6, 7], system + [8, 9], [1, 2, 3] + system]   # the last shares no prefix
+    scheduler = Scheduler(Target(model, slots=4), StaticPolicy(), prefill_chunk=16)
+    loop = StepLoop(scheduler, servers(model), InlineWorker())
+    states = [loop.add(SpecRequest(p, 8, GREEDY, "near", 2, None, f"p{i}")) for i, p in enumerate(prompts)]
+    asyncio.run(loop.run_until_idle())
+    assert sum(r.prefill_tokens for r in scheduler.records) == sum(len(p) - 1 for p in prompts) - len(system)
+    assert [s.cached_tokens for s in states] == [0, len(system), 0]
+    for prompt, state in zip(prompts, states):
+        assert state.out == alone(model, prompt, 8)
+
+
+def test_a_copied_prefix_carries_its_hidden_states_and_verifies_as_the_original():
+    model = tiny_model("llama", seed=0)
+    target = Target(model, slots=2)
+    prompt = list(range(20, 50))
+    target.prefill(0, prompt, chunk=64)
+    target.copy_prefix(0, 1, 20)
+    assert target.kv.tokens[1] == prompt[:20]
+    assert torch.equal(target.features(prompt[:21], slot=1), target.features(prompt[:21], slot=0))
+    target.prefill(1, prompt, chunk=64)   # computes only the 10 positions not copied
+    assert target.kv.tokens[1] == prompt
+    torch.testing.assert_close(target.features(prompt + [1], slot=1), target.features(prompt + [1], slot=0))
