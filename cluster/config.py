@@ -167,6 +167,9 @@ class AppConfig(BaseModel):
                               "a chain the verdict rules out is dropped unused.")
     grammar_draft: bool = Field(True, description="Structured output: where a request's grammar admits only one "
                                 "continuation, those tokens are proposed as its step's draft (verified like any other).")
+    tool_parser: Literal["hermes"] | None = Field("hermes", description="How the target writes tool calls, which "
+                                                  "the ingress parses out of its output (ingress/tools.py); None: "
+                                                  "requests with tools are refused.")
     torch_threads: int | None = Field(
         None, ge=1, description="torch threads in each target replica; default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
     )
@@ -240,7 +243,7 @@ class AppConfig(BaseModel):
     def ingress_config(self) -> IngressConfig:
         return IngressConfig(self.target, self.model_id, self.draft_names, self.default_draft, self.default_window,
                              api_keys_file=self.api_keys_file, max_model_len=self.max_model_len, max_body_bytes=self.max_body_bytes,
-                             stream_interval=self.stream_interval,
+                             stream_interval=self.stream_interval, tool_parser=self.tool_parser,
                              resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s,
                              first_token_timeout_s=self.first_token_timeout_s,
                              body_timeout_s=self.body_timeout_s,

@@ -19,6 +19,7 @@ class IngressConfig:
     max_body_bytes: int = 4 << 20
     body_timeout_s: float = 30.0         # the whole HTTP body within this (guard.py)
     stream_interval: int = 1             # tokens per streamed piece at least (the first piece excepted)
+    tool_parser: str | None = "hermes"   # how the target writes tool calls (``tools.TOOL_PARSERS``); None: none
     resume_attempts: int = 3             # continuations of one request after its target replica failed
     resume_timeout_s: float = 60.0       # how long a continuation may wait for a replica to take it
     # How long a new request may wait for its first token (queued, admitted, prefilled): a target

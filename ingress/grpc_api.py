@@ -11,8 +11,9 @@ Serve's gRPC proxy calls the ``Ingress`` deployment's method of the RPC's name, 
 
 from __future__ import annotations
 
-import functools
 import base64
+import functools
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -20,10 +21,12 @@ from pydantic import ValidationError
 
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress.auth import ApiKeys
+from specserve.ingress.choices import answers, best, choice_requests, merged, total_usage
 from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer, validation_message
 from specserve.ingress.resumable import TargetStreams
+from specserve.ingress.tools import ToolCallStream, parse_tool_calls
 
 GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
               404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
@@ -39,6 +42,29 @@ def pb_content(message: pb.ChatMessage) -> str | list[dict]:
     parts: list[dict] = [{"type": "image_url", "image_url": {"url": "data:image;base64," + base64.b64encode(b).decode()}}
                          for b in message.images]
     return [*parts, {"type": "text", "text": message.content}]
+
+
+def _schema(text: str) -> dict:
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise OpenAIError(f"tools: parameters_json is not JSON ({err})", param="tools") from None
+
+
+def pb_message(message: pb.ChatMessage) -> dict:
+    """A gRPC chat message as the HTTP API's."""
+    out: dict = {"role": message.role, "content": pb_content(message)}
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in message.tool_calls]
+        out["content"] = out["content"] or None
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def tool_calls_pb(calls: list[dict]) -> list[pb.ToolCall]:
+    return [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"]) for c in calls]
 
 
 def from_pb(request: pb.CompletionRequest, model_id: str) -> CompletionRequest | ChatCompletionRequest:
@@ -82,13 +108,25 @@ def from_pb(request: pb.CompletionRequest, model_id: str) -> CompletionRequest |
         if request.spec.policy:
             spec["policy"] = request.spec.policy
         body["spec"] = spec
+    for name in ("n", "best_of"):
+        if request.HasField(name):
+            if name == "best_of" and request.messages:
+                raise OpenAIError("best_of is for a prompt request, not messages", param="best_of")
+            body[name] = getattr(request, name)
+    if request.tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, **({"description": t.description} if t.description else {}),
+            **({"parameters": _schema(t.parameters_json)} if t.parameters_json else {})}} for t in request.tools]
+    if request.tool_choice:
+        body["tool_choice"] = request.tool_choice if request.tool_choice in ("none", "auto", "required") else {
+            "type": "function", "function": {"name": request.tool_choice}}
     if request.HasField("max_tokens"):
         body["max_tokens"] = request.max_tokens
     try:
         if request.messages:
             if request.prompt:
                 raise OpenAIError("give either prompt or messages, not both", param="prompt")
-            body["messages"] = [{"role": m.role, "content": pb_content(m)} for m in request.messages]
+            body["messages"] = [pb_message(m) for m in request.messages]
             return ChatCompletionRequest.model_validate(body)
         body["prompt"] = request.prompt
         return CompletionRequest.model_validate(body)
@@ -145,42 +183,74 @@ class GrpcFace:
     def _logprobs(self, prepared: Prepared, event, first: bool) -> dict:
         """The response's or chunk's logprobs fields for ``event`` (the prompt's on the first)."""
         asked = prepared.spec_request
-        out = {"logprobs": logprobs_pb(self.logprob_fields, event.token_ids,
-                                       (event.logprobs or []) if asked.logprobs is not None else None)}
+        if asked.logprobs is None:
+            return {}
+        out = {"logprobs": logprobs_pb(self.logprob_fields, event.token_ids, event.logprobs or [])}
         if first and asked.prompt_logprobs is not None:
             out["prompt_logprobs"] = logprobs_pb(self.logprob_fields, asked.prompt_ids,
                                                  event.prompt_logprobs or [None] * len(asked.prompt_ids))
         return out
 
-    async def _grpc_prepare(self, request: pb.CompletionRequest, grpc_context) -> Prepared:
+    async def _grpc_prepare(self, request: pb.CompletionRequest, grpc_context
+                            ) -> tuple[CompletionRequest | ChatCompletionRequest, Prepared]:
+        """The request as the HTTP API's, and prepared."""
         if self.api_keys.enabled and not self.api_keys.allows_metadata(grpc_context.invocation_metadata()):
             raise OpenAIError("missing or invalid API key: send metadata `authorization: Bearer <key>`",
                               status=401, code="invalid_api_key")
-        return await self.preparer.prepare(from_pb(request, self.model_id))
+        asked = from_pb(request, self.model_id)
+        return asked, await self.preparer.prepare(asked)
 
     async def complete(self, request: pb.CompletionRequest, grpc_context) -> pb.CompletionResponse:
         try:
-            prepared = await self._grpc_prepare(request, grpc_context)
-            whole = await self.streams.answer(prepared)
+            asked, prepared = await self._grpc_prepare(request, grpc_context)
+            ranked = asked.generated_choices > asked.n
+            candidates = await answers(self.streams, choice_requests(prepared, asked.generated_choices, ranked))
         except OpenAIError as err:
             grpc_abort(grpc_context, err)
             return pb.CompletionResponse()
+        chosen = best(candidates, asked.n) if ranked else candidates
+        answered = [self._answered(prepared, c) for c in chosen]
+        choices = [pb.Choice(index=i, text=text, token_ids=c.token_ids, finish_reason=finish, spec=spec_pb(c.spec),
+                             logprobs=self._logprobs(prepared, c, first=False).get("logprobs"), tool_calls=calls)
+                   for i, (c, (text, calls, finish)) in enumerate(zip(chosen, answered))] if len(chosen) > 1 else []
+        first, (text, calls, finish) = chosen[0], answered[0]
         return pb.CompletionResponse(
-            id=prepared.id, model=self.model_id, text=(prepared.echo or "") + whole.text, token_ids=whole.token_ids,
-            finish_reason=whole.finish_reason, usage=usage_pb(whole.usage), spec=spec_pb(whole.spec),
-            **self._logprobs(prepared, whole, first=True),
+            id=prepared.id, model=self.model_id, text=text, token_ids=first.token_ids, finish_reason=finish,
+            usage=usage_pb(total_usage(candidates)), spec=spec_pb(first.spec), choices=choices, tool_calls=calls,
+            **self._logprobs(prepared, first, first=True),
         )
+
+    @staticmethod
+    def _answered(prepared: Prepared, whole) -> tuple[str, list[pb.ToolCall], str]:
+        """A whole choice's text, tool calls and finish reason."""
+        if not prepared.tool_calls:
+            return (prepared.echo or "") + whole.text, [], whole.finish_reason
+        content, calls = parse_tool_calls(whole.text)
+        finish = "tool_calls" if calls and whole.finish_reason == "stop" else whole.finish_reason
+        return content or "", tool_calls_pb(calls), finish
 
     async def complete_stream(self, request: pb.CompletionRequest, grpc_context) -> AsyncIterator[pb.CompletionChunk]:
         try:
-            prepared = await self._grpc_prepare(request, grpc_context)
-            first = True
-            async for event in self.streams.events(prepared):
-                chunk = pb.CompletionChunk(id=prepared.id, text=((prepared.echo or "") if first else "") + event.text,
-                                           token_ids=event.token_ids, **self._logprobs(prepared, event, first))
-                first = False
-                if event.finish_reason is not None:
-                    chunk.finish_reason = event.finish_reason
+            asked, prepared = await self._grpc_prepare(request, grpc_context)
+            if asked.generated_choices > asked.n:
+                raise OpenAIError("best_of cannot be streamed: the best choices are known only at the end",
+                                  param="best_of")
+            begun: set[int] = set()
+            parsers: dict[int, ToolCallStream] = {}
+            async for index, event in merged([self.streams.events(p) for p in choice_requests(prepared, asked.n)]):
+                first = index not in begun
+                begun.add(index)
+                text, calls, finish = ((prepared.echo or "") if first else "") + event.text, [], event.finish_reason
+                if prepared.tool_calls:
+                    parser = parsers.setdefault(index, ToolCallStream())
+                    text, calls = parser.push(text)
+                    if finish is not None:
+                        text += parser.finish()
+                        finish = "tool_calls" if finish == "stop" and parser.calls else finish
+                chunk = pb.CompletionChunk(id=prepared.id, index=index, text=text, token_ids=event.token_ids,
+                                           tool_calls=tool_calls_pb(calls), **self._logprobs(prepared, event, first))
+                if finish is not None:
+                    chunk.finish_reason = finish
                     chunk.usage.CopyFrom(usage_pb(event.usage))
                     chunk.spec.CopyFrom(spec_pb(event.spec))
                 yield chunk

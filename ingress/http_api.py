@@ -28,12 +28,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve.ingress.choices import answers, best, choice_requests, merged, total_usage
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.guard import Guard
 from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer, validation_message
 from specserve.ingress.resumable import Event, TargetStreams, started
+from specserve.ingress.tools import ToolCallStream, parse_tool_calls
 from specserve.policies.registry import POLICIES
 
 logger = logging.getLogger("ray.serve")
@@ -149,70 +151,103 @@ class HttpFace:
         prepared = await self.preparer.prepare(req)
         if req.stream:
             return await self._stream(prepared, req, chat=False)
-        whole = await self.streams.answer(prepared)
+        ranked = req.generated_choices > req.n
+        candidates = await answers(self.streams, choice_requests(prepared, req.generated_choices, ranked))
+        chosen = best(candidates, req.n) if ranked else candidates
         echo = prepared.echo or ""
-        choice = {"index": 0, "text": echo + whole.text, "logprobs": self._completion_logprobs(prepared, whole, 0, True),
-                  "finish_reason": whole.finish_reason}
-        if req.return_token_ids:
-            choice["token_ids"] = whole.token_ids
+        choices = []
+        for index, whole in enumerate(chosen):
+            choice = {"index": index, "text": echo + whole.text,
+                      "logprobs": self._completion_logprobs(prepared, whole, 0, True), "finish_reason": whole.finish_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = whole.token_ids
+            if len(chosen) > 1:
+                choice["spec"] = whole.spec
+            choices.append(choice)
         return {
             "id": f"cmpl-{prepared.id}", "object": "text_completion", "created": int(time.time()),
-            "model": self.model_id, "choices": [choice], "usage": whole.usage, "spec": whole.spec,
+            "model": self.model_id, "choices": choices, "usage": total_usage(candidates), "spec": chosen[0].spec,
         }
 
     async def chat_completions(self, req: ChatCompletionRequest):
         prepared = await self.preparer.prepare(req)
         if req.stream:
             return await self._stream(prepared, req, chat=True)
-        whole = await self.streams.answer(prepared)
-        logprobs = self.logprob_fields.chat(whole.token_ids, whole.logprobs or []) if req.logprobs else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": whole.text}, "logprobs": logprobs,
-                  "finish_reason": whole.finish_reason}
-        if req.return_token_ids:
-            choice["token_ids"] = whole.token_ids
+        every = await answers(self.streams, choice_requests(prepared, req.n))
+        choices = []
+        for index, whole in enumerate(every):
+            logprobs = self.logprob_fields.chat(whole.token_ids, whole.logprobs or []) if req.logprobs else None
+            message, finish = {"role": "assistant", "content": whole.text}, whole.finish_reason
+            if prepared.tool_calls:
+                message["content"], calls = parse_tool_calls(whole.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            if req.return_token_ids:
+                choice["token_ids"] = whole.token_ids
+            if len(every) > 1:
+                choice["spec"] = whole.spec
+            choices.append(choice)
         return {
             "id": f"chatcmpl-{prepared.id}", "object": "chat.completion", "created": int(time.time()),
-            "model": self.model_id, "choices": [choice], "usage": whole.usage, "spec": whole.spec,
+            "model": self.model_id, "choices": choices, "usage": total_usage(every), "spec": every[0].spec,
         }
 
     async def _stream(self, prepared: Prepared, req: CompletionRequest | ChatCompletionRequest,
                       chat: bool) -> StreamingResponse:
         """Server-Sent Events, OpenAI's chunks ending in ``data: [DONE]``; answered once the first
-        piece has come (a failure before it raises here: the handlers give it its status)."""
-        events = await started(self.streams.events(prepared))
+        piece of any choice has come (a failure before it raises here: the handlers give it its
+        status). Each chunk carries one choice's piece; a chat choice's first says its role."""
+        events = await started(merged([self.streams.events(p) for p in choice_requests(prepared, req.n)]))
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{prepared.id}",
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_id}
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        offsets: dict[int, int] = {}   # per choice: characters of its text sent so far (text_offset)
+        parsers: dict[int, ToolCallStream] = {}   # per choice, when its tool calls are parsed out
 
-        offset, first = 0, True   # characters of the choice's text sent so far (text_offset); no piece yet
-
-        def choice(event: Event | None, role: bool = False) -> dict:
-            nonlocal offset, first
+        def choice(index: int, event: Event) -> dict:
             if not chat:
+                first = index not in offsets
                 text = ((prepared.echo or "") if first else "") + event.text
+                offset = offsets.get(index, 0)
                 logprobs = self._completion_logprobs(prepared, event, offset, first)
-                offset, first = offset + len(text), False
-                return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}
-            if role:
-                return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                offsets[index] = offset + len(text)
+                return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": event.finish_reason}
             logprobs = self.logprob_fields.chat(event.token_ids, event.logprobs or []) if req.logprobs else None
-            return {"index": 0, "delta": {"content": event.text} if event.text else {}, "logprobs": logprobs,
-                    "finish_reason": event.finish_reason}
+            delta, text, finish = {}, event.text, event.finish_reason
+            if prepared.tool_calls:
+                parser = parsers.setdefault(index, ToolCallStream())
+                made = parser.calls
+                text, calls = parser.push(text)
+                if finish is not None:
+                    text += parser.finish()
+                    finish = "tool_calls" if finish == "stop" and parser.calls else finish
+                if calls:
+                    delta["tool_calls"] = [{"index": made + k, **call} for k, call in enumerate(calls)]
+            if text:
+                delta["content"] = text
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
         async def body() -> AsyncIterator[str]:
+            ended: list[Event] = []
+            roles: set[int] = set()
             try:
-                if chat:
-                    yield _sse({**base, "choices": [choice(None, role=True)]})
-                async for event in events:
-                    chunk = {**base, "choices": [choice(event)]}
+                async for index, event in events:
+                    if chat and index not in roles:
+                        roles.add(index)
+                        yield _sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                         "logprobs": None, "finish_reason": None}]})
+                    chunk = {**base, "choices": [choice(index, event)]}
                     if req.return_token_ids:   # vLLM's extension: each chunk's new token ids
                         chunk["choices"][0]["token_ids"] = event.token_ids
                     if event.finish_reason is not None:
                         chunk["spec"] = event.spec
+                        ended.append(event)
                     yield _sse(chunk)
-                    if event.finish_reason is not None and include_usage:
-                        yield _sse({**base, "choices": [], "usage": event.usage})
+                if include_usage and ended:
+                    yield _sse({**base, "choices": [], "usage": total_usage(ended)})
             except OpenAIError as err:
                 yield _sse(err.body())
             except Exception as err:  # noqa: BLE001 - the stream already said 200; say what broke in-band

@@ -1,8 +1,8 @@
 """The OpenAI-compatible request bodies, and the error every bad request turns into.
 
 Requests are checked here, at the edge, so that nothing a client sends can reach a replica in a
-shape it cannot serve. Fields OpenAI defines but specserve cannot honour yet (``n > 1``,
-``best_of``) are accepted at their neutral values and refused otherwise, with the field named; unknown fields are refused, as OpenAI does. ``spec`` is specserve's extension.
+shape it cannot serve. Fields OpenAI defines but specserve cannot honour (``suffix``) are refused
+with the field named; unknown fields are refused, as OpenAI does. ``spec`` is specserve's extension.
 Every string must be text UTF-8 can carry (no lone surrogates, which JSON escapes can spell);
 names (model, draft, policy) must also be free of control characters, which content may hold.
 """
@@ -30,6 +30,12 @@ MAX_STOP_CHARS = 256
 # processors build a vocabulary-sized row once per request.
 MAX_TOKEN_LIST = 1024
 MAX_ALLOWED_TOKENS = 262144
+# Choices of one request (``n``, ``best_of``): each holds a KV slot and a draft session of a
+# replica, so more than a replica's batch would queue behind each other.
+MAX_CHOICES = 16
+# OpenAI's limits on tools: how many a request may offer, and a function name's shape.
+MAX_TOOLS = 128
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 def _check_unicode(value, keys_only: bool = False):
@@ -106,6 +112,8 @@ class SpecOptions(BaseModel):
     tree: TreeOptions | None = Field(None, description="Draft a token tree instead of a chain.")
     policy: Name | None = Field(None, description="How this request's window or tree adapts per step, instead of "
                                "the deployment's policy: a name from GET /v1/models' `policies`.")
+    grammar_draft: bool | None = Field(None, description="Structured output: the tokens the grammar forces are the "
+                                       "step's draft (default: the deployment's grammar_draft).")
 
 
 class StreamOptions(BaseModel):
@@ -165,7 +173,8 @@ class _Common(BaseModel):
     stop: Annotated[str | list[str] | None, Unicode] = Field(None, validate_default=True, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters that end the text (not included).")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = Field(1, description="Only one choice per request.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description=(
+        "Choices to generate: they share the prompt's prefill; a seeded request's choice i draws from seed + i."))
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted once from every token the output holds.")
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted per occurrence in the output.")
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description=(
@@ -233,7 +242,20 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
         "Each token's log-probability with this many likeliest alternatives."))
     suffix: None = None
-    best_of: Literal[1] | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description=(
+        "Generate this many choices and return the n whose tokens' summed log-probability is highest."))
+
+    @model_validator(mode="after")
+    def _best_of_n(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of cannot be streamed: the best choices are known only at the end")
+        return self
+
+    @property
+    def generated_choices(self) -> int:
+        return self.best_of or self.n
 
     @field_validator("prompt")
     @classmethod
@@ -263,18 +285,47 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+    arguments: Text = Field(description="The call's arguments, a JSON object as text.")
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (sent back in the conversation that follows it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Annotated[Literal["system", "developer", "user", "assistant"], Unicode]
-    content: Annotated[str | list[TextPart | ImagePart], Unicode]
+    role: Annotated[Literal["system", "developer", "user", "assistant", "tool"], Unicode]
+    content: Annotated[str | list[TextPart | ImagePart] | None, Unicode] = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: Text | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's that makes tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message makes tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(
             p.text for p in self.content if isinstance(p, TextPart))
 
     def image_urls(self) -> list[str]:
-        return [] if isinstance(self.content, str) else [
+        return [] if not isinstance(self.content, list) else [
             p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
     def template_content(self) -> str | list[dict]:
@@ -285,8 +336,39 @@ class ChatMessage(BaseModel):
                 for p in self.content]
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Unicode, Field(pattern=TOOL_NAME)]
+    description: Text | None = None
+    parameters: Annotated[dict, Unicode] = Field(default_factory=lambda: {"type": "object", "properties": {}},
+                                                 description="The arguments' JSON schema.")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
+        "none: no call; auto (the default with tools): the model decides; required: at least one call; "
+        "a named function: that one. Required and named calls follow the functions' schemas."))
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1, description="New tokens at most; default: what the context has room for.")
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens.")
     logprobs: bool = Field(False, description="Each output token's log-probability.")
@@ -299,6 +381,30 @@ class ChatCompletionRequest(_Common):
             raise ValueError("top_logprobs needs logprobs: true")
         return self
 
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions have one name")
+        if self.tool_choice is not None and self.tool_choice != "none" and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named: what the request's tools allow."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def generated_choices(self) -> int:
+        return self.n

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.image_fetch import fetch_pool
 from specserve.ingress.images import decode_images, fetches
-from specserve.ingress.openai_api import AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, CompletionRequest, OpenAIError
+from specserve.ingress.openai_api import (AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                          OpenAIError)
 from specserve.ingress.structured import request_grammar
+from specserve.ingress.tools import template_messages, template_teaches_tools, tool_grammar
 from specserve.policies.registry import POLICIES
 from specserve.replicas.image_tokens import picture_ids
 from specserve.replicas.prompt_ids import encode_chat, encode_text
@@ -43,6 +45,7 @@ class Prepared:
     spec_request: SpecRequest
     stop: list[str]
     echo: str | None = None   # the prompt's text, for a completion that echoes it
+    tool_calls: bool = False  # the output's tool calls are parsed out of it (``tools.py``)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -124,6 +127,15 @@ class Preparer:
         tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
         params = self._sampling(req, max_tokens or 16)
         grammar = request_grammar(req)
+        tool_calls = is_chat and req.tool_mode != "none"
+        if tool_calls and self.config.tool_parser is None:
+            raise OpenAIError("this deployment parses no tool calls (its tool_parser is off): drop tools or "
+                              "set tool_choice to none", param="tools", code="tools_not_supported")
+        if is_chat and req.tool_mode in ("required", "named"):
+            if grammar is not None:
+                raise OpenAIError("a required or named tool_choice constrains the output already: drop the "
+                                  "output constraint or the tool_choice", param="tool_choice")
+            grammar = tool_grammar(req)
         if is_chat:
             logprobs, echo = (req.top_logprobs or 0) if req.logprobs else None, False
         else:
@@ -137,8 +149,9 @@ class Preparer:
                                      cache_salt=req.cache_salt, images=tuple(pixels),
                                      image_placeholder=self.image_placeholder if pixels else None,
                                      logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
-                                     grammar=grammar),
+                                     grammar=grammar, grammar_draft=spec.grammar_draft if spec else None),
             stop=req.stop,
+            tool_calls=tool_calls,
             echo=(req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(prompt_ids)) if echo else None,
         )
 
@@ -164,6 +177,10 @@ class Preparer:
                                else self._token_ids(sorted(set(req.allowed_token_ids)), "allowed_token_ids")),
             min_tokens=req.min_tokens, stop_token_ids=self._token_ids(req.stop_token_ids or (), "stop_token_ids"),
             ignore_eos=req.ignore_eos)
+
+    @functools.cached_property
+    def teaches_tools(self) -> bool:
+        return template_teaches_tools(self.processor or self.tokenizer)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -194,10 +211,9 @@ class Preparer:
             if not pixels and not any(m.text().strip() for m in req.messages):
                 raise OpenAIError("messages: every message is empty; give some text", param="messages")
             if not pixels:
-                return encode_chat(self.tokenizer, [{"role": m.role, "content": m.text()} for m in req.messages])
-            text = self.processor.apply_chat_template(
-                [{"role": m.role, "content": m.template_content()} for m in req.messages], tokenize=False,
-                add_generation_prompt=True)
+                return encode_chat(self.tokenizer, *template_messages(req, self.teaches_tools))
+            messages, tools = template_messages(req, self.teaches_tools, content=ChatMessage.template_content)
+            text = self.processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             try:
                 return image_prompt_ids(ids, pixels, lambda p: picture_ids(p, self.tokens_per_image),

@@ -363,6 +363,59 @@ def test_structured_output_follows_the_schema_and_equals_plain_decoding_under_it
     assert choice.choices[0].text in (" blue", " green")
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now.",
+                                                  "parameters": WEATHER}}
+
+
+def test_tool_calls_parse_with_valid_arguments_streamed_or_not_and_through_langchain(served, client):
+    """Required and named tool choices (held to the schema by a grammar) come back as
+    ``tool_calls`` with arguments that validate, streamed as ``delta.tool_calls`` too; the call's
+    result goes back as a ``tool`` message; LangChain's ``bind_tools`` and
+    ``with_structured_output`` (both methods) work unmodified."""
+    import jsonschema
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):   # required: one call (a small model would go on calling)
+        out = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER_TOOL], tool_choice=tool_choice,
+                                             parallel_tool_calls=False, max_tokens=64, temperature=0)
+        message = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls" and message.tool_calls, out
+        assert message.tool_calls[0].function.name == "get_weather"
+        jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), WEATHER)
+    streamed = [call for chunk in client.chat.completions.create(
+        model=MODEL, messages=ask, tools=[WEATHER_TOOL], tool_choice=named, max_tokens=64, temperature=0, stream=True)
+        for choice in chunk.choices for call in choice.delta.tool_calls or ()]
+    assert [c.function.name for c in streamed] == ["get_weather"]
+    assert streamed[0].function.arguments == message.tool_calls[0].function.arguments   # as the whole answer's
+    call = message.tool_calls[0]
+    follow = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, tools=[WEATHER_TOOL], messages=[
+        *ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+    class GetWeather(BaseModel):
+        """The weather in a city now."""
+        city: str = Field(max_length=24)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=24)
+        age: int
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{served.http_url}/v1", api_key="unused", temperature=0, max_tokens=64,
+                     max_retries=0)
+    reply = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("What is the weather in Paris?")
+    assert [c["name"] for c in reply.tool_calls] == ["GetWeather"] and isinstance(reply.tool_calls[0]["args"]["city"], str)
+    for method in ("json_schema", "function_calling"):
+        person = llm.with_structured_output(Person, method=method).invoke("Describe a person.")
+        assert isinstance(person, Person), method
+
+
 CHOICE_TASK = """task: specserve_choice
 dataset_path: json
 dataset_kwargs:
@@ -454,13 +507,27 @@ def test_stop_string_ends_the_text(client):
     assert out.choices[0].finish_reason == "stop"
 
 
-def test_seeded_sampling_is_repeatable(client):
-    def sample(seed):
+def test_seeded_sampling_is_repeatable_and_choice_i_draws_from_seed_plus_i(client):
+    def sample(seed, **fields):
         return client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=16, temperature=0.8,
-            top_p=0.95, seed=seed, extra_body={"spec": {"draft": DRAFT_LM, "window": 3}}).choices[0].message.content
+            top_p=0.95, seed=seed, extra_body={"spec": {"draft": DRAFT_LM, "window": 3}, "return_token_ids": True},
+            **fields)
 
-    assert sample(7) == sample(7)
+    alone = [sample(seed).choices[0].message.content for seed in (7, 8, 9)]
+    assert sample(7).choices[0].message.content == alone[0]
+    three = sample(7, n=3)
+    assert [(c.index, c.message.content) for c in three.choices] == list(enumerate(alone))
+    assert three.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in three.choices)
+    streamed = {0: "", 1: ""}
+    for chunk in sample(7, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {0: alone[0], 1: alone[1]}
+    best = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=3,
+                                     n=2, best_of=3, logprobs=0)
+    ranked = [sum(c.logprobs.token_logprobs) for c in best.choices]
+    assert len(ranked) == 2 and ranked[0] >= ranked[1]
 
 
 def grpc_request(prompt: str, **fields) -> pb.CompletionRequest:

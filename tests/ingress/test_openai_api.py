@@ -23,7 +23,8 @@ def test_openai_defaults():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"temperature": -1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -61,9 +62,16 @@ def test_chat_needs_messages_with_known_roles():
         ChatCompletionRequest.model_validate({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
 
 
-def test_neutral_values_of_unsupported_features_are_accepted():
-    req = chat(n=1, logprobs=False)
-    assert req.n == 1
+def test_choices_n_and_best_of():
+    assert chat(n=3).generated_choices == 3
+    ok = CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 4})
+    assert (ok.n, ok.generated_choices) == (2, 4)
+    for body, words in [({"n": 3, "best_of": 2}, "at least n"), ({"best_of": 2, "stream": True}, "cannot be streamed"),
+                        ({"best_of": 17}, "less than or equal")]:
+        with pytest.raises(ValidationError, match=words):
+            CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", **body})
+    streamed = CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 2, "stream": True})
+    assert streamed.generated_choices == 2   # best_of = n ranks nothing: it streams
 
 
 def test_vllms_sampling_controls_are_taken():
