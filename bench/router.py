@@ -199,7 +199,7 @@ def feature_groups(dims: int) -> dict[str, tuple[int, ...]]:
     names = PromptFeatures.names(dims)
     return {"length": (names.index("log_length"),),
             "perplexity": (names.index("log_perplexity"), names.index("perplexity_missing")),
-            "repeat_rate": (names.index("repeat_rate"),),
+            "repeat_rate": (names.index("repeat_rate"),), "constrained": (names.index("constrained"),),
             "topics": tuple(i for i, n in enumerate(names) if n.startswith("topic_"))}
 
 

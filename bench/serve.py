@@ -24,6 +24,12 @@ TTFT (time to first token), TPOT (time per output token after the first), ITL (t
 streamed chunks; a speculative step streams several tokens at once), output tokens/s, failed
 requests; plus ``ms_per_step`` (request latency / steps) and ``mean_accepted_len`` τ.
 
+Structured output (``--structured``): every request asks for its category's JSON schema
+(``response_format``, peers too, ``STRUCTURED_SCHEMAS``), and the row ``parsed_json`` counts the
+answers that parse. ``serve-target-only`` then decodes plainly under the grammar,
+``serve-grammar-draft`` proposes only what the grammar forces, and
+``serve-default[no-grammar-draft]`` is the default without it: what the grammar as a draft buys.
+
 Measuring the draft router (``serve-default`` when the deployment routes): ``--router-warmup N``
 first sends N other prompts per category with no ``spec``, so the replicas' routers learn from
 their own choices before the measured requests, as ``bench router``'s warm-up does; and then
@@ -74,6 +80,7 @@ class RowConfig:
     model: str | None = None   # the model id the server lists first in /v1/models
     draft: str | None = None   # spec.draft to send; None: the request names none
     window: int | None = None  # spec.window to send; None: the deployment's policy decides
+    grammar_draft: bool | None = None   # spec.grammar_draft to send (structured runs); None: the deployment's
 
 
 @dataclass
@@ -95,6 +102,7 @@ class RequestRecord:
     draft_s: float = 0.0    # inside the step loop: waiting for proposals ...
     verify_s: float = 0.0   # ... and verifying them (the rest of a request's time is transport)
     replica: str = ""       # the target replica that answered (specserve's spec.replica)
+    text: str = ""          # the streamed content (a structured run checks that it parses)
 
 
 def row_name(kind: str, label: str) -> str:
@@ -143,18 +151,56 @@ def resolve_drafts(requested: list[str] | None, served: list[str]) -> list[str]:
 
 
 def configs_for(url: str, model: str, drafts: list[str], window: int, in_process: str | None,
-                peers: list[tuple[str, str, str]], adaptive: bool = False) -> list[RowConfig]:
+                peers: list[tuple[str, str, str]], adaptive: bool = False, structured: bool = False) -> list[RowConfig]:
     """The rows of one run; ``peers`` are (name, url, model). ``adaptive``: the serve-spec rows
-    name their draft only (the deployment's policy picks the windows)."""
+    name their draft only (the deployment's policy picks the windows). ``structured``: the
+    target-only row decodes plainly under the grammar, and two rows more measure the grammar as a
+    draft, alone and by its absence from the default."""
     spec_window = None if adaptive else window
     return [
-        RowConfig("serve-target-only", "serve", url, model, NO_DRAFT, 0),
+        RowConfig("serve-target-only", "serve", url, model, NO_DRAFT, 0, grammar_draft=False if structured else None),
+        *([RowConfig("serve-grammar-draft", "serve", url, model, NO_DRAFT, 0, grammar_draft=True)] if structured else []),
         RowConfig("serve-default", "serve", url, model),
+        *([RowConfig(row_name("serve-default", "no-grammar-draft"), "serve", url, model, grammar_draft=False)]
+          if structured else []),
         *(RowConfig(row_name("serve-spec", d), "serve", url, model, d, spec_window) for d in drafts),
         *([RowConfig(row_name("in-process-spec", in_process), "in-process", draft=in_process, window=window)]
           if in_process else []),
         *(RowConfig(row_name("peer", name), "peer", peer_url, peer_model) for name, peer_url, peer_model in peers),
     ]
+
+
+# A structured run's response_format per prompt category: each category's answer as a JSON
+# object a client would parse (strict: the fields and nothing else).
+STRUCTURED_SCHEMAS = {
+    "code": {"type": "object", "properties": {
+        "language": {"type": "string", "enum": ["python", "javascript", "c", "go", "rust", "other"]},
+        "code": {"type": "string"}, "explanation": {"type": "string"}},
+        "required": ["language", "code", "explanation"], "additionalProperties": False},
+    "chat": {"type": "object", "properties": {
+        "answer": {"type": "string"}, "confidence": {"type": "string", "enum": ["low", "medium", "high"]},
+        "follow_up_questions": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+        "required": ["answer", "confidence", "follow_up_questions"], "additionalProperties": False},
+    "summarise": {"type": "object", "properties": {
+        "title": {"type": "string"}, "summary": {"type": "string"},
+        "key_points": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
+        "required": ["title", "summary", "key_points"], "additionalProperties": False},
+    "edit": {"type": "object", "properties": {
+        "edited_text": {"type": "string"}, "changes": {"type": "array", "items": {"type": "string"}, "maxItems": 5}},
+        "required": ["edited_text", "changes"], "additionalProperties": False},
+}
+
+
+def response_format(category: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": f"{category}_answer", "schema": STRUCTURED_SCHEMAS[category],
+                                                   "strict": True}}
+
+
+def parses(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def mixed_prompts(categories: list[str], n: int, offset: int = 0) -> list[tuple[str, str]]:
@@ -216,7 +262,7 @@ def salt_for(*labels) -> str:
 
 
 def request_body(config: RowConfig, prompt: str, max_tokens: int, cache_salt: str | None = None,
-                 system: str | None = None) -> dict:
+                 system: str | None = None, response_format: dict | None = None) -> dict:
     """The OpenAI chat request every row sends: greedy, streamed, usage in the last chunk. Only
     specserve rows carry ``spec``: a peer gets nothing it does not know (vLLM rejects no extra
     field, but another server may, and the request must be the same a plain client sends), but
@@ -228,7 +274,10 @@ def request_body(config: RowConfig, prompt: str, max_tokens: int, cache_salt: st
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
-    spec = {key: value for key, value in (("draft", config.draft), ("window", config.window)) if value is not None}
+    if response_format is not None:
+        body["response_format"] = response_format
+    spec = {key: value for key, value in (("draft", config.draft), ("window", config.window),
+                                          ("grammar_draft", config.grammar_draft)) if value is not None}
     if config.backend == "serve" and spec:
         body["spec"] = spec
     return body
@@ -253,14 +302,16 @@ async def chat_chunks(client: httpx.AsyncClient, url: str, body: dict):
 
 
 async def http_request(client: httpx.AsyncClient, config: RowConfig, prompt: str, max_tokens: int,
-                       record: RequestRecord, cache_salt: str | None = None, system: str | None = None) -> None:
-    body = request_body(config, prompt, max_tokens, cache_salt, system)
+                       record: RequestRecord, cache_salt: str | None = None, system: str | None = None,
+                       response_format: dict | None = None) -> None:
+    body = request_body(config, prompt, max_tokens, cache_salt, system, response_format)
     start = last = time.perf_counter()
     record.start_s = start
     try:
         async for chunk in chat_chunks(client, config.url, body):
             now = time.perf_counter()
             if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                record.text += chunk["choices"][0]["delta"]["content"]
                 if not record.ttft_s:
                     record.ttft_s = now - start
                 else:
@@ -318,9 +369,11 @@ def in_process_request(engine, prompt_ids: list[int], config: RowConfig, max_tok
 
 
 async def load_run(prompts: list[str], config: RowConfig, concurrency: int, rate: float, max_tokens: int,
-                   seed: int = 0, cache_salt: str | None = None, system: str | None = None) -> tuple[list[RequestRecord], float]:
+                   seed: int = 0, cache_salt: str | None = None, system: str | None = None,
+                   formats: list[dict] | None = None) -> tuple[list[RequestRecord], float]:
     """All prompts to the row's server, Poisson arrivals at ``rate``, at most ``concurrency`` in flight.
-    The seed is the same for every row, so every row sees the same arrival times."""
+    The seed is the same for every row, so every row sees the same arrival times. ``formats``: each
+    prompt's ``response_format`` (a structured run)."""
     rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
     records = [RequestRecord(config.name, concurrency, rate, i) for i in range(len(prompts))]
@@ -331,7 +384,8 @@ async def load_run(prompts: list[str], config: RowConfig, concurrency: int, rate
 
         async def one(i: int) -> None:
             async with gate:
-                await http_request(client, config, prompts[i], max_tokens, records[i], cache_salt, system)
+                await http_request(client, config, prompts[i], max_tokens, records[i], cache_salt, system,
+                                   formats[i] if formats else None)
 
         start = time.perf_counter()
         tasks = []
@@ -374,6 +428,7 @@ def summarise(records: list[RequestRecord], duration_s: float) -> dict:
         "verify_ms_per_step": round(1e3 * sum(r.verify_s for r in ok) / steps, 2) if steps else None,
         "mean_accepted_len": round(tokens / steps, 3) if steps else None,
         "drafts": dict(Counter(r.draft for r in ok if r.draft)),
+        "parsed_json": sum(parses(r.text) for r in ok),   # meaningful in a structured run only
     }
 
 
@@ -425,6 +480,7 @@ class ServeBenchConfig:
     stream_interval: int = 1           # tokens per streamed piece of the local stack (peers: start them the same)
     no_prefix_reuse: bool = False      # a cache_salt per row, round and concurrency: no prefix cache another filled
     only_drafts: bool = False          # the local stack serves only ``drafts`` (not the shipped default any more)
+    structured: bool = False           # every request asks for JSON of its category's schema (response_format)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.max_tokens < 1 or self.repeats < 1 or self.stream_interval < 1:
@@ -440,6 +496,9 @@ class ServeBenchConfig:
         object.__setattr__(self, "categories", tuple(check_categories(self.categories)))
         if self.window < 1:
             raise ValueError(f"--window must be >= 1 (serve-target-only is the plain row), got {self.window}")
+        if self.structured and self.in_process is not None:
+            raise ValueError("--structured runs no in-process row (the in-process engine follows no grammar): "
+                             "give --in-process none")
 
 
 def run_serve_bench(config: ServeBenchConfig) -> dict:
@@ -462,6 +521,10 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
     drafts = None if config.drafts is None else list(config.drafts)
     labelled = mixed_prompts(categories, config.num_prompts)
     prompts = [p for _, p in labelled]
+    formats = None
+    if config.structured:   # the same prompts, asked for their category's JSON
+        prompts = [f"{p}\n\nReply with a JSON object." for p in prompts]
+        formats = [response_format(c) for c, _ in labelled]
     warmup = [p for _, p in mixed_prompts(categories, config.router_warmup * len(categories),
                                           -(-config.num_prompts // len(categories)))]
     # Ask the peers first: a peer that is not running should cost no stack start-up.
@@ -483,7 +546,8 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
         listed = served_model(server, client_headers())
         model = listed["id"]
         chosen = resolve_drafts(drafts, listed.get("drafts", []))
-        configs = configs_for(server, model, chosen, config.window, in_process, peer_rows, config.adaptive)
+        configs = configs_for(server, model, chosen, config.window, in_process, peer_rows, config.adaptive,
+                              config.structured)
         engine = None
         in_process_threads = None
         if in_process is not None:
@@ -509,7 +573,8 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
                 in_process_request(engine, prompt_ids[i], row_config, tokens, rec)
                 return rec
             salt = salt_for(run_id, row_config.name, 1, i) if config.no_prefix_reuse else None
-            rec = asyncio.run(load_run([prompts[i]], row_config, 1, math.inf, tokens, cache_salt=salt))[0][0]
+            rec = asyncio.run(load_run([prompts[i]], row_config, 1, math.inf, tokens, cache_salt=salt,
+                                       formats=[formats[i]] if formats else None))[0][0]
             rec.prompt_index = i
             return rec
 
@@ -557,7 +622,7 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
                               + (f" (round {r + 1} of {repeats})" if repeats > 1 else ""), flush=True)
                         salt = salt_for(run_id, row_config.name, concurrency, rate, r) if config.no_prefix_reuse else None
                         recs, duration = asyncio.run(load_run(prompts, row_config, concurrency, rate, max_tokens,
-                                                              cache_salt=salt))
+                                                              cache_salt=salt, formats=formats))
                         records += recs
                         got[row_config.name].append((recs, duration))
                 for row_config in loaded:
@@ -580,6 +645,7 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
                  "categories": categories, "prompt_categories": [c for c, _ in labelled], "adaptive": config.adaptive,
                  "router_warmup": routed_warmup, "max_tokens": max_tokens, "window": config.window, "repeats": repeats,
                  "stream_interval": config.stream_interval, "no_prefix_reuse": config.no_prefix_reuse,
+                 "structured": config.structured,
                  "drafts": chosen, "placement": listed.get("placement", {}), "in_process": in_process,
                  "in_process_threads": in_process_threads or torch.get_num_threads(),
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},

@@ -693,6 +693,7 @@ def bench_serve(
     stream_interval: int = typer.Option(1, "--stream-interval", help="Tokens per streamed piece of the local stack (its stream_interval); start peers with the same (vLLM: --stream-interval)."),
     no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="Send every row's and round's requests with a cache_salt of their own (vLLM's field, specserve's too), so that no server answers from a prefix cache another row or round filled: engine throughput, not cache hits. Peers must accept cache_salt. By default the same prompts repeat across rows and rounds, as a chat service's do."),
     only_drafts: bool = typer.Option(False, "--only-drafts", help="The local stack serves only --drafts (faster to start; serve-default then measures that app, not the shipped default)."),
+    structured: bool = typer.Option(False, "--structured", help="Every request asks for JSON of its category's schema (response_format json_schema, peers too); rows serve-grammar-draft and serve-default[no-grammar-draft] measure the grammar as a draft. Needs --in-process none."),
 ) -> None:
     """Load generator (Poisson arrivals, concurrency limits): target-only, the deployment's default and
     each draft pinned, beside the in-process engine and any OpenAI-compatible peers, in one run.
@@ -728,7 +729,7 @@ def bench_serve(
             repeats=repeats,
             stream_interval=stream_interval,
             no_prefix_reuse=no_prefix_reuse,
-            only_drafts=only_drafts,
+            only_drafts=only_drafts, structured=structured,
         ))
     except (ValueError, FileNotFoundError, ImportError, RuntimeError, TimeoutError) as err:
         fail(str(err))

@@ -105,7 +105,7 @@ class LearnedDraftRouter:
 
     def features(self, state: RequestState) -> PromptFeatures:
         return prompt_features(state.request.prompt_ids, self.basis, state.prompt_nll, state.prompt_scored,
-                               self.topic_dims)
+                               self.topic_dims, constrained=state.request.grammar is not None)
 
     def scores(self, x: Sequence[float], batch_size: int) -> dict[str, dict]:
         """Per candidate: predicted α, its width, and tokens/s at the best window with and

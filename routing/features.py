@@ -1,6 +1,8 @@
 """One request's features for the draft router (§5 of "A Drop-in Solution for On-the-Fly
 Adaptation of Speculative Decoding in Large Language Models": length, perplexity, TF-IDF; plus
-how much the prompt repeats itself, which is what prompt lookup feeds on).
+how much the prompt repeats itself, which is what prompt lookup feeds on, and whether a grammar
+constrains the output: a draft that writes free text well may be rejected under a JSON schema,
+where the target's rows are masked and the grammar drafts the forced tokens itself).
 
 ``PromptFeatures.vector()`` is the input of the per-draft linear acceptance models: a bias, then
 each feature scaled to about [0, 1] (ridge regression and LinUCB's widths assume comparable
@@ -51,10 +53,11 @@ class PromptFeatures:
     perplexity: float | None
     repeat_rate: float
     topics: tuple[float, ...]
+    constrained: bool = False
 
     @staticmethod
     def names(dims: int) -> list[str]:
-        return ["bias", "log_length", "log_perplexity", "perplexity_missing", "repeat_rate",
+        return ["bias", "log_length", "log_perplexity", "perplexity_missing", "repeat_rate", "constrained",
                 *(f"topic_{i}" for i in range(dims))]
 
     def vector(self, dims: int | None = None) -> tuple[float, ...]:
@@ -62,7 +65,7 @@ class PromptFeatures:
         log_ppl = TYPICAL_LOG_PERPLEXITY if self.perplexity is None else math.log(max(1.0, self.perplexity))
         topics = (tuple(self.topics) + (0.0,) * dims)[:dims]
         return (1.0, math.log(max(1, self.prompt_tokens)) / 8.0, min(2.0, log_ppl / 5.0),
-                float(self.perplexity is None), self.repeat_rate, *topics)
+                float(self.perplexity is None), self.repeat_rate, float(self.constrained), *topics)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -73,6 +76,7 @@ class PromptFeatures:
 
 
 def prompt_features(ids: Sequence[int], basis: TopicBasis | None, nll_sum: float = 0.0, nll_count: int = 0,
-                    dims: int = 8) -> PromptFeatures:
+                    dims: int = 8, constrained: bool = False) -> PromptFeatures:
     topics = basis.project(ids) if basis is not None else (0.0,) * dims
-    return PromptFeatures(len(ids), perplexity_from_nll(nll_sum, nll_count), repeat_rate(ids), tuple(topics))
+    return PromptFeatures(len(ids), perplexity_from_nll(nll_sum, nll_count), repeat_rate(ids), tuple(topics),
+                          constrained)

@@ -8,6 +8,7 @@ import pytest
 from specserve.cluster.config import AppConfig
 from specserve.data.prompts import load_prompts
 from specserve.bench.serve import (
+    STRUCTURED_SCHEMAS,
     RequestRecord,
     RowConfig,
     ServeBenchConfig,
@@ -17,9 +18,11 @@ from specserve.bench.serve import (
     mixed_prompts,
     parse_drafts,
     parse_peers,
+    parses,
     plot,
     request_body,
     resolve_drafts,
+    response_format,
     row,
     summarise,
     salt_for,
@@ -77,6 +80,25 @@ def test_adaptive_rows_name_their_draft_only():
     assert request_body(by["serve-spec[prompt-lookup]"], "hi", 8)["spec"] == {"draft": "prompt-lookup"}
     assert by["in-process-spec[prompt-lookup]"].window == 4   # the engine needs a window
     assert request_body(by["serve-target-only"], "hi", 8)["spec"] == {"draft": "none", "window": 0}
+
+
+def test_a_structured_run_measures_the_grammar_draft_and_asks_every_row_for_the_same_json():
+    import llguidance
+
+    configs = configs_for(URL, "m", ["prompt-lookup"], 4, None, [("vllm", "http://127.0.0.1:8100", "v")], structured=True)
+    by = {c.name: c for c in configs}
+    assert list(by)[:4] == ["serve-target-only", "serve-grammar-draft", "serve-default", "serve-default[no-grammar-draft]"]
+    fmt = response_format("code")
+    bodies = {name: request_body(c, "hi", 8, response_format=fmt) for name, c in by.items()}
+    assert bodies["serve-target-only"]["spec"] == {"draft": "none", "window": 0, "grammar_draft": False}
+    assert bodies["serve-grammar-draft"]["spec"] == {"draft": "none", "window": 0, "grammar_draft": True}
+    assert bodies["serve-default[no-grammar-draft]"]["spec"] == {"grammar_draft": False}
+    assert "spec" not in bodies["peer[vllm]"] and all(b["response_format"] == fmt for b in bodies.values())
+    for category in STRUCTURED_SCHEMAS:   # every schema compiles where the server compiles it
+        assert llguidance.LLMatcher.grammar_from_json_schema(STRUCTURED_SCHEMAS[category])
+    assert parses('{"a": 1}') and not parses('{"a": ') and not parses("[1]")
+    with pytest.raises(ValueError, match="in-process"):
+        ServeBenchConfig(structured=True)
 
 
 def test_mixed_prompts_take_the_categories_in_turn_and_the_warmup_others():
@@ -157,7 +179,7 @@ def _rows() -> list[dict]:
 def test_rows_carry_their_whole_config_and_the_table_shows_unknowns_as_dashes():
     rows = _rows()
     assert rows[0]["setup"] == {"backend": "peer", "url": "http://127.0.0.1:8100", "model": "smollm2",
-                                "draft": None, "window": None}
+                                "draft": None, "window": None, "grammar_draft": None}
     assert rows[1]["rate"] == 2.0 and rows[0]["rate"] == "inf"   # JSON has no infinity
     table = format_table(rows).splitlines()
     assert table[2].startswith("peer[vllm] ") and table[2].split()[-4:] == ["-", "-", "-", "-"]

@@ -22,8 +22,8 @@ REPETITIVE = [5, 6, 7, 8] * 10          # what prompt lookup lives on
 VARIED = list(range(100, 140))          # nothing repeats
 
 
-def state(prompt, draft=AUTO_DRAFT, request_id="r0", window=4):
-    return RequestState(SpecRequest(list(prompt), 32, GREEDY, draft, window, request_id=request_id),
+def state(prompt, draft=AUTO_DRAFT, request_id="r0", window=4, grammar=None):
+    return RequestState(SpecRequest(list(prompt), 32, GREEDY, draft, window, request_id=request_id, grammar=grammar),
                         frozenset(), torch.device("cpu"))
 
 
@@ -36,8 +36,8 @@ def priced(router, verify_ms=20.0, per_token_ms=1.0, **draft_ms):
         router.costs.seed(draft, ms)
 
 
-def teach(router, draft, prompt, alpha, times=20):
-    x = router.features(state(prompt)).vector()
+def teach(router, draft, prompt, alpha, times=20, grammar=None):
+    x = router.features(state(prompt, grammar=grammar)).vector()
     for _ in range(times):
         router.models[draft].update(x, alpha)
 
@@ -78,6 +78,20 @@ def test_learned_router_picks_the_predicted_best_per_prompt():
     a, b = state(REPETITIVE, request_id="a"), state(VARIED, request_id="b")
     assert router.route(a, 1) == "lookup" and a.routing["reason"] == PREDICTED
     assert router.route(b, 1) == "lm" and b.routing["reason"] == PREDICTED
+
+
+def test_a_draft_that_does_badly_under_a_grammar_is_not_chosen_for_a_constrained_request():
+    """One prompt, two requests: free text, and the same under a JSON schema (the router's
+    ``constrained`` feature)."""
+    schema = '{"type": "object"}'
+    router = LearnedDraftRouter(["lookup", "lm"], log=False)
+    priced(router, lookup=0.05, lm=3.0)
+    teach(router, "lm", VARIED, 0.8)
+    teach(router, "lookup", VARIED, 0.1)
+    teach(router, "lm", VARIED, 0.05, grammar=schema)
+    teach(router, "lookup", VARIED, 0.6, grammar=schema)
+    free, constrained = state(VARIED, request_id="free"), state(VARIED, request_id="json", grammar=schema)
+    assert router.route(free, 1) == "lm" and router.route(constrained, 1) == "lookup"
 
 
 def test_no_speculation_when_no_draft_pays():

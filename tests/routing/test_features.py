@@ -26,11 +26,13 @@ def test_perplexity_and_vector():
     f = PromptFeatures(prompt_tokens=100, perplexity=None, repeat_rate=0.25, topics=(0.5, -0.5))
     v = f.vector()
     assert len(v) == len(PromptFeatures.names(2)) and v[0] == 1.0 and v[3] == 1.0   # bias; perplexity missing
-    assert v[1] == pytest.approx(math.log(100) / 8) and v[4] == 0.25 and v[5:] == (0.5, -0.5)
-    measured = PromptFeatures(100, math.e ** 3, 0.0, ()).vector(dims=3)
-    assert measured[2] == pytest.approx(3 / 5) and measured[3] == 0.0 and measured[5:] == (0.0, 0.0, 0.0)
-    assert set(f.to_dict()) == {"prompt_tokens", "perplexity", "repeat_rate", "topics"}
+    assert v[1] == pytest.approx(math.log(100) / 8) and v[4] == 0.25 and v[5] == 0.0 and v[6:] == (0.5, -0.5)
+    measured = PromptFeatures(100, math.e ** 3, 0.0, (), constrained=True).vector(dims=3)
+    assert measured[2] == pytest.approx(3 / 5) and measured[3] == 0.0 and measured[6:] == (0.0, 0.0, 0.0)
+    assert measured[PromptFeatures.names(3).index("constrained")] == 1.0
+    assert set(f.to_dict()) == {"prompt_tokens", "perplexity", "repeat_rate", "topics", "constrained"}
     assert len(prompt_features([1, 2, 3], None, dims=4).topics) == 4
+    assert prompt_features([1, 2, 3], None, constrained=True).constrained
 
 
 def test_prefill_scores_the_prompt_with_the_target_it_runs_anyway():

@@ -22,7 +22,7 @@ from specserve.routing.retrain import retrain, weights_for
 from specserve.routing.route_learning import RouteLearning
 
 Service = PolicyService.func_or_class
-DIMS = 13   # the router's features without a topic basis: 5 + 8 topic dimensions
+DIMS = 14   # the router's features without a topic basis: 6 + 8 topic dimensions
 
 
 @pytest.fixture
