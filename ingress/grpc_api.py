@@ -26,7 +26,7 @@ from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer, validation_message
 from specserve.ingress.resumable import TargetStreams
-from specserve.ingress.tools import ToolCallStream, parse_tool_calls
+from specserve.ingress.tools import ToolCallStream, tool_answer
 
 GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
               404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
@@ -225,8 +225,7 @@ class GrpcFace:
         """A whole choice's text, tool calls and finish reason."""
         if not prepared.tool_calls:
             return (prepared.echo or "") + whole.text, [], whole.finish_reason
-        content, calls = parse_tool_calls(whole.text)
-        finish = "tool_calls" if calls and whole.finish_reason == "stop" else whole.finish_reason
+        content, calls, finish = tool_answer(whole.text, whole.finish_reason)
         return content or "", tool_calls_pb(calls), finish
 
     async def complete_stream(self, request: pb.CompletionRequest, grpc_context) -> AsyncIterator[pb.CompletionChunk]:
@@ -242,11 +241,7 @@ class GrpcFace:
                 begun.add(index)
                 text, calls, finish = ((prepared.echo or "") if first else "") + event.text, [], event.finish_reason
                 if prepared.tool_calls:
-                    parser = parsers.setdefault(index, ToolCallStream())
-                    text, calls = parser.push(text)
-                    if finish is not None:
-                        text += parser.finish()
-                        finish = "tool_calls" if finish == "stop" and parser.calls else finish
+                    text, calls, finish = parsers.setdefault(index, ToolCallStream()).piece(text, finish)
                 chunk = pb.CompletionChunk(id=prepared.id, index=index, text=text, token_ids=event.token_ids,
                                            tool_calls=tool_calls_pb(calls), **self._logprobs(prepared, event, first))
                 if finish is not None:

@@ -35,7 +35,7 @@ from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer, validation_message
 from specserve.ingress.resumable import Event, TargetStreams, started
-from specserve.ingress.tools import ToolCallStream, parse_tool_calls
+from specserve.ingress.tools import ToolCallStream, tool_answer
 from specserve.policies.registry import POLICIES
 
 logger = logging.getLogger("ray.serve")
@@ -179,10 +179,9 @@ class HttpFace:
             logprobs = self.logprob_fields.chat(whole.token_ids, whole.logprobs or []) if req.logprobs else None
             message, finish = {"role": "assistant", "content": whole.text}, whole.finish_reason
             if prepared.tool_calls:
-                message["content"], calls = parse_tool_calls(whole.text)
+                message["content"], calls, finish = tool_answer(whole.text, finish)
                 if calls:
                     message["tool_calls"] = calls
-                    finish = "tool_calls" if finish == "stop" else finish
             choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             if req.return_token_ids:
                 choice["token_ids"] = whole.token_ids
@@ -220,10 +219,7 @@ class HttpFace:
             if prepared.tool_calls:
                 parser = parsers.setdefault(index, ToolCallStream())
                 made = parser.calls
-                text, calls = parser.push(text)
-                if finish is not None:
-                    text += parser.finish()
-                    finish = "tool_calls" if finish == "stop" and parser.calls else finish
+                text, calls, finish = parser.piece(text, finish)
                 if calls:
                     delta["tool_calls"] = [{"index": made + k, **call} for k, call in enumerate(calls)]
             if text:

@@ -176,6 +176,13 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
     return (content or None), calls
 
 
+def tool_answer(text: str, finish_reason: str) -> tuple[str | None, list[dict], str]:
+    """A whole answer's content, its tool calls and its finish reason (``tool_calls`` where the
+    model stopped after making calls, as OpenAI reports it)."""
+    content, calls = parse_tool_calls(text)
+    return content, calls, "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
 class ToolCallStream:
     """``parse_tool_calls`` over a stream of text pieces: content as it comes, less what may be
     the start of a call block (held until it is known), and each call once its block closes."""
@@ -218,6 +225,14 @@ class ToolCallStream:
             content += self._content(self.buffer[:len(self.buffer) - held])
             self.buffer = self.buffer[len(self.buffer) - held:]
             return content, calls
+
+    def piece(self, text: str, finish_reason: str | None) -> tuple[str, list[dict], str | None]:
+        """One streamed piece's content, the calls it closes and its finish reason (as ``tool_answer``)."""
+        content, calls = self.push(text)
+        if finish_reason is not None:
+            content += self.finish()
+            finish_reason = "tool_calls" if finish_reason == "stop" and self.calls else finish_reason
+        return content, calls, finish_reason
 
     def finish(self) -> str:
         """What is left as content at the end (an unclosed block's text included)."""

@@ -25,6 +25,7 @@ has the speculative primitives this needs: how many of a draft's tokens the gram
 from __future__ import annotations
 
 import functools
+import logging
 
 import llguidance
 import llguidance.hf
@@ -32,6 +33,8 @@ import llguidance.torch
 import torch
 
 from specserve.replicas.step import Proposal
+
+logger = logging.getLogger("ray.serve")
 
 
 class GrammarError(ValueError):
@@ -42,6 +45,23 @@ class GrammarError(ValueError):
 def grammar_tokenizer(tokenizer, vocab: int, eos_token_ids: tuple[int, ...]) -> llguidance.LLTokenizer:
     """llguidance's view of a Hugging Face tokenizer (built once per tokenizer: it walks the vocabulary)."""
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(eos_token_ids) or None)
+
+
+def warm_up(make_tokenizer) -> None:
+    """Build llguidance's tokenizer (``make_tokenizer()``, cached) and compile its mask kernel
+    (``torch.compile``, on its first calls and again for other row counts: seconds each on a CPU)
+    in a thread of their own: otherwise the first structured request of a replica waits for them,
+    and so does every request in the batch whose verify applies the first masks. (The model
+    thread still checks the compiled kernel once per new row count, a fraction of a compile.)"""
+    torch.set_num_threads(1)   # a background thread beside the model's: one core at most
+    try:
+        tokenizer = make_tokenizer()
+        with torch.inference_mode():
+            for rows in (1, 2, 3, 4):
+                masks = llguidance.torch.allocate_token_bitmask(rows, tokenizer.vocab_size)
+                llguidance.torch.apply_token_bitmask_inplace(torch.zeros(rows, tokenizer.vocab_size), masks)
+    except Exception as err:  # noqa: BLE001 - the first structured request then pays for it, or fails alone
+        logger.warning("grammar warm-up failed (%s: %s)", type(err).__name__, err)
 
 
 def check_grammar(grammar: str, tokenizer: llguidance.LLTokenizer | None = None) -> str | None:

@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import math
+import threading
 import time
 import uuid
 from collections import deque
@@ -40,7 +41,7 @@ from ray.serve.handle import DeploymentHandle
 from specserve.replicas.cost_probe import (LOADED_BATCH, PRICED_WINDOW, ProbedCosts, draft_ms_per_position,
                                            loaded_verify_points, verify_points)
 from specserve.replicas.draft_server import DraftServer
-from specserve.replicas.grammar import grammar_tokenizer
+from specserve.replicas.grammar import grammar_tokenizer, warm_up
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
 from specserve.replicas.model_worker import ModelWorker
@@ -183,9 +184,10 @@ class TargetDeployment:
             max_running=config.max_batch, router=None if self.routing is None else self.routing.router, default_draft=config.default_draft,
             observers=self.learning.observers if self.learning is not None else (),
             on_draft=[self._routed] if self.learning is not None else (),
-            grammar_tokenizer=functools.partial(grammar_tokenizer, self.tokenizer, target.vocab,
-                                                tuple(sorted(self.loaded.eos_token_ids))),
+            grammar_tokenizer=(make_grammar_tokenizer := functools.partial(
+                grammar_tokenizer, self.tokenizer, target.vocab, tuple(sorted(self.loaded.eos_token_ids)))),
             grammar_draft=config.grammar_draft)
+        threading.Thread(target=warm_up, args=(make_grammar_tokenizer,), name="grammar-warm-up", daemon=True).start()
         self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory,
                              draft_ahead=config.draft_ahead, on_draft_costs=self._price_separate)
         self._released_at = -math.inf
