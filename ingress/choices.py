@@ -15,8 +15,11 @@ log-probabilities whether or not the client asked to see them.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
+
+from ray.serve import context as serve_context
 
 from specserve.ingress.prepare import Prepared
 from specserve.ingress.resumable import Event, TargetStreams
@@ -60,11 +63,26 @@ def total_usage(answers: list[Event]) -> dict:
     return usage
 
 
+def _own_serve_request() -> None:
+    """This task's calls to other deployments get a Serve request id of their own. Serve keys a
+    call's routing and its replica's bookkeeping by that id, and calls made while serving one
+    request inherit the request's: the choices' concurrent calls would be taken for one call (one
+    of them then waits, another is never sent). Set in the choice's own task, whose context is a
+    copy: the request's own id is unchanged elsewhere."""
+    current = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(replace(current, _internal_request_id=uuid.uuid4().hex))
+
+
 async def answers(streams: TargetStreams, requests: list[Prepared]) -> list[Event]:
     """Every choice's whole answer, in order; the first failure cancels the rest and is raised."""
     if len(requests) == 1:
         return [await streams.answer(requests[0])]
-    tasks = [asyncio.ensure_future(streams.answer(r)) for r in requests]
+
+    async def one(request: Prepared) -> Event:
+        _own_serve_request()
+        return await streams.answer(request)
+
+    tasks = [asyncio.ensure_future(one(r)) for r in requests]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
@@ -82,6 +100,7 @@ async def merged(streams: list[AsyncIterator[Event]]) -> AsyncIterator[tuple[int
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[Event]) -> None:
+        _own_serve_request()
         try:
             async for event in stream:
                 queue.put_nowait((index, event, None))
