@@ -14,7 +14,6 @@ import grpc
 import pytest
 from PIL import Image
 from ray.exceptions import RayActorError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.testclient import TestClient
@@ -26,7 +25,7 @@ from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.http_api import HttpFace, _http_error, _openai_error, api
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer
-from specserve.ingress.resumable import BUSY_BACKOFF_S, MAX_BUSY_BACKOFF_S, TargetStreams, continuation
+from specserve.ingress.resumable import BUSY_BACKOFF_S, MAX_BUSY_BACKOFF_S, continuation
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress.deployment import Ingress
 from specserve.replicas.sampling import SamplingParams
