@@ -72,21 +72,21 @@ def template_messages(req: ChatCompletionRequest, teaches: bool, content=ChatMes
             messages.append(message)
         return messages, [t.model_dump(exclude_none=True) for t in shown] if shown else None
     messages: list[dict] = []
+    previous = None
     for m in req.messages:
         if m.role == "tool":   # results come back as the user's turn, consecutive ones together
             result = f"<tool_response>\n{m.text()}\n</tool_response>"
-            if messages and messages[-1].get("tool_results"):
+            if previous == "tool":
                 messages[-1]["content"] += "\n" + result
             else:
-                messages.append({"role": "user", "content": result, "tool_results": True})
-            continue
-        text = content(m)
-        if m.tool_calls:
-            calls = "\n".join(_call_text(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls)
-            text = f"{text}\n{calls}" if text else calls
-        messages.append({"role": m.role, "content": text})
-    for message in messages:
-        message.pop("tool_results", None)
+                messages.append({"role": "user", "content": result})
+        else:
+            text = content(m)
+            if m.tool_calls:
+                calls = "\n".join(_call_text(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls)
+                text = f"{text}\n{calls}" if text else calls
+            messages.append({"role": m.role, "content": text})
+        previous = m.role
     if shown:
         preamble = _preamble(shown)
         if messages[0]["role"] in ("system", "developer") and isinstance(messages[0]["content"], str):
