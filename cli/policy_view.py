@@ -29,6 +29,9 @@ def fetch_policy(server: str, timeout_s: float = 30.0) -> dict:
 def format_policy(body: dict, now: float | None = None) -> str:
     now = time.time() if now is None else now
     snapshot, service = body.get("snapshot"), body.get("service") or {}
+    learning = body.get("cluster_learning", "on")
+    if learning != "on":   # an application without a Redis: nothing is shared, so no snapshot comes
+        return f"cluster learning {learning}"
     lines = []
     if service.get("redis_error"):
         lines.append(f"policy service: Redis unreachable ({service['redis_error']}); replicas keep their last snapshot")

@@ -8,6 +8,7 @@ Deployment names are fixed: ``ingress``, ``target`` and ``draft-<name>`` for eac
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +18,8 @@ from specserve.policies.registry import DEFAULT_POLICY, POLICIES
 from specserve.replicas.model_store import REFERENCE_TARGET
 from specserve.ingress.deployment import IngressConfig
 from specserve.ingress.images import ImageLimits
-from specserve.ingress.openai_api import AUTO_DRAFT, MAX_WINDOW, NO_DRAFT
+from specserve.ingress.openai_api import AUTO_DRAFT, MAX_WINDOW, NO_DRAFT, TreeOptions
+from specserve.replicas.step import TreeShape
 
 INGRESS_DEPLOYMENT = "ingress"
 TARGET_DEPLOYMENT = "target"
@@ -26,10 +28,18 @@ PROMPT_LOOKUP = "prompt-lookup"
 AUTO, INSIDE, SEPARATE = "auto", "inside", "separate"   # draft placements
 SUFFIX = "suffix"                                       # the model-free draft of earlier outputs
 SHIPPED_ANSWERS = "answers"                             # seed_outputs: the answers shipped with specserve
+# The Redis URL of an application whose config names none. Read where Serve builds the
+# application (its build task, on any node), so it belongs in every node's environment or in the
+# application's runtime_env.env_vars; the replicas get the URL from the builder, not from here.
+REDIS_URL_ENV = "SPECSERVE_REDIS_URL"
 
 
 def draft_deployment(name: str) -> str:
     return f"draft-{name}"
+
+
+def redis_url_from_env() -> str | None:
+    return os.environ.get(REDIS_URL_ENV) or None
 
 
 class EnsembleSpec(BaseModel):
@@ -161,6 +171,10 @@ class AppConfig(BaseModel):
     router_explore: float = Field(0.2, ge=0.0, le=5.0, description="The router's exploration weight (LinUCB's β): "
                                   "how much an untried draft's uncertainty counts in its favour; 0: always the predicted best.")
     default_window: int = Field(4, ge=0, le=MAX_WINDOW, description="Window γ for requests that name none.")
+    default_tree: TreeOptions = Field(TreeOptions(depth=4, top_k=2, budget=8), description=(
+        "The tree a request starts from when its policy (its own or the deployment's) adapts trees (sage, "
+        "adt-tree, eagle2-depth, static-tree) and it names no tree or window; the cluster's best measured "
+        "shape replaces it where the policy service has one."))
     draft_ahead: bool = Field(True, description="A model draft that runs apart from the target's model thread "
                               "(placement separate, or own_thread) drafts each chain's next step while the target "
                               "verifies it, from the outcome where every token is accepted (replicas/step_loop.py); "
@@ -183,9 +197,10 @@ class AppConfig(BaseModel):
         512, ge=16, description="Prompt tokens a target replica prefills per step, so that running requests are not stalled by a long prompt."
     )
     redis_url: str | None = Field(
-        None, description="The Redis the replicas share statistics through and the policy service publishes "
-        "snapshots to (redis://, or rediss:// for TLS; a password goes in the URL). None: no policy service, "
-        "each replica learns alone.")
+        default_factory=redis_url_from_env,
+        description="The Redis the replicas share statistics through and the policy service publishes "
+        f"snapshots to (redis://, or rediss:// for TLS; a password goes in the URL). Not given: ${REDIS_URL_ENV} "
+        "of the process that builds the application. None: no policy service, each replica learns alone.")
     redis_prefix: str = Field("specserve", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                               description="Key prefix in Redis, one per application, so that applications can share a Redis.")
     policy: str = Field(DEFAULT_POLICY, description=f"How each request's window adapts per step: {', '.join(POLICIES)}. "
@@ -226,6 +241,15 @@ class AppConfig(BaseModel):
                                   "(408 beyond): a trickling client holds an ingress slot no longer.")
 
     @model_validator(mode="after")
+    def _redis_url_expanded(self) -> "AppConfig":
+        # Kubernetes leaves $(NAME) as it is when NAME is not defined above it in the container's env;
+        # such a URL would fail every Redis call while the deployment reported cluster learning on.
+        if self.redis_url and "$(" in self.redis_url:
+            raise ValueError("redis_url holds an unexpanded $(...) reference: in the pod's env, define the variable "
+                             f"it names before {REDIS_URL_ENV}")
+        return self
+
+    @model_validator(mode="after")
     def _drafts_known(self) -> "AppConfig":
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(POLICIES)}")
@@ -241,7 +265,9 @@ class AppConfig(BaseModel):
         return [d.name for d in self.drafts]
 
     def ingress_config(self) -> IngressConfig:
+        tree = TreeShape(self.default_tree.depth, self.default_tree.top_k, self.default_tree.budget)
         return IngressConfig(self.target, self.model_id, self.draft_names, self.default_draft, self.default_window,
+                             policy=self.policy, default_tree=tree,
                              api_keys_file=self.api_keys_file, max_model_len=self.max_model_len, max_body_bytes=self.max_body_bytes,
                              stream_interval=self.stream_interval, tool_parser=self.tool_parser,
                              resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s,

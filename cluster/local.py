@@ -270,6 +270,7 @@ def status() -> dict:
         "redis": {"url": redact(state.redis_url), "pid": state.redis_pid, "up": ping(state.redis_url)},
         "prometheus": state.prometheus_url or None,
         "placement": draft_placement(state.http_url),
+        "cluster_learning": cluster_learning(state.http_url),
     }
 
 
@@ -285,6 +286,24 @@ def draft_placement(http_url: str, timeout_s: float = 5.0) -> dict | None:
         response.raise_for_status()
         return response.json()["data"][0].get("placement")
     except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
+
+
+def cluster_learning(http_url: str, timeout_s: float = 5.0) -> str | None:
+    """Whether the replicas learn together, as the application says it (``GET /v1/policy``'s
+    ``cluster_learning``: "on", or "off: ..." with what to set); None when the ingress does not answer.
+    Asked of the running application: only it knows the Redis URL it was built with."""
+    import httpx
+
+    from specserve.ingress.auth import client_headers
+
+    try:
+        response = httpx.get(http_url + "/v1/policy", headers=client_headers(), timeout=timeout_s)
+        if response.status_code == 503 and response.json()["error"]["code"] == "policy_service_unavailable":
+            return "on, but the policy service is not answering: no new snapshot until it is back"
+        response.raise_for_status()
+        return response.json()["cluster_learning"]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError):
         return None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.ingress.images import ImageLimits
+from specserve.replicas.step import TreeShape
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,10 @@ class IngressConfig:
     draft_names: list[str]
     default_draft: str
     default_window: int
+    policy: str = "load-aware"           # the deployment's policy (a request may name its own)
+    # The tree a request starts from when its policy adapts trees and it names none (the cluster's
+    # best shape replaces it at the replica when a prior has one).
+    default_tree: TreeShape = TreeShape(4, 2, 8)
     api_keys_file: str | None = None     # besides SPECSERVE_API_KEYS in the ingress's environment
     max_model_len: int | None = None     # prompt + completion at most (default: the model's context)
     max_body_bytes: int = 4 << 20

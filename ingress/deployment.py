@@ -66,7 +66,8 @@ class Ingress:
 
     @api.get("/v1/policy")
     async def policy_snapshot(self) -> dict:
-        """The cluster priors new requests start from (the policy service's latest snapshot)."""
+        """The cluster priors new requests start from (the policy service's latest snapshot), and
+        ``cluster_learning``: "on", or "off: ..." with what to set when the app has no Redis."""
         return await self.http.policy_snapshot()
 
     @api.get("/v1/routing/recent")

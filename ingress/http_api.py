@@ -40,6 +40,12 @@ from specserve.policies.registry import POLICIES
 
 logger = logging.getLogger("ray.serve")
 
+# Whether the replicas learn together, as ``GET /v1/policy`` says it: the application has a policy
+# service exactly when it was given a Redis (``cluster/app.py``), so its handle is the answer.
+CLUSTER_LEARNING_ON = "on"
+CLUSTER_LEARNING_OFF = ("off: no redis_url configured; each replica learns alone "
+                        "(set redis_url or SPECSERVE_REDIS_URL)")
+
 api = FastAPI(title="specserve", description="Speculative-decoding LLM serving, OpenAI-compatible.")
 # Every HTTP route passes the API key and body-size checks first (ingress/guard.py).
 api.add_middleware(Guard)
@@ -121,15 +127,17 @@ class HttpFace:
 
     async def policy_snapshot(self) -> dict:
         if self.policy is None:
-            raise OpenAIError("this deployment has no policy service: give the application a redis_url",
-                              status=404, code="policy_service_not_configured")
+            # Learning alone is how this deployment was configured, not a fault: a 200 that says so.
+            return {"object": "policy_snapshot", "cluster_learning": CLUSTER_LEARNING_OFF, "snapshot": None,
+                    "service": None}
         try:
             snapshot, status = await asyncio.wait_for(
                 asyncio.gather(self.policy.snapshot.remote(), self.policy.status.remote()), self.config.call_timeout_s)
         except Exception as err:  # noqa: BLE001 - the service is down: say so, do not fail the ingress
             raise OpenAIError(f"the policy service is not answering ({type(err).__name__}); retry shortly",
                               status=503, type="server_error", code="policy_service_unavailable") from err
-        return {"object": "policy_snapshot", "snapshot": snapshot, "service": status}
+        return {"object": "policy_snapshot", "cluster_learning": CLUSTER_LEARNING_ON, "snapshot": snapshot,
+                "service": status}
 
     async def routing_recent(self, limit: int) -> dict:
         source, routes = "cluster", None

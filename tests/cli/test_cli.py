@@ -67,6 +67,44 @@ def test_help_on_every_command():
     assert result.returncode == 0 and "Usage" in result.stdout, result.stderr
 
 
+def policy_answer(status: int, body: dict | None):
+    """What ``GET /v1/policy`` answers (``body`` None: nothing listens)."""
+    import httpx
+
+    def get(url, **_):
+        if body is None:
+            raise httpx.ConnectError("connection refused")
+        return httpx.Response(status, json=body, request=httpx.Request("GET", url))
+
+    return get
+
+
+@pytest.mark.parametrize("status, body, line", [
+    (200, "off", "cluster learning: off: no redis_url configured; each replica learns alone"),
+    (200, {"cluster_learning": "on", "snapshot": {"version": 1}}, "cluster learning: on"),
+    (503, {"error": {"code": "policy_service_unavailable", "message": "retry shortly"}},
+     "cluster learning: on, but the policy service is not answering"),
+    (0, None, "cluster learning: unknown (the ingress did not answer GET /v1/policy)"),
+], ids=["off", "on", "service-down", "no-ingress"])
+def test_status_says_whether_the_replicas_learn_together(monkeypatch, status, body, line):
+    import httpx
+
+    from specserve.cluster import local
+    from specserve.ingress.http_api import CLUSTER_LEARNING_OFF
+
+    if body == "off":   # the ingress's own words, from its module (imported here: it is slow to import)
+        body = {"object": "policy_snapshot", "cluster_learning": CLUSTER_LEARNING_OFF, "snapshot": None, "service": None}
+    monkeypatch.setattr(local.LocalState, "load", staticmethod(lambda: local.LocalState(http_url="http://ingress")))
+    monkeypatch.setattr(local, "connect", lambda: None)
+    monkeypatch.setattr(local, "app_status", lambda _: {"status": "RUNNING", "message": "", "deployments": {}})
+    monkeypatch.setattr(local, "ping", lambda _: False)
+    monkeypatch.setattr(local, "draft_placement", lambda _: None)
+    monkeypatch.setattr(httpx, "get", policy_answer(status, body))
+    result = in_process("status")
+    assert result.exit_code == 0, result.stderr
+    assert line in result.stdout.splitlines()[-1], result.stdout
+
+
 # A flag whose name is not its field's.
 FIELD_OF_FLAG = {"prompts": "num_prompts", "peer": "peers", "learn_snapshot": "learn_snapshot_requests"}
 # Flags that set the process, not the benchmark (torch threads, before the run).

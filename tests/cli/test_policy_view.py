@@ -31,3 +31,9 @@ def test_the_cli_says_what_to_do_when_nothing_is_up(tmp_path):
     result = subprocess.run([sys.executable, "-m", "specserve.cli.main", "policy"], capture_output=True, text=True,
                             timeout=120, env={**os.environ, "SPECSERVE_HOME": str(tmp_path)})
     assert result.returncode == 2 and "specserve up" in result.stderr and "--server" in result.stderr
+
+
+def test_an_application_without_redis_is_said_to_learn_alone():
+    text = format_policy({"object": "policy_snapshot", "cluster_learning": "off: no redis_url configured; each "
+                          "replica learns alone", "snapshot": None, "service": None})
+    assert text.startswith("cluster learning off: no redis_url configured")

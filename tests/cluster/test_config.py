@@ -51,3 +51,35 @@ def test_the_edges_limits_reach_the_ingress():
 
     config = AppConfig(max_request_image_pixels=1000, max_image_aspect_ratio=4.0, body_timeout_s=7.5).ingress_config()
     assert (config.images.max_total_pixels, config.images.max_aspect_ratio, config.body_timeout_s) == (1000, 4.0, 7.5)
+
+
+# ---- the Redis URL: from the config, else from the environment of the process that builds the app ----
+
+
+def test_a_config_without_redis_url_takes_it_from_the_environment(monkeypatch):
+    from specserve.cluster.config import REDIS_URL_ENV
+
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:pw@redis:6379/1")
+    assert AppConfig.model_validate({}).redis_url == "redis://:pw@redis:6379/1"
+    monkeypatch.setenv(REDIS_URL_ENV, "")   # set but empty: no Redis, as when unset
+    assert AppConfig.model_validate({}).redis_url is None
+    monkeypatch.delenv(REDIS_URL_ENV)
+    assert AppConfig.model_validate({}).redis_url is None
+
+
+@pytest.mark.parametrize("given", ["redis://other:6379/0", None], ids=["a-url", "none"])
+def test_a_redis_url_in_the_config_wins_over_the_environment(monkeypatch, given):
+    from specserve.cluster.config import REDIS_URL_ENV
+
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:pw@redis:6379/1")
+    # An explicit null is a choice too: this application learns alone whatever the node says.
+    assert AppConfig.model_validate({"redis_url": given}).redis_url == given
+
+
+def test_a_redis_url_kubernetes_did_not_expand_is_refused_naming_the_variable(monkeypatch):
+    from specserve.cluster.config import REDIS_URL_ENV
+
+    # What a pod gets when the password variable is defined below the URL in its env list.
+    monkeypatch.setenv(REDIS_URL_ENV, "redis://:$(SPECSERVE_REDIS_PASSWORD)@specserve-redis:6379/1")
+    with pytest.raises(ValidationError, match=f"unexpanded .* before {REDIS_URL_ENV}"):
+        AppConfig.model_validate({})

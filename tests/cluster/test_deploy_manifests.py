@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -30,7 +31,17 @@ from ray.serve.schema import (
     gRPCOptionsSchema,
 )
 
-from specserve.cluster.config import INGRESS_DEPLOYMENT, INSIDE, PROMPT_LOOKUP, SEPARATE, TARGET_DEPLOYMENT, AppConfig, draft_deployment
+from specserve.cluster.config import (
+    INGRESS_DEPLOYMENT,
+    INSIDE,
+    POLICY_DEPLOYMENT,
+    PROMPT_LOOKUP,
+    REDIS_URL_ENV,
+    SEPARATE,
+    TARGET_DEPLOYMENT,
+    AppConfig,
+    draft_deployment,
+)
 from specserve.cluster.placement import plan
 from specserve.cluster.serve_config import BUILDER, GRPC_MAX_MESSAGE_ENV, GRPC_SERVICER, model_threads
 from dockerfile import dockerfile_instructions, shell_commands
@@ -38,6 +49,7 @@ from dockerfile import dockerfile_instructions, shell_commands
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SIZED_DEPLOYMENTS = (INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT)
 SIZING_KEYS = ("ray_actor_options", "max_ongoing_requests", "autoscaling_config")
+VARIABLE = re.compile(r"\$\((\w+)\)")   # how a Kubernetes env value names another variable
 
 
 # ---- loading --------------------------------------------------------------------------------
@@ -220,10 +232,13 @@ def test_the_autoscaler_can_add_nodes_for_every_replica_the_deployments_may_scal
                     f"{platform}: {labels} holds {resources.get(key, 0) * most} {key} at most, its deployments may want {wanted}"
 
 
-def test_rayservice_app_args_are_a_valid_app_config():
+def test_rayservice_app_args_are_a_valid_app_config(monkeypatch):
     where = "deploy/rayservice.yaml serveConfigV2"
     app = _specserve_app(_rayservice_serve_config(), where)
+    # Built as on a Ray pod, whose env gives the app its Redis (and so its policy service).
+    monkeypatch.setenv(REDIS_URL_ENV, _pod_redis_url())
     config = AppConfig.model_validate(app.get("args") or {})
+    assert config.redis_url, f"{where}: the app is built without a Redis on the Ray pods"
     assert PROMPT_LOOKUP in config.draft_names, f"{where}: args.drafts should include {PROMPT_LOOKUP!r}, got {config.draft_names}"
     assert app["args"].get("dtype") == "auto", f"{where}: args.dtype should be 'auto', got {app['args'].get('dtype')!r}"
     # Serve refuses a config entry for a deployment the app does not build, and a deployment
@@ -231,7 +246,7 @@ def test_rayservice_app_args_are_a_valid_app_config():
     # (its own GPUs), so the build measures nothing.
     placements = plan(config, measure_costs=lambda spec, _: pytest.fail(f"{where}: {spec.name} placed by a build-time measurement"))
     assert placements[PROMPT_LOOKUP].where == INSIDE
-    expected = {INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT,
+    expected = {INGRESS_DEPLOYMENT, TARGET_DEPLOYMENT, POLICY_DEPLOYMENT,
                 *(draft_deployment(name) for name, p in placements.items() if p.where == SEPARATE)}
     configured = set(_deployments(_rayservice_serve_config(), where))
     assert configured == expected, (
@@ -366,6 +381,139 @@ def test_rayservice_ray_containers_use_token_auth_and_the_model_volume():
             assert claim in claims, (
                 f"{where}: the volume at {cache} should be a PersistentVolumeClaim defined in the file {sorted(claims)}, got {claim!r}"
             )
+
+
+# ---- the RayService's Redis: cluster-wide learning and GCS fault tolerance ---------------------
+
+
+def _one(kind: str) -> dict:
+    found = [doc for doc in _rayservice_docs() if doc.get("kind") == kind and "redis" in doc["metadata"]["name"]]
+    assert len(found) == 1, f"deploy/rayservice.yaml should hold one Redis {kind}, found {len(found)}"
+    return found[0]
+
+
+def _redis_container() -> dict:
+    containers = _one("StatefulSet")["spec"]["template"]["spec"]["containers"]
+    found = [c for c in containers if str(c.get("image", "")).startswith("redis:")]
+    assert len(found) == 1, f"the Redis StatefulSet should run one redis: container: {[c.get('image') for c in containers]}"
+    return found[0]
+
+
+def _secret_ref(env: dict) -> dict:
+    return ((env.get("valueFrom") or {}).get("secretKeyRef")) or {}
+
+
+def _expanded(env: list[dict], name: str, where: str) -> tuple[str, list[dict]]:
+    """Variable ``name`` of a container's ``env`` as Kubernetes expands it (``$(OTHER)`` of a variable
+    defined above it in the list; a stand-in for a secret's value), and the secret keys it reads."""
+    position = next((i for i, e in enumerate(env) if e["name"] == name), None)
+    assert position is not None, f"{where}: no {name} in the container's env"
+    value, above = env[position].get("value", ""), {e["name"]: e for e in env[:position]}
+    missing = [other for other in VARIABLE.findall(value) if other not in above]
+    assert not missing, f"{where}: {name} uses {missing}, not defined above it: Kubernetes would leave them unexpanded"
+    return VARIABLE.sub("stand-in", value), [_secret_ref(above[other]) for other in VARIABLE.findall(value)]
+
+
+def _password_ref() -> dict:
+    """The Secret key the Redis server's --requirepass reads."""
+    container = _redis_container()
+    args = [*(container.get("command") or []), *(container.get("args") or [])]
+    assert "--requirepass" in args, f"the Redis container runs without --requirepass: {args}"
+    password = VARIABLE.fullmatch(args[args.index("--requirepass") + 1])
+    assert password, f"--requirepass {args[args.index('--requirepass') + 1]!r} should be one $(VAR) read from a Secret"
+    ref = _secret_ref(next(e for e in container.get("env", []) if e["name"] == password.group(1)))
+    assert ref.get("name") and ref.get("key"), f"--requirepass reads {password.group(1)}, which no Secret sets"
+    return ref
+
+
+def _pod_redis_url() -> str:
+    """SPECSERVE_REDIS_URL as a Ray head pod sees it (a stand-in for the password)."""
+    head = _rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]
+    return _expanded(_containers(head)[0].get("env", []), REDIS_URL_ENV, "head container")[0]
+
+
+def test_rayservice_ships_a_redis_that_keeps_its_data_on_a_volume_and_needs_a_password():
+    statefulset, service, secret = _one("StatefulSet"), _one("Service"), _one("Secret")
+    container = _redis_container()
+    args = [*(container.get("command") or []), *(container.get("args") or [])]
+    assert args[args.index("--appendonly") + 1] == "yes", f"Redis runs without --appendonly yes: {args}"
+    # The data survives the pod: a volume claimed per pod, mounted where Redis writes.
+    claims = {t["metadata"]["name"] for t in statefulset["spec"].get("volumeClaimTemplates", [])}
+    mounted = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
+    assert claims & set(mounted), f"no volumeClaimTemplates entry ({sorted(claims)}) is mounted in Redis's container: {mounted}"
+    data_dir = args[args.index("--dir") + 1] if "--dir" in args else "/data"   # the redis image's working dir
+    assert data_dir in {mounted[name] for name in claims & set(mounted)}, f"Redis writes to {data_dir}, not to its volume"
+    # The password comes from the file's Secret; the Service reaches the pods on Redis's port.
+    assert _password_ref() == {"name": secret["metadata"]["name"], "key": next(iter(secret["stringData"]))}
+    pods = statefulset["spec"]["template"]["metadata"]["labels"]
+    selector = service["spec"]["selector"]
+    assert _satisfies(pods, selector), f"the Redis Service's selector {selector} misses its pods {pods}"
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [6379]
+
+
+def test_the_redis_password_can_stand_in_a_url_unescaped():
+    # The Ray pods put it into specserve's Redis URL as it is: only unreserved URL characters.
+    secret = _one("Secret")
+    for key, value in secret.get("stringData", {}).items():
+        assert re.fullmatch(r"[A-Za-z0-9._~-]+", value), f"Secret {secret['metadata']['name']} {key}: {value!r} needs URL escaping"
+
+
+def test_every_ray_pod_composes_specserve_redis_url_from_the_secret():
+    # Serve builds the app (which reads the URL) in a task on any node, so every Ray pod needs it.
+    service, password = _one("Service"), _password_ref()
+    for group in _ray_groups(_rayservice()):
+        for container in _containers(group):
+            where = f"{_group_name(group)} container {container.get('name')!r}"
+            env = container.get("env", [])
+            expanded, refs = _expanded(env, REDIS_URL_ENV, where)
+            parts = urlsplit(next(e["value"] for e in env if e["name"] == REDIS_URL_ENV))
+            assert VARIABLE.fullmatch(parts.password or ""), f"{where}: the URL's password should be one $(VAR)"
+            assert refs == [password], f"{where}: the URL's password should come from {password}, comes from {refs}"
+            assert (parts.hostname, parts.port) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
+            # Ray's GCS keeps DB 0; specserve's statistics another, apart from the keys KubeRay deletes.
+            assert parts.path not in ("", "/", "/0"), f"{where}: specserve's Redis URL uses DB 0, Ray's GCS DB"
+            assert AppConfig.model_validate({"redis_url": expanded}).redis_url == expanded
+    args = _specserve_app(_rayservice_serve_config(), "serveConfigV2").get("args") or {}
+    assert "redis_url" not in args, f"serveConfigV2 args.redis_url would win over the pods' {REDIS_URL_ENV}"
+
+
+def test_no_redis_url_in_the_manifest_holds_a_literal_password():
+    text = (DEPLOY / "rayservice.yaml").read_text()
+    for url in re.findall(r"rediss?://[^\s\"']+", text):
+        password = urlsplit(url).password
+        assert password is None or VARIABLE.fullmatch(password), (
+            f"deploy/rayservice.yaml holds a Redis URL with a literal password: {url}")
+
+
+def test_rays_gcs_fault_tolerance_uses_the_same_redis_and_secret():
+    cluster = _rayservice()["spec"]["rayClusterConfig"]
+    options = cluster.get("gcsFaultToleranceOptions") or {}
+    service = _one("Service")
+    assert options.get("redisAddress") == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert _secret_ref(options.get("redisPassword") or {}) == _password_ref()
+    # KubeRay refuses the legacy settings beside gcsFaultToleranceOptions.
+    head = cluster["headGroupSpec"]
+    for metadata in (_rayservice()["metadata"], head["template"].get("metadata") or {}):
+        assert "ray.io/ft-enabled" not in (metadata.get("annotations") or {})
+    assert "redis-password" not in (head.get("rayStartParams") or {})
+    assert all(e["name"] != "RAY_REDIS_ADDRESS" for c in _containers(head) for e in c.get("env", []))
+
+
+def test_serve_yaml_says_how_to_give_serve_deploy_a_redis():
+    text = (DEPLOY / "serve.yaml").read_text()
+    comments = "\n".join(line for line in text.splitlines() if line.lstrip().startswith("#"))
+    assert REDIS_URL_ENV in comments and "ray start" in comments
+    args = _specserve_app(yaml.safe_load(text), "deploy/serve.yaml").get("args") or {}
+    assert "redis_url" not in args, f"deploy/serve.yaml args.redis_url would win over {REDIS_URL_ENV}"
+    # The runtime_env line it shows is one Serve accepts and that sets the variable.
+    shown = [m.group(1) for m in re.finditer(r"^#\s+(runtime_env: .*)$", text, re.MULTILINE)]
+    assert len(shown) == 1, f"deploy/serve.yaml should show one runtime_env line, shows {shown}"
+    runtime_env = yaml.safe_load(shown[0])["runtime_env"]
+    assert REDIS_URL_ENV in runtime_env["env_vars"]
+    config = yaml.safe_load(text)
+    config["applications"][0]["runtime_env"] = runtime_env
+    ServeDeploySchema.model_validate(config)
 
 
 def test_rayservice_ray_version_matches_the_image():
