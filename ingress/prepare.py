@@ -27,7 +27,7 @@ from specserve.ingress.openai_api import (AUTO_DRAFT, NO_DRAFT, ChatCompletionRe
                                           OpenAIError)
 from specserve.ingress.structured import request_grammar
 from specserve.ingress.tools import template_messages, template_teaches_tools, tool_grammar
-from specserve.policies.registry import POLICIES
+from specserve.policies.registry import POLICIES, TREE_POLICY_NAMES
 from specserve.replicas.image_tokens import picture_ids
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 from specserve.replicas.request import SpecRequest
@@ -125,6 +125,8 @@ class Preparer:
                               param="spec.policy", code="policy_not_found")
         window = spec.window if spec and spec.window is not None else self.config.default_window
         tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
+        if tree is None and not (spec and spec.window is not None) and (policy or self.config.policy) in TREE_POLICY_NAMES:
+            tree = self.config.default_tree   # a tree policy adapts trees: unpinned, from the default shape
         params = self._sampling(req, max_tokens or 16)
         grammar = request_grammar(req)
         tool_calls = is_chat and req.tool_mode != "none"

@@ -23,13 +23,16 @@ Where this deviates from the paper, or reads it, and why:
   budget (a one-level tree cannot use more children than nodes), which also keeps the state
   bounded. Back at depth 2 the bound applies again at once.
 - **Initialisation.** Vertical Repeat and Random Initialization (§IV-A) are for 2-D image grids;
-  text has only the previous step. The first tree is the request's, brought within the bounds.
+  text has only the previous step. The first tree is where finished requests' walks ended (the
+  mean depth and top-k, of this replica's and, through Redis, the cluster's: ``carry.py``), else
+  the request's, brought within the bounds.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from specserve.policies.tree import TreeOutcome, clamp
@@ -43,6 +46,7 @@ class ADTState(JsonState):
     depth: int       # d̃ for the next update: the depth last asked
     top_k: int       # k̃
     budget: int      # the request's node budget (not adapted)
+    steps: int = 0   # updates from steps whose draft offered a tree
 
 
 @dataclass(frozen=True)
@@ -70,17 +74,25 @@ class ADTTree:
         top_k_max = self.top_k_max if depth > 1 else max(self.top_k_max, budget)
         return ADTState(depth, clamp(top_k, self.top_k_min, top_k_max), budget)
 
-    def start(self, request: SpecRequest) -> ADTState:
+    def start(self, request: SpecRequest, carried: Mapping[str, float] | None = None) -> ADTState:
         tree = request.tree
+        requests = (carried or {}).get("adt_requests", 0.0)
+        if requests > 0:
+            depth, top_k = (round(carried.get(name, 0.0) / requests) for name in ("adt_depth", "adt_top_k"))
+            return self.bounded(depth, top_k, tree.budget)
         return self.bounded(tree.depth, tree.top_k, tree.budget)
+
+    def counts(self, state: ADTState) -> dict[str, int]:
+        """Where the request's walk ended: the depth and top-k it would have asked next."""
+        return {"adt_requests": 1, "adt_depth": state.depth, "adt_top_k": state.top_k} if state.steps else {}
 
     def update(self, state: ADTState, outcome: TreeOutcome) -> ADTState:
         if outcome.depth == 0:
             return state
         alpha = outcome.accepted / outcome.depth
-        if alpha >= self.beta:
-            return self.bounded(state.depth + self.depth_step, state.top_k - self.top_k_step, state.budget)
-        return self.bounded(state.depth - self.depth_step, state.top_k + self.top_k_step, state.budget)
+        sign = 1 if alpha >= self.beta else -1
+        moved = self.bounded(state.depth + sign * self.depth_step, state.top_k - sign * self.top_k_step, state.budget)
+        return replace(moved, steps=state.steps + 1)
 
     def decide(self, state: ADTState, batch_size: int, rng: random.Random) -> tuple[TreeShape, ADTState]:
         return TreeShape(state.depth, state.top_k, state.budget), state

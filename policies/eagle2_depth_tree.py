@@ -19,13 +19,16 @@ Where this deviates, the same as ``online_window.py`` and for the same reasons: 
 objective when the request shares the forward (Eq. 1 when alone); until α̂ and two forward sizes
 are measured the request alternates its own depth with depth 1 (whose tree has the fewest
 nodes, so that the two forwards differ in size); after ``explore_every`` plain
-steps in a row it drafts a depth-1 tree to look at α̂ again. Not here: the cluster prior of the
-online window rule (tree requests are not given one, ``replicas/target_deployment.py``).
+steps in a row it drafts a depth-1 tree to look at α̂ again. As in the online window rule, the
+cluster's α for the draft and task bucket (``SpecRequest.prior_alpha``) counts as ``prior_steps``
+pseudo-steps in α̂; and a request's first depth is the mean depth finished requests last chose
+(this replica's and, through Redis, the cluster's: ``carry.py``), else the request's.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -39,7 +42,7 @@ from specserve.replicas.step import TreeShape
 
 @dataclass(frozen=True)
 class Eagle2DepthState(JsonState):
-    start_depth: int                               # the request's depth (bounded)
+    start_depth: int                               # the first depth: carried, else the request's (bounded)
     depth: int                                     # the depth asked last (0: plain)
     top_k: int                                     # k, the request's, fixed
     budget: int                                    # N, the request's, fixed
@@ -50,6 +53,7 @@ class Eagle2DepthState(JsonState):
     others_emitted: int = 0                        # tokens the rest of the batch emitted in the last step
     others_depth: int = 0                          # the deepest path the rest of the batch was offered
     plain_steps: int = 0                           # depth 0 chosen this many steps in a row
+    prior_alpha: float | None = None               # the cluster's α for the draft and bucket
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Eagle2DepthTree:
     cost_steps: int = 32         # steps the cost measurements look back over
     alpha_max: float = 0.95      # α̂ cap (Eq. 2): a run of full acceptances must not mean α = 1
     explore_every: int = 16      # plain steps in a row before a depth-1 tree re-measures α̂
+    prior_steps: float = 3.0     # pseudo-steps the cluster's α counts as in α̂ (as online_window's)
 
     name: ClassVar[str] = "eagle2-depth"
 
@@ -66,10 +71,19 @@ class Eagle2DepthTree:
         if self.depth_max < 1:
             raise ValueError(f"depth_max must be >= 1, got {self.depth_max}")
 
-    def start(self, request: SpecRequest) -> Eagle2DepthState:
+    def start(self, request: SpecRequest, carried: Mapping[str, float] | None = None) -> Eagle2DepthState:
         tree = request.tree
-        depth = min(tree.depth, self.depth_max)
-        return Eagle2DepthState(start_depth=depth, depth=depth, top_k=tree.top_k, budget=tree.budget)
+        depth = tree.depth
+        requests = (carried or {}).get("eagle2_requests", 0.0)
+        if requests > 0:
+            depth = max(1, round(carried.get("eagle2_depth", 0.0) / requests))
+        depth = min(depth, self.depth_max)
+        return Eagle2DepthState(start_depth=depth, depth=depth, top_k=tree.top_k, budget=tree.budget,
+                                prior_alpha=request.prior_alpha)
+
+    def counts(self, state: Eagle2DepthState) -> dict[str, int]:
+        """The depth the request chose last, once it drafted (0 when it ended plain)."""
+        return {"eagle2_requests": 1, "eagle2_depth": state.depth} if state.outcomes else {}
 
     def update(self, state: Eagle2DepthState, outcome: TreeOutcome) -> Eagle2DepthState:
         outcomes = state.outcomes
@@ -102,7 +116,8 @@ class Eagle2DepthTree:
 
     def decide(self, state: Eagle2DepthState, batch_size: int,
                rng: random.Random) -> tuple[TreeShape | None, Eagle2DepthState]:
-        alpha = estimate_alpha(state.outcomes, self.alpha_max)
+        prior = None if state.prior_alpha is None else (state.prior_alpha, self.prior_steps)
+        alpha = estimate_alpha(state.outcomes, self.alpha_max, prior) if state.outcomes else None
         if alpha is None or fit_verify_ms(state.verify_costs) is None:
             # Unmeasured: alternate two depths so that the first cost fit has two forward sizes.
             # Depth 1 holds the fewest nodes (min(N, k)), so the two sizes differ unless N <= k.

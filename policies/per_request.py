@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from specserve.policies.carry import CarriedSums, CarrySink
 from specserve.policies.registry import POLICIES, build_policy
 from specserve.replicas.request import RequestState
 from specserve.replicas.step import Speculation, StepRecord
@@ -23,6 +24,13 @@ class PricesSteps(Protocol):
                    loaded: tuple = ()) -> None: ...
 
 
+@runtime_checkable
+class Carries(Protocol):
+    """A policy whose rule carries learned state across requests (``carry.py``)."""
+
+    carried: CarriedSums
+
+
 class PolicyByRequest:
     def __init__(self, default: str):
         if default not in POLICIES:
@@ -30,6 +38,7 @@ class PolicyByRequest:
         self.default = default
         self.instances: dict[str, object] = {}
         self._seed: tuple | None = None   # the start-up probe's costs, for instances made later
+        self._sinks: list[CarrySink] = []   # where carried counts go besides each policy's own sums
 
     def seed_costs(self, verify: tuple[tuple[int, float], ...], draft_ms_per_position: dict[str, float],
                    loaded: tuple = ()) -> None:
@@ -43,6 +52,18 @@ class PolicyByRequest:
             if isinstance(policy, PricesSteps):
                 policy.seed_costs(verify, draft_ms_per_position, loaded)
 
+    def __getstate__(self) -> dict:
+        # The sinks are this process's callbacks (``CarriedSums.__getstate__``): not copied.
+        return {**self.__dict__, "_sinks": []}
+
+    def carry_into(self, sink: CarrySink) -> None:
+        """Hand every finished request's carried counts (of each policy that carries, now and
+        created later) to ``sink`` too: the replica's statistics, on their way to Redis."""
+        self._sinks.append(sink)
+        for policy in self.instances.values():
+            if isinstance(policy, Carries):
+                policy.carried.sinks.append(sink)
+
     def _seed_one(self, policy) -> None:
         if isinstance(policy, PricesSteps) and self._seed is not None:   # only the cost-aware ones
             policy.seed_costs(*self._seed)
@@ -54,6 +75,8 @@ class PolicyByRequest:
         if name not in self.instances:
             self.instances[name] = build_policy(name)
             self._seed_one(self.instances[name])
+            if isinstance(self.instances[name], Carries):
+                self.instances[name].carried.sinks.extend(self._sinks)
         return self.instances[name]
 
     def choose(self, state: RequestState, batch_size: int) -> Speculation:

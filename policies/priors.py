@@ -20,7 +20,10 @@ Per (target, draft, task bucket), from counters summed over time windows with ex
                      window measured only when the line rises (``window_for``)
     best tree        among the tree shapes (depth, top-k) requests asked for, the one whose steps
                      emitted the most tokens per ms of draft + verify time, measured (no model of
-                     tree acceptance is assumed); only shapes with ``min_steps`` steps compete
+                     tree acceptance is assumed); only shapes with ``min_steps`` steps compete;
+                     pooled and per load bucket (``best_tree_by_load``), as windows
+    learned          the decayed sums of the rules' carried counts (``carry.py``), which requests
+                     of this draft and bucket start their rule's state from
 
 A bucket's prior is published only after ``min_steps`` drafting steps; an ``all`` bucket per
 (target, draft) pools every bucket, for buckets not yet seen.
@@ -31,8 +34,9 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 
+from specserve.policies.carry import LEARNED
 from specserve.policies.goodput import expected_emitted
-from specserve.policies.stats import LOAD_BUCKETS, StatsKey, load_bucket, task_bucket
+from specserve.policies.stats import LOAD_BUCKETS, StatsKey, load_bucket
 
 ALL_BUCKETS = "all"
 SNAPSHOT_FORMAT = 1
@@ -151,16 +155,6 @@ def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_ma
     draft_tokens = c.get("draft_tokens", 0.0)
     a = c.get("draft_us", 0.0) / 1e3 / draft_tokens if draft_tokens else 0.0
     b0, b1 = fit
-    trees = {}
-    for field, steps in c.items():
-        if field.startswith("tree_") and field.endswith("_steps") and steps >= min_steps:
-            shape = field.removesuffix("_steps")
-            us = c.get(f"{shape}_us", 0.0)
-            trees[shape] = c.get(f"{shape}_emitted", 0.0) / (us / 1e3) if us > 0 else 0.0
-    best_tree = None
-    if trees:
-        depth, top_k = max(trees, key=trees.get).removeprefix("tree_").split("x")
-        best_tree = {"depth": int(depth), "top_k": int(top_k), "tokens_per_ms": round(max(trees.values()), 4)}
     return {
         "target": target, "draft": draft, "bucket": bucket,
         "steps": round(drafts, 2),
@@ -176,8 +170,26 @@ def prior_of(target: str, draft: str, bucket: str, c: dict[str, float], alpha_ma
         "costs_by_load": (by_load := costs_by_load(c, a, min_steps)),
         "best_window_by_load": {load: window_for(alpha, costs, window_max) for load, costs in by_load.items()},
         "plain_share": round(c.get("plain_steps", 0.0) / (c.get("plain_steps", 0.0) + drafts), 4),
-        "best_tree": best_tree,
+        "best_tree": best_tree(c, min_steps),
+        "best_tree_by_load": {load: tree for load in LOAD_BUCKETS
+                              if (tree := best_tree(c, min_steps, f"load_{load}_")) is not None},
+        "learned": {field: round(n, 4) for field, n in sorted(c.items()) if LEARNED.fullmatch(field) and n > 0},
     }
+
+
+def best_tree(c: dict[str, float], min_steps: int, prefix: str = "") -> dict | None:
+    """Among the tree shapes with ``min_steps`` steps (``prefix``: of one load bucket's counters),
+    the one whose steps emitted the most tokens per ms of draft + verify time; None: none."""
+    trees = {}
+    for field, steps in c.items():
+        if field.startswith(f"{prefix}tree_") and field.endswith("_steps") and steps >= min_steps:
+            shape = field.removesuffix("_steps")
+            us = c.get(f"{shape}_us", 0.0)
+            trees[shape] = c.get(f"{shape}_emitted", 0.0) / (us / 1e3) if us > 0 else 0.0
+    if not trees:
+        return None
+    depth, top_k = max(trees, key=trees.get).removeprefix(f"{prefix}tree_").split("x")
+    return {"depth": int(depth), "top_k": int(top_k), "tokens_per_ms": round(max(trees.values()), 4)}
 
 
 def compute_snapshot(counts: dict[StatsKey, Counter], now: float | None = None, half_life_s: float = 3600.0,
@@ -195,9 +207,12 @@ def compute_snapshot(counts: dict[StatsKey, Counter], now: float | None = None, 
             "priors": priors}
 
 
-def warm_start(snapshot: dict | None, target: str, draft: str, prompt_tokens: int, batch_size: int = 1) -> dict | None:
-    """Where a request that did not pin its window starts, from the cluster's prior for its draft
-    and prompt-length bucket: ``{"version", "bucket", "load", "alpha", "window"}``, or None (cold).
+def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batch_size: int = 1) -> dict | None:
+    """Where a request that did not pin its window or tree starts, from the cluster's prior for
+    its draft and task bucket (``stats.request_bucket``: prompt length, constrained or not):
+    ``{"version", "bucket", "load", "alpha", "window", "tree", "learned"}``, or None (cold).
+    ``tree``: the (depth, top-k) that paid best under the request's load (else pooled; None: no
+    tree measured); ``learned``: the rules' carried sums (``carry.py``).
     The target replica and ``bench policies`` both start requests through here.
 
     The window is the best one under the load the request starts in (``batch_size``, its
@@ -209,12 +224,14 @@ def warm_start(snapshot: dict | None, target: str, draft: str, prompt_tokens: in
     decides whether to switch speculation off and must see the draft to learn; its α counts as
     pseudo-steps in that policy's estimate (``window.estimate_alpha``).
     """
-    prior = find_prior(snapshot, target, draft, task_bucket(prompt_tokens))
+    prior = find_prior(snapshot, target, draft, bucket)
     if prior is None:
         return None
     load, window = _load_window(snapshot, prior, load_bucket(batch_size))
+    tree = (prior.get("best_tree_by_load") or {}).get(load_bucket(batch_size)) or prior.get("best_tree")
     return {"version": snapshot.get("version"), "bucket": prior["bucket"], "load": load, "alpha": prior["alpha"],
-            "window": max(1, int(window))}
+            "window": max(1, int(window)), "tree": None if tree is None else (tree["depth"], tree["top_k"]),
+            "learned": prior.get("learned") or {}}
 
 
 def _load_window(snapshot: dict, prior: dict, wanted: str, window_max: int = 8) -> tuple[str | None, int]:

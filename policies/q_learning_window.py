@@ -17,9 +17,11 @@ Where this deviates from the paper, and why:
   the step (draft and verify time; a prefill chunk in the same step belongs to another request
   and is not counted).
 - **Scope of the table.** The paper's agent persists across prompts (25 warm-up prompts before
-  measuring). Here the table is part of the per-request state, as every window policy's is; a
-  table learnt elsewhere (e.g. a cluster prior from the policy service) is passed as ``q_start``
-  and copied into each new request.
+  measuring). Here a request starts from the table its replica's finished requests and the
+  cluster's left (``carry.py``): each entry the visit-weighted mean of the values requests ended
+  with, over the requests that visited it; an entry none visited is ``q_init`` (or ``q_start``'s).
+  Concurrent requests each update their own copy, which the paper's one sequential agent never
+  had to merge. ``carry=False`` keeps the table per request (a fresh table for every prompt).
 - **Hyper-parameters.** The paper gives none; ``lr``, ``discount`` and ``epsilon`` are ours.
 - A step whose draft offered nothing although a window was asked still updates Q with its reward:
   that is what the action earned.
@@ -28,6 +30,7 @@ Where this deviates from the paper, and why:
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -40,6 +43,7 @@ class QState(JsonState):
     q: tuple[tuple[float, ...], ...]   # q[s][a], (window_max + 1) x (window_max + 1)
     previous: int                      # s of the pending step: the window before it
     window: int                        # a of the pending step: the window asked for it
+    visits: tuple[tuple[int, ...], ...] = ()   # this request's backups of each q[s][a] (empty: none yet)
 
 
 def q_update(q: tuple[tuple[float, ...], ...], s: int, a: int, reward: float, lr: float,
@@ -49,6 +53,12 @@ def q_update(q: tuple[tuple[float, ...], ...], s: int, a: int, reward: float, lr
     row = list(q[s])
     row[a] += lr * (target - row[a])
     return (*q[:s], tuple(row), *q[s + 1:])
+
+
+def carried_q(carried: Mapping[str, float], s: int, a: int, default: float) -> float:
+    """q[s][a] from carried sums: Σ visits x value / Σ visits; ``default`` where none visited."""
+    n = carried.get(f"q_n_{s}_{a}", 0.0)
+    return carried.get(f"q_mq_{s}_{a}", 0.0) / n / 1e3 if n > 0 else default
 
 
 def greedy(row: tuple[float, ...]) -> int:
@@ -63,6 +73,7 @@ class QLearningWindow:
     epsilon: float = 0.1        # exploration probability
     q_init: float = 0.0         # every entry of a fresh table (when q_start is None)
     q_start: tuple[tuple[float, ...], ...] | None = None
+    carry: bool = True          # start from the carried table (the paper's agent across prompts)
 
     name: ClassVar[str] = "q-learning"
 
@@ -74,11 +85,25 @@ class QLearningWindow:
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"epsilon must be in [0, 1], got {self.epsilon}")
 
-    def start(self, request: SpecRequest) -> QState:
+    def start(self, request: SpecRequest, carried: Mapping[str, float] | None = None) -> QState:
         size = self.window_max + 1
         q = self.q_start if self.q_start is not None else tuple((self.q_init,) * size for _ in range(size))
+        if self.carry and carried:
+            q = tuple(tuple(carried_q(carried, s, a, q[s][a]) for a in range(size)) for s in range(size))
         window = min(request.window, self.window_max)
         return QState(q=q, previous=window, window=window)
+
+    def counts(self, state: QState) -> dict[str, int]:
+        """The entries this request backed up: visits and visits x value (milli-reward, floored at 0)."""
+        if not self.carry:
+            return {}
+        out = {}
+        for s, row in enumerate(state.visits):
+            for a, n in enumerate(row):
+                if n > 0:
+                    out[f"q_n_{s}_{a}"] = n
+                    out[f"q_mq_{s}_{a}"] = max(0, round(n * state.q[s][a] * 1e3))
+        return out
 
     def reward(self, outcome: WindowOutcome) -> float | None:
         """Emitted tokens per second of the step; None when the step's time was not measured."""
@@ -91,7 +116,12 @@ class QLearningWindow:
             return state
         action = max(0, min(outcome.asked, self.window_max))   # what was asked after the scheduler's cap
         q = q_update(state.q, state.previous, action, reward, self.lr, self.discount)
-        return replace(state, q=q, window=action)
+        size = self.window_max + 1
+        visits = state.visits or tuple((0,) * size for _ in range(size))
+        row = list(visits[state.previous])
+        row[action] += 1
+        visits = (*visits[:state.previous], tuple(row), *visits[state.previous + 1:])
+        return replace(state, q=q, window=action, visits=visits)
 
     def decide(self, state: QState, batch_size: int, rng: random.Random) -> tuple[int, QState]:
         s = state.window

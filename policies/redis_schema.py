@@ -28,6 +28,7 @@ from typing import Annotated, Literal, TypeVar
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specserve.policies.carry import LEARNED_COUNTERS
 from specserve.policies.stats import LOAD_BUCKETS
 
 logger = logging.getLogger("ray.serve")
@@ -203,6 +204,12 @@ class LoadCosts(Strict):
         default_factory=dict, max_length=MAX_WINDOW + 1)
 
 
+# A carried sum's name (``carry.LEARNED_COUNTERS``), and how many a prior holds at most: a full
+# Q-table's two counts per entry and the tree rules' few.
+LearnedName = Annotated[str, Field(pattern="^(" + "|".join(LEARNED_COUNTERS) + ")$")]
+MAX_LEARNED = 2 * (MAX_WINDOW + 1) ** 2 + 16
+
+
 class BestTree(Strict):
     depth: int = Field(ge=1, le=MAX_TREE_DEPTH)
     top_k: int = Field(ge=1, le=MAX_TOP_K)
@@ -226,6 +233,8 @@ class Prior(Strict):
     best_window_by_load: dict[LoadBucket, Window] = Field(default_factory=dict)
     plain_share: Rate = 0.0
     best_tree: BestTree | None = None
+    best_tree_by_load: dict[LoadBucket, BestTree] = Field(default_factory=dict)
+    learned: dict[LearnedName, Amount] = Field(default_factory=dict, max_length=MAX_LEARNED)
 
 
 class PolicySnapshot(Strict):
@@ -265,7 +274,8 @@ _LOAD = "(" + "|".join(b.replace("+", r"\+") for b in LOAD_BUCKETS) + ")"
 COUNTER_NAME = (r"^(drafts|draft_tokens|accepted_tokens|rejections|emitted|plain_steps|draft_us|verify_us|requests"
                 rf"|accepted_pos_{_W}|window_{_W}|verify_us_w{_W}"
                 rf"|load_{_LOAD}_(steps_w{_W}|verify_us_w{_W}|draft_us|draft_tokens)"
-                rf"|tree_([1-9]|1[0-6])x([1-9]|[1-5][0-9]|6[0-4])_(steps|emitted|us))$")
+                rf"|(load_{_LOAD}_)?tree_([1-9]|1[0-6])x([1-9]|[1-5][0-9]|6[0-4])_(steps|emitted|us)"
+                rf"|{'|'.join(LEARNED_COUNTERS)})$")
 # HINCRBY's canonical decimal, at most MAX_COUNT.
 COUNTER_VALUE = r"^(0|[1-9][0-9]{0,15})$"
 

@@ -2,7 +2,8 @@
 
 ``load-aware`` (the default) is the goodput gate over the request's own window: speculation only
 where it pays at the replica's current batch. The window rules adapt each request's window every
-step (``window.py``); they do not gate on load. The tree rules adapt each request's tree
+step (``window.py``); they do not gate on load. ``q-learning`` carries its table across requests
+(the paper's agent), ``q-learning-per-request`` starts every request from a fresh one. The tree rules adapt each request's tree
 (``tree.py``) and, like the window rules, leave what they do not adapt as the request asked: a
 window policy leaves trees alone, a tree policy leaves chains alone. ``static-tree`` is the static
 policy under the name the benchmark gives its tree row.
@@ -33,6 +34,7 @@ POLICIES: dict[str, Callable[[], object]] = {
     "fsm": lambda: WindowPolicy(FSMWindow()),
     "cache-fsm": lambda: WindowPolicy(CacheFSMWindow()),
     "q-learning": lambda: WindowPolicy(QLearningWindow()),
+    "q-learning-per-request": lambda: WindowPolicy(QLearningWindow(carry=False)),
     "hf-heuristic": lambda: WindowPolicy(HFWindow()),
     "static-tree": StaticPolicy,
     "sage": lambda: TreePolicy(SageTree()),
@@ -41,7 +43,7 @@ POLICIES: dict[str, Callable[[], object]] = {
 }
 DEFAULT_POLICY = "load-aware"
 # Which names adapt chains and which adapt trees, so that a benchmark can tell them apart.
-WINDOW_POLICY_NAMES = ("static", "online", "fsm", "cache-fsm", "q-learning", "hf-heuristic")
+WINDOW_POLICY_NAMES = ("static", "online", "fsm", "cache-fsm", "q-learning", "q-learning-per-request", "hf-heuristic")
 TREE_POLICY_NAMES = ("static-tree", "sage", "adt-tree", "eagle2-depth")
 
 

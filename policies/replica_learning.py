@@ -6,7 +6,7 @@ target's other replicas (the suffix draft's cluster index, ``output_exchange``).
 Built by the application (``cluster/app.py``) as a factory and called inside each target replica
 with the target's name, so that the replica (``replicas/``) needs nothing from this layer but
 these calls: ``observers``, ``start``, ``finish``, ``share_output``, ``receive_outputs``,
-``background`` and the factory itself.
+``background``, ``carry`` and the factory itself.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from specserve.policies.priors import warm_start
 from specserve.policies.redis_stats import RedisStats
 from specserve.policies.snapshot_cache import SnapshotCache
 from specserve.policies.spec_metrics import SpecMetrics
-from specserve.policies.stats import StatsCollector
+from specserve.policies.stats import StatsCollector, request_bucket
 from specserve.policies.stats_exporter import RedisExporter
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.step import StepRecord
@@ -66,15 +66,27 @@ class ReplicaLearning:
     def start(self, request: SpecRequest, batch_size: int = 1) -> tuple[SpecRequest, dict | None]:
         """Count the request, and start it from the cluster's prior (``priors.warm_start``, at the
         load of ``batch_size`` running requests) unless the client pinned its window or tree or
-        asked for no speculation; returns the request to run and the prior it started from (None: cold)."""
+        asked for no speculation: a chain's window, a tree's shape (its node budget stays the
+        request's), the draft's α and the rules' carried sums; returns the request to run and the
+        prior it started from (None: cold)."""
         start = None
         snapshot = None if self.snapshots is None else self.snapshots.current()
-        if snapshot is not None and not (request.pinned or request.tree is not None or request.speculation.plain):
-            start = warm_start(snapshot, self.target, request.draft, len(request.prompt_ids), batch_size)
+        if snapshot is not None and not (request.pinned or request.speculation.plain):
+            start = warm_start(snapshot, self.target, request.draft, request_bucket(request), batch_size)
             if start is not None:
-                request = replace(request, window=start["window"], prior_alpha=start["alpha"])
-        self.collector.start(request.request_id, request.draft, len(request.prompt_ids))
+                learned = {"version": start["version"], "sums": start.pop("learned")}
+                request = replace(request, prior_alpha=start["alpha"], prior_learned=learned)
+                if request.tree is None:
+                    request = replace(request, window=start["window"])
+                elif start["tree"] is not None:
+                    depth, top_k = start["tree"]
+                    request = replace(request, tree=replace(request.tree, depth=depth, top_k=top_k))
+        self.collector.start(request.request_id, request.draft, request_bucket(request))
         return request, start
+
+    def carry(self, draft: str, bucket: str, counts: dict[str, int]) -> None:
+        """A finished request's carried rule state (``carry.py``), counted for Redis with its statistics."""
+        self.collector.carry(draft, bucket, counts)
 
     def finish(self, request_id: str) -> None:
         self.collector.finish(request_id)

@@ -40,6 +40,9 @@ Where this deviates from the paper, and why:
 - **Expansion order.** Breadth first, one level per draft forward (``tree_growth.py``), where the
   paper recurses; the trees are the same unless the budget runs out, and then this keeps the more
   probable nodes of the shallower levels.
+- **Carried history.** The paper's D_max starts at its setting for every sequence. Here a request
+  starts at the mean D_max that finished requests (of this replica and, through Redis, of the
+  cluster) left (``carry.py``): the history's verdict on the draft outlives the request.
 - **Drafts without a distribution** (prompt lookup) report no probabilities: α stays at its last
   value, the hysteresis still moves D_max, and the builder ignores the width decay and threshold.
 """
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -111,9 +115,17 @@ class SageTree:
         if self.history_low > self.history_high:
             raise ValueError(f"history_low {self.history_low} is above history_high {self.history_high}")
 
-    def start(self, request: SpecRequest) -> SageState:
+    def start(self, request: SpecRequest, carried: Mapping[str, float] | None = None) -> SageState:
         tree = request.tree
-        return SageState(start_tree=(tree.depth, tree.top_k, tree.budget), max_depth=self.depth_max)
+        max_depth = self.depth_max
+        if carried and carried.get("sage_requests", 0.0) > 0:
+            mean = carried.get("sage_max_depth", 0.0) / carried["sage_requests"]
+            max_depth = clamp(round_half_up(mean), self.depth_min, self.depth_ceiling)
+        return SageState(start_tree=(tree.depth, tree.top_k, tree.budget), max_depth=max_depth)
+
+    def counts(self, state: SageState) -> dict[str, int]:
+        """The D_max the request's history settled at, once it drafted."""
+        return {"sage_requests": 1, "sage_max_depth": state.max_depth} if state.accepted else {}
 
     def update(self, state: SageState, outcome: TreeOutcome) -> SageState:
         confidence = state.confidence

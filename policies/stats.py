@@ -26,7 +26,11 @@ spec-decode counters where one exists:
                       several times a plain step in a batch of 16, so the best window depends on
                       the load a request starts under (acceptance does not, and is not split)
     tree_<d>x<k>_steps, _emitted, _us   drafting steps that asked a tree of depth d and top-k k, the
-                      tokens they emitted and their draft + verify time (which shape pays, measured)
+                      tokens they emitted and their draft + verify time (which shape pays, measured);
+                      again per load bucket as load_<L>_tree_<d>x<k>_* (a wide tree that pays alone
+                      costs a batch's forward more)
+    q_*, sage_*, adt_*, eagle2_*   the learned state finished requests carry to new ones
+                      (``carry.py``: the rules' ``counts``), added when a request finishes
 
 The collector's buffer is bounded: counts of one key only grow in value, and the number of time
 windows it holds is capped (the oldest merge into the next), so a long Redis outage costs time
@@ -42,6 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from specserve.replicas.request import SpecRequest
 from specserve.replicas.step import StepRecord
 
 # Prompt-length buckets (tokens): acceptance differs by task, and length is what every replica
@@ -64,11 +69,22 @@ def load_bucket(batch_size: int) -> str:
 LOAD_BUCKETS = tuple([f"b{e}" for e in LOAD_EDGES] + [f"b{LOAD_EDGES[-1]}+"])
 
 
-def task_bucket(prompt_tokens: int) -> str:
+# A grammar-constrained request's bucket carries this suffix: under a grammar a draft is accepted
+# differently (the grammar's forced tokens are not counted as drafted), so its priors are its own.
+CONSTRAINED = "-grammar"
+
+
+def task_bucket(prompt_tokens: int, constrained: bool = False) -> str:
+    suffix = CONSTRAINED if constrained else ""
     for edge in BUCKET_EDGES:
         if prompt_tokens <= edge:
-            return f"p{edge}"
-    return f"p{BUCKET_EDGES[-1]}+"
+            return f"p{edge}{suffix}"
+    return f"p{BUCKET_EDGES[-1]}+{suffix}"
+
+
+def request_bucket(request: SpecRequest) -> str:
+    """The task bucket a request is counted and warm-started under."""
+    return task_bucket(len(request.prompt_ids), request.grammar is not None)
 
 
 @dataclass(frozen=True, order=True)
@@ -109,9 +125,10 @@ def counts_from_record(record: StepRecord) -> dict[str, Counter]:
             tree = step.asked.tree
             if tree is not None:
                 shape = f"tree_{tree.depth}x{tree.top_k}"
-                c[f"{shape}_steps"] += 1
-                c[f"{shape}_emitted"] += step.accepted + 1
-                c[f"{shape}_us"] += draft_us + verify_us
+                for prefix in ("", f"{load}_"):
+                    c[f"{prefix}{shape}_steps"] += 1
+                    c[f"{prefix}{shape}_emitted"] += step.accepted + 1
+                    c[f"{prefix}{shape}_us"] += draft_us + verify_us
         elif step.draft != "none":
             c["plain_steps"] += 1
     return out
@@ -135,11 +152,16 @@ class StatsCollector:
     def _window(self) -> int:
         return int(math.floor(self._clock() / self.window_s) * self.window_s)
 
-    def start(self, request_id: str, draft: str, prompt_tokens: int) -> None:
-        bucket = task_bucket(prompt_tokens)
+    def start(self, request_id: str, draft: str, bucket: str) -> None:
+        """A request of ``draft`` in ``bucket`` (``request_bucket``) starts."""
         with self._lock:
             self._requests[request_id] = (draft, bucket)
             self._add(StatsKey(self.target, draft, bucket, self._window()), Counter(requests=1))
+
+    def carry(self, draft: str, bucket: str, counts: dict[str, int]) -> None:
+        """A finished request's carried counts (``carry.CarriedSums``), under its draft and bucket."""
+        with self._lock:
+            self._add(StatsKey(self.target, draft, bucket, self._window()), Counter(counts))
 
     def finish(self, request_id: str) -> None:
         with self._lock:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
+from specserve.policies.carry import CarriedRule, CarriedSums
 from specserve.policies.verify_costs import VerifyCosts
 from specserve.replicas.request import NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.step import PLAIN, RequestStep, SpecStats, Speculation, StepRecord
@@ -181,6 +182,7 @@ class WindowPolicy:
         self.rng = rng if rng is not None else random.Random()
         self.costs = VerifyCosts()
         self.states: dict[str, Any] = {}          # request id -> the rule's state (JSON-serialisable)
+        self.carried = CarriedSums()               # what finished requests leave to new ones (carry.py)
         self._requests: dict[str, RequestState] = {}
         self._emitted_before: dict[str, int] = {}  # request id -> len(out) when its window was chosen
 
@@ -194,7 +196,8 @@ class WindowPolicy:
             return state.request.speculation
         current = self.states.get(state.id)
         if current is None:
-            current = self.rule.start(state.request)
+            current = (self.rule.start(state.request, self.carried.for_request(state.request))
+                       if isinstance(self.rule, CarriedRule) else self.rule.start(state.request))
         window, current = self.rule.decide(current, batch_size, self.rng)
         self.states[state.id] = current
         self._requests[state.id] = state
@@ -217,6 +220,8 @@ class WindowPolicy:
             outcome = WindowOutcome.of(record, step, emitted, table)
             self.states[step.request_id] = self.rule.update(self.states[step.request_id], outcome)
         for request_id in [i for i, request in self._requests.items() if request.done]:
+            if isinstance(self.rule, CarriedRule) and request_id in self.states:
+                self.carried.add(self._requests[request_id].request, self.rule.counts(self.states[request_id]))
             self.drop(request_id)
 
     def drop(self, request_id: str) -> None:

@@ -45,6 +45,7 @@ class GenerateRequest:
     params: SamplingParams = SamplingParams()
     chat: bool = True   # render the prompt with the model's chat template
     prior_alpha: float | None = None   # the cluster's α for the draft (a warm start: policies/priors.py)
+    prior_learned: dict | None = None  # the cluster's carried rule state ({"version", "sums"}: policies/carry.py)
     images: tuple = ()   # PIL images shown before the prompt (a VLM target)
 
 
@@ -274,7 +275,8 @@ class SpecEngine:
         placeholder = placeholder_for(self.images, prompt_ids)
         return SpecRequest(prompt_ids, request.max_tokens, request.params,
                            request.draft if speculating else NO_DRAFT, request.window, request.tree, uuid.uuid4().hex,
-                           prior_alpha=request.prior_alpha, image_placeholder=placeholder)
+                           prior_alpha=request.prior_alpha, prior_learned=request.prior_learned,
+                           image_placeholder=placeholder)
 
     def generate_ids(self, prompt_ids: list[int], request: GenerateRequest,
                      on_tokens: Callable[[list[int]], None] | None = None) -> Generation:

@@ -50,6 +50,9 @@ class SpecRequest:
     # The cluster's acceptance rate for this request's draft and task bucket (the policy service's
     # snapshot), which adaptive policies start from instead of cold; None: no prior.
     prior_alpha: float | None = None
+    # The cluster's carried rule state for this draft and task bucket: ``{"version": the snapshot's,
+    # "sums": counts}`` (``policies/carry.py``), which carrying rules start from; None: none.
+    prior_learned: dict | None = field(default=None, compare=False)
     # A served request's tokens go to the ingress in items of at least this many (the first and
     # the last excepted): every item is a message through Ray, which under load costs more than it
     # seems (vLLM's ``--stream-interval``, in tokens). 1: every step's tokens as they come.

@@ -191,7 +191,7 @@ class StepLoop:
 
     async def _price_remote(self, name: str, info: dict) -> None:
         """A draft deployment's costs, from its own probe and a measured handle call: until a
-        step uses it, nothing here measures it, and an unpriced draft is never routed."""
+        step uses it, nothing here measures it, and an unpriced draft is routed only to explore it."""
         try:
             ms = float(info.get("ms_per_position"))
             if not 0.0 <= ms < 1e4:
@@ -200,7 +200,7 @@ class StepLoop:
         except (TypeError, ValueError) as err:
             logger.info("draft %s reports no usable cost (%s)", name, err)
             return
-        except Exception as err:  # noqa: BLE001 - an unpriced draft is only not routed
+        except Exception as err:  # noqa: BLE001 - an unpriced draft is only explored, never predicted
             logger.warning("draft %s: its round trip could not be measured (%s: %s)", name, type(err).__name__, err)
             return
         self.draft_costs[name] = {"ms_per_position": round(ms, 3), "round_trip_ms": round(round_trip, 3)}

@@ -115,6 +115,10 @@ class ServedPolicy(Policy, Protocol):
         """The replica's costs measured at start (``cost_probe``), for the policies that price steps:
         batch-1 verify points, drafts' ms per position, and ``loaded``: (batch size, verify points) pairs."""
 
+    def carry_into(self, sink: Callable[[str, str, dict[str, int]], None]) -> None:
+        """Where finished requests' carried rule state goes besides the policy's own sums:
+        (draft, task bucket, counts) to the replica's statistics, on their way to Redis."""
+
 
 def merged(item: StreamItem, queue: asyncio.Queue) -> StreamItem:
     """``item`` and the items queued behind it as one: each item the replica yields is a message
@@ -178,6 +182,8 @@ class TargetDeployment:
         self.stats_name = config.stats_name or Path(config.model).name.removesuffix(".gguf")
         self.routing = None if router is None else router(self.stats_name, list(drafts), self.tokenizer)
         self.learning = learning(self.stats_name) if learning is not None else None
+        if self.learning is not None:
+            policy.carry_into(self.learning.carry)
         self._priors: dict[str, dict] = {}   # request id -> the warm start a routed request began from
         self.scheduler = Scheduler(
             target, policy, self.loaded.eos_token_ids, prefill_chunk=config.prefill_chunk,
@@ -375,9 +381,9 @@ class TargetDeployment:
                 probe = (draft_ms_per_position, draft.propose_now, target.vocab, draft.features_size)
                 # A draft on its own thread is timed there, with that thread's count.
                 drafts[name] = probe[0](*probe[1:]) if draft.worker is self._worker else draft.worker.call(*probe)
-            except Exception as err:  # noqa: BLE001 - an unmeasured draft is only unpriced (the router skips it)
-                logger.warning("draft %s: its cost could not be measured (%s: %s); the router will not choose it "
-                               "until a request that names it measures it", name, type(err).__name__, err)
+            except Exception as err:  # noqa: BLE001 - an unmeasured draft is only unpriced (the router only explores it)
+                logger.warning("draft %s: its cost could not be measured (%s: %s); the router tries it only to explore it "
+                               "until a request that drafts with it measures it", name, type(err).__name__, err)
         # The loaded probe takes the last slots (free at start); a replica with too few skips it.
         loaded = () if target.slots < LOADED_BATCH + 1 else loaded_verify_points(
             target, list(range(target.slots - LOADED_BATCH, target.slots)))

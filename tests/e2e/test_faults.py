@@ -323,6 +323,61 @@ GARBAGE = {
 }
 
 
+def openai_client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=served.http_url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def test_a_tree_rules_state_flows_through_redis_to_every_replica(served, engine):
+    """adt-tree requests leave where their walks ended; the counts reach Redis and the policy
+    service's snapshot (a prior's `learned`), and each of the two target replicas starts new tree
+    requests of that draft and bucket from the cluster's sums."""
+    from collections import Counter
+
+    from counters import counts
+    from specserve.policies.redis_stats import RedisStats
+    from specserve.policies.stats import StatsKey, task_bucket
+
+    client, spec = openai_client(served), {"draft": "prompt-lookup", "policy": "adt-tree"}
+
+    def tree_request(prompt, salt):   # salted apart: no prefix affinity, the least loaded replica takes each
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"spec": spec, "cache_salt": salt}).model_extra["spec"]
+
+    walks = [tree_request(prompt, f"walk-{i}") for i, prompt in enumerate(PROMPTS)]
+    assert all(s["policy"] == "adt-tree" and s["trees"] for s in walks), walks
+
+    def prior_of(bucket):
+        body = httpx.get(served.http_url + "/v1/policy", headers=headers(), timeout=30).json()
+        return next((p for p in (body["snapshot"] or {}).get("priors", [])
+                     if p["draft"] == "prompt-lookup" and p["bucket"] == bucket), {})
+
+    # Replica -> Redis -> policy service: the walks' end states are in the pooled prior (decayed a little).
+    pooled = wait_until(lambda: prior_of("all"), lambda p: p.get("learned", {}).get("adt_requests", 0) >= 0.9 * len(PROMPTS),
+                        timeout=90, interval=1)
+    assert pooled.get("learned", {}).get("adt_requests", 0) >= 0.9 * len(PROMPTS), pooled
+    # Another replica's counts, written as a replica flushes them and heavy enough to set the mean:
+    # walks that ended at depth 7, top-k 5.
+    bucket = task_bucket(len(engine.encode(PROMPTS[0])))
+    elsewhere = counts(600, 200, window=4) + Counter(adt_requests=10_000, adt_depth=70_000, adt_top_k=50_000)
+    key = StatsKey(pooled["target"], "prompt-lookup", bucket, int(time.time()) // 60 * 60)
+    assert RedisStats(served.redis_url, "specserve").flush("another-replica", 1, {key: elsewhere})
+    wait_until(lambda: prior_of(bucket), lambda p: p.get("learned", {}).get("adt_requests", 0) > 9000,
+               timeout=60, interval=1)
+    # Policy service -> every replica: each one's next adt-tree request starts there.
+    started: dict[str, list] = {}
+    deadline, sent = time.monotonic() + 120, 0
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        while len(started) < 2 and time.monotonic() < deadline:
+            for s in pool.map(lambda i: tree_request(PROMPTS[0], f"tree-{i}"), range(sent, sent + 4)):
+                if s.get("prior") and s["trees"][0][:2] == [7, 5]:
+                    started.setdefault(s["replica"], s["trees"][0])
+            sent += 4
+    assert len(started) == 2, f"adt-tree requests started from the cluster's sums on {sorted(started)} only"
+
+
 def test_garbage_in_every_redis_key_family_costs_no_request_and_publishing_resumes(served):
     import redis as redis_client
 

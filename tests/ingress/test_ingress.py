@@ -30,7 +30,7 @@ from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress.deployment import Ingress
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import SpecRequest, StepError, StreamItem
-from specserve.replicas.step import TokenLogprob
+from specserve.replicas.step import TokenLogprob, TreeShape
 from specserve.replicas.vlm import TargetText
 from scripted_target import HANG, SPEC, Clock, GrpcContext, Letters, Replicas, busy, collect, prepared, streams
 
@@ -218,6 +218,37 @@ def test_a_grpc_stream_busy_before_its_first_piece_is_unavailable_with_a_retry_a
     assert context.code == grpc.StatusCode.UNAVAILABLE and context.metadata == [("retry-after", "7")]
 
 
+# ---- GET /v1/policy: whether the replicas learn together -------------------------------------------
+
+
+class Answers:
+    """A handle method that answers ``value`` at once."""
+
+    def __init__(self, value):
+        self.value = value
+
+    async def remote(self):
+        return self.value
+
+
+class PolicyService:
+    snapshot = Answers({"version": 3, "priors": []})
+    status = Answers({"redis_error": None, "interval_s": 10})
+
+
+def test_v1_policy_says_plainly_whether_the_replicas_learn_together():
+    from specserve.cluster.config import REDIS_URL_ENV
+
+    target_streams = streams(Replicas())
+    # No Redis, so no policy service: a body (the route's 200) that says so and what to set.
+    alone = asyncio.run(HttpFace(target_streams.config, None, target_streams, Replicas()).policy_snapshot())
+    assert alone["cluster_learning"].startswith("off: no redis_url configured; each replica learns alone")
+    assert REDIS_URL_ENV in alone["cluster_learning"] and alone["snapshot"] is None
+    together = asyncio.run(HttpFace(target_streams.config, None, target_streams, Replicas(),
+                                    PolicyService()).policy_snapshot())
+    assert together["cluster_learning"] == "on" and together["snapshot"]["version"] == 3
+
+
 # ---- the HTTP face's own errors in OpenAI's body ------------------------------------------------
 
 
@@ -285,6 +316,21 @@ def test_a_requests_tokenizing_runs_off_the_event_loop():
     loop_thread, out = asyncio.run(prepare())
     assert len(out.spec_request.prompt_ids) == 1 << 20
     assert tokenizer.threads and loop_thread not in tokenizer.threads
+
+
+def test_a_request_under_a_tree_policy_gets_an_unpinned_default_tree_unless_it_names_its_speculation():
+    prep = preparer(Tokenizer())
+
+    def spec_request(spec):
+        return asyncio.run(prep.prepare(CompletionRequest.model_validate(
+            {"model": "m", "prompt": "hi", "max_tokens": 4, "spec": spec}))).spec_request
+
+    adapted = spec_request({"policy": "adt-tree"})
+    assert (adapted.tree, adapted.pinned, adapted.policy) == (TreeShape(4, 2, 8), False, "adt-tree")
+    assert spec_request({"policy": "online"}).tree is None                       # a window policy: a chain
+    assert spec_request({"policy": "sage", "window": 3}).tree is None            # a window named: a pinned chain
+    named = spec_request({"policy": "sage", "tree": {"depth": 2, "top_k": 2, "budget": 4}})
+    assert (named.tree, named.pinned) == (TreeShape(2, 2, 4), True)
 
 
 def test_sampling_controls_reach_the_replica_with_their_token_ids_checked():

@@ -96,7 +96,7 @@ def test_windows_are_best_per_load_and_warm_starts_pick_the_load_they_start_unde
     from specserve.replicas.step import RequestStep, Speculation, StepRecord
 
     collector = StatsCollector("t")
-    collector.start("r", "pl", 10)
+    collector.start("r", "pl", "p64")
     for gamma in (1, 2, 4, 8):
         for _ in range(30):
             # α ≈ 0.8: the chain breaks after 0.8 / 0.2 accepted tokens on average
@@ -109,15 +109,15 @@ def test_windows_are_best_per_load_and_warm_starts_pick_the_load_they_start_unde
     prior = find_prior(snapshot, "t", "pl", "p64")
     by_load = prior["best_window_by_load"]
     assert set(by_load) == {"b1", "b8+"} and by_load["b1"] == 8 and by_load["b8+"] < 4
-    idle, busy = (warm_start(snapshot, "t", "pl", 10, batch_size=b) for b in (1, 16))
+    idle, busy = (warm_start(snapshot, "t", "pl", "p64", batch_size=b) for b in (1, 16))
     assert (idle["load"], idle["window"]) == ("b1", 8) and (busy["load"], busy["window"]) == ("b8+", by_load["b8+"])
     # A load never measured takes the nearest one measured (b4 -> b1, b8 -> b8+).
-    assert warm_start(snapshot, "t", "pl", 10, batch_size=3)["load"] == "b1"
-    assert warm_start(snapshot, "t", "pl", 10, batch_size=7)["load"] == "b8+"
+    assert warm_start(snapshot, "t", "pl", "p64", batch_size=3)["load"] == "b1"
+    assert warm_start(snapshot, "t", "pl", "p64", batch_size=7)["load"] == "b8+"
     # A snapshot from before load buckets: the pooled window, no load.
     old = {**snapshot, "priors": [{k: v for k, v in p.items() if k not in ("best_window_by_load", "costs_by_load")}
                                   for p in snapshot["priors"]]}
-    start = warm_start(old, "t", "pl", 10, batch_size=16)
+    start = warm_start(old, "t", "pl", "p64", batch_size=16)
     assert start["load"] is None and start["window"] == max(1, prior["best_window"])
 
 
@@ -129,10 +129,10 @@ def test_a_load_this_task_never_saw_is_priced_with_the_pooled_costs_of_that_load
         {"target": "t", "draft": "pl", "bucket": "p256", "alpha": 0.9, "best_window": 2, "best_window_by_load": {"b8+": 1}},
         {"target": "t", "draft": "pl", "bucket": "all", "alpha": 0.4, "best_window": 2, "best_window_by_load": {"b1": 3},
          "costs_by_load": {"b1": flat}}]}
-    start = warm_start(snapshot, "t", "pl", 200, batch_size=1)
+    start = warm_start(snapshot, "t", "pl", "p256", batch_size=1)
     # The task's α (0.9, not the pool's 0.4) on the idle replica's flat verify cost, extended past
     # the largest window measured because two windows gave the slope.
     assert (start["load"], start["window"]) == ("b1", 8)
     one_window = {**flat, "windows": [4]}
     snapshot["priors"][1]["costs_by_load"]["b1"] = one_window
-    assert warm_start(snapshot, "t", "pl", 200, batch_size=1)["window"] == 4   # no slope: no further than measured
+    assert warm_start(snapshot, "t", "pl", "p256", batch_size=1)["window"] == 4   # no slope: no further than measured

@@ -76,6 +76,8 @@ BAD_SNAPSHOTS = {
     "alpha above 1": ("schema", None),
     "a window of 40000": ("schema", None),
     "an empty costs window list": ("schema", None),
+    "a carried sum of another name": ("schema", None),
+    "a negative carried sum": ("schema", None),
 }
 
 
@@ -87,6 +89,10 @@ def bad_prior_snapshot(case: str, good: dict) -> str:
         prior["alpha"] = 1.5
     elif case == "a window of 40000":
         prior["best_window"] = 40000
+    elif case == "a carried sum of another name":
+        prior["learned"] = {"q_n_99_0": 1.0}   # a Q-table entry beyond any window
+    elif case == "a negative carried sum":
+        prior["learned"] = {"adt_requests": 1.0, "adt_depth": -50.0}
     else:   # window_for takes the max of the windows measured
         prior["costs_by_load"] = {"b1": {"draft_ms_per_token": 1.0, "verify_ms": [10.0, 0.0], "windows": []}}
     return json.dumps(doc)
@@ -102,7 +108,7 @@ def test_a_bad_snapshot_is_skipped_and_counted_and_the_replica_keeps_the_last_go
     raw.set(store.snapshot_key, value if value is not None else bad_prior_snapshot(case, good))
     with Rejected() as rejected:
         assert cache.refresh()["version"] == good["version"]
-        assert warm_start(cache.current(), "t", "pl", 10)["window"] == 6
+        assert warm_start(cache.current(), "t", "pl", "p64")["window"] == 6
         assert store.read_snapshot() is None
     assert rejected[("policy_snapshot", reason)] == 2
 

@@ -14,7 +14,7 @@ from specserve.cluster.redis_server import RedisServer, free_port, ping, redis_s
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.redis_stats import RedisStats
 from specserve.policies.snapshot_cache import SnapshotCache
-from specserve.policies.stats import StatsCollector, StatsKey
+from specserve.policies.stats import StatsCollector, StatsKey, task_bucket
 from specserve.policies.stats_exporter import RedisExporter
 from conftest import wait_until
 from test_stats import Clock, record, step
@@ -36,7 +36,7 @@ def kill(server: RedisServer) -> None:
 
 def collector_with_steps(target="t", draft="pl", steps=30, accepted=3, window=4, prompt=10, request="r"):
     c = StatsCollector(target)
-    c.start(request, draft, prompt)
+    c.start(request, draft, task_bucket(prompt))
     for _ in range(steps):
         c.observe(record(step(request, draft, proposed=window, accepted=accepted, max_depth=window)))
     return c

@@ -37,8 +37,13 @@ def test_a_new_request_starts_from_the_snapshot_unless_pinned(server):
     learning.snapshots.refresh()
     warm, prior = learning.start(request())
     assert (warm.window, warm.prior_alpha) == (6, prior["alpha"]) and prior["version"] == 1
-    for cold in (request(pinned=True), request(tree=TreeShape(3, 2, 6)), request(window=0, draft="none")):
+    for cold in (request(pinned=True), request(window=0, draft="none")):
         assert learning.start(cold) == (cold, None)
+    # An unpinned tree request takes the draft's α and carried sums; its shape too once a tree
+    # was measured (none here), its window never.
+    tree, prior = learning.start(request(tree=TreeShape(3, 2, 6)))
+    assert (tree.tree, tree.window, tree.prior_alpha) == (TreeShape(3, 2, 6), 4, prior["alpha"])
+    assert tree.prior_learned == {"version": 1, "sums": {}} and prior["tree"] is None
 
 
 def test_the_observers_count_the_replicas_requests():

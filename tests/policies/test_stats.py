@@ -1,8 +1,12 @@
 """The replica-local statistics collector: integer counts per (target, draft, bucket, window)."""
 
 from collections import Counter
+from dataclasses import replace
 
-from specserve.policies.stats import StatsCollector, StatsKey, counts_from_record, load_bucket, task_bucket
+from specserve.policies.stats import (StatsCollector, StatsKey, counts_from_record, load_bucket, request_bucket,
+                                      task_bucket)
+from specserve.replicas.request import SpecRequest
+from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
 
 
@@ -38,8 +42,8 @@ def test_counts_of_one_step_follow_eq2_and_vllm_names():
 def test_collector_sums_per_key_and_drain_empties_it():
     clock = Clock(1000.0)
     c = StatsCollector("t", window_s=60, clock=clock)
-    c.start("a", "pl", prompt_tokens=10)
-    c.start("b", "pl", prompt_tokens=300)
+    c.start("a", "pl", task_bucket(10))
+    c.start("b", "pl", task_bucket(300))
     c.observe(record(step("a", accepted=1), step("b", accepted=3)))
     c.observe(record(step("a", accepted=4)))
     c.observe(record(step("ghost", accepted=4)))   # unknown request: not counted
@@ -54,7 +58,7 @@ def test_collector_sums_per_key_and_drain_empties_it():
 def test_buffer_is_bounded_in_windows_and_keeps_every_count():
     clock = Clock(0.0)
     c = StatsCollector("t", window_s=10, max_windows=3, clock=clock)
-    c.start("a", "pl", 10)
+    c.start("a", "pl", task_bucket(10))
     for i in range(10):              # ten windows of one step each
         clock.t = 10.0 * i
         c.observe(record(step("a", accepted=1)))
@@ -65,6 +69,10 @@ def test_buffer_is_bounded_in_windows_and_keeps_every_count():
 
 def test_task_buckets():
     assert [task_bucket(n) for n in (1, 64, 65, 256, 1024, 5000)] == ["p64", "p64", "p256", "p256", "p1024", "p1024+"]
+    # A grammar-constrained request's acceptance is its own: so are its priors.
+    assert task_bucket(100, constrained=True) == "p256-grammar"
+    constrained = SpecRequest([1] * 100, 8, SamplingParams(), "pl", 4, grammar='start: "a"')
+    assert request_bucket(constrained) == "p256-grammar" and request_bucket(replace(constrained, grammar=None)) == "p256"
 
 
 def test_a_tree_step_counts_its_shape():

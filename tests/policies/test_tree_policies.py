@@ -336,7 +336,7 @@ def test_tree_policy_adapts_only_unpinned_tree_requests_and_forgets_finished_one
     assert policy.choose(rs, 1) == Speculation(0, TreeShape(4, 4, 8))
     rs.advance(StepResult(8, 4, [0, 1, 2, 3], [5, 6, 7, 8, 9], 4))
     policy.observe(record(tstep(4, 4, nodes=8)))
-    assert policy.states["r"] == ADTState(5, 4, 8)      # α = 1: deeper, top-k at its floor
+    assert policy.states["r"] == ADTState(5, 4, 8, steps=1)   # α = 1: deeper, top-k at its floor
     assert policy.choose(rs, 1) == Speculation(0, TreeShape(5, 4, 8))
     rs.advance(StepResult(8, 0, [], [10], 5))           # 6 tokens: max_tokens reached
     policy.observe(record(tstep(0, 5, nodes=8)))
