@@ -13,13 +13,14 @@ Language Models" (Eq. 1) per draft d at window γ, for one request in a batch of
 and the plain candidate (no speculation) emits one token per ``c0 + c1·B`` ms. The router takes
 each draft at its best γ (``best``), as the per-step window policy will then adapt it.
 
-Nothing is priced with a placeholder. The replica measures the verify forward and each of its
-in-replica drafts before it serves (``replicas/cost_probe.py``, through ``seed_verify`` and
+Prediction is never priced with a placeholder. The replica measures the verify forward and each
+of its in-replica drafts before it serves (``replicas/cost_probe.py``, through ``seed_verify`` and
 ``seed``); the cluster's snapshot may seed a draft's cost too. A draft whose cost is still unknown
-(a separate deployment no request has drafted with here) is no candidate: ``best`` prices it at
-0 tokens/s, so "none" or a measured draft wins until a request that names it measures it. (An
-unknown draft priced at 0 ms, as "optimistic" exploration, won every first decision: 1996 tokens/s
-against 1000 for none, and sent requests to the costliest draft.)
+(a separate deployment with no probe that no request has drafted with here) is priced at 0
+tokens/s by ``best``, so prediction alone never chooses it. Exploration may try it, priced at
+``stand_in_ms``: the dearest known draft's cost, pessimistic, so that the exploration bonus must
+pay for the worst cost seen (priced at 0 ms instead, an unknown draft won every first decision);
+the steps it drafts then measure its own.
 
 Why a line per load bucket (``policies/load_lines.py``): one line through every batch size (and
 the start-up probe's batch-1 points) priced speculation at 16 at once at the batch-1 slope:
@@ -83,10 +84,19 @@ class StepCosts:
         c0, c1 = self.verify_model(batch_size)
         return window * draft_ms + c0 + c1 * max(1, batch_size) * (1 + window)
 
-    def best(self, alpha: float, draft: str, batch_size: int) -> tuple[float, int]:
-        """(tokens per second, γ) of ``draft`` at its best window for per-token acceptance α;
-        (0, 0) while its cost is unknown: no candidate."""
+    def stand_in_ms(self) -> float | None:
+        """What exploration prices a draft of unknown cost at: the dearest known draft's ms per
+        drafted position; None while no draft is priced (nothing to bound the guess by)."""
+        known = [ms for ms in map(self.draft_ms, {*self._draft, *self._seeded}) if ms is not None]
+        return max(known, default=None)
+
+    def best(self, alpha: float, draft: str, batch_size: int, unknown_ms: float | None = None) -> tuple[float, int]:
+        """(tokens per second, γ) of ``draft`` at its best window for per-token acceptance α.
+        While its cost is unknown it is priced at ``unknown_ms`` (exploration's ``stand_in_ms``),
+        or without one is (0, 0): no candidate."""
         a = self.draft_ms(draft)
+        if a is None:
+            a = unknown_ms
         if a is None:
             return 0.0, 0
         rates = [(1e3 * expected_emitted(alpha, g) / self.step_ms(a, g, batch_size), g)

@@ -15,10 +15,14 @@ Speculative Decoding in Large Language Models", with the costs measured on the r
 
 The exploration bonus ``β·w_d`` is LinUCB's (Li et al., 2010): only the chosen draft's α is ever
 observed, so a draft that looks worse now but is uncertain gets tried, and as observations of
-similar prompts accumulate its width shrinks and the choice becomes the predicted best. The
-reason recorded says which: ``predicted`` (the best prediction won), ``explore`` (the bonus
-changed the choice), ``no-gain`` (no draft beats plain decoding), ``pinned`` (the client named
-the draft: respected, and its α still teaches that draft's model).
+similar prompts accumulate its width shrinks and the choice becomes the predicted best. A draft
+whose cost is not measured yet is explored the same way, priced as the dearest known draft
+(``StepCosts.stand_in_ms``); prediction alone never chooses it, and with ``explore = 0`` nothing
+is explored. A draft that cannot propose now (``unavailable``) is never chosen. The reason
+recorded says which: ``predicted`` (the best prediction won), ``explore`` (the bonus, or the
+stand-in price of an unmeasured draft, changed the choice), ``no-gain`` (no draft beats plain
+decoding), ``pinned`` (the client named the draft: respected, and its α still teaches that
+draft's model).
 
 While the request runs, every ``revisit_every`` counted steps its realised α (the paper's Eq. 2
 over its steps with this draft, the prediction as ``prior_steps`` pseudo-steps) replaces the
@@ -97,8 +101,8 @@ class LearnedDraftRouter:
         # Who else learns from a finished request (metrics, the cluster's Redis stream).
         self.on_outcome: list[Callable[[dict], None]] = []
         # Drafts that cannot propose now (a deployment down, or late with a call still running),
-        # set by the step loop before each step: priced at 0 tokens/s, so none is chosen, and a
-        # request on one moves at its next revisit.
+        # set by the step loop before each step: priced at 0 tokens/s with and without the
+        # exploration bonus, so none is chosen, and a request on one moves at its next revisit.
         self.unavailable: frozenset[str] = frozenset()
 
     # ---- the decision ------------------------------------------------------------------------
@@ -109,13 +113,16 @@ class LearnedDraftRouter:
 
     def scores(self, x: Sequence[float], batch_size: int) -> dict[str, dict]:
         """Per candidate: predicted α, its width, and tokens/s at the best window with and
-        without the exploration bonus."""
+        without the exploration bonus (a draft of unknown cost: 0 without it)."""
         out = {}
+        # Pessimistic, so an unmeasured draft is tried only where its bonus pays for the worst
+        # cost seen; without exploration there is nothing to try it for.
+        stand_in = self.costs.stand_in_ms() if self.explore > 0 else None
         for draft, model in self.models.items():
             alpha, width = model.predict(x), model.width(x)
             optimistic = self._optimistic(alpha, width)
             tps, window = self.costs.best(alpha, draft, batch_size)
-            ucb = self.costs.best(optimistic, draft, batch_size)[0]
+            ucb = self.costs.best(optimistic, draft, batch_size, unknown_ms=stand_in)[0]
             if draft in self.unavailable:
                 tps = ucb = 0.0
             out[draft] = {"alpha": round(alpha, 4), "width": round(width, 4), "window": window,

@@ -59,6 +59,20 @@ def test_an_unpriced_draft_is_no_candidate_and_the_probe_seeds_the_verify_line()
     assert costs.best(0.95, "unmeasured", 1)[0] > costs.plain(1)
 
 
+def test_exploration_prices_an_unmeasured_draft_at_the_dearest_known_cost():
+    costs = StepCosts()
+    costs.seed_verify([(1, 21.0), (5, 25.0)])
+    assert costs.stand_in_ms() is None   # no draft priced: nothing to bound a guess by
+    costs.seed("cheap", 0.1)
+    costs.observe(record(9, 29.0, [("dear", 4)], [("dear", 12.0)]))   # measured: 3 ms per position
+    assert costs.stand_in_ms() == pytest.approx(3.0)
+    # Unmeasured, priced as the dearest draft; without the stand-in, still no candidate.
+    assert costs.best(0.8, "unmeasured", 1, unknown_ms=costs.stand_in_ms()) == costs.best(0.8, "dear", 1)
+    assert costs.best(0.8, "unmeasured", 1) == (0.0, 0)
+    # A measured draft keeps its own cost whatever the stand-in.
+    assert costs.best(0.8, "cheap", 1, unknown_ms=50.0) == costs.best(0.8, "cheap", 1)
+
+
 def test_the_loaded_probe_prices_a_burst_before_any_loaded_step():
     """Seeded with the start-up probe's loaded points, the first requests of a burst are priced at
     their load, not at the batch-1 line (under which drafting looked worth it)."""
