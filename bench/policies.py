@@ -8,9 +8,10 @@ alike. Four sections:
 - ``window`` (one stream, ``max_tokens``): ``static-1`` .. ``static-8`` (the static policy, that
   window every step); ``oracle-static``, per request the static window that was fastest on it,
   found after the fact (so no static row can beat it on any request); and every window policy the
-  registry lists (``online``, ``fsm``, ``cache-fsm``, ``q-learning``, ``hf-heuristic``), each an
-  object from ``build_policy(name)``, fresh per (policy, category) row and kept across that row's
-  requests as a replica keeps it. Requests start at the deployment's default window and are not
+  registry lists (``online``, ``fsm``, ``cache-fsm``, ``q-learning``, ``q-learning-per-request``,
+  ``hf-heuristic``), each an object from ``build_policy(name)``, fresh per (policy, category) row
+  and kept across that row's requests as a replica keeps it: ``q-learning`` carries its table from
+  request to request (the paper's agent), ``q-learning-per-request`` starts each from a fresh one. Requests start at the deployment's default window and are not
   pinned, so the adaptive policies adapt them.
 - ``tree`` (one stream, ``max_tokens``): ``static-tree`` (depth 4, top-2, 8 nodes: the shape every
   tree policy starts from; the registry's ``static-tree`` when registered, else the static policy),
@@ -22,8 +23,11 @@ alike. Four sections:
   default window; ``warm``, the same from the window the cluster snapshot's prior gives the
   request (``start_window``, the hook, mirrors the target replica's warm start); and
   ``static-1`` .. ``static-8`` with their ``oracle-static`` on the same short requests: the gap
-  that warm start should close. ``warm`` rows need ``--snapshot``, or ``--learn-snapshot N``:
-  one learned in-process from N other prompts (``learn_snapshot``).
+  that warm start should close. ``cold-tree`` and ``warm-tree``: a tree request of the tree
+  start policy (``adt-tree`` unless ``--tree-start-policy``) from the start tree, or from the tree
+  shape and the rule's carried state the snapshot's prior gives it, a fresh policy per request.
+  ``warm`` rows need ``--snapshot``, or ``--learn-snapshot N``: one learned in-process from N
+  other prompts (``learn_snapshot``; with ``warm-tree``, decoded as trees too).
 In ``window``, ``tree`` and ``start`` every row of one length decodes the prompt side by side
 with the others, their steps taking turns in one thread (``SpecEngine.generate_side_by_side``), each
 row's time the sum of its own steps: rows measured minutes apart on these shared machines differ by
@@ -56,12 +60,13 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specserve.bench.engine import ALL, ZOO_TREE, machine_info
 from specserve.cluster.config import AppConfig
 from specserve.data.prompts import CATEGORIES, check_categories, load_prompts
+from specserve.policies.stats import request_bucket, task_bucket
 from specserve.replicas.step import TreeShape
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
 
@@ -71,6 +76,9 @@ STATIC_TREE = "static-tree"
 TARGET_ONLY = "target-only"
 LOAD_AWARE = "load-aware"
 COLD, WARM = "cold", "warm"
+# The same for a tree request: its shape and its rule's carried state from the snapshot, or not.
+COLD_TREE, WARM_TREE = "cold-tree", "warm-tree"
+TREE_START_POLICY = "adt-tree"
 SECTIONS = ("window", "tree", "start", "load")
 # The window of a request that names none (the deployment's default): where every adaptive window
 # policy and the cold start begin.
@@ -95,7 +103,7 @@ LEARN_LEVELS = (1, 4)
 LEARN_POLICY = "online"
 WARMUP_TOKENS = 16
 # The policies the benchmark has rows for: the ones the registry lacks are reported absent, not failed.
-WINDOW_POLICIES_EXPECTED = ("online", "fsm", "cache-fsm", "q-learning", "hf-heuristic")
+WINDOW_POLICIES_EXPECTED = ("online", "fsm", "cache-fsm", "q-learning", "q-learning-per-request", "hf-heuristic")
 TREE_POLICIES_EXPECTED = (STATIC_TREE, "sage", "adt-tree", "eagle2-depth")
 # Registry names that are not rows of the window or tree sections: measured as static-k rows, or
 # in the load section.
@@ -155,7 +163,8 @@ def build_policy(name: str | None):
 
 
 def plan_rows(selected: Sequence[str] | None, window_policies: Sequence[str], tree_policies: Sequence[str],
-              trees_ok: bool, snapshot_given: bool, start_policy: str) -> tuple[list[Row], list[str]]:
+              trees_ok: bool, snapshot_given: bool, start_policy: str,
+              tree_start_policy: str = TREE_START_POLICY) -> tuple[list[Row], list[str]]:
     """The rows of a run, in canonical order (``oracle-static`` is derived, not a row run), and
     the notes on what is absent and why. ``selected`` (``--policies``) picks by row name; picking
     ``oracle-static`` runs every static window it needs, picking ``cold`` or ``warm`` runs the short
@@ -169,6 +178,8 @@ def plan_rows(selected: Sequence[str] | None, window_policies: Sequence[str], tr
     short_static = [Row(r.name, "start", window=r.window) for r in static]
     starts = [Row(COLD, "start", policy=start_policy, window=START_WINDOW, start_hook=True),
               Row(WARM, "start", policy=start_policy, window=START_WINDOW, start_hook=True)]
+    tree_starts = [Row(COLD_TREE, "start", policy=tree_start_policy, tree=START_TREE, start_hook=True),
+                   Row(WARM_TREE, "start", policy=tree_start_policy, tree=START_TREE, start_hook=True)]
     load = [Row(LOAD_AWARE, "load", policy=LOAD_AWARE, window=START_WINDOW), Row(TARGET_ONLY, "load", speculate=False)]
 
     registered = {*window_policies, *tree_policies}
@@ -179,12 +190,12 @@ def plan_rows(selected: Sequence[str] | None, window_policies: Sequence[str], tr
         notes.append(f"{STATIC_TREE!r} is not registered: its row is the static policy on the request's tree "
                      f"(depth {START_TREE.depth}, top-{START_TREE.top_k}, {START_TREE.budget} nodes)")
 
-    known = {r.name for r in [*static, *windows, *trees, *starts, *load]} | {ORACLE} | set(expected)
+    known = {r.name for r in [*static, *windows, *trees, *starts, *tree_starts, *load]} | {ORACLE} | set(expected)
     wanted = known if selected is None else {n.strip() for n in selected if n.strip()}
     unknown = wanted - known
     if unknown:
         raise ValueError(f"unknown policy row(s) {', '.join(sorted(unknown))}; choose from "
-                         f"{', '.join(r.name for r in [*static, *windows, *trees, *starts, *load])}, {ORACLE}"
+                         f"{', '.join(r.name for r in [*static, *windows, *trees, *starts, *tree_starts, *load])}, {ORACLE}"
                          f" (not registered yet: {', '.join(n for n in expected if n not in registered) or 'none'})")
 
     rows = [r for r in static if r.name in wanted or ORACLE in wanted]
@@ -203,6 +214,12 @@ def plan_rows(selected: Sequence[str] | None, window_policies: Sequence[str], tr
         else:
             notes.append("warm: no --snapshot given, so no warm rows (give a policy snapshot: `GET /v1/policy`'s "
                          "body or the snapshot document itself)")
+    if {COLD_TREE, WARM_TREE} & wanted and trees_ok:
+        rows.append(tree_starts[0])
+        if snapshot_given:
+            rows.append(tree_starts[1])
+        elif WARM_TREE in wanted and selected is not None:
+            notes.append("warm-tree: no --snapshot given, so no warm-tree row")
     if LOAD_AWARE in wanted:
         rows += load   # load-aware's ratio needs target-only beside it
     elif TARGET_ONLY in wanted:
@@ -237,7 +254,7 @@ def start_window(prompt_ids: Sequence[int], draft: str, target: str, snapshot: d
     the target replica's own rule (``policies.priors.warm_start``), else the deployment's default."""
     from specserve.policies.priors import warm_start
 
-    start = warm_start(snapshot, target, draft, len(prompt_ids), batch_size=1)   # one request at a time
+    start = warm_start(snapshot, target, draft, task_bucket(len(prompt_ids)), batch_size=1)   # one request at a time
     return (default_window, None) if start is None else (start["window"], start)
 
 
@@ -252,7 +269,7 @@ class Collecting:
     def choose(self, state, batch_size: int):
         if state.id not in self._started:
             self._started.add(state.id)
-            self.collector.start(state.id, state.request.draft, len(state.request.prompt_ids))
+            self.collector.start(state.id, state.request.draft, request_bucket(state.request))
         return self.policy.choose(state, batch_size)
 
     def observe(self, record) -> None:
@@ -261,19 +278,28 @@ class Collecting:
 
 
 def learn_snapshot(engine: SpecEngine, draft: str, prompts: list[list[int]], policy: str,
-                   max_tokens: int = LEARN_TOKENS, levels: Sequence[int] = LEARN_LEVELS) -> dict:
+                   max_tokens: int = LEARN_TOKENS, levels: Sequence[int] = LEARN_LEVELS,
+                   tree_policy: str | None = None) -> dict:
     """A snapshot learned in-process from ``prompts`` (none of the measured ones): they are decoded
-    with ``policy`` from the default window at each of ``levels`` requests at once, counted by a
-    replica's ``StatsCollector`` and priced by the policy service's ``compute_snapshot``: the
-    counters and the maths of the cluster's snapshot, without Redis or a cluster."""
+    with ``policy`` from the default window at each of ``levels`` requests at once, and with
+    ``tree_policy`` (when given) from the start tree, counted by a replica's ``StatsCollector``
+    (the tree rule's carried state too, as a replica counts it) and priced by the policy service's
+    ``compute_snapshot``: the counters and the maths of the cluster's snapshot, without Redis or a
+    cluster."""
+    from specserve.policies.per_request import Carries
     from specserve.policies.priors import compute_snapshot
     from specserve.policies.stats import StatsCollector
 
     collector = StatsCollector(engine.loaded.name)
-    for c in levels:
-        engine.reset_caches()
-        requests = [GenerateRequest("", max_tokens, draft, START_WINDOW) for _ in prompts]
-        engine.generate_batch_ids(prompts, requests, policy=Collecting(build_policy(policy), collector), max_running=c)
+    runs = [(policy, START_WINDOW, None)] + ([(tree_policy, 0, START_TREE)] if tree_policy else [])
+    for name, window, tree in runs:
+        for c in levels:
+            engine.reset_caches()
+            requests = [GenerateRequest("", max_tokens, draft, window, tree) for _ in prompts]
+            learner = build_policy(name)
+            if isinstance(learner, Carries):   # a rule whose state carries: counted as a replica counts it
+                learner.carried.sinks.append(collector.carry)
+            engine.generate_batch_ids(prompts, requests, policy=Collecting(learner, collector), max_running=c)
     return compute_snapshot(collector.drain())
 
 
@@ -294,7 +320,7 @@ class Sample:
     seconds: float
     steps: int                 # request-steps
     emitted: int
-    start_window: int | None = None   # cold / warm: where the request started ...
+    start_window: int | None = None   # cold / warm: where the request started (a tree's depth) ...
     prior: bool | None = None         # ... and whether from a prior of the snapshot
     chosen: str | None = None         # oracle-static: the static window it took
 
@@ -325,13 +351,18 @@ def row_request(run: Run, row: Row, prompt_ids: list[int], max_tokens: int) -> t
     adapt it), and for cold / warm rows (start window, whether a prior gave it)."""
     if not row.speculate:
         return GenerateRequest("", max_tokens, NO_DRAFT, 0), (None, None)
-    window, start, prior_alpha = row.window, (None, None), None
+    window, tree, start, prior_alpha, learned = row.window, row.tree, (None, None), None, None
     if row.start_hook:
-        snapshot = run.snapshot if row.name == WARM else None
-        window, prior = start_window(prompt_ids, run.draft, run.engine.loaded.name, snapshot)
-        start = (window, prior is not None)
-        prior_alpha = None if prior is None else prior["alpha"]
-    return GenerateRequest("", max_tokens, run.draft, window, row.tree, prior_alpha=prior_alpha), start
+        snapshot = run.snapshot if row.name in (WARM, WARM_TREE) else None
+        start_at, prior = start_window(prompt_ids, run.draft, run.engine.loaded.name, snapshot)
+        if prior is not None:
+            prior_alpha, learned = prior["alpha"], {"version": prior["version"], "sums": prior["learned"]}
+        if tree is None:
+            window = start_at
+        elif prior is not None and prior["tree"] is not None:   # the target replica's rule (ReplicaLearning.start)
+            tree = replace(tree, depth=prior["tree"][0], top_k=prior["tree"][1])
+        start = (window if tree is None else tree.depth, prior is not None)
+    return GenerateRequest("", max_tokens, run.draft, window, tree, prior_alpha=prior_alpha, prior_learned=learned), start
 
 
 def timed(run: Run, row: Row, prompts: list[list[int]], max_tokens: int, policy) -> tuple[list, float, list]:
@@ -366,8 +397,11 @@ def measure(run: Run, rows: list[Row], prompts: list[tuple[str, list[int]]], loa
             if bar is not None:
                 bar.set_postfix_str(f"{category} prompt {i + 1}, {len(mine)} rows side by side ({tokens} tokens)")
             asks = [row_request(run, row, ids, tokens) for row in mine]
+            # A tree start row's policy is fresh per request: its rule's carried state is then the
+            # snapshot's alone (warm-tree) or none (cold-tree), the start each row is about.
             out = run.engine.generate_side_by_side(
-                [ids], [([request], run.policy(row, category)) for row, (request, _) in zip(mine, asks)], max_running=1)
+                [ids], [([request], run.policy(row, f"{category}/{i}" if row.tree and row.start_hook else category))
+                        for row, (request, _) in zip(mine, asks)], max_running=1)
             for row, (_, start), ((gen,), seconds) in zip(mine, asks, out):
                 samples.append(Sample(row.name, row.section, category, i, tokens, 1, len(gen.token_ids), seconds,
                                       gen.stats.steps, gen.stats.emitted, *start))
@@ -481,7 +515,9 @@ def _totals(group: list[Sample]) -> tuple[int, float, int, int, int]:
 def aims(rows: list[dict], window_policies: Sequence[str], tree_policies: Sequence[str]) -> dict:
     """What the policies should reach, on the ``all`` rows: online at least as fast as the best
     static window and within 3% of the oracle, a tree policy at least as fast as the best static
-    tree, warm start closing half of cold start's gap to the oracle, and load-aware never slower
+    tree, warm start closing half of cold start's gap to the oracle, a tree request 5% faster
+    from the snapshot's tree prior than cold, Q-learning's table carried
+    across requests at least as fast as a fresh table per request, and load-aware never slower
     than target-only. A value is None where its rows were not run."""
     def tps(section: str, name: str, c: int = 1) -> float | None:
         return next((r["tokens_per_s"] for r in rows if r["section"] == section and r["category"] == ALL
@@ -495,6 +531,7 @@ def aims(rows: list[dict], window_policies: Sequence[str], tree_policies: Sequen
     static_trees = [v for v in (tps("tree", tree_name(s)) for s in STATIC_TREES) if v is not None]
     tree_adaptive = [v for v in (tps("tree", n) for n in tree_policies if n != STATIC_TREE) if v is not None]
     cold, warm, short_oracle = tps("start", COLD), tps("start", WARM), tps("start", ORACLE)
+    cold_tree, warm_tree = tps("start", COLD_TREE), tps("start", WARM_TREE)
     gap = (round((warm - cold) / (short_oracle - cold), 4)
            if None not in (cold, warm, short_oracle) and short_oracle != cold else None)
     load = [r["ratio"] for r in rows if r["section"] == "load" and r["policy"] == LOAD_AWARE and r["ratio"] is not None]
@@ -506,6 +543,8 @@ def aims(rows: list[dict], window_policies: Sequence[str], tree_policies: Sequen
         "online_vs_oracle": (ratio(online, oracle), 0.97),
         "best_tree_policy_vs_best_static_tree": (ratio(max(tree_adaptive, default=None), best_static_tree), 1.0),
         "warm_share_of_cold_to_oracle_gap_closed": (gap, 0.5),
+        "warm_tree_vs_cold_tree": (ratio(warm_tree, cold_tree), 1.05),
+        "q_learning_carried_vs_per_request": (ratio(tps("window", "q-learning"), tps("window", "q-learning-per-request")), 1.0),
         "load_aware_vs_target_only_lowest": (min(load, default=None), 1.0),
     }
     return {name: {"value": value, "aim": f">= {aim}", "met": None if value is None else value >= aim}
@@ -658,6 +697,10 @@ class PoliciesBenchConfig:
     learn_snapshot_requests: int = 0   # instead of ``snapshot``: learn one from this many other prompts
     learn_policy: str = LEARN_POLICY   # what those requests decode with: a snapshot prices only windows used
     start_policy: str | None = None    # of the cold and warm rows; None: the deployment default
+    tree_start_policy: str = TREE_START_POLICY   # of the cold-tree and warm-tree rows
+    # What the learning requests' trees decode with; None: the tree start policy. A snapshot
+    # prices only the tree shapes some request used: an adaptive rule tries many, a static one one.
+    learn_tree_policy: str | None = None
     dtype: str = "auto"                # bfloat16 where the CPU has it natively, else float32; every row the same
 
     def __post_init__(self) -> None:
@@ -692,13 +735,16 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
     learning = bool(learn_requests)
     draft_name, draft_models = resolve_draft(config.draft)
     window_policies, tree_policies, registered = registered_policies()
-    if start_policy not in registered:
-        raise ValueError(f"start policy {start_policy!r} is not registered; choose from {', '.join(sorted(registered))}")
+    learn_tree_policy = config.learn_tree_policy or config.tree_start_policy
+    for option, name in (("start policy", start_policy), ("tree start policy", config.tree_start_policy),
+                         ("--learn-tree-policy", learn_tree_policy)):
+        if name not in registered:
+            raise ValueError(f"{option} {name!r} is not registered; choose from {', '.join(sorted(registered))}")
     if config.learn_policy not in registered:
         raise ValueError(f"--learn-policy {config.learn_policy!r} is not registered; choose from "
                          f"{', '.join(sorted(registered))}")
     plan_rows(config.policies, window_policies, tree_policies, True, snapshot is not None or learning,
-              start_policy)   # names, before the load
+              start_policy, config.tree_start_policy)   # names, before the load
     # Load prompts (the first per category are the single-stream requests; the load rows take the
     # mix round robin, as many distinct prompts as they need).
     per_category = max(config.prompts_per_category, -(-config.load_requests // len(categories)))
@@ -712,18 +758,19 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
         raise ValueError(f"the engine has no draft {draft_name!r}; it has {', '.join(engine.drafts)}")
     trees_ok = callable(getattr(engine.drafts[draft_name], "propose_tree", None))
     rows_run, notes = plan_rows(config.policies, window_policies, tree_policies, trees_ok, snapshot is not None or learning,
-                                start_policy)
+                                start_policy, config.tree_start_policy)
     encoded = {c: [engine.encode(t, chat=True) for t in ts] for c, ts in texts.items()}
     prompts = [(c, encoded[c][i]) for c in categories for i in range(config.prompts_per_category)]
     mix = [encoded[c][i] for i in range(per_category) for c in categories][:config.load_requests]
-    if learning and any(r.name == WARM for r in rows_run):
+    if learning and any(r.name in (WARM, WARM_TREE) for r in rows_run):
         learn = [encoded[c][per_category + i] for i in range(learn_per_category) for c in categories]
         learn = learn[:learn_requests]
         if progress:
             print(f"learning a snapshot from {len(learn)} other prompts ({LEARN_TOKENS} tokens, "
                   f"{' and '.join(map(str, LEARN_LEVELS))} at once)...", flush=True)
         with quiet_draft_servers():
-            snapshot = learn_snapshot(engine, draft_name, learn, config.learn_policy)
+            snapshot = learn_snapshot(engine, draft_name, learn, config.learn_policy,
+                                      tree_policy=learn_tree_policy if any(r.name == WARM_TREE for r in rows_run) else None)
         notes.append(f"warm: the snapshot was learned in-process from {len(learn)} other prompts of the categories "
                      f"({LEARN_TOKENS} tokens, {', '.join(map(str, LEARN_LEVELS))} at once, {config.learn_policy}): "
                      f"{len(snapshot['priors'])} priors")
@@ -762,6 +809,8 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
         "start_tree": asdict(START_TREE),
         "static_trees": {tree_name(s): asdict(s) for s in STATIC_TREES},
         "start_policy": start_policy,
+        "tree_start_policy": config.tree_start_policy,
+        "snapshot_trees_learned_with": learn_tree_policy if learning and any(r.name == WARM_TREE for r in rows_run) else None,
         "window_policies": list(window_policies),
         "tree_policies": list(tree_policies),
         "rows_run": order,

@@ -270,6 +270,8 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
     redis = report["redis"]
     typer.echo(f"{'redis':10s} {redis['url']} ({'up' if redis['up'] else 'DOWN'}"
                f"{', pid ' + str(redis['pid']) if redis['pid'] else ', not started by specserve'})")
+    learning = report["cluster_learning"] or "unknown (the ingress did not answer GET /v1/policy)"
+    typer.echo(f"cluster learning: {learning}")
 
 
 def local_server(server: str | None) -> str:
@@ -811,7 +813,7 @@ def bench_policies(
     prompts_per_category: int = typer.Option(2, "--prompts", help="Prompts per category (one stream each, every row)."),
     max_tokens: int = typer.Option(96, help="New tokens per request (the cold/warm rows take at most 32)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated subset of code,chat,summarise,edit."),
-    policies: Optional[str] = typer.Option(None, help="Comma-separated subset of row names (static-1..static-8, oracle-static, online, fsm, cache-fsm, q-learning, hf-heuristic, static-tree[-dDkKnN], sage, adt-tree, eagle2-depth, cold, warm, load-aware, target-only); default: all."),
+    policies: Optional[str] = typer.Option(None, help="Comma-separated subset of row names (static-1..static-8, oracle-static, online, fsm, cache-fsm, q-learning, q-learning-per-request, hf-heuristic, static-tree[-dDkKnN], sage, adt-tree, eagle2-depth, cold, warm, cold-tree, warm-tree, load-aware, target-only); default: all."),
     draft: str = typer.Option("prompt-lookup", help="The draft of every speculating row: prompt-lookup, a zoo draft or a model folder."),
     concurrency: str = typer.Option("1,4,16", help="Comma-separated concurrency levels of the load rows."),
     load_requests: int = typer.Option(32, help="Requests of the category mix per load row and round."),
@@ -821,6 +823,8 @@ def bench_policies(
     learn_snapshot: int = typer.Option(0, help="Instead of --snapshot: learn one in-process from this many other prompts of the categories (a replica's counters, the policy service's priors; no Redis) before the warm rows."),
     learn_policy: str = typer.Option("online", help="The policy the --learn-snapshot requests decode with (a registry name): the snapshot can only price windows they used."),
     start_policy: Optional[str] = typer.Option(None, help="The policy of the cold and warm rows (a registry name); default: the deployment default, load-aware."),
+    tree_start_policy: str = typer.Option("adt-tree", help="The tree policy of the cold-tree and warm-tree rows (a registry name)."),
+    learn_tree_policy: Optional[str] = typer.Option(None, help="The tree policy the --learn-snapshot requests' trees decode with (default: --tree-start-policy): the snapshot prices only tree shapes they used."),
     dtype: str = typer.Option("auto", help="auto, float32 or bfloat16 (the same for every row)."),
     threads: Optional[int] = typer.Option(None, help="torch threads (default: torch's own, one per core). Use 1 when other jobs share the machine."),
 ) -> None:
@@ -862,6 +866,8 @@ def bench_policies(
             snapshot=snapshot_doc,
             dtype=dtype,
             start_policy=start_policy,
+            tree_start_policy=tree_start_policy,
+            learn_tree_policy=learn_tree_policy,
         ))
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))
