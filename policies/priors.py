@@ -211,8 +211,9 @@ def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batc
     """Where a request that did not pin its window or tree starts, from the cluster's prior for
     its draft and task bucket (``stats.request_bucket``: prompt length, constrained or not):
     ``{"version", "bucket", "load", "alpha", "window", "tree", "learned"}``, or None (cold).
-    ``tree``: the (depth, top-k) that paid best under the request's load (else pooled; None: no
-    tree measured); ``learned``: the rules' carried sums (``carry.py``).
+    ``tree``: the (depth, top-k) that paid best under the request's load (else over every load;
+    else the draft's pooled prior's; None: no tree measured); ``learned``: the rules' carried sums
+    (``carry.py``).
     The target replica and ``bench policies`` both start requests through here.
 
     The window is the best one under the load the request starts in (``batch_size``, its
@@ -228,10 +229,17 @@ def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batc
     if prior is None:
         return None
     load, window = _load_window(snapshot, prior, load_bucket(batch_size))
-    tree = (prior.get("best_tree_by_load") or {}).get(load_bucket(batch_size)) or prior.get("best_tree")
+    tree = _tree(prior, load_bucket(batch_size))
+    if tree is None and prior["bucket"] != ALL_BUCKETS:   # no shape measured for this task yet: the draft's
+        tree = _tree(find_prior(snapshot, target, draft, ALL_BUCKETS) or {}, load_bucket(batch_size))
     return {"version": snapshot.get("version"), "bucket": prior["bucket"], "load": load, "alpha": prior["alpha"],
             "window": max(1, int(window)), "tree": None if tree is None else (tree["depth"], tree["top_k"]),
             "learned": prior.get("learned") or {}}
+
+
+def _tree(prior: dict, load: str) -> dict | None:
+    """The prior's best tree under ``load``, else its best over every load; None: none measured."""
+    return (prior.get("best_tree_by_load") or {}).get(load) or prior.get("best_tree")
 
 
 def _load_window(snapshot: dict, prior: dict, wanted: str, window_max: int = 8) -> tuple[str | None, int]:

@@ -168,3 +168,14 @@ def test_a_policy_with_sinks_pickles_without_them():
     copy = pickle.loads(pickle.dumps(policy))
     assert copy._sinks == [] and copy.instances["q-learning"].carried.sinks == []
     assert len(policy.instances["q-learning"].carried.sinks) == 1
+
+
+def test_a_task_with_no_tree_measured_starts_from_the_drafts_pooled_tree():
+    with_trees = counts(600, 200, window=4) + Counter(
+        {"tree_6x2_steps": 30, "tree_6x2_emitted": 90, "tree_6x2_us": 30_000})
+    snapshot = compute_snapshot({StatsKey("t", "d", "p256", 0): with_trees,
+                                 StatsKey("t", "d", "p1024", 0): counts(600, 200, window=4)}, now=0.0)
+    snapshot.update(version=1, published_at=0.0)
+    assert next(p for p in snapshot["priors"] if p["bucket"] == "p1024")["best_tree"] is None
+    assert warm_start(snapshot, "t", "d", "p1024")["tree"] == (6, 2)    # the pooled prior's
+    assert warm_start(snapshot, "t", "d", "p256")["tree"] == (6, 2)
