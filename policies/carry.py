@@ -81,6 +81,15 @@ class CarriedSums:
             sums[name] = sums.get(name, 0.0) + n
         return sums
 
+    def start(self, rule: Any, request: SpecRequest) -> Any:
+        """``rule``'s state for a new request: from these sums when the rule carries."""
+        return rule.start(request, self.for_request(request)) if isinstance(rule, CarriedRule) else rule.start(request)
+
+    def finish(self, rule: Any, request: SpecRequest, state: Any) -> None:
+        """A request with ``state`` finished: what it leaves, when the rule carries."""
+        if isinstance(rule, CarriedRule):
+            self.add(request, rule.counts(state))
+
     def add(self, request: SpecRequest, counts: dict[str, int]) -> None:
         """A finished request's counts, kept here and handed to every sink (Redis)."""
         counts = {name: int(n) for name, n in counts.items() if n > 0}

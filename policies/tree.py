@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from specserve.policies.carry import CarriedRule, CarriedSums
+from specserve.policies.carry import CarriedSums
 from specserve.policies.window import JsonState
 from specserve.replicas.request import NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord, TreeShape
@@ -99,8 +99,7 @@ class TreePolicy:
             return state.request.speculation
         current = self.states.get(state.id)
         if current is None:
-            current = (self.rule.start(state.request, self.carried.for_request(state.request))
-                       if isinstance(self.rule, CarriedRule) else self.rule.start(state.request))
+            current = self.carried.start(self.rule, state.request)
         shape, current = self.rule.decide(current, batch_size, self.rng)
         self.states[state.id] = current
         self._requests[state.id] = state
@@ -111,8 +110,8 @@ class TreePolicy:
             if step.request_id in self._requests:
                 self.states[step.request_id] = self.rule.update(self.states[step.request_id], TreeOutcome.of(record, step))
         for request_id in [i for i, request in self._requests.items() if request.done]:
-            if isinstance(self.rule, CarriedRule) and request_id in self.states:
-                self.carried.add(self._requests[request_id].request, self.rule.counts(self.states[request_id]))
+            if request_id in self.states:
+                self.carried.finish(self.rule, self._requests[request_id].request, self.states[request_id])
             self.drop(request_id)
 
     def drop(self, request_id: str) -> None:

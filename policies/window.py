@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
-from specserve.policies.carry import CarriedRule, CarriedSums
+from specserve.policies.carry import CarriedSums
 from specserve.policies.verify_costs import VerifyCosts
 from specserve.replicas.request import NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.step import PLAIN, RequestStep, SpecStats, Speculation, StepRecord
@@ -196,8 +196,7 @@ class WindowPolicy:
             return state.request.speculation
         current = self.states.get(state.id)
         if current is None:
-            current = (self.rule.start(state.request, self.carried.for_request(state.request))
-                       if isinstance(self.rule, CarriedRule) else self.rule.start(state.request))
+            current = self.carried.start(self.rule, state.request)
         window, current = self.rule.decide(current, batch_size, self.rng)
         self.states[state.id] = current
         self._requests[state.id] = state
@@ -220,8 +219,8 @@ class WindowPolicy:
             outcome = WindowOutcome.of(record, step, emitted, table)
             self.states[step.request_id] = self.rule.update(self.states[step.request_id], outcome)
         for request_id in [i for i, request in self._requests.items() if request.done]:
-            if isinstance(self.rule, CarriedRule) and request_id in self.states:
-                self.carried.add(self._requests[request_id].request, self.rule.counts(self.states[request_id]))
+            if request_id in self.states:
+                self.carried.finish(self.rule, self._requests[request_id].request, self.states[request_id])
             self.drop(request_id)
 
     def drop(self, request_id: str) -> None:
