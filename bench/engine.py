@@ -15,7 +15,8 @@ Configurations:
 - ``prompt-lookup-{2,4,6}``: specserve's prompt-lookup draft with window γ = 2, 4, 6, and
   ``prompt-lookup-10``, HF's window, for a like-for-like comparison with ``hf-prompt-lookup``.
 - ``<zoo draft>-{2,3,4}`` and ``<zoo draft>-tree``: each draft exported into the package's zoo
-  (``specserve zoo export``) with window γ = 2, 4 and with a token tree (depth 4, top-2, 8 nodes).
+  (``specserve zoo export``) with window γ = 2, 3, 4 and with a token tree (depth 4, top-2, 8
+  nodes); ``<zoo draft>-int8-{2,3,4}``: the same draft with its weights as int8 rows.
 
 Per row (config × category, plus an ``all`` row per config): ``tokens_per_s`` = Σ tokens / Σ
 seconds over the category's prompts; ``mean_accepted_len`` τ = emitted tokens / steps (null for
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 from specserve.data.prompts import CATEGORIES, load_prompts
-from specserve.replicas.model_store import zoo_dir
+from specserve.replicas.model_store import INT8_SUFFIX, quantized_name, zoo_dir
 from specserve.replicas.step import SpecStats, TreeShape
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
 
@@ -86,6 +87,8 @@ def zoo_configs() -> list[RowConfig]:
         if (zoo_dir() / name / "config.json").exists():
             configs += [RowConfig(f"{name}-{w}", "specserve", name, w) for w in (2, 3, 4)]
             configs.append(RowConfig(f"{name}-tree", "specserve", name, tree=ZOO_TREE))
+            int8 = name + INT8_SUFFIX   # its weights as int8 rows
+            configs += [RowConfig(f"{int8}-{w}", "specserve", int8, w) for w in (2, 3, 4)]
     return configs
 
 
@@ -362,7 +365,8 @@ def run_engine_bench(config: EngineBenchConfig) -> list[dict]:
     texts = [(cat, text) for cat in CATEGORIES for text in load_prompts(cat, config.prompts_per_category)]
 
     machine_before = machine_info()
-    drafts = sorted({c.draft for c in chosen if c.backend == "specserve" and (zoo_dir() / c.draft).exists()})
+    drafts = sorted({c.draft for c in chosen
+                     if c.backend == "specserve" and (zoo_dir() / quantized_name(c.draft)[0]).exists()})
     engine = SpecEngine.load(dtype=config.dtype, draft_models=drafts)
     prompts = [(cat, engine.encode(text, chat=True)) for cat, text in texts]
     samples = measure(engine, chosen, prompts, config.max_tokens)

@@ -112,6 +112,10 @@ class DraftSpec(BaseModel):
         None, ge=1, description="torch threads in each draft replica (or on an inside draft's own thread, 1 by "
         "default); default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
     )
+    quantization: Literal["int8"] | None = Field(
+        None, description="A model draft only: int8 rounds its weights to int8 rows (a float32 scale each) where they "
+        "are float32 on a CPU, a quarter of the bytes a drafted token reads; acceptance may change, output never "
+        "(verification decides). Elsewhere the weights stay as loaded.")
     own_thread: bool = Field(
         False, description="A model draft placed inside only: its model work runs on a thread of its own in the "
         "target replica (on a GPU, its own CUDA stream), so it drafts the next step while the target verifies "
@@ -132,6 +136,8 @@ class DraftSpec(BaseModel):
                              "pictures, which only its replica holds; placement separate is not possible")
         if self.seed_outputs is not None and self.method != SUFFIX:
             raise ValueError(f"draft {self.name!r}: seed_outputs seeds a suffix draft's index; set method: suffix")
+        if self.quantization is not None and self.model is None:
+            raise ValueError(f"draft {self.name!r}: quantization rounds a draft model's weights; a model-free draft has none")
         if self.own_thread and (self.model is None or self.placement == SEPARATE):
             raise ValueError(f"draft {self.name!r}: own_thread runs a model draft placed inside on a thread of its "
                              "own; a model-free draft needs none and a separate one has its own replica")

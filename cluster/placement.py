@@ -164,7 +164,8 @@ def measure(spec: DraftSpec, config: AppConfig) -> PlacementCosts:
     def loaded(threads: int) -> tuple[ModelWorker, DraftServer]:
         worker = ModelWorker(f"placement-{spec.name}", threads=threads)
         server = DraftServer(spec.name, spec.model, config.dtype, worker=worker, kv_sessions_idle=0,
-                             ensemble=spec.ensemble.model_dump() if spec.ensemble else None)
+                             ensemble=spec.ensemble.model_dump() if spec.ensemble else None,
+                             quantization=spec.quantization)
         return worker, server
 
     def per_position(worker: ModelWorker, server: DraftServer, rounds: int = 3) -> float:

@@ -60,7 +60,8 @@ class DraftServer:
     def __init__(self, name: str, model: str | None = None, dtype: str = "auto", torch_threads: int | None = None,
                  kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None,
                  method: str | None = None, seed_outputs: str | None = None, ensemble: dict | None = None,
-                 tokenizer=None, images=None, windowed: bool = False, measure_cost: bool = False):
+                 tokenizer=None, images=None, windowed: bool = False, measure_cost: bool = False,
+                 quantization: str | None = None):
         """``model``: a draft LM or HSR head to load; None: the model-free ``method``, prompt lookup
         or suffix (its index seeded with the answers in ``seed_outputs``). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
@@ -73,7 +74,8 @@ class DraftServer:
         ``windowed``: a hidden-state-reuse head attends to a VLM request's text positions alone
         (Sparrow's text-anchored window, ``HSRDraft``). ``measure_cost``: a model draft times its
         own drafted position on its own thread and hardware before it serves (``cost_probe``),
-        and ``info`` reports it: what a target prices a draft deployment with before using it."""
+        and ``info`` reports it: what a target prices a draft deployment with before using it.
+        ``quantization``: how the loaded ``model``'s weights are rounded (``model_store.load_causal_lm``)."""
         self.name = name
         self.images = images
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
@@ -110,7 +112,7 @@ class DraftServer:
             self._stateless = PromptLookupDraft()
             self._needs_features = False
         else:
-            loaded = load_causal_lm(model, dtype=dtype)
+            loaded = load_causal_lm(model, dtype=dtype, quantization=quantization)
             self._needs_features = isinstance(loaded.model, HSRHead)
             if self._needs_features:
                 self._reads(loaded.model)

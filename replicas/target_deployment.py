@@ -170,7 +170,7 @@ class TargetDeployment:
                 resolved[name] = DraftServer(name, d["model"], config.dtype, kv_sessions_idle=config.kv_sessions_idle,
                                              worker=worker, method=d.get("method"), seed_outputs=d.get("seed_outputs"),
                                              ensemble=d.get("ensemble"), images=self.images,
-                                             windowed=d.get("windowed", False))
+                                             windowed=d.get("windowed", False), quantization=d.get("quantization"))
             else:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).

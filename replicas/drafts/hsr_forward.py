@@ -12,9 +12,11 @@ to prompt lookup on every prompt. Here, measured the same way: 0.85 ms.
 - the head's cache holds the key/value heads only and attention reads them grouped
   (``enable_gqa``), as ``HSRHead.step`` does.
 
-The numbers are the module's to bfloat16 rounding (the kernels sum in another order); a draft's
-proposal only changes speed, never the output, since verification decides. Used only where the
-weights pack (bfloat16/float16 on a CPU with oneDNN) and no gradient is wanted: float32 heads,
+The numbers are the module's to rounding (the kernels sum in another order); a draft's proposal
+only changes speed, never the output, since verification decides. Used where no gradient is
+wanted and the products have a faster path than the module's: weights that pack (bfloat16/float16
+on a CPU with oneDNN), a float32 output layer large enough for the few-rows kernel
+(``small_gemm``), or int8 rows (``quantization: int8``, ``int8_linear``). Small float32 heads,
 where the exactness tests run, and training keep the module path.
 """
 
@@ -23,13 +25,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import cpu_row_ops
-from specserve.replicas.llama_forward import Linear, packable
+from specserve.replicas import cpu_row_ops, small_gemm
+from specserve.replicas.int8_linear import Int8Linear
+from specserve.replicas.llama_forward import Linear, packable, quantization
 
 
 def for_head(head) -> "HSRForward | None":
     """The head's packed step, built once; None where the module path must run (see above)."""
-    if torch.is_grad_enabled() or not packable(head.fc.weight) or not cpu_row_ops.usable(head.fc.weight):
+    weight = head.fc.weight
+    if torch.is_grad_enabled() or not cpu_row_ops.usable(weight):
+        return None
+    if not (packable(weight) or (quantization(head) == "int8" and Int8Linear.takes(weight))
+            or small_gemm.takes(head.lm_head.weight)):
         return None
     forward = head.__dict__.get("_specserve_hsr_forward")
     if forward is None:
@@ -43,14 +50,18 @@ class HSRForward:
         self.head = head
         self.heads, self.kv_heads, self.head_dim = attn.heads, attn.kv_heads, attn.head_dim
         self.intermediate = head.config.intermediate_size
-        weights = lambda *linears: torch.cat([lin.weight.detach() for lin in linears])   # noqa: E731
-        self.fc = Linear(weights(head.fc), None)
-        self.fuse = None if head.fuse is None else Linear(weights(head.fuse), None)
-        self.qkv = Linear(weights(attn.q_proj, attn.k_proj, attn.v_proj), None)
-        self.o = Linear(weights(attn.o_proj), None)
-        self.gate_up = Linear(weights(mlp["gate_proj"], mlp["up_proj"]), None)
-        self.down = Linear(weights(mlp["down_proj"]), None)
-        self.lm_head = Linear(weights(head.lm_head), None)
+        int8 = quantization(head) == "int8"
+
+        def linear(*linears) -> Linear:
+            return Linear(torch.cat([lin.weight.detach() for lin in linears]), None, int8=int8)
+
+        self.fc = linear(head.fc)
+        self.fuse = None if head.fuse is None else linear(head.fuse)
+        self.qkv = linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = linear(attn.o_proj)
+        self.gate_up = linear(mlp["gate_proj"], mlp["up_proj"])
+        self.down = linear(mlp["down_proj"])
+        self.lm_head = linear(head.lm_head)
         self.norms = [(n.weight.detach(), n.eps) for n in (layer.input_layernorm, layer.post_attention_layernorm, head.norm)]
         self._cos = self._sin = None
 

@@ -33,6 +33,8 @@ def test_bad_app_configs(fields, message):
     ({"name": "s", "method": "suffix", "placement": "separate"}, "runs inside the target replica"),
     ({"name": "s", "method": "suffix", "seed_outputs": "/nowhere"}, "is not a folder"),
     ({"name": "s", "method": "ngram"}, "Input should be 'prompt-lookup' or 'suffix'"),
+    ({"name": "s", "quantization": "int8"}, "a model-free draft has none"),
+    ({"name": "s", "model": "x", "quantization": "int4"}, "Input should be 'int8'"),
 ])
 def test_bad_draft_specs(fields, message):
     with pytest.raises(ValidationError, match=message):

@@ -1,11 +1,16 @@
-"""The HSR head's packed drafting step (bfloat16 on the CPU) computes what the module computes."""
+"""The HSR head's drafting step of fewer operations computes what the module computes: packed
+(bfloat16 on a CPU with oneDNN) and with int8 rows (float32; the module given the same rounded
+weights)."""
 
 import pytest
 import torch
 
+from specserve.replicas import int8_linear
 from specserve.replicas.drafts import hsr_forward
 from specserve.replicas.drafts.hsr_draft import HSRDraft
 from specserve.replicas.drafts.hsr_head import build_hsr_head
+from specserve.replicas.int8_linear import quantize_rows
+from specserve.replicas.llama_forward import QUANTIZATION
 from specserve.replicas.sampling import SamplingParams
 from tiny_models import VOCAB, tiny_model
 
@@ -14,19 +19,36 @@ from tiny_models import VOCAB, tiny_model
 HEAD_IDS = list(range(VOCAB - 1, 0, -3))
 
 
-@pytest.fixture(scope="module")
-def head():
+def rounded_to_int8_rows(head) -> None:
+    """The module's weights replaced by the int8 rows the fast path multiplies with."""
+    with torch.no_grad():
+        for module in head.modules():
+            if isinstance(module, torch.nn.Linear):
+                q, scale = quantize_rows(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+    setattr(head, QUANTIZATION, "int8")
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+def head(request):
     target = tiny_model("llama", seed=0, layers=3)
     head = build_hsr_head(target, HEAD_IDS).eval()
     with torch.no_grad():
         # Large values make attention move the output well past bfloat16's rounding, so that a
         # wrong mask or rotary shows (unscaled, dropping the tree mask moves it by 0.3%).
         head.layer.self_attn.v_proj.weight.mul_(20.0)
-    head = head.to(torch.bfloat16)
+    if request.param == "int8":
+        rounded_to_int8_rows(head)
+    else:
+        head = head.to(torch.bfloat16)
     with torch.inference_mode():
         if hsr_forward.for_head(head) is None:
-            pytest.skip("no packed path here (no oneDNN or no C compiler for the row kernels)")
+            pytest.skip(f"no {request.param} path here (no oneDNN or no C compiler for the kernels)")
     return head
+
+
+def dtype_of(head) -> torch.dtype:
+    return head.fc.weight.dtype
 
 
 def module_path(fn):
@@ -49,6 +71,10 @@ def test_the_module_path_is_taken_for_float32_and_for_training():
         assert hsr_forward.for_head(head) is None            # float32: the exactness tests' dtype
     head = head.to(torch.bfloat16)
     assert hsr_forward.for_head(head) is None                # gradients wanted
+    head = build_hsr_head(target, HEAD_IDS)
+    setattr(head, QUANTIZATION, "int8")
+    with torch.inference_mode():
+        assert (hsr_forward.for_head(head) is not None) == (int8_linear.library() is not None)
 
 
 @pytest.mark.parametrize("new", [1, 4])
@@ -56,7 +82,7 @@ def test_a_step_equals_the_modules_after_a_cache(head, new):
     h = head.config.hidden_size
     gen = torch.Generator().manual_seed(new)
     tokens = torch.randint(1, VOCAB, (1, 9 + new), generator=gen)
-    prev = torch.randn(1, 9 + new, h, generator=gen).to(torch.bfloat16)
+    prev = torch.randn(1, 9 + new, h, generator=gen).to(dtype_of(head))
     with torch.inference_mode():
         z_fast = head.inputs(tokens, prev)
         cache_fast = head.step(z_fast[:, :9], torch.arange(1, 10), None, None)
@@ -76,7 +102,7 @@ def test_a_step_equals_the_modules_after_a_cache(head, new):
 def test_a_tree_levels_mask_is_honoured(head):
     h = head.config.hidden_size
     gen = torch.Generator().manual_seed(7)
-    z = torch.randn(1, 8, h, generator=gen).to(torch.bfloat16)
+    z = torch.randn(1, 8, h, generator=gen).to(dtype_of(head))
     allowed = torch.zeros(3, 8, dtype=torch.bool)
     allowed[:, :5] = True
     allowed[0, 5], allowed[1, 6], allowed[2, 5:] = True, True, True   # siblings 0, 1 and a child of 0
@@ -92,7 +118,7 @@ def test_greedy_chains_choose_among_the_heads_ids(head):
     context = list(range(3, 40))
     rows = torch.randn(len(context) - 1, head.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
-        proposal = draft.propose(context, 4, SamplingParams(), None, features=rows.to(torch.bfloat16), features_start=0)
+        proposal = draft.propose(context, 4, SamplingParams(), None, features=rows.to(dtype_of(head)), features_start=0)
     assert len(proposal.tokens) == 4 and set(proposal.tokens) <= set(HEAD_IDS)
     assert proposal.draft_probs is None and all(0.0 < p <= 1.0 for p in proposal.token_probs)
     # The first token and its probability are the full-vocabulary argmax and softmax of the root.
@@ -108,7 +134,7 @@ def test_sampled_chains_carry_q_over_the_whole_vocabulary(head):
     rows = torch.randn(len(context) - 1, head.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         proposal = draft.propose(context, 3, SamplingParams(temperature=0.8), torch.Generator().manual_seed(0),
-                                 features=rows.to(torch.bfloat16), features_start=0)
+                                 features=rows.to(dtype_of(head)), features_start=0)
     q = proposal.draft_probs
     assert q.shape == (3, VOCAB)
     outside = torch.ones(VOCAB, dtype=torch.bool)

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import llama_forward
+from specserve.replicas import int8_linear, llama_forward
 from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.int8_linear import quantize_rows
 from specserve.replicas.target import feature_tap
 from tiny_models import tiny_model
 
@@ -143,3 +144,23 @@ def test_a_cpu_onednn_cannot_pack_for_keeps_16_bit_weights_as_they_are(monkeypat
     linear = llama_forward.Linear(weight, None)
     x = torch.randn(1, 2, 4).bfloat16()
     assert linear.packed is None and torch.equal(linear(x), F.linear(x, weight))
+
+
+@pytest.mark.skipif(int8_linear.library() is None, reason="no C compiler: int8 drafts stay float32")
+def test_a_model_loaded_as_int8_computes_hugging_faces_maths_with_its_weights_rounded():
+    """``quantization: int8`` rounds each product's weight to int8 rows: decode and prefill feeds
+    give Hugging Face's logits for the same model with its weights so rounded."""
+    model = tiny_model("llama", seed=4, layers=2)
+    setattr(model, llama_forward.QUANTIZATION, "int8")
+    kv = BatchKV(model, slots=2)
+    assert all(lin.int8 is not None for lin in (kv._fast.lm_head, kv._fast.layers[0].qkv, kv._fast.layers[1].down))
+    prompt = [(5 * i + 2) % model.config.vocab_size for i in range(40)]   # longer than the kernel's rows
+    prefill = kv.forward([Feed(0, prompt, 40)])[0]
+    step = kv.forward([Feed(0, [9, 4, 7], 3)])[0]
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                q, scale = quantize_rows(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+    torch.testing.assert_close(prefill, hf_logits(model, prompt), rtol=0, atol=1e-4)
+    torch.testing.assert_close(step, hf_logits(model, prompt + [9, 4, 7])[-3:], rtol=0, atol=1e-4)
