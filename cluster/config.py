@@ -193,6 +193,10 @@ class AppConfig(BaseModel):
     torch_threads: int | None = Field(
         None, ge=1, description="torch threads in each target replica; default: the replica's num_cpus (Ray's OMP_NUM_THREADS)."
     )
+    share_cores: bool = Field(
+        False, description="A target replica's step also runs on the threads of the node's idle target replicas "
+        "(one stream alone on a node uses every core; under load each replica its own): CPU nodes whose one "
+        "core does not take the memory bandwidth (replicas/core_share.py).")
     kv_sessions_idle: int = Field(
         4, ge=0, description="Idle KV caches a replica keeps after their requests end, as a prefix cache for follow-up turns."
     )

@@ -17,21 +17,27 @@ from typing import TypeVar
 
 import torch
 
+from specserve.replicas.core_share import CoreShare
+
 T = TypeVar("T")
 
 
 class ModelWorker:
     def __init__(self, name: str, threads: int | None = None, stuck_after_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic, own_stream: bool = False):
+                 clock: Callable[[], float] = time.monotonic, own_stream: bool = False,
+                 share: CoreShare | None = None):
         """``threads``: torch's thread count for model work. OpenMP thread counts are per OS
         thread, and Ray sets ``OMP_NUM_THREADS`` to an actor's ``num_cpus``: set in the replica's
         constructor, it would not reach this thread (measured: a matmul here ran 1.7x slower),
         so it is set here, in the thread that runs the model. ``own_stream``: on a GPU, this
         thread's kernels go to a CUDA stream of their own (a draft beside the target's forward,
         not queued behind it), and each call waits for them before it returns, so what it hands
-        to another thread is complete."""
+        to another thread is complete. ``share``: the node's idle cores this thread may borrow
+        for a call (``core_share``): its thread count is set before each call."""
         self.name = name
         self.threads = threads
+        self.share = share
+        self._running_threads = threads
         self._stream = own_stream and torch.cuda.is_available()
         self.stuck_after_s = stuck_after_s
         self._clock = clock
@@ -63,6 +69,9 @@ class ModelWorker:
 
     def _timed(self, fn: Callable[..., T], args: tuple) -> T:
         self._busy_since = self._clock()
+        if self.share is not None and (threads := self.share.threads()) != self._running_threads:
+            torch.set_num_threads(threads)
+            self._running_threads = threads
         try:
             out = fn(*args)
             if self._stream:

@@ -40,6 +40,7 @@ from ray.serve.handle import DeploymentHandle
 
 from specserve.replicas.cost_probe import (LOADED_BATCH, PRICED_WINDOW, ProbedCosts, draft_ms_per_position,
                                            loaded_verify_points, verify_points)
+from specserve.replicas.core_share import CoreShare
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.grammar import grammar_tokenizer, warm_up
 from specserve.replicas.model_store import load_causal_lm
@@ -78,6 +79,8 @@ class TargetConfig:
     dtype: str = "auto"
     # None: Ray's OMP_NUM_THREADS, which Ray sets to the replica's num_cpus: the CPUs it was given.
     torch_threads: int | None = None
+    # A step may also run on the cores of the node's idle target replicas (``core_share``).
+    share_cores: bool = False
     # Slots kept beyond the batch for finished requests' KV caches, a prefix cache for follow-up
     # turns; each is one more sequence of KV memory (a whole ``max_model_len`` when preallocated).
     kv_sessions_idle: int = 4
@@ -210,6 +213,9 @@ class TargetDeployment:
             self.routing.router.costs.seed_verify(self.costs.verify_loaded, batch_size=LOADED_BATCH)
             for name, ms in self.costs.draft_ms_per_position.items():
                 self.routing.router.costs.seed(name, ms)
+        # Cores lent and borrowed from here on: the start-up above measured this replica's own threads.
+        self.cores = self._worker.share = (CoreShare(threads, self.replica_id, lambda: self.scheduler.has_work)
+                                           if config.share_cores else None)
         self._background: list[asyncio.Task] | None = None   # learning's tasks, once started
         # Suffix drafts inside learn from finished outputs: this replica's at once, the others'
         # through the learning's exchange (queued by its thread in ``_arrived``, taken here).
@@ -222,6 +228,11 @@ class TargetDeployment:
                     ", ".join(f"{n} ({'inside' if n in inside else 'separate'})" for n in drafts) or "none",
                     json.dumps(self.costs.to_dict()))
 
+    def __del__(self) -> None:
+        # Serve calls it as the replica shuts down: its cores leave the node's books at once.
+        if getattr(self, "cores", None) is not None:
+            self.cores.close()
+
     def _ensure_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
@@ -233,8 +244,11 @@ class TargetDeployment:
             self._background = [loop.create_task(w) for w in work]
 
     async def _release_free_memory(self) -> None:
-        """Out of work: give freed native memory back (``native_memory``), at most every few
-        seconds, on the model thread (idle now; the event loop stays free)."""
+        """Out of work: lend this replica's cores (``core_share``) and give freed native memory
+        back (``native_memory``), at most every few seconds, on the model thread (idle now; the
+        event loop stays free)."""
+        if self.cores is not None:
+            self.cores.threads()
         now = time.monotonic()
         if now - self._released_at >= RELEASE_MEMORY_EVERY_S:
             self._released_at = now
@@ -396,6 +410,8 @@ class TargetDeployment:
         Never asks Redis or a draft: their outages cost speed, not the replica."""
         self._ensure_loop()   # also starts the background tasks of a replica that has not served yet
         self._worker.check()
+        if self.cores is not None:
+            self.cores.beat()
         if self._task is not None and self._task.done() and not self._task.cancelled() and self._task.exception():
             raise RuntimeError(f"the step loop died: {self._task.exception()!r}")
         if self.loop.failures >= UNHEALTHY_AFTER_FAILED_STEPS:
