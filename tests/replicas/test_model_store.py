@@ -5,9 +5,12 @@ from specserve.replicas.model_store import (
     REFERENCE_TARGET,
     fetch_reference,
     load_causal_lm,
+    quantized_name,
     resolve_dtype,
     resolve_model_path,
 )
+from specserve.replicas import int8_linear, llama_forward
+from specserve.replicas.llama_forward import quantization
 from tiny_models import tiny_model
 
 
@@ -41,3 +44,24 @@ def test_any_local_causal_lm_folder_loads(tmp_path):
     assert loaded.model.config.model_type == "qwen2"
     assert loaded.model.dtype == torch.bfloat16
     assert loaded.name == "tiny-qwen2"
+
+
+
+def test_a_quantized_draft_is_named_as_such_and_a_quantization_not_known_is_refused(tmp_path):
+    assert quantized_name("smollm2-eagle3-int8") == ("smollm2-eagle3", "int8")
+    assert quantized_name("smollm2-eagle3") == ("smollm2-eagle3", None)
+    with pytest.raises(ValueError, match="one of None, int8"):
+        load_causal_lm(str(tmp_path / "anything"), quantization="int4")
+
+
+@pytest.mark.reference
+def test_a_draft_loaded_with_int8_runs_its_products_on_int8_rows(tmp_path):
+    reference = load_causal_lm(REFERENCE_TARGET, dtype="float32")
+    folder = tmp_path / "tiny-llama"
+    tiny_model("llama", seed=0).save_pretrained(folder)
+    reference.tokenizer.save_pretrained(folder)
+    plain = load_causal_lm(str(folder), dtype="float32")
+    assert quantization(plain.model) is None
+    loaded = load_causal_lm(str(folder), dtype="float32", quantization="int8")
+    assert quantization(loaded.model) == "int8"
+    assert (llama_forward.for_model(loaded.model).lm_head.int8 is not None) == (int8_linear.library() is not None)
