@@ -53,7 +53,7 @@ class CoreShare:
         self.directory = directory
         self.beat_s, self.stale_s, self.read_every_s = beat_s, stale_s, read_every_s
         self._clock = clock
-        self._busy: bool | None = None
+        self._busy = False
         self._written_at = -float("inf")
         self._read_at = -float("inf")
         self._lent = 0
@@ -74,8 +74,7 @@ class CoreShare:
 
     def beat(self) -> None:
         """Keep this replica's mark fresh (an idle replica's, from its health check)."""
-        if self._busy is not None:
-            self._write(self._busy, self._clock())
+        self._write(bool(self._busy), self._clock())
 
     def close(self) -> None:
         """Leave the node's books (the replica is shutting down)."""
