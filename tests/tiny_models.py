@@ -56,6 +56,18 @@ def perturbed(model, seed: int, noise: float = 0.5):
     return draft
 
 
+def rounded_to_int8_rows(model) -> None:
+    """Every linear's weight replaced, in place, by the int8 rows ``quantization: int8`` multiplies
+    with (``int8_linear.quantize_rows``): the module path then computes what the int8 path does."""
+    from specserve.replicas.int8_linear import quantize_rows
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                q, scale = quantize_rows(module.weight)
+                module.weight.copy_(q.float() * scale[:, None])
+
+
 IMAGE_TOKEN = 3          # the tiny VLM's image placeholder (an id of its vocabulary)
 TINY_IMAGE_SIZE = 32     # 8 px patches: 16 image tokens a picture
 

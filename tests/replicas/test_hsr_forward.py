@@ -9,24 +9,13 @@ from specserve.replicas import int8_linear
 from specserve.replicas.drafts import hsr_forward
 from specserve.replicas.drafts.hsr_draft import HSRDraft
 from specserve.replicas.drafts.hsr_head import build_hsr_head
-from specserve.replicas.int8_linear import quantize_rows
 from specserve.replicas.llama_forward import QUANTIZATION
 from specserve.replicas.sampling import SamplingParams
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, rounded_to_int8_rows, tiny_model
 
 # A pruned head over every third id, in an order that is not the ids' own: the chain must map
 # the head's index back to the id.
 HEAD_IDS = list(range(VOCAB - 1, 0, -3))
-
-
-def rounded_to_int8_rows(head) -> None:
-    """The module's weights replaced by the int8 rows the fast path multiplies with."""
-    with torch.no_grad():
-        for module in head.modules():
-            if isinstance(module, torch.nn.Linear):
-                q, scale = quantize_rows(module.weight)
-                module.weight.copy_(q.float() * scale[:, None])
-    setattr(head, QUANTIZATION, "int8")
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "int8"])
@@ -39,6 +28,7 @@ def head(request):
         head.layer.self_attn.v_proj.weight.mul_(20.0)
     if request.param == "int8":
         rounded_to_int8_rows(head)
+        setattr(head, QUANTIZATION, "int8")
     else:
         head = head.to(torch.bfloat16)
     with torch.inference_mode():

@@ -11,9 +11,8 @@ import torch.nn.functional as F
 
 from specserve.replicas import int8_linear, llama_forward
 from specserve.replicas.batch_kv import BatchKV, Feed
-from specserve.replicas.int8_linear import quantize_rows
 from specserve.replicas.target import feature_tap
-from tiny_models import tiny_model
+from tiny_models import rounded_to_int8_rows, tiny_model
 
 PREFIX = [5, 17, 3, 42, 8, 8, 61, 2, 30, 11]
 
@@ -157,10 +156,6 @@ def test_a_model_loaded_as_int8_computes_hugging_faces_maths_with_its_weights_ro
     prompt = [(5 * i + 2) % model.config.vocab_size for i in range(40)]   # longer than the kernel's rows
     prefill = kv.forward([Feed(0, prompt, 40)])[0]
     step = kv.forward([Feed(0, [9, 4, 7], 3)])[0]
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear):
-                q, scale = quantize_rows(module.weight)
-                module.weight.copy_(q.float() * scale[:, None])
+    rounded_to_int8_rows(model)
     torch.testing.assert_close(prefill, hf_logits(model, prompt), rtol=0, atol=1e-4)
     torch.testing.assert_close(step, hf_logits(model, prompt + [9, 4, 7])[-3:], rtol=0, atol=1e-4)

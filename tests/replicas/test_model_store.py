@@ -33,18 +33,22 @@ def test_reference_target_is_cached_as_safetensors():
     assert (path / "model.safetensors").exists() and (path / "tokenizer.json").exists()
 
 
+def tiny_folder(tmp_path, arch: str):
+    """A local Hugging Face folder: a tiny random model with the reference tokenizer."""
+    folder = tmp_path / f"tiny-{arch}"
+    tiny_model(arch, seed=0).save_pretrained(folder)
+    load_causal_lm(REFERENCE_TARGET, dtype="float32").tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.reference
 def test_any_local_causal_lm_folder_loads(tmp_path):
     """A local Hugging Face folder (here a tiny random Qwen2 with the reference tokenizer)."""
-    reference = load_causal_lm(REFERENCE_TARGET, dtype="float32")
-    folder = tmp_path / "tiny-qwen2"
-    tiny_model("qwen2", seed=0).save_pretrained(folder)
-    reference.tokenizer.save_pretrained(folder)
+    folder = tiny_folder(tmp_path, "qwen2")
     loaded = load_causal_lm(str(folder), dtype="bfloat16", device="cpu")
     assert loaded.model.config.model_type == "qwen2"
     assert loaded.model.dtype == torch.bfloat16
     assert loaded.name == "tiny-qwen2"
-
 
 
 def test_a_quantized_draft_is_named_as_such_and_a_quantization_not_known_is_refused(tmp_path):
@@ -56,10 +60,7 @@ def test_a_quantized_draft_is_named_as_such_and_a_quantization_not_known_is_refu
 
 @pytest.mark.reference
 def test_a_draft_loaded_with_int8_runs_its_products_on_int8_rows(tmp_path):
-    reference = load_causal_lm(REFERENCE_TARGET, dtype="float32")
-    folder = tmp_path / "tiny-llama"
-    tiny_model("llama", seed=0).save_pretrained(folder)
-    reference.tokenizer.save_pretrained(folder)
+    folder = tiny_folder(tmp_path, "llama")
     plain = load_causal_lm(str(folder), dtype="float32")
     assert quantization(plain.model) is None
     loaded = load_causal_lm(str(folder), dtype="float32", quantization="int8")
