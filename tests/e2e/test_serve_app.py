@@ -149,16 +149,21 @@ def test_separate_drafts_are_priced_from_their_own_probe_and_a_measured_call(cli
     {"draft": "hsr-in-target", "tree": {"depth": 4, "top_k": 2, "budget": 8}},
 ], ids=lambda s: "-".join(str(v) for v in s.values()))
 def test_served_greedy_equals_in_process_target_only(client, expected, spec):
-    accepted = 0
-    for prompt, want in zip(PROMPTS, expected):
-        out = chat(client, prompt, spec)
-        choice = out.choices[0]
-        assert choice.model_extra["token_ids"] == want, f"{spec} on {prompt!r}"
-        assert out.usage.completion_tokens == len(want)
-        assert out.model_extra["spec"]["draft"] == spec["draft"]
-        accepted += out.model_extra["spec"]["mean_accepted_len"] > 1.0
-    if spec["draft"] != "none":
-        assert accepted, f"{spec}: no step ever accepted a draft token, so the test proved nothing"
+    """Every output equals the target's own. A draft deployment that answers later than the step
+    can wait leaves that step plain (``StepLoop``), so on a loaded machine a pass may accept
+    nothing: the prompts go round again, up to three times, until some step accepted a token."""
+    summaries = []
+    for _ in range(3):
+        for prompt, want in zip(PROMPTS, expected):
+            out = chat(client, prompt, spec)
+            choice = out.choices[0]
+            assert choice.model_extra["token_ids"] == want, f"{spec} on {prompt!r}"
+            assert out.usage.completion_tokens == len(want)
+            assert out.model_extra["spec"]["draft"] == spec["draft"]
+            summaries.append(out.model_extra["spec"])
+        if spec["draft"] == "none" or any(s["mean_accepted_len"] > 1.0 for s in summaries):
+            return
+    raise AssertionError(f"{spec}: no step ever accepted a draft token, so the test proved nothing: {summaries}")
 
 
 def test_auto_requests_are_routed_and_the_decision_is_visible_everywhere(served, client, stub, expected):
