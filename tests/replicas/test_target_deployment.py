@@ -178,3 +178,61 @@ def test_a_prompt_answered_on_one_replica_is_drafted_from_its_answer_on_another(
     assert again == tokens == other
     assert warm["mean_accepted_len"] >= 3.0 > cold["mean_accepted_len"] + 1   # ≤ 4 a step at window 4
     assert isolated["mean_accepted_len"] < 2.0
+
+
+def test_a_routed_request_starts_at_the_window_its_prompts_own_alpha_prices(tmp_path):
+    """Warm start on a replica with a router: once the router's model of the draft is informed,
+    its α for the prompt (not the bucket's) prices the first window, on the costs the cluster
+    measured under the request's load (a snapshot from a real Redis)."""
+    import time
+
+    from specserve.cluster.redis_server import RedisServer
+    from specserve.policies.priors import compute_snapshot, warm_start
+    from specserve.policies.redis_stats import RedisStats
+    from specserve.policies.replica_learning import ReplicaLearningFactory
+    from specserve.policies.stats import StatsCollector
+    from specserve.replicas.request import AUTO_DRAFT
+    from specserve.replicas.step import RequestStep, Speculation, StepRecord
+    from specserve.routing.router_factory import RouterFactory
+
+    # The cluster saw prompt lookup at α = 0.5 (one of two or four drafts accepted, then a
+    # rejection), a replica alone, each drafted token 4 ms dearer to verify.
+    collector = StatsCollector(REFERENCE_TARGET)
+    collector.start("seen", "prompt-lookup", "p64")
+    for gamma in (2, 4):
+        for _ in range(30):
+            step = RequestStep("seen", "prompt-lookup", Speculation(gamma), gamma, 1, gamma, None)
+            collector.observe(StepRecord(1, 1 + gamma, 0, 0.1, 20.0 + 4.0 * gamma, 0.0, (step,)))
+    server = RedisServer.start(tmp_path)
+    try:
+        RedisStats(server.url, "app").publish_snapshot(compute_snapshot(collector.drain(), now=time.time()))
+        replica = Replica(TargetConfig(REFERENCE_TARGET, dtype="float32", max_batch=4), policy=PolicyByRequest("static"),
+                          drafts={"prompt-lookup": {"model": None, "method": None}},
+                          learning=ReplicaLearningFactory(server.url, "app"), router=RouterFactory(explore=0.0, metrics=False))
+        replica.learning.snapshots.refresh()
+        snapshot = replica.learning.snapshots.current()
+        # The router learned from 20 requests that prompt lookup accepts 0.95 whatever the prompt.
+        router = replica.routing.router
+        bias = (1.0,) + (0.0,) * (router.models["prompt-lookup"].dims - 1)
+        for _ in range(20):
+            router.models["prompt-lookup"].update(bias, 0.95)
+
+        windows = []   # the request's window as the scheduler holds it once routed (after the warm start)
+        replica.scheduler.on_draft.append(lambda state, previous: windows.append(state.request.window))
+
+        async def run():
+            request = SpecRequest(prompt(replica, "Repeat after me: the cat sat on the mat."), 8, draft=AUTO_DRAFT,
+                                  window=4, request_id="r0")
+            return [item async for item in replica.generate(request)][-1].spec
+
+        spec = asyncio.run(run())
+    finally:
+        server.stop()
+    assert spec["router"]["choice"] == "prompt-lookup", spec["router"]
+    predicted = spec["router"]["predicted_alpha"]["prompt-lookup"]
+    start = spec["prior"]
+    bucket = warm_start(snapshot, REFERENCE_TARGET, "prompt-lookup", start["bucket"])
+    assert start["prompt_alpha"] == pytest.approx(predicted, abs=1e-4) and start["alpha"] == bucket["alpha"] == 0.5
+    assert start["window"] == warm_start(snapshot, REFERENCE_TARGET, "prompt-lookup", start["bucket"], alpha=predicted)["window"]
+    assert start["window"] > bucket["window"]
+    assert windows == [start["window"]]   # the window the request runs at (the static policy keeps it)
