@@ -21,9 +21,7 @@ alike. Four sections:
 - ``start`` (one stream, short requests of at most ``SHORT_TOKENS`` new tokens, where the first
   steps weigh most): ``cold``, the start policy (the deployment default, ``load-aware``) from the
   default window; ``warm``, the same from the window the cluster snapshot's prior gives the
-  request (``start_window``, the hook, mirrors the target replica's warm start); ``warm-prompt``,
-  the same with the window priced at the request's own α as a draft router learned with the
-  snapshot predicts it from the prompt (a routed request's start on a target replica); and
+  request (``start_window``, the hook, mirrors the target replica's warm start); and
   ``static-1`` .. ``static-8`` with their ``oracle-static`` on the same short requests: the gap
   that warm start should close. ``cold-tree`` and ``warm-tree``: a tree request of the tree
   start policy (``adt-tree`` unless ``--tree-start-policy``) from the start tree, or from the tree
@@ -78,9 +76,6 @@ STATIC_TREE = "static-tree"
 TARGET_ONLY = "target-only"
 LOAD_AWARE = "load-aware"
 COLD, WARM = "cold", "warm"
-# Warm, the window priced at the request's own α as the draft router predicts it from the prompt
-# (learned from the snapshot's requests), as a routed request starts on a target replica.
-WARM_PROMPT = "warm-prompt"
 # The same for a tree request: its shape and its rule's carried state from the snapshot, or not.
 COLD_TREE, WARM_TREE = "cold-tree", "warm-tree"
 TREE_START_POLICY = "adt-tree"
@@ -182,8 +177,7 @@ def plan_rows(selected: Sequence[str] | None, window_policies: Sequence[str], tr
     trees += [Row(n, "tree", policy=n, tree=START_TREE) for n in tree_policies if n != STATIC_TREE]
     short_static = [Row(r.name, "start", window=r.window) for r in static]
     starts = [Row(COLD, "start", policy=start_policy, window=START_WINDOW, start_hook=True),
-              Row(WARM, "start", policy=start_policy, window=START_WINDOW, start_hook=True),
-              Row(WARM_PROMPT, "start", policy=start_policy, window=START_WINDOW, start_hook=True)]
+              Row(WARM, "start", policy=start_policy, window=START_WINDOW, start_hook=True)]
     tree_starts = [Row(COLD_TREE, "start", policy=tree_start_policy, tree=START_TREE, start_hook=True),
                    Row(WARM_TREE, "start", policy=tree_start_policy, tree=START_TREE, start_hook=True)]
     load = [Row(LOAD_AWARE, "load", policy=LOAD_AWARE, window=START_WINDOW), Row(TARGET_ONLY, "load", speculate=False)]
@@ -212,11 +206,11 @@ def plan_rows(selected: Sequence[str] | None, window_policies: Sequence[str], tr
         notes.append("the draft builds no trees (no propose_tree): no tree rows")
         tree_rows = []
     rows += tree_rows
-    if {COLD, WARM, WARM_PROMPT} & wanted:
+    if {COLD, WARM} & wanted:
         rows += short_static
         rows.append(starts[0])
         if snapshot_given:
-            rows += [r for r in starts[1:] if r.name in wanted or selected is None]
+            rows.append(starts[1])
         else:
             notes.append("warm: no --snapshot given, so no warm rows (give a policy snapshot: `GET /v1/policy`'s "
                          "body or the snapshot document itself)")
@@ -255,13 +249,12 @@ def read_snapshot(data: object) -> dict:
 
 
 def start_window(prompt_ids: Sequence[int], draft: str, target: str, snapshot: dict | None = None,
-                 default_window: int = START_WINDOW, alpha: float | None = None) -> tuple[int, dict | None]:
+                 default_window: int = START_WINDOW) -> tuple[int, dict | None]:
     """The window a request starts from, and the warm start it came from (None: a cold start):
-    the target replica's own rule (``policies.priors.warm_start``; ``alpha``: the router's for
-    this prompt), else the deployment's default."""
+    the target replica's own rule (``policies.priors.warm_start``), else the deployment's default."""
     from specserve.policies.priors import warm_start
 
-    start = warm_start(snapshot, target, draft, task_bucket(len(prompt_ids)), batch_size=1, alpha=alpha)   # one at a time
+    start = warm_start(snapshot, target, draft, task_bucket(len(prompt_ids)), batch_size=1)   # one request at a time
     return (default_window, None) if start is None else (start["window"], start)
 
 
@@ -286,15 +279,13 @@ class Collecting:
 
 def learn_snapshot(engine: SpecEngine, draft: str, prompts: list[list[int]], policy: str,
                    max_tokens: int = LEARN_TOKENS, levels: Sequence[int] = LEARN_LEVELS,
-                   tree_policy: str | None = None, router=None) -> dict:
+                   tree_policy: str | None = None) -> dict:
     """A snapshot learned in-process from ``prompts`` (none of the measured ones): they are decoded
     with ``policy`` from the default window at each of ``levels`` requests at once, and with
     ``tree_policy`` (when given) from the start tree, counted by a replica's ``StatsCollector``
     (the tree rule's carried state too, as a replica counts it) and priced by the policy service's
     ``compute_snapshot``: the counters and the maths of the cluster's snapshot, without Redis or a
-    cluster. ``router``: a draft router (``routing/draft_router.py``) that routes the chain
-    requests as a replica's does (the draft named: it records them) and so learns the draft's α
-    per prompt."""
+    cluster."""
     from specserve.policies.per_request import Carries
     from specserve.policies.priors import compute_snapshot
     from specserve.policies.stats import StatsCollector
@@ -304,40 +295,12 @@ def learn_snapshot(engine: SpecEngine, draft: str, prompts: list[list[int]], pol
     for name, window, tree in runs:
         for c in levels:
             engine.reset_caches()
-            engine.router = router if tree is None else None
             requests = [GenerateRequest("", max_tokens, draft, window, tree) for _ in prompts]
             learner = build_policy(name)
             if isinstance(learner, Carries):   # a rule whose state carries: counted as a replica counts it
                 learner.carried.sinks.append(collector.carry)
             engine.generate_batch_ids(prompts, requests, policy=Collecting(learner, collector), max_running=c)
-    engine.router = None
     return compute_snapshot(collector.drain())
-
-
-def prompt_router(engine: SpecEngine, draft: str):
-    """A draft router for ``draft`` alone, on the target's topic basis, exploring nothing: it only
-    records (``learn_snapshot``) and predicts (``prompt_alpha``)."""
-    from specserve.data.prompts import topic_corpus
-    from specserve.routing.draft_router import LearnedDraftRouter
-    from specserve.routing.router_factory import topic_basis
-
-    basis = topic_basis(engine.loaded.name, engine.tokenizer, topic_corpus, 8)
-    return LearnedDraftRouter([draft], basis, explore=0.0, log=False)
-
-
-def prompt_alpha(engine: SpecEngine, router, draft: str, prompt_ids: list[int]) -> float | None:
-    """The router's α of ``draft`` for this prompt, as a target replica's router has it when it
-    routes the request after the prefill (``RequestState.prompt_alpha``): a one-token request
-    without a draft, whose prefill gives the perplexity feature; None while the draft's model is
-    uninformed (``LearnedDraftRouter.informed_requests``)."""
-    engine.router = router
-    try:
-        gen = engine.generate_batch_ids([prompt_ids], [GenerateRequest("", 1, NO_DRAFT, 0)])[0]
-    finally:
-        engine.router = None
-        engine.reset_caches()
-    scores = {draft: {"alpha": (gen.routing or {}).get("predicted_alpha", {}).get(draft)}}
-    return None if scores[draft]["alpha"] is None else router.prompt_alpha(draft, scores)
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -358,8 +321,7 @@ class Sample:
     steps: int                 # request-steps
     emitted: int
     start_window: int | None = None   # cold / warm: where the request started (a tree's depth) ...
-    prior: bool | None = None         # ... whether from a prior of the snapshot ...
-    start_alpha: float | None = None  # ... and the α it started from
+    prior: bool | None = None         # ... and whether from a prior of the snapshot
     chosen: str | None = None         # oracle-static: the static window it took
 
     @property
@@ -374,7 +336,6 @@ class Run:
     engine: SpecEngine
     draft: str
     snapshot: dict | None
-    router: object | None = None   # learned with the snapshot: the warm-prompt row's α per prompt
     policies: dict[tuple, object] = field(default_factory=dict)   # (row, section, key) -> a policy object
 
     def policy(self, row: Row, key: str):
@@ -389,24 +350,18 @@ def row_request(run: Run, row: Row, prompt_ids: list[int], max_tokens: int) -> t
     """The request a row sends (not pinned: the engine's requests never are, so adaptive policies
     adapt it), and for cold / warm rows (start window, whether a prior gave it)."""
     if not row.speculate:
-        return GenerateRequest("", max_tokens, NO_DRAFT, 0), (None, None, None)
-    window, tree, start, prior_alpha, learned = row.window, row.tree, (None, None, None), None, None
+        return GenerateRequest("", max_tokens, NO_DRAFT, 0), (None, None)
+    window, tree, start, prior_alpha, learned = row.window, row.tree, (None, None), None, None
     if row.start_hook:
-        snapshot = run.snapshot if row.name in (WARM, WARM_PROMPT, WARM_TREE) else None
-        alpha = None
-        if row.name == WARM_PROMPT and run.router is not None:
-            alpha = prompt_alpha(run.engine, run.router, run.draft, prompt_ids)
-        start_at, prior = start_window(prompt_ids, run.draft, run.engine.loaded.name, snapshot, alpha=alpha)
+        snapshot = run.snapshot if row.name in (WARM, WARM_TREE) else None
+        start_at, prior = start_window(prompt_ids, run.draft, run.engine.loaded.name, snapshot)
         if prior is not None:
-            # A routed request's policy takes the router's α as the request's own (its expected α);
-            # here that is the start's prompt α where there is one.
-            prior_alpha = prior["alpha"] if prior["prompt_alpha"] is None else prior["prompt_alpha"]
-            learned = {"version": prior["version"], "sums": prior["learned"]}
+            prior_alpha, learned = prior["alpha"], {"version": prior["version"], "sums": prior["learned"]}
         if tree is None:
             window = start_at
         elif prior is not None and prior["tree"] is not None:   # the target replica's rule (ReplicaLearning.start)
             tree = replace(tree, depth=prior["tree"][0], top_k=prior["tree"][1])
-        start = (window if tree is None else tree.depth, prior is not None, prior_alpha)
+        start = (window if tree is None else tree.depth, prior is not None)
     return GenerateRequest("", max_tokens, run.draft, window, tree, prior_alpha=prior_alpha, prior_learned=learned), start
 
 
@@ -575,13 +530,10 @@ def aims(rows: list[dict], window_policies: Sequence[str], tree_policies: Sequen
     statics = [v for v in (tps("window", static_name(w)) for w in STATIC_WINDOWS) if v is not None]
     static_trees = [v for v in (tps("tree", tree_name(s)) for s in STATIC_TREES) if v is not None]
     tree_adaptive = [v for v in (tps("tree", n) for n in tree_policies if n != STATIC_TREE) if v is not None]
-    cold, short_oracle = tps("start", COLD), tps("start", ORACLE)
+    cold, warm, short_oracle = tps("start", COLD), tps("start", WARM), tps("start", ORACLE)
     cold_tree, warm_tree = tps("start", COLD_TREE), tps("start", WARM_TREE)
-
-    def gap(warm: float | None) -> float | None:
-        return (round((warm - cold) / (short_oracle - cold), 4)
-                if None not in (cold, warm, short_oracle) and short_oracle != cold else None)
-
+    gap = (round((warm - cold) / (short_oracle - cold), 4)
+           if None not in (cold, warm, short_oracle) and short_oracle != cold else None)
     load = [r["ratio"] for r in rows if r["section"] == "load" and r["policy"] == LOAD_AWARE and r["ratio"] is not None]
     # "Best static" means the best of all of them: with part of them run, the aim is not measured.
     best_static = max(statics) if len(statics) == len(STATIC_WINDOWS) else None
@@ -590,8 +542,7 @@ def aims(rows: list[dict], window_policies: Sequence[str], tree_policies: Sequen
         "online_vs_best_static": (ratio(online, best_static), 1.0),
         "online_vs_oracle": (ratio(online, oracle), 0.97),
         "best_tree_policy_vs_best_static_tree": (ratio(max(tree_adaptive, default=None), best_static_tree), 1.0),
-        "warm_share_of_cold_to_oracle_gap_closed": (gap(tps("start", WARM)), 0.5),
-        "warm_prompt_share_of_cold_to_oracle_gap_closed": (gap(tps("start", WARM_PROMPT)), 0.5),
+        "warm_share_of_cold_to_oracle_gap_closed": (gap, 0.5),
         "warm_tree_vs_cold_tree": (ratio(warm_tree, cold_tree), 1.05),
         "q_learning_carried_vs_per_request": (ratio(tps("window", "q-learning"), tps("window", "q-learning-per-request")), 1.0),
         "load_aware_vs_target_only_lowest": (min(load, default=None), 1.0),
@@ -811,10 +762,7 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
     encoded = {c: [engine.encode(t, chat=True) for t in ts] for c, ts in texts.items()}
     prompts = [(c, encoded[c][i]) for c in categories for i in range(config.prompts_per_category)]
     mix = [encoded[c][i] for i in range(per_category) for c in categories][:config.load_requests]
-    router = None
-    if learning and any(r.name in (WARM, WARM_PROMPT, WARM_TREE) for r in rows_run):
-        if any(r.name == WARM_PROMPT for r in rows_run):
-            router = prompt_router(engine, draft_name)
+    if learning and any(r.name in (WARM, WARM_TREE) for r in rows_run):
         learn = [encoded[c][per_category + i] for i in range(learn_per_category) for c in categories]
         learn = learn[:learn_requests]
         if progress:
@@ -822,16 +770,12 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
                   f"{' and '.join(map(str, LEARN_LEVELS))} at once)...", flush=True)
         with quiet_draft_servers():
             snapshot = learn_snapshot(engine, draft_name, learn, config.learn_policy,
-                                      tree_policy=learn_tree_policy if any(r.name == WARM_TREE for r in rows_run) else None,
-                                      router=router)
+                                      tree_policy=learn_tree_policy if any(r.name == WARM_TREE for r in rows_run) else None)
         notes.append(f"warm: the snapshot was learned in-process from {len(learn)} other prompts of the categories "
                      f"({LEARN_TOKENS} tokens, {', '.join(map(str, LEARN_LEVELS))} at once, {config.learn_policy}): "
                      f"{len(snapshot['priors'])} priors")
 
-    if router is None and any(r.name == WARM_PROMPT for r in rows_run):
-        notes.append(f"{WARM_PROMPT}: no router learned (a --snapshot file gives none): its requests start from the "
-                     f"bucket's α, as warm")
-    run = Run(engine, draft_name, snapshot, router=router)
+    run = Run(engine, draft_name, snapshot)
     total = count_generations(rows_run, len(prompts), config.load_requests, config.concurrency, config.load_mode,
                               config.load_rounds)
     with tqdm(total=total, desc="bench policies", unit="gen", disable=not progress) as bar, quiet_draft_servers():
@@ -846,10 +790,6 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
         found = sum(bool(s.prior) for s in warm)
         notes.append(f"warm: {found} of {len(warm)} requests found a prior for target {engine.loaded.name!r}, draft "
                      f"{draft_name!r} in the snapshot (the others started cold, at window {START_WINDOW})")
-        by_prompt = [s for s in samples if s.policy == WARM_PROMPT]
-        if by_prompt:
-            notes.append(f"{WARM_PROMPT}: start α per request " + ", ".join(
-                f"{s.category} {s.start_alpha} -> {s.start_window}" for s in by_prompt))
 
     meta = {
         "target": engine.loaded.name,

@@ -207,12 +207,10 @@ def compute_snapshot(counts: dict[StatsKey, Counter], now: float | None = None, 
             "priors": priors}
 
 
-def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batch_size: int = 1,
-               alpha: float | None = None) -> dict | None:
+def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batch_size: int = 1) -> dict | None:
     """Where a request that did not pin its window or tree starts, from the cluster's prior for
     its draft and task bucket (``stats.request_bucket``: prompt length, constrained or not):
-    ``{"version", "bucket", "load", "alpha", "prompt_alpha", "window", "tree", "learned"}``, or
-    None (cold); ``alpha``: the bucket's; ``prompt_alpha``: ``alpha`` below, or None.
+    ``{"version", "bucket", "load", "alpha", "window", "tree", "learned"}``, or None (cold).
     ``tree``: the (depth, top-k) that paid best under the request's load (else over every load;
     else the draft's pooled prior's; None: no tree measured); ``learned``: the rules' carried sums
     (``carry.py``).
@@ -226,24 +224,15 @@ def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batc
     The window is at least 1: a prior of γ = 0 still starts drafting, because the per-step policy
     decides whether to switch speculation off and must see the draft to learn; its α counts as
     pseudo-steps in that policy's estimate (``window.estimate_alpha``).
-
-    ``alpha``: the request's own α as predicted from its prompt (the draft router's acceptance
-    model, ``routing/acceptance.py``), in [0, 1]; the window is then priced at it with the costs the
-    bucket measured under the load. A task bucket pools prompts whose α differ by draft-specific
-    amounts (prompt lookup copies code and edits, rarely chat), so the bucket's α starts either
-    kind mid-way.
     """
     prior = find_prior(snapshot, target, draft, bucket)
     if prior is None:
         return None
-    if alpha is not None and not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha {alpha!r}: an acceptance rate in [0, 1]")
-    load, window = _load_window(snapshot, prior, load_bucket(batch_size), alpha=alpha)
+    load, window = _load_window(snapshot, prior, load_bucket(batch_size))
     tree = _tree(prior, load_bucket(batch_size))
     if tree is None and prior["bucket"] != ALL_BUCKETS:   # no shape measured for this task yet: the draft's
         tree = _tree(find_prior(snapshot, target, draft, ALL_BUCKETS) or {}, load_bucket(batch_size))
-    return {"version": snapshot.get("version"), "bucket": prior["bucket"], "load": load,
-            "alpha": prior["alpha"], "prompt_alpha": None if alpha is None else round(alpha, 4),
+    return {"version": snapshot.get("version"), "bucket": prior["bucket"], "load": load, "alpha": prior["alpha"],
             "window": max(1, int(window)), "tree": None if tree is None else (tree["depth"], tree["top_k"]),
             "learned": prior.get("learned") or {}}
 
@@ -253,26 +242,23 @@ def _tree(prior: dict, load: str) -> dict | None:
     return (prior.get("best_tree_by_load") or {}).get(load) or prior.get("best_tree")
 
 
-def _load_window(snapshot: dict, prior: dict, wanted: str, window_max: int = 8,
-                 alpha: float | None = None) -> tuple[str | None, int]:
+def _load_window(snapshot: dict, prior: dict, wanted: str, window_max: int = 8) -> tuple[str | None, int]:
     """(the load bucket whose costs priced the window, the window) for a request of ``prior``'s
-    task starting under load ``wanted``, at ``alpha`` (default: the task's): the costs measured
-    under that load for this task; else those of the draft's pooled bucket (acceptance depends on
+    task starting under load ``wanted``: that load measured for this task; else the costs measured
+    under that load for the draft's pooled bucket, priced at this task's α (acceptance depends on
     the task, costs on the load); else the nearest load measured for this task (the lighter on a
-    tie); else the task's window over every load."""
-    own = dict(prior.get("costs_by_load") or {})
-    windows = {load: window_for(alpha, costs, window_max) for load, costs in own.items()} if alpha is not None \
-        else dict(prior.get("best_window_by_load") or {})
-    if wanted in windows:
-        return wanted, windows[wanted]
+    tie); else the pooled window."""
+    by_load = prior.get("best_window_by_load") or {}
+    if wanted in by_load:
+        return wanted, by_load[wanted]
     pooled = find_prior(snapshot, prior["target"], prior["draft"], ALL_BUCKETS) or {}
     costs = (pooled.get("costs_by_load") or {}).get(wanted)
     if costs is not None:
-        return wanted, window_for(prior["alpha"] if alpha is None else alpha, costs, window_max)
-    if windows:
+        return wanted, window_for(prior["alpha"], costs, window_max)
+    if by_load:
         index = LOAD_BUCKETS.index(wanted)
-        load = min(windows, key=lambda b: (abs(LOAD_BUCKETS.index(b) - index), LOAD_BUCKETS.index(b)))
-        return load, windows[load]
+        load = min(by_load, key=lambda b: (abs(LOAD_BUCKETS.index(b) - index), LOAD_BUCKETS.index(b)))
+        return load, by_load[load]
     return None, prior["best_window"]
 
 

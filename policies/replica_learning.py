@@ -63,17 +63,16 @@ class ReplicaLearning:
         if self.outputs is not None and vocab_size:
             self.outputs.vocab_size = min(vocab_size, self.outputs.vocab_size)
 
-    def start(self, request: SpecRequest, batch_size: int = 1, alpha: float | None = None) -> tuple[SpecRequest, dict | None]:
+    def start(self, request: SpecRequest, batch_size: int = 1) -> tuple[SpecRequest, dict | None]:
         """Count the request, and start it from the cluster's prior (``priors.warm_start``, at the
         load of ``batch_size`` running requests) unless the client pinned its window or tree or
         asked for no speculation: a chain's window, a tree's shape (its node budget stays the
         request's), the draft's α and the rules' carried sums; returns the request to run and the
-        prior it started from (None: cold). ``alpha``: the draft's α predicted for this prompt
-        (the router's), which prices the window; None: the bucket's α prices it."""
+        prior it started from (None: cold)."""
         start = None
         snapshot = None if self.snapshots is None else self.snapshots.current()
         if snapshot is not None and not (request.pinned or request.speculation.plain):
-            start = warm_start(snapshot, self.target, request.draft, request_bucket(request), batch_size, alpha)
+            start = warm_start(snapshot, self.target, request.draft, request_bucket(request), batch_size)
             if start is not None:
                 learned = {"version": start["version"], "sums": start.pop("learned")}
                 request = replace(request, prior_alpha=start["alpha"], prior_learned=learned)

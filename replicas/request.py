@@ -191,10 +191,6 @@ class RequestState:
         # The α the router chose the current draft on (its prediction for this prompt, with the
         # exploration bonus when that decided): the load-aware policy's prior for this request.
         self.expected_alpha: float | None = None
-        # The router's α for the chosen draft on this prompt, without the bonus, once that draft's
-        # model has learned from enough steps to say more than its prior: the replica's warm
-        # start prices the first window at it (``policies.priors.warm_start``). None: no such α.
-        self.prompt_alpha: float | None = None
 
     @property
     def done(self) -> bool:

@@ -282,10 +282,8 @@ class TargetDeployment:
 
     def _routed(self, state: RequestState, previous: str | None) -> None:
         """A draft the router chose (or switched to): statistics count the request under it, and
-        a first choice starts from the cluster's prior for that draft, its window priced at the
-        router's α for this prompt where the router has one (``RequestState.prompt_alpha``)."""
-        request, prior = self.learning.start(state.request, len(self.scheduler.running),
-                                             state.prompt_alpha if previous is None else None)
+        a first choice starts from the cluster's prior for that draft."""
+        request, prior = self.learning.start(state.request, len(self.scheduler.running))
         if previous is None:
             state.request = request
             if prior is not None:

@@ -74,11 +74,7 @@ class LearnedDraftRouter:
                  explore: float = 0.2, revisit_every: int = 8, switch_margin: float = 0.15,
                  max_switches: int = 1, prior_steps: int = 4, min_weight_steps: int = 16,
                  window_max: int = 8, alpha_max: float = 0.95, ridge: float = 1.0, log: bool = True,
-                 clock: Callable[[], float] = time.time, recent: int = 256, informed_requests: float = 8.0):
-        """``informed_requests``: the requests a draft's acceptance model must have learned from
-        (its observations' weight: a request of ``min_weight_steps`` steps or more weighs 1)
-        before its prediction for a prompt is the request's own α (``RequestState.prompt_alpha``):
-        before that it is mostly its prior, and the cluster's α for the request's bucket is better."""
+                 clock: Callable[[], float] = time.time, recent: int = 256):
         self.drafts = [d for d in drafts if d not in (NO_DRAFT, AUTO_DRAFT)]
         self.basis = basis
         self.topic_dims = basis.dims if basis is not None else topic_dims
@@ -91,7 +87,6 @@ class LearnedDraftRouter:
         self.max_switches = max_switches
         self.prior_steps = prior_steps
         self.min_weight_steps = min_weight_steps
-        self.informed_requests = informed_requests
         self.alpha_max = alpha_max
         self.costs = StepCosts(window_max=window_max)
         dims = len(PromptFeatures.names(self.topic_dims))
@@ -162,7 +157,6 @@ class LearnedDraftRouter:
         }
         self._begin(state.id, draft, scores.get(draft, {}).get("alpha"))
         state.expected_alpha = self._chosen_on(scores, draft, reason)
-        state.prompt_alpha = self.prompt_alpha(draft, scores)
         if self.log:
             self._log("decision", state.id, features=features.to_dict(), scores=scores, choice=draft, reason=reason)
         return draft
@@ -175,14 +169,6 @@ class LearnedDraftRouter:
         if draft not in self.models or reason == PINNED:
             return None
         return self._optimistic(scores[draft]["alpha"], scores[draft]["width"])
-
-    def prompt_alpha(self, draft: str, scores: dict[str, dict]) -> float | None:
-        """The prediction for ``draft`` in ``scores`` (no bonus) once its model is informed
-        (``informed_requests``); None otherwise, or for plain decoding."""
-        model = self.models.get(draft)
-        if model is None or model.observations < self.informed_requests:
-            return None
-        return scores[draft]["alpha"]
 
     def _optimistic(self, alpha: float, width: float) -> float:
         """LinUCB's α: the prediction plus the exploration bonus, capped."""

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from specserve.bench.policies import (
-    COLD, COLD_TREE, ORACLE, START_TREE, START_WINDOW, STATIC_TREE, TARGET_ONLY, TREE_POLICIES_EXPECTED, WARM, WARM_PROMPT,
+    COLD, COLD_TREE, ORACLE, START_TREE, START_WINDOW, STATIC_TREE, TARGET_ONLY, TREE_POLICIES_EXPECTED, WARM,
     WARM_TREE, WINDOW_POLICIES_EXPECTED, PoliciesBenchConfig, Sample, oracle_samples, plan_rows, read_snapshot,
     registered_policies, run_policies_bench, start_window,
 )
@@ -18,7 +18,7 @@ from specserve.bench.policies import (
 TARGET = "smollm2-135m-instruct"
 # Every name a JSON row's policy may take (the expected policies, the static windows and extra static trees).
 ROW_NAME = re.compile(r"^(static-[1-8]|oracle-static|online|fsm|cache-fsm|q-learning|q-learning-per-request|hf-heuristic"
-                      r"|static-tree|static-tree-d\d+k\d+n\d+|sage|adt-tree|eagle2-depth|warm|warm-prompt|cold|cold-tree|warm-tree"
+                      r"|static-tree|static-tree-d\d+k\d+n\d+|sage|adt-tree|eagle2-depth|warm|cold|cold-tree|warm-tree"
                       r"|load-aware|target-only)$")
 
 
@@ -38,7 +38,7 @@ def test_a_full_plan_has_every_expected_name_in_its_section():
         by_section.setdefault(r.section, []).append(r.name)
     assert by_section["window"] == [f"static-{w}" for w in range(1, 9)] + ["online", "fsm"]
     assert by_section["tree"] == ["static-tree-d2k2n4", STATIC_TREE, "static-tree-d6k2n12", "sage"]
-    assert by_section["start"] == [f"static-{w}" for w in range(1, 9)] + [COLD, WARM, WARM_PROMPT, COLD_TREE, WARM_TREE]
+    assert by_section["start"] == [f"static-{w}" for w in range(1, 9)] + [COLD, WARM, COLD_TREE, WARM_TREE]
     assert next(r for r in rows if r.name == WARM_TREE).tree == START_TREE
     assert by_section["load"] == ["load-aware", TARGET_ONLY]
     # Adaptive rows start where a request that names nothing starts, and are never pinned (the
@@ -246,20 +246,16 @@ def test_load_rows_in_waves(engine, tmp_path):
 def test_warm_rows_can_start_from_a_snapshot_learned_in_process(engine, tmp_path):
     config = PoliciesBenchConfig(
         json_path=tmp_path / "p.json", plot_path=tmp_path / "p.png", prompts_per_category=1, max_tokens=6,
-        categories=("edit",), policies=("warm", "warm-prompt", "warm-tree"), concurrency=(1,), load_requests=1,
-        dtype="float32", learn_snapshot_requests=2,
+        categories=("edit",), policies=("warm", "warm-tree"), concurrency=(1,), load_requests=1, dtype="float32",
+        learn_snapshot_requests=2,
     )
     report = run_policies_bench(config, engine=engine, progress=False)
     learned = report["learned_snapshot"]
     assert learned["priors"] and {p["draft"] for p in learned["priors"]} == {"prompt-lookup"}
     assert any("learned in-process from 2 other prompts" in n for n in report["notes"])
-    for row in (WARM, WARM_PROMPT, WARM_TREE):
+    for row in (WARM, WARM_TREE):
         warm = [s for s in report["requests"] if s["policy"] == row]
-        assert warm and all(s["prior"] and s["start_alpha"] is not None for s in warm)
-    # Two learning requests leave the router's model uninformed: warm-prompt starts as warm does.
-    assert [s["start_window"] for s in report["requests"] if s["policy"] == WARM_PROMPT] == \
-        [s["start_window"] for s in report["requests"] if s["policy"] == WARM]
-    assert "warm_prompt_share_of_cold_to_oracle_gap_closed" in report["aims"]
+        assert warm and all(s["prior"] for s in warm)
     # The tree learners' rule (adt-tree) left its carried state in the priors; cold-tree ran beside.
     pooled = next(p for p in learned["priors"] if p["bucket"] == "all")
     # 2 prompts, one at a time and then together (their counts decayed a little by age, as every prior's)

@@ -136,25 +136,3 @@ def test_a_load_this_task_never_saw_is_priced_with_the_pooled_costs_of_that_load
     one_window = {**flat, "windows": [4]}
     snapshot["priors"][1]["costs_by_load"]["b1"] = one_window
     assert warm_start(snapshot, "t", "pl", "p256", batch_size=1)["window"] == 4   # no slope: no further than measured
-
-
-def test_a_requests_own_alpha_prices_its_window_with_the_costs_of_its_load():
-    """A bucket pools prompts whose α differ (prompt lookup copies an edit, rarely a chat
-    answer): the router's α for the prompt prices the window on the same measured costs, so
-    a copying prompt starts long and a chatty one short, where the bucket's α starts both at
-    its own window."""
-    from specserve.policies.priors import warm_start
-
-    rising = {"draft_ms_per_token": 0.0, "verify_ms": [20.0, 1.0], "windows": [1, 2, 4]}
-    snapshot = {"version": 2, "priors": [
-        {"target": "t", "draft": "pl", "bucket": "p256", "alpha": 0.5, "best_window": 3,
-         "best_window_by_load": {"b1": 3}, "costs_by_load": {"b1": rising}}]}
-    bucket = warm_start(snapshot, "t", "pl", "p256")
-    copying, chatty = (warm_start(snapshot, "t", "pl", "p256", alpha=a) for a in (0.9, 0.1))
-    assert (bucket["alpha"], bucket["prompt_alpha"], bucket["window"]) == (0.5, None, 3)
-    assert (copying["alpha"], copying["prompt_alpha"]) == (0.5, 0.9) and copying["window"] > bucket["window"]
-    assert chatty["window"] == 1 and chatty["load"] == copying["load"] == "b1"
-    # The same α as the bucket's gives the bucket's window.
-    assert warm_start(snapshot, "t", "pl", "p256", alpha=0.5)["window"] == 3
-    with pytest.raises(ValueError, match="acceptance rate"):
-        warm_start(snapshot, "t", "pl", "p256", alpha=1.5)

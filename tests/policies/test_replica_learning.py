@@ -41,10 +41,6 @@ def test_a_new_request_starts_from_the_snapshot_unless_pinned(server):
         assert learning.start(cold) == (cold, None)
     # An unpinned tree request takes the draft's α and carried sums; its shape too once a tree
     # was measured (none here), its window never.
-    # A routed request with the router's α for its prompt: the window priced at it (test_priors);
-    # the cluster's α stays the bucket's (the router's α reaches the policy as the request's own).
-    low, prior = learning.start(request(), alpha=0.05)
-    assert (low.window, low.prior_alpha, prior["prompt_alpha"]) == (prior["window"], prior["alpha"], 0.05)
     tree, prior = learning.start(request(tree=TreeShape(3, 2, 6)))
     assert (tree.tree, tree.window, tree.prior_alpha) == (TreeShape(3, 2, 6), 4, prior["alpha"])
     assert tree.prior_learned == {"version": 1, "sums": {}} and prior["tree"] is None

@@ -140,18 +140,3 @@ def test_an_unavailable_draft_is_never_chosen_however_wide_its_bonus(draft_ms):
     router.unavailable = frozenset({"fresh", "known"})
     alone = state("r2")
     assert router.route(alone, 1) == NO_DRAFT and alone.routing["reason"] == NO_GAIN
-
-
-def test_a_prompts_own_alpha_is_given_only_once_the_drafts_model_is_informed():
-    """``prompt_alpha`` (what a replica's warm start prices the first window at) is the
-    prediction without the bonus, and only for a draft whose model has learned from
-    ``informed_requests`` requests: before that the prediction is mostly the prior."""
-    router = replica_router(explore=0.0)   # known: 20 observations; fresh: none
-    router.informed_requests = 8
-    request = state("p0")
-    assert router.route(request, 1) == "known"
-    assert request.prompt_alpha == request.routing["predicted_alpha"]["known"] == pytest.approx(0.6, abs=0.05)
-    scores = {"fresh": {"alpha": request.routing["predicted_alpha"]["fresh"]}}
-    assert router.prompt_alpha("fresh", scores) is None and router.prompt_alpha(NO_DRAFT, scores) is None
-    router.informed_requests = 40
-    assert router.prompt_alpha("known", {"known": {"alpha": 0.6}}) is None
