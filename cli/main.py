@@ -545,6 +545,32 @@ def zoo_vlm(
         fail(str(err))
 
 
+@zoo_app.command("imagegen-vq")
+def zoo_imagegen_vq(
+    steps: Optional[int] = typer.Option(None, help="Train to this step (default: the recipe's)."),
+    batch: Optional[int] = typer.Option(None, help="Scenes per step (default: the recipe's)."),
+    device: Optional[str] = typer.Option(None, help="Where to train, e.g. cuda (default: the CPU; expect hours there)."),
+    max_seconds: Optional[float] = typer.Option(None, help="Stop (saved) after this long; run again to go on."),
+    work: Optional[Path] = typer.Option(None, help="Checkpoint and log folder."),
+    export: Optional[Path] = typer.Option(None, help="Then write the tokenizer and its model card to this folder."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Train the reference image generator's VQ tokenizer on synthetic scenes; resumes from its
+    checkpoint when run again."""
+    from specserve.training import vq_train
+
+    set_threads(threads)
+    if (steps is not None and steps < 1) or (batch is not None and batch < 1):
+        fail("--steps and --batch must be >= 1")
+    try:
+        work = vq_train.train(steps=steps, batch=batch, work=work, max_seconds=max_seconds, device=device)
+        typer.echo(f"checkpoint and log in {work}")
+        if export is not None:
+            typer.echo(f"tokenizer written to {vq_train.export(work=work, out=export)}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
 @zoo_app.command("vlm-draft")
 def zoo_vlm_draft(
     pictures: int = typer.Option(3072, help="Pictures the VLM answers (in chunks of 64; resumable)."),

@@ -79,7 +79,7 @@ def _jitter(rgb: tuple[int, int, int], rng: random.Random) -> tuple[int, ...]:
     return tuple(max(0, min(255, c + rng.randint(-20, 20))) for c in rgb)
 
 
-def _shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
+def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
     x0, y0, x1, y1 = box
     cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
     if shape == "circle":
@@ -97,7 +97,7 @@ def _shape_picture(rng: random.Random) -> tuple[Image.Image, str, str]:
     shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
     size = rng.randint(34, 70)
     x0, y0 = rng.randint(4, IMAGE_SIZE - size - 4), rng.randint(4, IMAGE_SIZE - size - 4)
-    _shape(draw, shape, (x0, y0, x0 + size, y0 + size), _jitter(COLOURS[colour], rng))
+    draw_shape(draw, shape, (x0, y0, x0 + size, y0 + size), _jitter(COLOURS[colour], rng))
     return image, shape, colour
 
 
