@@ -571,6 +571,32 @@ def zoo_imagegen_vq(
         fail(str(err))
 
 
+@zoo_app.command("imagegen")
+def zoo_imagegen(
+    tokenizer: Optional[Path] = typer.Option(None, help="The trained VQ tokenizer's folder (default: `zoo "
+                                                        "imagegen-vq`'s export in its default work folder)."),
+    steps: Optional[int] = typer.Option(None, help="Train to this step (default: the recipe's)."),
+    batch: Optional[int] = typer.Option(None, help="Rows per step (default: the recipe's)."),
+    device: Optional[str] = typer.Option(None, help="Where to train, e.g. cuda (default: the CPU; expect hours there)."),
+    max_seconds: Optional[float] = typer.Option(None, help="Stop (saved) after this long; run again to go on."),
+    work: Optional[Path] = typer.Option(None, help="Token grids, checkpoint and log folder."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Train the reference image generator, a class-conditional Llama over the VQ tokenizer's
+    image tokens; resumes from its checkpoint when run again."""
+    from specserve.training import imagegen_train, vq_train
+
+    set_threads(threads)
+    if (steps is not None and steps < 1) or (batch is not None and batch < 1):
+        fail("--steps and --batch must be >= 1")
+    try:
+        work = imagegen_train.train(tokenizer or vq_train.default_work() / "export", steps=steps, batch=batch,
+                                    work=work, max_seconds=max_seconds, device=device)
+        typer.echo(f"checkpoint and log in {work}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
 @zoo_app.command("vlm-draft")
 def zoo_vlm_draft(
     pictures: int = typer.Option(3072, help="Pictures the VLM answers (in chunks of 64; resumable)."),

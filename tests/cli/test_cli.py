@@ -44,6 +44,7 @@ def in_process(*args: str):
         (["zoo", "probe", "smollm2-eagle3", "--categories", "poetry"], "--categories must name some of"),
         (["zoo", "train", "smollm2-eagle3", "--batch", "0"], "--batch must be >= 1"),
         (["zoo", "imagegen-vq", "--steps", "0"], "--steps and --batch must be >= 1"),
+        (["zoo", "imagegen", "--batch", "0"], "--steps and --batch must be >= 1"),
         (["bench", "serve", "--concurrency", "0"], "--concurrency needs integers >= 1"),
         (["bench", "serve", "--categories", "code,poetry"], "--categories: choose from"),
         (["bench", "serve", "--router-warmup", "-1"], "--router-warmup must be >= 0"),

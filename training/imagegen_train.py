@@ -1,0 +1,199 @@
+"""Train the reference image generator: a Llama over the VQ tokenizer's image tokens, class-conditional.
+
+    specserve zoo imagegen [--steps N] [--max-seconds S]   # resumable: run it again to go on
+
+LlamaGen's class-conditional setting, scaled down: a sequence is the class's token, then the
+picture's grid of image tokens in raster order (``data/scenes.py`` scenes through the trained
+tokenizer, ``replicas/vq_tokenizer.py``), and the loss is next-token cross-entropy on the image
+tokens. For classifier-free guidance the class token is replaced by the unconditional token in
+10% of the rows (the ADT-Tree paper's and LlamaGen's dropout), so one model gives both the
+conditional and the unconditional distribution.
+
+Vocabulary: ids ``0..K-1`` are the codebook's, ``K..K+C-1`` the C class labels, ``K+C`` the
+unconditional token (``ImagegenLayout``). The model is a ``LlamaForCausalLM``, so the serving
+engine's forward, KV cache and drafts take it as they take a text target.
+
+Deviation: LlamaGen's class-conditional models use 2-D rotary positions; this one the plain 1-D
+rotary positions of a Llama, so that the engine's forward serves it unchanged.
+
+The scenes' token grids are computed once per run folder (``tokens-NNNNN.npy``, ``TOKEN_CHUNK``
+scenes each, with their labels) and reused; seeds count up from 0, so a longer run adds chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specserve.data.scenes import CLASSES, scene
+from specserve.replicas.model_store import model_cache_dir
+from specserve.replicas.vq_tokenizer import VQTokenizer, to_pixels
+
+TOKEN_CHUNK = 1024
+CFG_DROPOUT = 0.1
+
+
+@dataclass(frozen=True)
+class ImagegenLayout:
+    """Where image tokens, class tokens and the unconditional token sit in the vocabulary."""
+
+    codebook_size: int
+    classes: int = CLASSES
+
+    @property
+    def unconditional(self) -> int:
+        return self.codebook_size + self.classes
+
+    @property
+    def vocab_size(self) -> int:
+        return self.codebook_size + self.classes + 1
+
+    def class_token(self, label: int) -> int:
+        if not 0 <= label < self.classes:
+            raise ValueError(f"class label {label}: one of 0..{self.classes - 1}")
+        return self.codebook_size + label
+
+
+@dataclass(frozen=True)
+class ImagegenRecipe:
+    steps: int = 6000
+    batch: int = 32
+    lr: float = 6e-4
+    warmup_steps: int = 200
+    weight_decay: float = 0.05
+    scenes: int = 65536            # distinct scenes tokenized; a step draws rows among them
+    hidden: int = 256
+    layers: int = 6
+    heads: int = 4
+    eval_every: int = 500
+    save_every: int = 100
+
+
+RECIPE = ImagegenRecipe()
+
+
+def default_work() -> Path:
+    return model_cache_dir().parent / "train" / "scenes-imagegen"
+
+
+def model_config(layout: ImagegenLayout, grid: int, recipe: ImagegenRecipe):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=layout.vocab_size, hidden_size=recipe.hidden, intermediate_size=recipe.hidden * 8 // 3,
+                       num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
+                       num_key_value_heads=recipe.heads, max_position_embeddings=1 + grid * grid + 16,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None)
+
+
+@torch.no_grad()
+def token_grids(tokenizer: VQTokenizer, work: Path, scenes: int, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [scenes, grid * grid] int16, labels [scenes] int16) of scenes 0..``scenes``-1, cached in
+    ``work`` per chunk."""
+    from tqdm import tqdm
+
+    ids, labels = [], []
+    chunks = -(-scenes // TOKEN_CHUNK)
+    for c in tqdm(range(chunks), desc="tokenizing scenes", disable=not progress):
+        path = work / f"tokens-{c:05d}.npz"
+        if not path.exists():
+            drawn = [scene(seed) for seed in range(c * TOKEN_CHUNK, (c + 1) * TOKEN_CHUNK)]
+            grids = torch.cat([tokenizer.encode(to_pixels([s.image for s in drawn[i:i + 64]]))
+                               for i in range(0, len(drawn), 64)])
+            tmp = path.with_suffix(".tmp.npz")
+            np.savez(tmp, ids=grids.flatten(1).numpy().astype(np.int16),
+                     labels=np.array([s.label for s in drawn], dtype=np.int16))
+            tmp.rename(path)
+        with np.load(path) as data:
+            ids.append(data["ids"])
+            labels.append(data["labels"])
+    return np.concatenate(ids)[:scenes], np.concatenate(labels)[:scenes]
+
+
+def sequences(ids: np.ndarray, labels: np.ndarray, layout: ImagegenLayout, rng: np.random.Generator) -> torch.Tensor:
+    """Rows [class or unconditional token, image tokens...], the class dropped with CFG_DROPOUT."""
+    cond = labels.astype(np.int64) + layout.codebook_size
+    cond[rng.random(len(cond)) < CFG_DROPOUT] = layout.unconditional
+    return torch.from_numpy(np.concatenate([cond[:, None], ids.astype(np.int64)], axis=1))
+
+
+def _lr(recipe: ImagegenRecipe, step: int) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+    return recipe.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def image_loss(model, rows: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of each image token given the class token and the tokens before it."""
+    logits = model(input_ids=rows[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), rows[:, 1:].reshape(-1))
+
+
+def train(tokenizer_folder: Path, steps: int | None = None, batch: int | None = None, work: Path | None = None,
+          recipe: ImagegenRecipe = RECIPE, progress: bool = True, max_seconds: float | None = None,
+          device: str | None = None) -> Path:
+    """Train (resuming from ``work``'s checkpoint); returns ``work``. Held out: the last 1/64 of
+    the tokenized scenes, scored every ``eval_every`` steps."""
+    from tqdm import tqdm
+    from transformers import LlamaForCausalLM
+
+    recipe = ImagegenRecipe(**{**asdict(recipe), **({"steps": steps} if steps else {}),
+                               **({"batch": batch} if batch else {})})
+    device = torch.device(device or "cpu")
+    work = Path(work or default_work())
+    work.mkdir(parents=True, exist_ok=True)
+    tokenizer = VQTokenizer.load(tokenizer_folder)
+    layout = ImagegenLayout(tokenizer.config.codebook_size)
+    ids, labels = token_grids(tokenizer, work, recipe.scenes, progress)
+    held = max(1, len(ids) // 64)
+    train_ids, train_labels = ids[:-held], labels[:-held]
+    model = LlamaForCausalLM(model_config(layout, tokenizer.config.grid, recipe)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay)
+    checkpoint = work / "checkpoint.pt"
+    start, log = 0, []
+    if checkpoint.exists():
+        state = torch.load(checkpoint, map_location=device)
+        model.load_state_dict(state["weights"])
+        optimizer.load_state_dict(state["optimizer"])
+        start, log = state["step"], state["log"]
+    model.train()
+    bar = tqdm(range(start, recipe.steps), initial=start, total=recipe.steps, desc="imagegen", disable=not progress)
+    began = time.perf_counter()
+    for step in bar:
+        rng = np.random.default_rng(step)   # the rows of a step are its own, resumed or not
+        pick = rng.integers(0, len(train_ids), recipe.batch)
+        rows = sequences(train_ids[pick], train_labels[pick], layout, rng).to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(recipe, step)
+        loss = image_loss(model, rows)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        entry = {"step": step + 1, "loss": loss.item(), "seconds": time.perf_counter() - began}
+        done = step + 1 == recipe.steps or (max_seconds is not None and entry["seconds"] > max_seconds)
+        if (step + 1) % recipe.eval_every == 0 or done:
+            model.eval()
+            with torch.no_grad():
+                rows = sequences(ids[-held:], labels[-held:], layout, np.random.default_rng(0)).to(device)
+                entry["held_out_loss"] = sum(image_loss(model, rows[i:i + 64]).item() * len(rows[i:i + 64])
+                                             for i in range(0, len(rows), 64)) / len(rows)
+            model.train()
+            bar.write(f"step {step + 1}: loss {entry['loss']:.3f}, held-out {entry['held_out_loss']:.3f}")
+        log.append(entry)
+        bar.set_postfix(loss=f"{entry['loss']:.3f}")
+        if (step + 1) % recipe.save_every == 0 or done:
+            torch.save({"weights": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                        "log": log, "recipe": asdict(recipe), "layout": asdict(layout)}, checkpoint)
+        if done:
+            break
+    (work / "log.json").write_text(json.dumps(log))
+    return work
