@@ -50,12 +50,16 @@ TARGET_SLOTS = 4      # max_ongoing_requests (= max_batch) of each target replic
 TARGET_QUEUE = 8      # max_queued_requests at the (one) ingress replica (a burst waits here while
                       # Serve's router picks replicas, so much smaller would turn bursts away)
 RESUME_TIMEOUT_S = 45
+EXPLORE = 1.0         # the router's exploration weight (LinUCB's β) in this stack
 
 
 def _config(draft_path: str, keys_file: str) -> dict:
     args = {**local_serve_config()["applications"][0]["args"], "dtype": "float32", "max_batch": TARGET_SLOTS,
             "api_keys_file": keys_file, "resume_timeout_s": RESUME_TIMEOUT_S,
-            "drafts": [{"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path, "placement": "separate"}]}
+            "drafts": [{"name": "prompt-lookup"}, {"name": DRAFT_LM, "model": draft_path, "placement": "separate"}],
+            # Wide enough a bonus that the separate draft LM, dearer than prompt lookup and
+            # predicted no better before it is observed, gets explored (the exploration test).
+            "router_explore": EXPLORE}
     config = app_serve_config(args, target_replicas=2)
     deployments = {d["name"]: d for d in config["applications"][0]["deployments"]}
     deployments["target"].update(max_ongoing_requests=TARGET_SLOTS, max_queued_requests=TARGET_QUEUE)
@@ -786,3 +790,118 @@ def test_a_draft_replica_answering_malformed_probabilities_costs_speculation_nev
         assert drafted.stats.proposal_errors >= max(1, drafted.stats.steps - 1)
     finally:
         serve.delete("malformed-draft", _blocking=False)
+
+
+def test_the_router_explores_and_every_replica_routes_with_what_the_cluster_learned(served, tmp_path):
+    """Exploration on (``router_explore`` EXPLORE): auto requests on prompts unlike the earlier
+    tests' show a draft chosen for LinUCB's bonus (``spec.router.reason`` "explore").
+    Pinned requests of that draft on that prompt teach its model as routed ones do; their outcomes
+    reach the policy service through Redis, it retrains, and auto requests on the prompt answered
+    by each target replica then predict the draft's α near what it realised there."""
+    import itertools
+    from urllib.parse import unquote, urlsplit
+
+    from specserve.cluster.redis_server import RedisServer, ping
+    from specserve.policies.redis_stats import RedisStats
+    from specserve.routing.acceptance import LinearAcceptance
+    from specserve.routing.retrain import WeightsDocument, weights_for
+
+    novel = [
+        "Name three rivers in Africa and the countries they flow through.",
+        "Write a haiku about autumn leaves falling in a quiet forest.",
+        "Continue the pattern: one two three, one two three, one two three, one two three,",
+        "Explain in two sentences why the sky looks blue at noon and red at sunset.",
+        "SELECT name, age FROM users WHERE age > 30 ORDER BY age; -- what does this query return?",
+    ]
+    client = openai_client(served)
+    teach = 12
+    near = 0.1   # how close `teach` observations at one prompt's features hold its ridge prediction to their mean
+    salts = itertools.count()
+
+    def ask(prompt, spec):
+        # Salted apart: no request reuses another's prefix, so every prefill measures the prompt's
+        # perplexity and one prompt has one feature vector.
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"spec": spec, "cache_salt": f"explore-{next(salts)}"})
+        return out.id.removeprefix("chatcmpl-"), out.model_extra["spec"]
+
+    restarted = None
+    if not ping(served.redis_url):   # the Redis test stopped it: back on its port and password, which the replicas know
+        url = urlsplit(served.redis_url)
+        restarted = RedisServer.start(tmp_path, port=url.port, password=unquote(url.password))
+    try:
+        # 1. An auto request explores (one at a time, so that no prefill skips the perplexity).
+        seen, explored, deadline = [], None, time.monotonic() + 300
+        while explored is None and len(seen) < 60 and time.monotonic() < deadline:
+            prompt = novel[len(seen) % len(novel)]
+            _, spec = ask(prompt, {"draft": "auto"})
+            seen.append((spec["router"]["choice"], spec["router"]["reason"], spec["replica"]))
+            if spec["router"]["reason"] == "explore":
+                explored = prompt, spec["router"]
+        assert explored is not None, f"no auto request explored in {len(seen)} (choice, reason, replica): {seen}"
+        prompt, decision = explored
+        draft = decision["choice"]
+
+        # 2. Pinned requests of the explored draft on its prompt (a pinned window drafts every step).
+        taught = [ask(prompt, {"draft": draft, "window": 3}) for _ in range(teach)]
+        assert all(spec["router"]["reason"] == "pinned" for _, spec in taught), [spec["router"] for _, spec in taught]
+        ids = {request_id for request_id, _ in taught}
+
+        def outcomes():
+            body = httpx.get(served.http_url + "/v1/routing/recent", params={"limit": 1000}, headers=headers(), timeout=30).json()
+            # A request resumed on another replica carries its id with a suffix.
+            return body, [o for o in body["data"] if o["request_id"].partition("-")[0] in ids]
+
+        body, arrived = wait_until(outcomes, lambda got: len(got[1]) >= teach, timeout=60, interval=1)
+        assert body["source"] == "cluster" and len(arrived) >= teach, \
+            f"{len(arrived)} of {teach} outcomes in the cluster's stream (source {body['source']})"
+        features = arrived[0]["features"]
+        assert all(o["features"] == pytest.approx(features, abs=1e-2) for o in arrived), [o["features"] for o in arrived]
+        # Ridge at one feature vector tends to the weighted mean of every α observed there: the
+        # teaching's and any earlier auto request's on the prompt that ran the draft.
+        observed = [(s["alpha"], s["weight"]) for o in body["data"] if o["features"] == pytest.approx(features, abs=1e-2)
+                    for s in o["observations"] if s["draft"] == draft]
+        assert len(observed) >= teach, arrived
+        realised = sum(a * w for a, w in observed) / sum(w for _, w in observed)
+
+        # 3. The policy service retrains: the first publication after the outcomes arrived may have
+        # read the stream before them, the second has them (versions count from 1 again in a
+        # restarted Redis, so changes are counted, not compared).
+        def service():
+            return httpx.get(served.http_url + "/v1/policy", headers=headers(), timeout=30).json()["service"]
+
+        versions = [service()["router_weights_version"]]
+
+        def published():
+            version = service()["router_weights_version"]
+            if version != versions[-1]:
+                versions.append(version)
+            return versions
+
+        wait_until(published, lambda v: len(v) >= 3, timeout=60, interval=1)
+        assert len(versions) >= 3, f"router weights published as versions {versions} in 60 s (every 10 s expected)"
+        document = RedisStats(served.redis_url, "specserve").read_snapshot("router", WeightsDocument)
+        models = weights_for(document, arrived[0]["target"], arrived[0]["basis"], len(features))
+        assert draft in models, f"no retrained model of {draft} for this target and basis: {sorted(models)}"
+        learned = LinearAcceptance.from_dict(models[draft]).predict(features)
+        assert abs(learned - realised) <= near, f"{draft}: the cluster predicts α {learned:.3f}, realised {realised:.3f}"
+
+        # 4. Each target replica (they reload the weights every 5 s) routes the prompt with them.
+        predicted: dict[str, float] = {}
+
+        def probe():
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:   # two at once: both replicas take one
+                for _, spec in pool.map(lambda _: ask(prompt, {"draft": "auto"}), range(2)):
+                    predicted[spec["replica"]] = spec["router"]["predicted_alpha"][draft]
+            return predicted
+
+        wait_until(probe, lambda got: len(got) >= 2 and all(abs(p - realised) <= near for p in got.values()),
+                   timeout=120, interval=1)
+        assert len(predicted) >= 2, f"auto requests on {prompt!r} reached replicas {sorted(predicted)} only"
+        assert all(abs(p - realised) <= near for p in predicted.values()), (
+            f"{draft} on {prompt!r}: realised α {realised:.3f}, the cluster's model {learned:.3f}; predicted "
+            f"{decision['predicted_alpha'][draft]} when explored, now by replica {predicted}")
+    finally:
+        if restarted is not None:
+            restarted.stop()
