@@ -23,7 +23,6 @@ scenes each, with their labels) and reused; seeds count up from 0, so a longer r
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from specserve.data.scenes import CLASSES, scene
 from specserve.replicas.model_store import model_cache_dir
 from specserve.replicas.vq_tokenizer import VQTokenizer, to_pixels
+from specserve.training.schedule import warmup_cosine
 
 TOKEN_CHUNK = 1024
 CFG_DROPOUT = 0.1
@@ -124,13 +124,6 @@ def sequences(ids: np.ndarray, labels: np.ndarray, layout: ImagegenLayout, rng: 
     return torch.from_numpy(np.concatenate([cond[:, None], ids.astype(np.int64)], axis=1))
 
 
-def _lr(recipe: ImagegenRecipe, step: int) -> float:
-    if step < recipe.warmup_steps:
-        return recipe.lr * (step + 1) / recipe.warmup_steps
-    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-    return recipe.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def image_loss(model, rows: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each image token given the class token and the tokens before it."""
     logits = model(input_ids=rows[:, :-1]).logits
@@ -172,7 +165,7 @@ def train(tokenizer_folder: Path, steps: int | None = None, batch: int | None = 
         pick = rng.integers(0, len(train_ids), recipe.batch)
         rows = sequences(train_ids[pick], train_labels[pick], layout, rng).to(device)
         for group in optimizer.param_groups:
-            group["lr"] = _lr(recipe, step)
+            group["lr"] = warmup_cosine(recipe.lr, step, recipe.warmup_steps, recipe.steps)
         loss = image_loss(model, rows)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -31,7 +31,6 @@ Accuracy is exact-match per category on held-out seeds (``TEST_SEED`` up), greed
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example, norm
 from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir, targets_dir
 from specserve.replicas.vlm import (CHAT_TEMPLATE, REFERENCE_VLM, build_processor, build_vlm, expand_image_tokens,
                                     image_processor, reference_vlm_config, text_weights)
+from specserve.training.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -149,13 +149,6 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = True
     return per_row_loss.mean()
 
 
-def _lr(recipe: VLMRecipe, step: int) -> float:
-    if step < recipe.warmup_steps:
-        return recipe.lr * (step + 1) / recipe.warmup_steps
-    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-    return recipe.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def trainable(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items()
             if k.startswith(LEARNED)}
@@ -219,7 +212,7 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
     for step in bar:
         rows = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
         for group in optimizer.param_groups:
-            group["lr"] = _lr(recipe, step)
+            group["lr"] = warmup_cosine(recipe.lr, step, recipe.warmup_steps, recipe.steps)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             labels = rows.pop("labels")
             loss = answer_loss(model(**rows).logits, labels, per_row=recipe.loss == "row-mean")

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from specserve.data.scenes import SMOOTH_BACKGROUNDS, TEST_SEED, scene
 from specserve.replicas.model_store import model_cache_dir
 from specserve.replicas.vq_tokenizer import VQConfig, VQTokenizer, to_pixels
+from specserve.training.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,6 @@ RECIPE = VQRecipe()
 
 def default_work() -> Path:
     return model_cache_dir().parent / "train" / "scenes-vq"
-
-
-def _lr(recipe: VQRecipe, step: int) -> float:
-    if step < recipe.warmup_steps:
-        return recipe.lr * (step + 1) / recipe.warmup_steps
-    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-    return recipe.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def batch_of(first_seed: int, size: int) -> torch.Tensor:
@@ -125,7 +119,7 @@ def train(steps: int | None = None, batch: int | None = None, work: Path | None 
     for step in bar:
         pixels = batch_of(step * recipe.batch, recipe.batch).to(device)
         for group in optimizer.param_groups:
-            group["lr"] = _lr(recipe, step)
+            group["lr"] = warmup_cosine(recipe.lr, step, recipe.warmup_steps, recipe.steps)
         z = model.encoder(pixels)
         quantized, ids, quantizer_loss = model.quantize(z)
         pixel_loss = F.mse_loss(model.decoder(quantized), pixels)
