@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from specserve.data.scenes import SMOOTH_BACKGROUNDS, TEST_SEED, scene
 from specserve.replicas.model_store import model_cache_dir
-from specserve.replicas.vq_tokenizer import VQConfig, VQTokenizer, to_pixels
+from specserve.replicas.vq_tokenizer import VQConfig, VQTokenizer, to_images, to_pixels
 from specserve.training.schedule import warmup_cosine
 
 
@@ -158,6 +159,7 @@ def export(work: Path | None = None, out: Path | None = None, eval_scenes: int =
     model.load_state_dict(state["weights"])
     out = model.save(out or work / "export")
     scores = evaluate(model, eval_scenes)
+    gallery(model).save(out / "reconstructions.png")
     config = VQConfig(**state["config"])
     (out / "README.md").write_text(
         f"# scenes-vq\n\nThe reference image generator's VQ tokenizer (`replicas/vq_tokenizer.py`, LlamaGen's "
@@ -167,5 +169,21 @@ def export(work: Path | None = None, out: Path | None = None, eval_scenes: int =
         f"{config.codebook_size} codes of {config.code_dim} dimensions\n"
         f"- held-out reconstruction ({eval_scenes} scenes): MSE {scores['mse']:.4f} in [-1, 1], PSNR "
         f"{scores['psnr']:.1f} dB; smooth backgrounds {scores.get('mse_smooth', float('nan')):.4f}, busy "
-        f"{scores.get('mse_busy', float('nan')):.4f}; {scores['codes_used']} codes used\n")
+        f"{scores.get('mse_busy', float('nan')):.4f}; {scores['codes_used']} codes used\n\n"
+        f"![held-out scenes (top) and their reconstructions from {config.grid}x{config.grid} tokens (bottom)]"
+        f"(reconstructions.png)\n")
     return out
+
+
+@torch.no_grad()
+def gallery(model: VQTokenizer, scenes: int = 8) -> Image.Image:
+    """Held-out scenes in the top row, their reconstructions from the token grid below."""
+    model.eval()
+    originals = [scene(TEST_SEED + i).image for i in range(scenes)]
+    rebuilt = to_images(model.decode(model.encode(to_pixels(originals))))
+    size = model.config.image_size
+    sheet = Image.new("RGB", (size * scenes, size * 2), (255, 255, 255))
+    for i, (a, b) in enumerate(zip(originals, rebuilt)):
+        sheet.paste(a, (i * size, 0))
+        sheet.paste(b, (i * size, size))
+    return sheet

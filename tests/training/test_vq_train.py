@@ -2,6 +2,7 @@
 codes restart, and the export loads with its model card."""
 
 import torch
+from PIL import Image
 
 from specserve.replicas.vq_tokenizer import VQConfig, VQTokenizer
 from specserve.training.vq_train import VQRecipe, export, restart_dead_codes, train
@@ -22,6 +23,7 @@ def test_training_lowers_the_error_resumes_and_exports(tmp_path):
     assert log[-1]["pixel_mse"] < log[0]["pixel_mse"]
     out = export(work=work, out=tmp_path / "vq", eval_scenes=4)
     assert VQTokenizer.load(out).config == TINY and "PSNR" in (out / "README.md").read_text()
+    assert Image.open(out / "reconstructions.png").size == (8 * TINY.image_size, 2 * TINY.image_size)
 
 
 def test_codes_no_cell_chose_restart_at_the_worst_fitted_encoder_outputs():
