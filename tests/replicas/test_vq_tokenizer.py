@@ -47,3 +47,21 @@ def test_a_saved_folder_loads_back_the_same_tokenizer(tmp_path):
     (tmp_path / "vq" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match="not a specserve VQ tokenizer"):
         VQTokenizer.load(tmp_path / "vq")
+
+
+def test_the_shipped_tokenizer_rebuilds_held_out_scenes_from_their_grids():
+    """The reference generator's trained tokenizer (``replicas/targets/scenes-vq``): held-out
+    scenes through 16x16 tokens and back, busy backgrounds the harder part (its model card)."""
+    from pathlib import Path
+
+    import specserve.replicas as replicas
+    from specserve.data.scenes import SMOOTH_BACKGROUNDS, TEST_SEED
+
+    model = VQTokenizer.load(Path(replicas.__file__).parent / "targets" / "scenes-vq")
+    held = [scene(TEST_SEED + i) for i in range(32)]
+    pixels = to_pixels([s.image for s in held])
+    ids = model.encode(pixels)
+    assert ids.shape == (32, 16, 16)
+    error = ((model.decode(ids) - pixels) ** 2).mean(dim=(1, 2, 3))
+    smooth = torch.tensor([s.background in SMOOTH_BACKGROUNDS for s in held])
+    assert error.mean() < 0.02 and error[smooth].mean() < error[~smooth].mean()
