@@ -155,12 +155,12 @@ def export(work: Path | None = None, out: Path | None = None, eval_scenes: int =
     held-out reconstruction error."""
     work = Path(work or default_work())
     state = torch.load(work / "checkpoint.pt", map_location="cpu")
-    model = VQTokenizer(VQConfig(**state["config"]))
+    config = VQConfig(**state["config"])
+    model = VQTokenizer(config)
     model.load_state_dict(state["weights"])
     out = model.save(out or work / "export")
     scores = evaluate(model, eval_scenes)
     gallery(model).save(out / "reconstructions.png")
-    config = VQConfig(**state["config"])
     (out / "README.md").write_text(
         f"# scenes-vq\n\nThe reference image generator's VQ tokenizer (`replicas/vq_tokenizer.py`, LlamaGen's "
         f"recipe scaled down), trained by `training/vq_train.py` for {state['step']} steps of "
