@@ -18,6 +18,8 @@ a tree: its path), nothing of other slots. Two layouts:
   are padding rows; every padding column writes beyond its slot's length (where nothing reads: the
   length is the token list) and attends only to what it wrote, so its softmax is never empty. The
   scheduler keeps busy slots low and dense so that the range stays tight.
+  On CUDA a padded step of our forward is padded further, to a bucket of slots ``[0, B)``, S
+  columns and L keys, and replays that bucket's CUDA graph (``cuda_graphs``).
 
 Rolling back is free (``crop`` shortens the token list); keeping a tree's accepted path compacts
 one slot. Like ``KVSession``, a slot is correct from its token list alone: ``sync`` keeps the
@@ -36,7 +38,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specserve.replicas import cpu_attention, llama_forward
+from specserve.replicas import cpu_attention, cuda_graphs, llama_forward
 from specserve.replicas.image_tokens import VIRTUAL_BASE, embed
 from specserve.replicas.kv_session import TREE_NODE, common_prefix_len
 from specserve.replicas.tree_attention import ancestor_matrix, node_depths
@@ -155,6 +157,9 @@ class BatchKV:
         self._dtype = model.dtype
         # Llama-family models run our own forward (fewer, larger operations); others run theirs.
         self._fast = llama_forward.for_model(model) if llama_forward.supports(model) else None
+        # On CUDA our forward's padded steps replay captured graphs (``cuda_graphs``).
+        self.graphs = (cuda_graphs.StepGraphs(self._fast, self.device, slots)
+                       if self._fast is not None and cuda_graphs.available(self.device) else None)
         self._fed_rows: list[tuple[int, int, int]] = []   # per feed of the last forward (``fed_rows``)
         # A VLM target's pictures (``image_tokens.ImageStore``): the embeddings of its image tokens.
         self.images = None
@@ -244,6 +249,51 @@ class BatchKV:
             capacity = min(self.max_len, max(needed, 2 * self.capacity))
             for layer in self.cache.layers:
                 layer.grow(capacity)
+            if self.graphs is not None:   # they read the buffers just replaced
+                self.graphs.clear()
+
+    def use_cuda_graphs(self, enabled: bool) -> bool:
+        """Switch graph replay of padded steps on or off (eager steps are the reference); returns
+        whether graphs are in use (never off CUDA or for a model without our forward)."""
+        if self.graphs is not None:
+            self.graphs.enabled = enabled
+        return self.graphs is not None and self.graphs.enabled
+
+    @torch.inference_mode()
+    def capture_graphs(self, widths: tuple[int, ...] = (1,)) -> int:
+        """Capture the graphs of every bucket of ``widths`` tokens per row (1: decoding; a window
+        γ verifies γ + 1) at the cache's present capacity, before any request runs: each is one
+        step of placeholder tokens over slots made as long as the bucket's keys need, forgotten
+        afterwards (every slot is reset). Returns the graphs held; 0 off CUDA."""
+        if self.graphs is None or not self.graphs.enabled:
+            return 0
+        if any(self.tokens):
+            raise RuntimeError("graphs are captured before any slot holds tokens")
+        buckets = {cuda_graphs.smallest_at_least(w, cuda_graphs.TOKEN_BUCKETS) for w in widths} - {None}
+        for keys in cuda_graphs.key_buckets(self.capacity):
+            for rows in self.graphs.batch_buckets:
+                for tokens in sorted(buckets):
+                    if keys < tokens:
+                        continue
+                    for slot in range(rows):
+                        self.tokens[slot] = [TREE_NODE] * (keys - tokens)
+                    self.forward([Feed(slot, [0] * tokens) for slot in range(rows)])
+                    self.reset()
+        return len(self.graphs)
+
+    def _graph_bucket(self, hi: int, width: int) -> "cuda_graphs.Bucket | None":
+        """The graph bucket of a padded step over slots below ``hi`` whose longest feed has
+        ``width`` tokens, or None (eager). Every row of the bucket's slots writes its columns
+        after its own cached tokens, so the keys cover the longest of them."""
+        graphs = self.graphs
+        if graphs is None or not graphs.enabled:
+            return None
+        rows = cuda_graphs.smallest_at_least(hi, graphs.batch_buckets)
+        tokens = cuda_graphs.smallest_at_least(width, cuda_graphs.TOKEN_BUCKETS)
+        if rows is None or tokens is None:
+            return graphs.bucket(hi, width, 0, self.capacity)   # counts the eager step
+        keys = max(len(self.tokens[s]) for s in range(rows)) + tokens
+        return graphs.bucket(rows, tokens, keys, self.capacity)
 
     @torch.inference_mode()
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
@@ -329,8 +379,12 @@ class BatchKV:
         """Rows left-padded to the longest feed ([B, S]): any model, any device, long prefill chunks."""
         slots = [f.slot for f in feeds]
         lo, hi = min(slots), max(slots) + 1
+        # Pictures and M-RoPE offsets are inputs no graph takes: those steps run eagerly.
+        bucket = self._graph_bucket(hi, width) if images is None and self.mrope is None else None
+        if bucket is not None:   # slots 0..B-1, S columns, L keys (cuda_graphs)
+            lo, hi, width = 0, bucket.rows, bucket.tokens
         lengths = [len(self.tokens[s]) for s in range(lo, hi)]
-        kv_len = max(lengths) + width
+        kv_len = max(lengths) + width if bucket is None else bucket.keys
         self._ensure_capacity(kv_len)
         rows = hi - lo   # B = rows, S = width below
         ids = torch.zeros(rows, width, dtype=torch.long)                # [B, S]
@@ -366,6 +420,13 @@ class BatchKV:
         mask = torch.zeros(rows, 1, width, kv_len, dtype=dtype)   # [B, 1, S, kv_len], additive
         mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
         plan = self._plan
+        tap = getattr(self.model, "_specserve_feature_tap", None)
+        if bucket is not None:
+            slot_rows = torch.arange(lo, hi)[:, None].expand(rows, width)
+            logits = self.graphs.run(bucket, ids, positions, mask, slot_rows, columns, self.cache.layers, plan, tap)
+            self._fed_rows = [(f.slot - lo, width - len(f.tokens), width) for f in feeds]
+            # The graph's logits are its buffer, rewritten by its next replay.
+            return [logits[f.slot - lo, width - f.logits_rows:].clone() for f in feeds]
         plan.lo, plan.hi, plan.kv_len = lo, hi, kv_len
         plan.rows = torch.arange(lo, hi, device=self.device)[:, None].expand(rows, width).contiguous()
         plan.columns = columns.to(self.device)
@@ -373,7 +434,7 @@ class BatchKV:
         # logits: [B, keep, V] either way
         if self._fast is not None:
             logits = self._fast(ids.to(self.device), positions.to(self.device), mask.to(self.device),
-                                self.cache.layers, keep, getattr(self.model, "_specserve_feature_tap", None), images,
+                                self.cache.layers, keep, tap, images,
                                 None if spatial is None else spatial.to(self.device))
         else:
             tokens = ({"input_ids": ids.to(self.device)} if images is None else

@@ -14,7 +14,9 @@ around them. Here:
   dtype), applied to q and k in one go;
 - attention reads the slot buffers of ``BatchKV`` directly, with grouped-query heads (no repeat
   of k/v): on the CPU a verify step runs ``flat`` (no padding; the C kernels of ``cpu_attention``
-  and ``cpu_row_ops``), elsewhere ``__call__`` runs rows padded to the longest feed.
+  and ``cpu_row_ops``), elsewhere ``__call__`` runs rows padded to the longest feed, its attention
+  one fused ``scaled_dot_product_attention`` per layer (``sdpa_attention``), on CUDA under graphs
+  (``cuda_graphs``).
 
 The Hugging Face module keeps working: the stacked weights are the storage and the original
 ``q_proj``/``k_proj``/... parameters become views into them, so memory is not doubled and the eager
@@ -223,10 +225,13 @@ def _mlp(layer: _Layer, h: torch.Tensor, attn: torch.Tensor, rows: bool) -> torc
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-               blocks: list[tuple[int, int, int]]) -> torch.Tensor:
+               blocks: list[tuple[int, int, int]], grouped_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``_attention_block`` over the ``query_blocks``. Each row is computed on its own and a key a
     row cannot see has a probability of exactly 0, so blocking changes the result at most in the
-    last bit (the softmax and the product sum over a block's own key count)."""
+    last bit (the softmax and the product sum over a block's own key count). With
+    ``grouped_mask`` (``sdpa_mask``), off the CPU: ``sdpa_attention``."""
+    if grouped_mask is not None:
+        return sdpa_attention(q, keys, values, grouped_mask)
     if len(blocks) == 1 and blocks[0][2] == keys.shape[2]:
         return _attention_block(q, keys, values, mask)
     return torch.cat([_attention_block(q[:, :, s0:s1], keys[:, :, :end], values[:, :, :end], mask[:, :, s0:s1, :end])
@@ -255,6 +260,31 @@ def _attention_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     scores = scores.view(B, nkv, group, S, L) + mask[:, :, None]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs.view(B, nkv, group * S, L), values).view(B, nq, S, D)
+
+
+def uses_sdpa(device: torch.device) -> bool:
+    """Attention through ``scaled_dot_product_attention`` (fused kernels: one launch per layer
+    instead of five, and no [S, L] scores in memory) off the CPU; the CPU keeps
+    ``_attention_block``, faster there for a step's few rows."""
+    return device.type != "cpu"
+
+
+def sdpa_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """The additive mask [B, 1, S, L] repeated for the ``groups`` query heads that share a kv head
+    ([B, 1, groups * S, L]), built once per forward for ``sdpa_attention``'s stacked queries."""
+    B, _, S, L = mask.shape
+    return mask[:, :, None].expand(B, 1, groups, S, L).reshape(B, 1, groups * S, L)
+
+
+def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, grouped_mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention in one fused kernel: each kv head's query heads stacked as one
+    head's rows (as ``_attention_block`` does), so any backend takes it without repeating keys and
+    values. q: [B, nq, S, D]; keys, values: [B, nkv, L, D]; grouped_mask: ``sdpa_mask``."""
+    B, nq, S, D = q.shape
+    nkv = keys.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, nkv, (nq // nkv) * S, D), keys, values,
+                                         attn_mask=grouped_mask, scale=D ** -0.5)
+    return out.view(B, nq, S, D)
 
 
 class LlamaForward:
@@ -322,6 +352,7 @@ class LlamaForward:
         half = D // 2
         rows = cpu_row_ops.usable(h) and not torch.is_grad_enabled()
         blocks = query_blocks(mask, nq)
+        grouped = sdpa_mask(mask, nq // nkv) if uses_sdpa(h.device) else None
         if rows:
             cos_rows, sin_rows = cos[:, :, 0].contiguous(), sin[:, :, 0].contiguous()   # [B, S, D]
         for index, layer in enumerate(self.layers):
@@ -338,7 +369,7 @@ class LlamaForward:
                 k = qk[:, :, nq:].transpose(1, 2)              # [B, nkv, S, D]
             v = qkv[:, :, nq + nkv:].transpose(1, 2)
             keys, values = cache_layers[index].update(k, v)    # [B, nkv, kv_len, D] views
-            attn = _attention(q, keys, values, mask, blocks).transpose(1, 2).reshape(B, S, nq * D)
+            attn = _attention(q, keys, values, mask, blocks, grouped).transpose(1, 2).reshape(B, S, nq * D)
             h = _mlp(layer, h, attn, rows)
             if tap is not None and (tapped := tap.layer_of(layer.module)) is not None:
                 tap.keep(tapped, h.clone() if rows else h)   # the next layer adds to h in place

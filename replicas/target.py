@@ -53,6 +53,10 @@ class FeatureTap:
             module.register_forward_hook(
                 lambda m, args, out: self.keep(layer, out[0] if isinstance(out, tuple) else out))
 
+    @property
+    def watched_layers(self) -> frozenset[int]:
+        return frozenset(self._watched.values())
+
     def layer_of(self, module: torch.nn.Module) -> int | None:
         """The index of ``module`` if it is a watched decoder layer."""
         return self._watched.get(module)

@@ -1,0 +1,202 @@
+"""CUDA graphs for the padded step: a forward captured once per bucketed shape, replayed with
+static buffers.
+
+Why: on a GPU a small model's decode or verify step is a few hundred kernel launches, each a few
+microseconds of Python and driver time while the device waits; a graph replays all of them in one
+launch. A graph runs fixed shapes at fixed addresses, so a step is padded up to a **bucket**
+(batch rows B, tokens per row S, keys per row L) and its inputs are copied into that bucket's
+buffers:
+
+- rows are slots ``0..B-1`` (the scheduler keeps busy slots low and dense); rows without a feed
+  are padding rows, as in ``BatchKV``'s padded layout;
+- S pads every feed to the bucket's width with padding columns that see only themselves;
+- L is the keys every row attends over, masked past each row's own; the slot buffers' first L
+  positions are a fixed view of the cache, so a graph holds as long as the cache is not
+  reallocated (``BatchKV`` drops its graphs when it grows).
+
+Each graph's logits are for all B x S positions (the rows each feed wants are read after the
+replay); a watched decoder layer's output (``target.FeatureTap``) is a buffer of the graph too,
+handed to the tap after each replay. Shapes outside the buckets (long prefill chunks, a batch
+above the largest bucket, keys beyond the cache) run eagerly. A graph is captured the first time
+its bucket is used (``capture`` captures chosen buckets at start), from that step's own inputs:
+the warm-up forwards before the capture compute that step exactly, writing the keys and values it
+would write anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+# Tokens per row: decode (1), chains and trees up to 15 drafted tokens; longer feeds run eagerly.
+TOKEN_BUCKETS = (1, 2, 4, 8, 16)
+# Keys per row: powers of two from this up to the cache's capacity, and the capacity itself.
+SMALLEST_KEY_BUCKET = 256
+# Graphs kept per model: each holds its own static inputs and outputs (the pool is shared).
+MAX_GRAPHS = 256
+# Set to 0 to run every step eagerly on CUDA (a debugging switch; the config's is ``cuda_graphs``).
+ENV_SWITCH = "SPECSERVE_CUDA_GRAPHS"
+
+
+def available(device: torch.device) -> bool:
+    """Whether steps on ``device`` can run as graphs: CUDA only, unless switched off by env."""
+    return device.type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def batch_buckets(slots: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to the slot count, which is always a bucket (rows never pass the slots)."""
+    sizes, b = [], 1
+    while b < slots:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, slots)
+
+
+def key_buckets(capacity: int) -> tuple[int, ...]:
+    """``SMALLEST_KEY_BUCKET``, doubling, up to the cache's capacity (itself a bucket)."""
+    sizes, L = [], SMALLEST_KEY_BUCKET
+    while L < capacity:
+        sizes.append(L)
+        L *= 2
+    return (*sizes, capacity)
+
+
+def smallest_at_least(n: int, buckets: tuple[int, ...]) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    rows: int      # B: slots 0..B-1
+    tokens: int    # S: columns per row
+    keys: int      # L: cached + new positions every row attends over
+
+
+@dataclass
+class _Graph:
+    """A captured forward and the buffers it reads and writes."""
+
+    ids: torch.Tensor            # [B, S]
+    positions: torch.Tensor      # [B, S]
+    mask: torch.Tensor           # [B, 1, S, L] additive
+    rows: torch.Tensor           # [B, S] slot of each column (the cache write)
+    columns: torch.Tensor        # [B, S] cache position of each column
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None                          # [B, S, V]
+    tapped: dict[int, torch.Tensor] = field(default_factory=dict)   # decoder layer -> [B, S, hidden]
+
+
+class StepGraphs:
+    """The bucketed graphs of one ``BatchKV``'s forward (``llama_forward.LlamaForward``)."""
+
+    def __init__(self, forward, device: torch.device, slots: int, capture: bool = True):
+        """``capture``: False runs each bucket's forward eagerly over the same padded buffers (the
+        bucketed layout without graphs, which any device can check)."""
+        self.forward = forward
+        self.device = device
+        self.capture = capture
+        self.batch_buckets = batch_buckets(slots)
+        self.enabled = True
+        self._graphs: dict[tuple[Bucket, frozenset[int]], _Graph] = {}
+        self._pool = None
+        self.replays = 0     # steps served by a graph
+        self.eager = 0       # padded steps that fit no bucket
+
+    def bucket(self, rows: int, width: int, keys_needed: int, capacity: int) -> Bucket | None:
+        """The smallest bucket holding a step over slots ``0..rows-1`` whose longest feed has
+        ``width`` tokens and whose rows need ``keys_needed`` positions; None: run eagerly."""
+        if not self.enabled:
+            return None
+        B = smallest_at_least(rows, self.batch_buckets)
+        S = smallest_at_least(width, TOKEN_BUCKETS)
+        L = smallest_at_least(keys_needed, key_buckets(capacity))
+        if B is None or S is None or L is None:
+            self.eager += 1
+            return None
+        return Bucket(B, S, L)
+
+    def clear(self) -> None:
+        """Forget every graph (the cache they read was reallocated)."""
+        self._graphs.clear()
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, bucket: Bucket, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+            rows: torch.Tensor, columns: torch.Tensor, cache_layers, plan, tap) -> torch.Tensor:
+        """Logits [B, S, V] of the padded step whose host tensors are given at the bucket's shape
+        (ids, positions, rows, columns [B, S]; mask [B, 1, S, L]); fills ``tap`` as an eager
+        forward would."""
+        watched = frozenset() if tap is None else tap.watched_layers
+        key = (bucket, watched)
+        graph = self._graphs.get(key)
+        fresh = graph is None
+        if fresh:
+            if len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+            graph = _Graph(*(torch.empty_like(t, device=self.device) for t in (ids, positions, mask, rows, columns)))
+        for static, value in zip((graph.ids, graph.positions, graph.mask, graph.rows, graph.columns),
+                                 (ids, positions, mask, rows, columns)):
+            static.copy_(value, non_blocking=True)
+        plan.lo, plan.hi, plan.kv_len = 0, bucket.rows, bucket.keys
+        plan.rows, plan.columns = graph.rows, graph.columns
+        if not self.capture:
+            self._record(graph, cache_layers, tap)
+        elif fresh:
+            self._capture(graph, cache_layers, tap)
+        if fresh:
+            self._graphs[key] = graph
+        if self.capture:
+            graph.graph.replay()
+        self.replays += 1
+        if tap is not None:
+            for layer, out in graph.tapped.items():
+                tap.keep(layer, out.clone())
+        return graph.logits
+
+    def _call(self, graph: _Graph, cache_layers, tap) -> torch.Tensor:
+        return self.forward(graph.ids, graph.positions, graph.mask, cache_layers, graph.ids.shape[1], tap)
+
+    def _capture(self, graph: _Graph, cache_layers, tap) -> None:
+        """Warm up on a side stream (lazy initialisations happen outside the capture), then
+        capture. The warm-ups compute this step from its own inputs: what they write into the
+        cache is what the step writes."""
+        self.forward._rope_table(graph.mask.shape[-1], self.device, graph.mask.dtype)   # built outside the graph
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._call(graph, cache_layers, tap)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph.graph, pool=self._pool):
+            self._record(graph, cache_layers, tap)
+
+    def _record(self, graph: _Graph, cache_layers, tap) -> None:
+        """One forward over the graph's buffers, keeping its logits and the watched layers' outputs."""
+        recorder = _Recorder() if tap is not None else None
+        graph.logits = self._call(graph, cache_layers, None if tap is None else _RecordingTap(tap, recorder))
+        graph.tapped = {} if recorder is None else recorder.outputs
+
+
+class _Recorder:
+    def __init__(self):
+        self.outputs: dict[int, torch.Tensor] = {}
+
+
+class _RecordingTap:
+    """Stands in for a ``FeatureTap`` during capture: the watched layers' outputs become buffers
+    of the graph (handed to the real tap after each replay)."""
+
+    def __init__(self, tap, recorder: _Recorder):
+        self._tap, self._recorder = tap, recorder
+
+    def layer_of(self, module):
+        return self._tap.layer_of(module)
+
+    def keep(self, layer: int, output: torch.Tensor) -> None:
+        self._recorder.outputs[layer] = output

@@ -1,0 +1,137 @@
+"""The bucketed layout CUDA graphs replay, checked on any device: a step padded to its bucket
+(slots 0..B-1, S columns, L keys) gives every feed the logits of the plain padded step and of
+Hugging Face, fills the feature tap alike, and leaves the cache as the plain step does. On CUDA
+the same tests replay real graphs (``SPECSERVE_TEST_DEVICE=cuda``); off CUDA graphs switch off.
+"""
+
+import pytest
+import torch
+
+from specserve.replicas import cuda_graphs, llama_forward
+from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.target import feature_tap
+from tiny_models import tiny_model
+
+PREFIX = [5, 17, 3, 42, 8, 8, 61, 2, 30, 11]
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids], device=model.device)).logits[0]
+
+
+def padded(kv: BatchKV) -> BatchKV:
+    """Steps through the padded layout (the CPU's flat one is its own path)."""
+    kv._fast.flat_usable = lambda *args: False
+    return kv
+
+
+def bucketed(model, slots: int, capacity: int = 512) -> BatchKV:
+    """A cache whose padded steps run through bucket graphs: captured on CUDA, else the same
+    buffers run eagerly."""
+    kv = padded(BatchKV(model, slots=slots, capacity=capacity))
+    if kv.graphs is None:
+        kv.graphs = cuda_graphs.StepGraphs(kv._fast, kv.device, slots, capture=False)
+    return kv
+
+
+def test_buckets():
+    assert cuda_graphs.batch_buckets(12) == (1, 2, 4, 8, 12)
+    assert cuda_graphs.batch_buckets(1) == (1,)
+    assert cuda_graphs.key_buckets(1000) == (256, 512, 1000)
+    assert cuda_graphs.smallest_at_least(5, cuda_graphs.TOKEN_BUCKETS) == 8
+    assert cuda_graphs.smallest_at_least(17, cuda_graphs.TOKEN_BUCKETS) is None
+
+
+def test_graphs_are_off_the_cpu_and_switch_off_on_cuda(monkeypatch):
+    model = tiny_model("llama", seed=1)
+    kv = BatchKV(model, slots=2)
+    assert (kv.graphs is not None) == (kv.device.type == "cuda")
+    assert kv.use_cuda_graphs(False) is False
+    monkeypatch.setenv(cuda_graphs.ENV_SWITCH, "0")
+    assert not cuda_graphs.available(torch.device("cuda"))
+    assert not cuda_graphs.available(torch.device("cpu"))
+
+
+def test_bucketed_steps_give_every_feed_the_plain_steps_logits():
+    model = tiny_model("llama", seed=9, layers=3)
+    plain, graphed = padded(BatchKV(model, slots=6)), bucketed(model, slots=6)
+    graphed.forward([Feed(4, PREFIX[:7])])   # an idle slot inside the bucket, with its own prefix cache
+    steps = [
+        [Feed(0, PREFIX), Feed(1, PREFIX[:6]), Feed(2, PREFIX[:3])],   # a short prefill fits a bucket too
+        [Feed(2, [20, 21, 22, 23], 4, [-1, 0, 0, 1]), Feed(0, [9]), Feed(1, [4, 77, 5, 6, 1], 5)],
+        [Feed(0, [3]), Feed(1, [8]), Feed(2, [21])],
+        [Feed(1, [7, 7], 2)],
+    ]
+    for feeds in steps:
+        want = plain.forward(feeds)
+        got = graphed.forward(feeds)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    assert graphed.graphs.replays == 1 + len(steps) and len(graphed.graphs) >= 2
+    assert graphed.tokens[:3] == plain.tokens[:3]
+    assert graphed.tokens[4] == PREFIX[:7]   # the idle slot's prefix cache is untouched
+    # Its keys too: a request that finds that prefix gets Hugging Face's logits from it.
+    got = graphed.forward([Feed(4, [PREFIX[7]])])[0]
+    torch.testing.assert_close(got, hf_logits(model, PREFIX[:8])[-1:], rtol=0, atol=1e-4)
+
+
+def test_a_replayed_bucket_matches_hugging_face_step_after_step():
+    model = tiny_model("llama", seed=3, layers=2)
+    kv = bucketed(model, slots=3)
+    kv.forward([Feed(0, PREFIX[:4]), Feed(1, PREFIX[:2])])
+    seq0, seq1 = PREFIX[:4], PREFIX[:2]
+    for token in (9, 4, 61, 30, 12):   # the same bucket every step: its graph replays
+        got = kv.forward([Feed(0, [token]), Feed(1, [token + 1])])
+        seq0, seq1 = seq0 + [token], seq1 + [token + 1]
+        torch.testing.assert_close(got[0], hf_logits(model, seq0)[-1:], rtol=0, atol=1e-4)
+        torch.testing.assert_close(got[1], hf_logits(model, seq1)[-1:], rtol=0, atol=1e-4)
+    assert len(kv.graphs) <= 2
+
+
+def test_the_feature_tap_gets_each_replays_own_outputs():
+    model = tiny_model("llama", seed=2, layers=3)
+    tap = feature_tap(model)
+    tap.watch(1)
+    plain, graphed = padded(BatchKV(model, slots=2)), bucketed(model, slots=2)
+    for feeds in ([Feed(0, PREFIX[:5])], [Feed(0, [7, 9], 2)], [Feed(0, [4, 4], 2)]):
+        plain.forward(feeds)
+        want = plain.fed_rows(tap.last[1], 0).clone()
+        graphed.forward(feeds)
+        torch.testing.assert_close(graphed.fed_rows(tap.last[1], 0), want, rtol=0, atol=1e-5)
+
+
+def test_growing_the_cache_drops_the_graphs_that_read_it():
+    model = tiny_model("llama", seed=4)
+    kv = bucketed(model, slots=1, capacity=64)   # room to grow below the model's context
+    kv.forward([Feed(0, PREFIX[:3])])
+    assert len(kv.graphs) == 1
+    kv._ensure_capacity(kv.capacity + 1)
+    assert len(kv.graphs) == 0
+
+
+def test_graphs_captured_at_start_serve_the_first_steps():
+    model = tiny_model("llama", seed=5)
+    kv = bucketed(model, slots=2, capacity=300)
+    held = kv.capture_graphs(widths=(1, 5))
+    assert held == len(cuda_graphs.key_buckets(300)) * 2 * 2 == len(kv.graphs)
+    assert kv.tokens == [[], []]
+    got = kv.forward([Feed(0, PREFIX[:6]), Feed(1, PREFIX[:3])])
+    torch.testing.assert_close(got[0], hf_logits(model, PREFIX[:6])[-1:], rtol=0, atol=1e-4)
+    assert len(kv.graphs) == held   # a bucket already captured
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_attention_computes_the_grouped_eager_attention(dtype):
+    torch.manual_seed(0)
+    B, nq, nkv, S, L, D = 2, 6, 2, 3, 11, 16
+    q = torch.randn(B, nq, S, D, dtype=dtype)
+    keys, values = torch.randn(B, nkv, L, D, dtype=dtype), torch.randn(B, nkv, L, D, dtype=dtype)
+    allowed = torch.rand(B, 1, S, L) < 0.7
+    allowed[..., -S:] |= torch.eye(S, dtype=torch.bool)   # every row sees at least itself
+    mask = torch.zeros(B, 1, S, L, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    want = llama_forward._attention_block(q, keys, values, mask)
+    got = llama_forward.sdpa_attention(q, keys, values, llama_forward.sdpa_mask(mask, nq // nkv))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+    assert not llama_forward.uses_sdpa(torch.device("cpu")) and llama_forward.uses_sdpa(torch.device("cuda"))
