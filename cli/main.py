@@ -244,7 +244,8 @@ def up(
 
 @app.command()
 def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Deployments with their status and replica counts, where each draft runs, and every address."""
+    """Deployments with their status and replica counts, where each draft runs, the target's KV
+    capacity, and every address."""
     from specserve.cluster import local
 
     try:
@@ -263,6 +264,10 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
         measured = (f": {figures['inside_ms_per_step']} ms/step inside vs {figures['separate_ms_per_step']} separate"
                     if figures else "")
         typer.echo(f"  draft {name:18s} {placed['where']:8s} ({placed['reason']}{measured})")
+    for name, kv in (report.get("kv") or {}).items():
+        capacity = (f"{kv['kv_slots']} slots x {kv['kv_max_len']} positions = {kv['kv_capacity_tokens']} tokens "
+                    f"({kv['kv_sized_by']})" if kv else "unknown (no replica answered)")
+        typer.echo(f"  kv  {name}: {capacity}")
     for key in ("http", "grpc", "dashboard", "metrics"):
         typer.echo(f"{key:10s} {report[key]}")
     if report.get("prometheus"):

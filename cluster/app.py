@@ -58,6 +58,7 @@ def build_app(args: AppConfig) -> Application:
         model=config.target, dtype=config.dtype, torch_threads=config.torch_threads, share_cores=config.share_cores,
         kv_sessions_idle=config.kv_sessions_idle, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
         stats_name=config.model_id, default_draft=config.default_draft, max_model_len=config.max_model_len,
+        gpu_memory_utilization=config.gpu_memory_utilization,
         draft_ahead=config.draft_ahead, grammar_draft=config.grammar_draft,
     )
     router = RouterFactory(config.router_explore, topic_corpus, redis_url=config.redis_url,

@@ -221,8 +221,15 @@ class AppConfig(BaseModel):
         "no key is needed. A configured file that cannot be read stops the ingress from starting.")
     max_model_len: int | None = Field(
         None, ge=64, description="The longest prompt + completion a request may have (400 beyond). Each target "
-        "replica allocates its KV cache for (max_batch + kv_sessions_idle) sequences of this length when it starts, "
-        "so its memory does not grow under load. None: the model's context, the cache growing as sequences do.")
+        "replica allocates its KV cache for (max_batch + kv_sessions_idle) sequences of this length when it starts "
+        "(on CUDA, as many as gpu_memory_utilization leaves room for), so its memory does not grow under load. "
+        "None: the model's context, the cache growing as sequences do (on CUDA: see gpu_memory_utilization).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="On CUDA, the fraction of the device's memory a target replica fills, "
+        "counting what is in use when it starts (its weights, other processes) and an allowance for activations "
+        "(vLLM's rule): its KV slots are as many of max_model_len positions as fit, at most max_batch + "
+        "kv_sessions_idle (idle sessions given up first); with max_model_len None, the model's context capped so "
+        "that max_batch fit. Ignored on the CPU.")
     stream_interval: int = Field(
         1, ge=1, le=256, description="A streamed response's tokens are sent at least this many at a time (the first "
         "at once): each piece is a message from the target replica through the ingress and the proxy, which "

@@ -29,6 +29,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from specserve.cluster.prometheus_server import SERVICE_DISCOVERY_FILE, PrometheusServer, prometheus_binary  # noqa: E402
+from specserve.cluster.config import TARGET_DEPLOYMENT  # noqa: E402
 from specserve.cluster.redis_server import RedisServer, free_port, ping, redact  # noqa: E402
 from specserve.cluster.serve_config import (  # noqa: E402
     APP_NAME,
@@ -261,8 +262,9 @@ def status() -> dict:
         raise RuntimeError("specserve is not up here (no state file at "
                            f"{LocalState.path()}): run `specserve up`")
     connect()
+    application = app_status(state.app_name)
     return {
-        "application": app_status(state.app_name),
+        "application": application,
         "http": state.http_url + "/v1",
         "grpc": state.grpc_address,
         "dashboard": state.dashboard_url,
@@ -271,7 +273,26 @@ def status() -> dict:
         "prometheus": state.prometheus_url or None,
         "placement": draft_placement(state.http_url),
         "cluster_learning": cluster_learning(state.http_url),
+        "kv": {name: target_kv(state.app_name, name) for name, d in application["deployments"].items()
+               if name == TARGET_DEPLOYMENT and d["replicas"]},
     }
+
+
+# What ``TargetDeployment.load`` says of a replica's KV capacity.
+KV_FIELDS = ("kv_slots", "kv_max_len", "kv_capacity_tokens", "kv_sized_by")
+
+
+def target_kv(app_name: str, deployment: str = TARGET_DEPLOYMENT, timeout_s: float = 10.0) -> dict | None:
+    """The KV capacity of the target replica one call reaches (``KV_FIELDS`` of its ``load``);
+    replicas share the configuration, but one on a device with less free memory may hold fewer
+    slots. None when no replica answers in time."""
+    from ray import serve
+
+    try:
+        load = serve.get_deployment_handle(deployment, app_name).load.remote().result(timeout_s=timeout_s)
+        return {key: load[key] for key in KV_FIELDS}
+    except Exception:  # noqa: BLE001 - a status report names what it cannot reach, whatever the reason
+        return None
 
 
 def draft_placement(http_url: str, timeout_s: float = 5.0) -> dict | None:

@@ -43,6 +43,7 @@ from specserve.replicas.cost_probe import (LOADED_BATCH, PRICED_WINDOW, ProbedCo
 from specserve.replicas.core_share import CoreShare
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.grammar import grammar_tokenizer, warm_up
+from specserve.replicas.kv_memory import check_utilization, choose_slots, model_bytes
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
 from specserve.replicas.model_worker import ModelWorker
@@ -99,11 +100,22 @@ class TargetConfig:
     # The longest prompt + completion; the KV cache of every slot is allocated for it at start
     # (vLLM's preallocation: memory stays flat under load; a soak measured +11% RSS in 10 minutes as
     # the cache grew towards the longest sequence seen). None: the model's context, the cache
-    # growing as sequences do, for the in-process tests and small runs that never fill it.
+    # growing as sequences do, for the in-process tests and small runs that never fill it; on CUDA
+    # the model's context capped so that ``max_batch`` slots fit in the device's memory, allocated
+    # at start too, since a cache that grows on a GPU runs out of memory mid-request.
     max_model_len: int | None = None
+    # On CUDA, the fraction of the device's memory in use once the KV cache is allocated, counting
+    # what was in use before it (weights, CUDA context, other processes) and an allowance for
+    # activations (vLLM's rule): the slots are as many as fit, at most ``max_batch +
+    # kv_sessions_idle``, idle sessions given up first (``kv_memory``). Elsewhere the slots are as
+    # configured: the host's memory is no one device's to divide.
+    gpu_memory_utilization: float = 0.9
     # Drafts that run apart from the model thread draft the next step while the target verifies.
     draft_ahead: bool = True
     grammar_draft: bool = True   # a grammar's forced tokens proposed as the step's draft
+
+    def __post_init__(self) -> None:
+        check_utilization(self.gpu_memory_utilization)
 
 
 @runtime_checkable
@@ -178,9 +190,18 @@ class TargetDeployment:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).
                 resolved[name] = RemoteDraft(d.options(session_id=self.replica_id), name)
-        target = Target(text_model, slots=config.max_batch + config.kv_sessions_idle, max_len=config.max_model_len,
-                        images=self.images)
-        if config.max_model_len is not None:
+        # Sized once every model on the device (this target's, drafts' inside) holds its weights.
+        self.kv_sizing = choose_slots(config.max_batch, config.kv_sessions_idle, config.max_model_len,
+                                     device=text_model.device, model_config=text_model.config, dtype=text_model.dtype,
+                                     weights_bytes=model_bytes(self.loaded.model),
+                                     gpu_memory_utilization=config.gpu_memory_utilization)
+        if self.kv_sizing.slots < config.max_batch + config.kv_sessions_idle:
+            logger.warning("target %s: %d KV slots of %d positions fit in %s's memory (gpu_memory_utilization %s), not "
+                           "max_batch + kv_sessions_idle = %d: %d run at once", config.model, self.kv_sizing.slots,
+                           self.kv_sizing.max_model_len, text_model.device, config.gpu_memory_utilization,
+                           config.max_batch + config.kv_sessions_idle, self.kv_sizing.max_running)
+        target = Target(text_model, slots=self.kv_sizing.slots, max_len=self.kv_sizing.max_model_len, images=self.images)
+        if self.kv_sizing.max_model_len is not None:
             target.kv.reserve()
         self.stats_name = config.stats_name or Path(config.model).name.removesuffix(".gguf")
         self.routing = None if router is None else router(self.stats_name, list(drafts), self.tokenizer)
@@ -190,7 +211,7 @@ class TargetDeployment:
         self._priors: dict[str, dict] = {}   # request id -> the warm start a routed request began from
         self.scheduler = Scheduler(
             target, policy, self.loaded.eos_token_ids, prefill_chunk=config.prefill_chunk,
-            max_running=config.max_batch, router=None if self.routing is None else self.routing.router, default_draft=config.default_draft,
+            max_running=self.kv_sizing.max_running, router=None if self.routing is None else self.routing.router, default_draft=config.default_draft,
             observers=self.learning.observers if self.learning is not None else (),
             on_draft=[self._routed] if self.learning is not None else (),
             grammar_tokenizer=(make_grammar_tokenizer := functools.partial(
@@ -223,8 +244,9 @@ class TargetDeployment:
         self._arrived: deque[tuple[str | None, object]] = deque(maxlen=MAX_ARRIVED)
         if self._suffixes and self.learning is not None:
             self.learning.receive_outputs(lambda salt, tokens: self._arrived.append((salt, tokens)), target.vocab)
-        logger.info("target %s ready on %s (%s, %d threads), batch %d, drafts: %s; measured costs: %s", config.model,
-                    self.loaded.model.device, self.loaded.model.dtype, threads, config.max_batch,
+        logger.info("target %s ready on %s (%s, %d threads), batch %d, %d KV slots of %s positions (%s), drafts: %s; "
+                    "measured costs: %s", config.model, self.loaded.model.device, self.loaded.model.dtype, threads,
+                    self.kv_sizing.max_running, target.slots, target.kv.max_len, self.kv_sizing.sized_by,
                     ", ".join(f"{n} ({'inside' if n in inside else 'separate'})" for n in drafts) or "none",
                     json.dumps(self.costs.to_dict()))
 
@@ -356,13 +378,17 @@ class TargetDeployment:
     async def load(self) -> dict:
         """What the replica holds now: requests in the batch and waiting, the KV slots they hold
         and the positions cached for them (what a finished, cancelled or timed-out request gives
-        back at the next step), and the KV buffers allocated (fixed once grown)."""
+        back at the next step), and the KV buffers allocated (fixed once grown); and its KV
+        capacity: slots, positions each, their product, and whether the device's memory or the
+        configuration set it (``kv_memory``)."""
         live = [s for s in self.scheduler.slots if s is not None and not s.done]
         kv = self.scheduler.target.kv
         return {"replica_id": self.replica_id, "running": len(live), "waiting": len(self.scheduler.waiting),
-                "slots_in_use": len(live), "slots": kv.slots,
+                "slots_in_use": len(live), "kv_slots": kv.slots,
                 "kv_positions_in_use": sum(len(kv.tokens[s.slot]) for s in live if s.slot is not None),
-                "kv_bytes_allocated": kv.allocated_bytes, "kv_max_len": kv.max_len, "failed_steps_in_a_row": self.loop.failures}
+                "kv_bytes_allocated": kv.allocated_bytes, "kv_max_len": kv.max_len,
+                "kv_capacity_tokens": kv.slots * kv.max_len, "kv_sized_by": self.kv_sizing.sized_by,
+                "failed_steps_in_a_row": self.loop.failures}
 
     def _probe(self) -> None:
         """Two tokens through the forward that serves requests, on the last KV slot (free when

@@ -107,6 +107,29 @@ def test_status_says_whether_the_replicas_learn_together(monkeypatch, status, bo
     assert line in result.stdout.splitlines()[-1], result.stdout
 
 
+@pytest.mark.parametrize("kv, line", [
+    ({"kv_slots": 12, "kv_max_len": 2048, "kv_capacity_tokens": 24576, "kv_sized_by": "device memory"},
+     "  kv  target: 12 slots x 2048 positions = 24576 tokens (device memory)"),
+    (None, "  kv  target: unknown (no replica answered)"),
+], ids=["answered", "no-answer"])
+def test_status_prints_the_targets_kv_capacity(monkeypatch, kv, line):
+    from specserve.cluster import local
+
+    running = {"target": {"status": "HEALTHY", "replicas": 1}, "ingress": {"status": "HEALTHY", "replicas": 1}}
+    monkeypatch.setattr(local.LocalState, "load", staticmethod(lambda: local.LocalState(http_url="http://ingress")))
+    monkeypatch.setattr(local, "connect", lambda: None)
+    monkeypatch.setattr(local, "app_status", lambda _: {"status": "RUNNING", "message": "", "deployments": running})
+    monkeypatch.setattr(local, "ping", lambda _: False)
+    monkeypatch.setattr(local, "draft_placement", lambda _: None)
+    monkeypatch.setattr(local, "cluster_learning", lambda _: None)
+    asked = []
+    monkeypatch.setattr(local, "target_kv", lambda app, name: asked.append(name) or kv)
+    result = in_process("status")
+    assert result.exit_code == 0, result.stderr
+    assert asked == ["target"]   # the target deployment only, once
+    assert line in result.stdout.splitlines(), result.stdout
+
+
 # A flag whose name is not its field's.
 FIELD_OF_FLAG = {"prompts": "num_prompts", "peer": "peers", "learn_snapshot": "learn_snapshot_requests"}
 # Flags that set the process, not the benchmark (torch threads, before the run).

@@ -17,6 +17,8 @@ def test_defaults_are_the_reference_target_with_prompt_lookup():
     ({"drafts": [{"name": "prompt-lookup"}, {"name": "prompt-lookup"}]}, "draft names must be unique"),
     ({"default_window": 17}, "less than or equal to 16"),
     ({"surprise": 1}, "Extra inputs are not permitted"),
+    ({"gpu_memory_utilization": 0}, "greater than 0"),
+    ({"gpu_memory_utilization": 1.5}, "less than or equal to 1"),
 ])
 def test_bad_app_configs(fields, message):
     with pytest.raises(ValidationError, match=message):

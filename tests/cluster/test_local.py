@@ -95,3 +95,32 @@ def test_the_head_starts_with_the_grpc_proxys_message_cap(monkeypatch):
     config = app_serve_config({**local_serve_config()["applications"][0]["args"], "max_body_bytes": 1 << 20})
     local._start_ray(metrics_port=1, num_cpus=2, prometheus_url="http://127.0.0.1:9", env=local.proxy_env(config))
     assert seen == {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(1 << 20), "RAY_PROMETHEUS_HOST": "http://127.0.0.1:9"}
+
+
+def test_the_targets_kv_capacity_comes_from_one_replicas_load_or_is_none(monkeypatch):
+    from ray import serve
+
+    load = {"running": 0, "kv_slots": 12, "kv_max_len": 2048, "kv_capacity_tokens": 24576,
+            "kv_sized_by": "device memory", "kv_bytes_allocated": 1}
+
+    class Handle:   # handle.load.remote().result(timeout_s=...), answered by ``answer``
+        def __init__(self, answer):
+            self.load, self.answer = self, answer
+
+        def remote(self):
+            return self
+
+        def result(self, timeout_s):
+            return self.answer(timeout_s)
+
+    def gone(timeout_s):
+        raise TimeoutError(f"no replica answered in {timeout_s} s")
+
+    asked = []
+    monkeypatch.setattr(serve, "get_deployment_handle",
+                        lambda name, app: asked.append((name, app)) or Handle(lambda _: load))
+    assert local.target_kv("app") == {"kv_slots": 12, "kv_max_len": 2048, "kv_capacity_tokens": 24576,
+                                      "kv_sized_by": "device memory"}
+    assert asked == [("target", "app")]
+    monkeypatch.setattr(serve, "get_deployment_handle", lambda name, app: Handle(gone))
+    assert local.target_kv("app") is None

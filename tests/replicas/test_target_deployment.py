@@ -95,6 +95,8 @@ def test_max_model_len_allocates_the_whole_cache_at_start_and_refuses_longer_req
     async def scenario():
         start = await replica.load()
         assert start["kv_max_len"] == 256 and start["kv_bytes_allocated"] == 3 * 256 * per_position
+        # On the CPU the configuration sizes the cache: max_batch + kv_sessions_idle slots.
+        assert (start["kv_slots"], start["kv_capacity_tokens"], start["kv_sized_by"]) == (3, 3 * 256, "config")
         async for _ in replica.generate(SpecRequest(prompt(replica, "Name three rivers."), 24, request_id="a")):
             pass
         assert (await replica.load())["kv_bytes_allocated"] == start["kv_bytes_allocated"]
@@ -130,6 +132,12 @@ def test_only_the_last_item_carries_the_spec_summary_the_replica_built_once(repl
     assert last.spec["draft"] == "none" and last.spec["steps"] == 6 and "policy" not in last.spec
     again = asyncio.run(items(SpecRequest(text, 6, request_id="again")))[-1]
     assert again.cached_tokens == len(text) - 1   # the slot kept the prompt's KV (the root is fed again)
+
+
+@pytest.mark.parametrize("utilization", [0.0, 1.5])
+def test_gpu_memory_utilization_outside_0_to_1_is_refused_before_the_model_loads(utilization):
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        TargetConfig("no-such-model", gpu_memory_utilization=utilization)
 
 
 def test_a_policy_that_cannot_name_its_rule_is_refused_before_the_model_loads():
