@@ -384,6 +384,42 @@ def bench_steps(
         fail(str(err))
 
 
+@bench_app.command("decode")
+def bench_decode(
+    json_path: Path = typer.Option(Path("bench-decode.json"), "--out", "--json", help="Where to write the rows (rewritten after each)."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Where to write the plot (default: --out with .png)."),
+    shapes: str = typer.Option("reference", "--shapes", "--shape", help="Comma-separated: reference, 8b, tiny."),
+    batches: str = typer.Option("1,16", help="Comma-separated requests decoded at once."),
+    tokens: int = typer.Option(128, help="New tokens per request, exactly (no EOS stops a row)."),
+    prompt_len: int = typer.Option(128, "--prompt-len", help="Random prompt token ids per request."),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="bfloat16, float16 or float32 (default: bfloat16 on cuda, float32 on cpu)."),
+    hf_compile: Optional[bool] = typer.Option(None, "--hf-compile/--no-hf-compile", help="HF's static-cache compiled row (default: on CUDA only)."),
+    replay_tau: float = typer.Option(2.35, "--replay-tau", help="Mean accepted length τ the replay row assumes."),
+    budget_s: Optional[float] = typer.Option(None, "--budget-s", help="Rows not started this many seconds into the run are skipped."),
+) -> None:
+    """Decode speed on one device: HF eager and compiled against specserve eager and with CUDA
+    graphs, per shape and batch, beside the memory-bandwidth limit; a verify-step replay. JSON + plot."""
+    from specserve.bench.decode import DecodeBenchConfig, run_decode_bench
+
+    try:
+        run_decode_bench(DecodeBenchConfig(
+            json_path=json_path,
+            plot_path=plot_path or json_path.with_suffix(".png"),
+            shapes=_names(shapes) or (),
+            batches=tuple(int(x) for x in batches.split(",") if x.strip()),
+            tokens=tokens,
+            prompt_len=prompt_len,
+            device=device,
+            dtype=dtype,
+            hf_compile=hf_compile,
+            replay_tau=replay_tau,
+            budget_s=budget_s,
+        ))
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        fail(str(err))
+
+
 @zoo_app.command("list")
 def zoo_list() -> None:
     """The recipes the zoo can train."""

@@ -1,0 +1,52 @@
+"""``bench decode``: bad settings fail before a model loads, and a small CPU run on the tiny shape
+writes every row: the measured ones with positive tokens/s, the CUDA-only ones skipped with a
+reason, the replay marked as one."""
+
+import json
+
+import pytest
+
+from specserve.bench.decode import GAMMA, ROWS, DecodeBenchConfig, run_decode_bench
+
+
+@pytest.mark.parametrize("settings", [{"shapes": ("70b",)}, {"shapes": ()}, {"batches": (0,)}, {"tokens": 0},
+                                      {"replay_tau": GAMMA + 2}, {"budget_s": 0}])
+def test_bad_settings_fail_when_made(settings):
+    with pytest.raises(ValueError):
+        DecodeBenchConfig(**settings)
+
+
+def test_a_tiny_cpu_run_writes_every_row(tmp_path):
+    config = DecodeBenchConfig(json_path=tmp_path / "decode.json", plot_path=tmp_path / "decode.png",
+                               shapes=("tiny",), batches=(1, 2), tokens=4, prompt_len=8, device="cpu")
+    report = run_decode_bench(config)
+    rows = {(r["batch"], r["row"]): r for r in report["rows"]}
+    assert set(rows) == {(batch, row) for batch in (1, 2) for row in ROWS}
+    for batch in (1, 2):
+        for name in ("specserve-eager", "hf-eager", "replay"):
+            row = rows[(batch, name)]
+            assert row["status"] == "ok", row
+            assert row["tokens_per_s"] > 0 and row["ms_per_step"] > 0
+        # Exactly batch x tokens: no EOS ends a row early.
+        assert rows[(batch, "hf-eager")]["tokens"] == rows[(batch, "specserve-eager")]["tokens"] == batch * 4
+        for name in ("specserve-graphs", "hf-static-compiled"):   # CUDA only, unless forced
+            assert rows[(batch, name)]["status"] == "skipped" and rows[(batch, name)]["reason"]
+        replay = rows[(batch, "replay")]
+        assert replay["replay"] is True and "not a measurement" in replay["note"]
+        assert replay["draft_cost"] == "not included" and replay["tau_assumed"] == config.replay_tau
+        assert replay["target_only_row"] == "specserve-eager" and replay["speedup_vs_target_only"] > 0
+    # A decode step at batch 1 reads every weight once: the limit is a real fraction.
+    assert 0 < rows[(1, "specserve-eager")]["fraction_of_bandwidth_limit"]
+    assert "bandwidth_limit_ms" not in rows[(2, "specserve-eager")]
+    saved = json.loads(config.json_path.read_text())
+    assert saved["meta"]["device"] == "cpu" and saved["meta"]["copy_bandwidth_bytes_per_s"] > 0
+    assert saved["shapes"]["tiny"]["weights_bytes"] > 0 and config.plot_path.stat().st_size > 0
+
+
+def test_rows_not_started_within_the_budget_are_skipped_and_say_so(tmp_path):
+    # A budget already spent when the first row would start: every row is recorded, none runs.
+    config = DecodeBenchConfig(json_path=tmp_path / "decode.json", plot_path=tmp_path / "decode.png",
+                               shapes=("tiny",), batches=(1,), tokens=2, prompt_len=4, device="cpu", budget_s=1e-9)
+    rows = run_decode_bench(config)["rows"]
+    assert [r["row"] for r in rows] == list(ROWS)
+    assert all(r["status"] == "skipped" and "--budget-s" in r["reason"] for r in rows)
