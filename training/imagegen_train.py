@@ -9,9 +9,8 @@ tokens. For classifier-free guidance the class token is replaced by the uncondit
 10% of the rows (the ADT-Tree paper's and LlamaGen's dropout), so one model gives both the
 conditional and the unconditional distribution.
 
-Vocabulary: ids ``0..K-1`` are the codebook's, ``K..K+C-1`` the C class labels, ``K+C`` the
-unconditional token (``ImagegenLayout``). The model is a ``LlamaForCausalLM``, so the serving
-engine's forward, KV cache and drafts take it as they take a text target.
+Vocabulary: ``replicas/imagegen.py``'s ``ImagegenLayout``. The model is a ``LlamaForCausalLM``, so
+the serving engine's forward, KV cache and drafts take it as they take a text target.
 
 Deviation: LlamaGen's class-conditional models use 2-D rotary positions; this one the plain 1-D
 rotary positions of a Llama, so that the engine's forward serves it unchanged.
@@ -31,34 +30,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.data.scenes import CLASSES, scene
+from specserve.data.scenes import scene
+from specserve.replicas.imagegen import ImagegenLayout
 from specserve.replicas.model_store import model_cache_dir
 from specserve.replicas.vq_tokenizer import VQTokenizer, to_pixels
 from specserve.training.schedule import warmup_cosine
 
 TOKEN_CHUNK = 1024
 CFG_DROPOUT = 0.1
-
-
-@dataclass(frozen=True)
-class ImagegenLayout:
-    """Where image tokens, class tokens and the unconditional token sit in the vocabulary."""
-
-    codebook_size: int
-    classes: int = CLASSES
-
-    @property
-    def unconditional(self) -> int:
-        return self.codebook_size + self.classes
-
-    @property
-    def vocab_size(self) -> int:
-        return self.codebook_size + self.classes + 1
-
-    def class_token(self, label: int) -> int:
-        if not 0 <= label < self.classes:
-            raise ValueError(f"class label {label}: one of 0..{self.classes - 1}")
-        return self.codebook_size + label
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import torch
 
 from specserve.data.scenes import CLASSES, scene
 from specserve.replicas.vq_tokenizer import VQConfig, VQTokenizer, to_pixels
-from specserve.training.imagegen_train import CFG_DROPOUT, ImagegenLayout, ImagegenRecipe, sequences, token_grids, train
+from specserve.replicas.imagegen import ImagegenLayout
+from specserve.training.imagegen_train import CFG_DROPOUT, ImagegenRecipe, sequences, token_grids, train
 
 
 def test_the_vocabulary_holds_codes_then_classes_then_the_unconditional_token():

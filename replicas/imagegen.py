@@ -1,0 +1,87 @@
+"""A visual autoregressive image generator: a Llama over a VQ tokenizer's image tokens, class
+conditional, with classifier-free guidance (docs/design.md §5).
+
+A picture is the class's token, then its ``grid x grid`` image tokens in raster order. Guidance
+runs two rows per picture, the conditional one (the class's token first) and the unconditional one
+(``ImagegenLayout.unconditional`` first), fed the same image tokens; the distribution an image
+token is drawn from is LlamaGen's combination of their logits (``guided_logits``), restricted to
+the codebook's ids. ``generate`` is the plain decoder every speculative path must equal: greedy
+token for token, sampled in distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.data.scenes import CLASSES
+
+
+@dataclass(frozen=True)
+class ImagegenLayout:
+    """Where image tokens, class tokens and the unconditional token sit in the vocabulary: ids
+    ``0..K-1`` are the codebook's, ``K..K+C-1`` the C class labels, ``K+C`` the unconditional
+    token."""
+
+    codebook_size: int
+    classes: int = CLASSES
+
+    @property
+    def unconditional(self) -> int:
+        return self.codebook_size + self.classes
+
+    @property
+    def vocab_size(self) -> int:
+        return self.codebook_size + self.classes + 1
+
+    def class_token(self, label: int) -> int:
+        if not 0 <= label < self.classes:
+            raise ValueError(f"class label {label}: one of 0..{self.classes - 1}")
+        return self.codebook_size + label
+
+
+def guided_logits(conditional: torch.Tensor, unconditional: torch.Tensor | None, scale: float,
+                  codebook_size: int) -> torch.Tensor:
+    """LlamaGen's guidance, ``u + scale * (c - u)`` in float32 (scale 1, or no unconditional row:
+    ``c``), with every id outside the codebook at -inf: only image tokens are drawn."""
+    if unconditional is not None and scale != 1.0:
+        u = unconditional.float()
+        logits = u + scale * (conditional.float() - u)
+    else:
+        logits = conditional.float().clone()
+    logits[..., codebook_size:] = float("-inf")
+    return logits
+
+
+@torch.inference_mode()
+def generate(model, layout: ImagegenLayout, labels: list[int], tokens: int, cfg_scale: float = 1.0,
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> torch.Tensor:
+    """Image tokens [len(labels), tokens], one picture per label, decoded one token per forward
+    with a KV cache (conditional rows, then unconditional ones when ``cfg_scale`` != 1): greedy at
+    temperature 0, else drawn from the guided distribution (``top_k`` > 0 keeps the k likeliest)
+    with a generator seeded by ``seed``."""
+    from transformers import DynamicCache
+
+    device = model.device
+    guided = cfg_scale != 1.0
+    first = [layout.class_token(label) for label in labels] + ([layout.unconditional] * len(labels) if guided else [])
+    ids = torch.tensor(first, device=device)[:, None]
+    cache = DynamicCache(config=model.config)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    n = len(labels)
+    for _ in range(tokens):
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        scores = guided_logits(logits[:n], logits[n:] if guided else None, cfg_scale, layout.codebook_size)
+        if temperature <= 0:
+            picked = scores.argmax(-1)
+        else:
+            scores = scores / temperature
+            if top_k > 0:
+                kth = torch.topk(scores, min(top_k, layout.codebook_size), dim=-1).values[..., -1:]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            picked = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)[:, 0]
+        out.append(picked)
+        ids = torch.cat([picked, picked])[:, None] if guided else picked[:, None]
+    return torch.stack(out, dim=1)
