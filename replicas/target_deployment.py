@@ -38,6 +38,7 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from specserve.replicas import cuda_graphs
 from specserve.replicas.cost_probe import (LOADED_BATCH, PRICED_WINDOW, ProbedCosts, draft_ms_per_position,
                                            loaded_verify_points, verify_points)
 from specserve.replicas.core_share import CoreShare
@@ -203,6 +204,8 @@ class TargetDeployment:
         target = Target(text_model, slots=self.kv_sizing.slots, max_len=self.kv_sizing.max_model_len, images=self.images)
         if self.kv_sizing.max_model_len is not None:
             target.kv.reserve()
+            # On CUDA every bucket's graph now, before any request: a first step then waits on no capture.
+            target.kv.capture_graphs(cuda_graphs.TOKEN_BUCKETS)
         self.stats_name = config.stats_name or Path(config.model).name.removesuffix(".gguf")
         self.routing = None if router is None else router(self.stats_name, list(drafts), self.tokenizer)
         self.learning = learning(self.stats_name) if learning is not None else None
@@ -388,6 +391,9 @@ class TargetDeployment:
                 "kv_positions_in_use": sum(len(kv.tokens[s.slot]) for s in live if s.slot is not None),
                 "kv_bytes_allocated": kv.allocated_bytes, "kv_max_len": kv.max_len,
                 "kv_capacity_tokens": kv.slots * kv.max_len, "kv_sized_by": self.kv_sizing.sized_by,
+                # Steps replayed as CUDA graphs and padded steps that fit no bucket (None: no graphs here).
+                "cuda_graphs": None if kv.graphs is None else {"held": len(kv.graphs), "replays": kv.graphs.replays,
+                                                               "eager": kv.graphs.eager},
                 "failed_steps_in_a_row": self.loop.failures}
 
     def _probe(self) -> None:
