@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a machine with one NVIDIA GPU checks, in one run sized for a short loan of it
-# (docs/benchmarks.md §9): the lossless tests on CUDA with graphs on (tiny models built on the
+# (docs/benchmarks.md §10): the lossless tests on CUDA with graphs on (tiny models built on the
 # device), then `specserve bench decode` for Llama-3-8B's shape and the reference target's.
 #
 #   bench/cuda_checks.sh [OUT_DIR]        # from the repository root, specserve importable
