@@ -24,9 +24,36 @@ from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, StepResult, TokenLogprob, TreeShape
 
 NO_DRAFT = "none"
+# Guidance scales a request may ask (LlamaGen's class-conditional models are served at 1.5-7.5).
+MAX_GUIDANCE_SCALE = 50.0
 # The draft is chosen by the replica's draft router (``routing/``) when the request's prefill is
 # done: the features it reads include the target's perplexity on the prompt.
 AUTO_DRAFT = "auto"
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """Classifier-free guidance (an image generator's, ``replicas/imagegen.py``): beside the
+    request's own (conditional) row, an unconditional row whose prompt is ``prompt_ids`` is fed
+    the same tokens in the same forward, and every token is drawn from LlamaGen's combination
+    ``u + scale * (c - u)`` of the two rows' logits, over the ids below ``vocab`` only."""
+
+    prompt_ids: tuple[int, ...]
+    scale: float
+    vocab: int
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("guidance needs an unconditional prompt of at least one token")
+        if not 0.0 < self.scale <= MAX_GUIDANCE_SCALE:
+            raise ValueError(f"the guidance scale must be in (0, {MAX_GUIDANCE_SCALE}], got {self.scale}")
+        if self.vocab < 1:
+            raise ValueError(f"guidance's vocab must be >= 1, got {self.vocab}")
+
+    def context(self, context: list[int], prompt_len: int) -> list[int]:
+        """The unconditional row's tokens for a request whose context is ``context`` and whose
+        prompt is its first ``prompt_len``: this prompt, then the same output."""
+        return list(self.prompt_ids) + context[prompt_len:]
 
 
 @dataclass(frozen=True)
@@ -81,6 +108,8 @@ class SpecRequest:
     # A continuation (``ingress/resumable.py``): the prompt's last this-many tokens are the
     # request's own output from before it resumed here; processors count them as output.
     resumed_tokens: int = 0
+    # Classifier-free guidance: an unconditional row beside this one (two KV slots); None: none.
+    guidance: Guidance | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -175,6 +204,7 @@ class RequestState:
         self.grammar: GrammarState | None = None   # set by the scheduler for a request with a grammar
         self.stats = SpecStats(draft=request.draft)
         self.slot: int | None = None
+        self.guide_slot: int | None = None   # the unconditional row's KV slot (``request.guidance``)
         self.prefilled = False
         self.cached_tokens: int | None = None   # context tokens found in the slot's cache at admission
         self.speculating = not request.speculation.plain
@@ -195,6 +225,16 @@ class RequestState:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def rows(self) -> int:
+        """KV slots the request holds: two under guidance (its unconditional row's too)."""
+        return 1 if self.request.guidance is None else 2
+
+    @property
+    def guide_context(self) -> list[int]:
+        """The unconditional row's tokens (``Guidance.context``); a request without guidance has none."""
+        return self.request.guidance.context(self.context, len(self.request.prompt_ids))
 
     @property
     def room(self) -> int:

@@ -35,7 +35,7 @@ from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.request import (AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StepError,
                                         StreamItem)
 from specserve.replicas.step import PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, StepRecord
-from specserve.replicas.target import DEFAULT_FEATURE_LAYERS, Target, VerifyItem
+from specserve.replicas.target import DEFAULT_FEATURE_LAYERS, GuideRow, Target, VerifyItem
 
 logger = logging.getLogger("ray.serve")
 
@@ -110,6 +110,13 @@ class Scheduler:
             # Checked here too (the ingress checks first): admitted, it would fail every step it is in.
             raise ValueError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_tokens}) "
                              f"exceed this replica's limit of {limit} tokens; shorten the prompt or lower max_tokens")
+        if request.guidance is not None:
+            # Its unconditional row takes a second slot of the batch (and as many cache positions).
+            if self.max_running < 2:
+                raise ValueError("classifier-free guidance needs two rows of the batch; this replica runs one")
+            if len(request.guidance.prompt_ids) + request.max_tokens > limit:
+                raise ValueError(f"the unconditional prompt ({len(request.guidance.prompt_ids)} tokens) + max_tokens "
+                                 f"({request.max_tokens}) exceed this replica's limit of {limit} tokens")
         state = RequestState(request, self.eos_token_ids, self.target.model.device, emit)
         if request.grammar is not None:
             if self.grammar_tokenizer is None:
@@ -178,7 +185,8 @@ class Scheduler:
 
     @property
     def running(self) -> list[RequestState]:
-        return [s for s in self.slots if s is not None]
+        """Requests holding slots, each once (a guided request holds two)."""
+        return [s for i, s in enumerate(self.slots) if s is not None and s.slot == i]
 
     @property
     def has_work(self) -> bool:
@@ -190,7 +198,7 @@ class Scheduler:
         for i, state in enumerate(self.slots):
             if state is not None and state.done:
                 self.slots[i] = None
-                if self.router is not None and not state.request.internal:
+                if self.router is not None and not state.request.internal and state.slot == i:
                     self._ask(lambda s, _: self.router.finish(s), state, 0)
         self.waiting = deque(s for s in self.waiting if not s.done)
         # Keep busy slots dense from 0: the verify forward's batch is the range of busy slots.
@@ -202,14 +210,19 @@ class Scheduler:
             self._move(busy[-1], free[0])
 
     def _move(self, src: int, dst: int) -> None:
+        state = self.slots[src]
         self.target.swap(src, dst)
-        self.slots[dst], self.slots[src] = self.slots[src], None
-        self.slots[dst].slot = dst
+        self.slots[dst], self.slots[src] = state, None
+        if state.slot == src:
+            state.slot = dst
+        else:   # its unconditional row
+            state.guide_slot = dst
 
     def _admit(self) -> None:
         while self.waiting:
             free = [i for i, s in enumerate(self.slots) if s is None]
-            if not free or len(self.slots) - len(free) >= self.max_running:
+            rows = self.waiting[0].rows
+            if len(free) < rows or len(self.slots) - len(free) + rows > self.max_running:
                 return
             state = self.waiting.popleft()
             # The free slot whose cache shares the longest prefix with the prompt is a prefix
@@ -231,6 +244,13 @@ class Scheduler:
                 kv.salts[free[0]] = salt
             state.slot = free[0]
             self.slots[free[0]] = state
+            if state.request.guidance is not None:   # its unconditional row: the next free slot
+                guide = free[1]
+                if kv.salts[guide] != salt:
+                    kv.reset(guide)
+                    kv.salts[guide] = salt
+                state.guide_slot = guide
+                self.slots[guide] = state
 
     def plan(self) -> StepPlan:
         self._retire()
@@ -265,7 +285,7 @@ class Scheduler:
         rows, far cheaper than computing them), and waits (True) while a request ahead of it is
         still prefilling at least half of what it would compute. Only a cache of the same salt
         counts; a request that wants every prompt row's log-probabilities computes its own."""
-        if state.request.prompt_logprobs is not None:
+        if state.request.prompt_logprobs is not None or state.request.guidance is not None:
             return False
         kv, salt = self.target.kv, state.request.cache_salt
         prompt = state.context[:-1]
@@ -298,6 +318,13 @@ class Scheduler:
                               state.request.image_placeholder)
 
     # ---- model work ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _guide(state: RequestState) -> GuideRow | None:
+        guidance = state.request.guidance
+        if guidance is None:
+            return None
+        return GuideRow(state.guide_slot, state.guide_context, guidance.scale, guidance.vocab)
 
     def _grammar_drafts(self, live: list[RequestState], proposals: dict[str, Proposal]) -> dict[str, int]:
         """Where a request's grammar forces its next tokens, those are its proposal
@@ -336,6 +363,10 @@ class Scheduler:
                 # Every prompt position's row is wanted: a cached prefix would skip them.
                 self.target.kv.crop(state.slot, 0)
             done = self.target.prefill(state.slot, state.context[:-1], chunk, state.context[-1], scored, asked)
+            guide_left = 0
+            if state.guide_slot is not None:   # the unconditional row's prompt, chunk for chunk
+                guide = state.guide_context
+                guide_left = self.target.prefill(state.guide_slot, guide[:-1], chunk, guide[-1]).left
             if asked is not None:
                 state.prompt_logprobs.extend(done.logprobs)
             prefilled += done.fed
@@ -343,12 +374,12 @@ class Scheduler:
                 state.cached_tokens = len(state.context) - 1 - done.fed - done.left
             state.prompt_nll += done.nll
             state.prompt_scored += done.scored
-            state.prefilled = done.left == 0
+            state.prefilled = done.left == 0 and guide_left == 0
         t1 = self._clock()
         live = [s for s in plan.decode if not s.done]
         forced = self._grammar_drafts(live, proposals)
         items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator,
-                            s.processors, s.request.logprobs, s.grammar) for s in live]
+                            s.processors, s.request.logprobs, s.grammar, self._guide(s)) for s in live]
         forward_tokens = 0
         results = self.target.verify(items) if items else []
         t2 = self._clock()

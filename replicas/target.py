@@ -23,6 +23,7 @@ import torch
 from specserve.replicas.batch_kv import BatchKV, Feed
 from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.grammar import GrammarError, GrammarState
+from specserve.replicas.imagegen import guided_logits
 from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
@@ -114,6 +115,17 @@ def proposal_error(proposal: Proposal, vocab: int, device: torch.device) -> str 
     return None
 
 
+@dataclass(frozen=True)
+class GuideRow:
+    """A guided request's unconditional row (``request.Guidance``): its KV slot and tokens (the
+    root last, as ``VerifyItem.context``), the guidance scale, and the ids tokens are drawn from."""
+
+    slot: int
+    context: list[int]
+    scale: float
+    vocab: int
+
+
 @dataclass
 class VerifyItem:
     """One request's part of a step. ``context[-1]`` is the root (the last emitted token)."""
@@ -126,6 +138,7 @@ class VerifyItem:
     processors: RowProcessors | None = None   # the request's logits processors, if it has any
     logprobs: int | None = None   # the emitted tokens' log-probabilities with this many alternatives; None: none
     grammar: GrammarState | None = None   # the grammar the request's output follows (structured output)
+    guide: GuideRow | None = None   # classifier-free guidance: the unconditional row verified beside it
 
 
 class _Features:
@@ -287,8 +300,30 @@ class Target:
         prompt = token_logprobs(logits[:len(known_next)], known_next, logprobs) if every else []
         return Prefilled(len(fed), len(missing) - len(fed), nll, rows, prompt)
 
+    def _feed(self, slot: int, context: list[int], proposal: Proposal) -> tuple[Feed, int]:
+        """The feed of ``slot``'s uncached context tail + ``proposal`` (logits for the root and
+        every node) and the first position it feeds."""
+        missing = self.kv.sync(slot, context[:-1]) + context[-1:]
+        first = len(context) - len(missing)
+        if proposal.is_chain:
+            return Feed(slot, missing + proposal.tokens, len(proposal) + 1), first
+        # The uncached tail is a chain ending in the root; proposal nodes hang below the root
+        # (parent -1 -> the root's index).
+        tail = len(missing)
+        parents = list(range(-1, tail - 1)) + [tail - 1 if p < 0 else tail + p for p in proposal.parents]
+        return Feed(slot, missing + proposal.tokens, len(proposal) + 1, parents, committed=tail), first
+
+    def _keep_path(self, slot: int, context: list[int], proposal: Proposal, path: list[int]) -> None:
+        """``slot`` holds ``context`` + the accepted nodes ``path`` of ``proposal``."""
+        base = len(context)
+        if proposal.is_chain:
+            self.kv.crop(slot, base + len(path))
+        else:
+            self.kv.keep(slot, list(range(base)) + [base + i for i in path], context + [proposal.tokens[i] for i in path])
+
     def verify(self, items: list[VerifyItem]) -> list[StepResult]:
-        """One forward over every item's [uncached context tail] + proposal.
+        """One forward over every item's [uncached context tail] + proposal (and, for a guided
+        item, its unconditional row's, whose logits combine with the item's: ``guided_logits``).
 
         Each slot afterwards holds its context + the accepted tokens (not the bonus token, which
         becomes the next step's root), and ``features()`` the hidden states of those positions.
@@ -309,25 +344,21 @@ class Target:
                 except GrammarError as err:
                     item.proposal, failure = Proposal.empty(), f"{type(err).__name__}: {err}"
             failures.append(failure)
-            missing = self.kv.sync(item.slot, item.context[:-1]) + item.context[-1:]
-            firsts.append(len(item.context) - len(missing))
-            proposal = item.proposal
-            # Feed tokens: [len(missing) + n], n = len(proposal); logits come back for the root
-            # (missing[-1]) and the n nodes.
-            if proposal.is_chain:
-                feeds.append(Feed(item.slot, missing + proposal.tokens, len(proposal) + 1))
-            else:
-                # The uncached tail is a chain ending in the root; proposal nodes hang below the
-                # root (parent -1 -> the root's index).
-                tail = len(missing)
-                parents = list(range(-1, tail - 1)) + [tail - 1 if p < 0 else tail + p for p in proposal.parents]
-                feeds.append(Feed(item.slot, missing + proposal.tokens, len(proposal) + 1, parents, committed=tail))
-        logits = self.kv.forward(feeds)   # per feed: [n + 1, V]
+            feed, first = self._feed(item.slot, item.context, item.proposal)
+            feeds.append(feed)
+            firsts.append(first)
+        # Unconditional rows after the items' own, so that feed i is item i's (``fed_rows``).
+        guided = [i for i, item in enumerate(items) if item.guide is not None]
+        guide_feeds = [self._feed(items[i].guide.slot, items[i].guide.context, items[i].proposal)[0] for i in guided]
+        logits = self.kv.forward(feeds + guide_feeds)   # per feed: [n + 1, V]
+        unconditional = dict(zip(guided, logits[len(feeds):]))
         results: list[StepResult] = []
         kept: list[list[int]] = []
-        for item, feed, rows, error, failure in zip(items, feeds, logits, errors, failures):
+        for index, (item, feed, rows, error, failure) in enumerate(zip(items, feeds, logits, errors, failures)):
             proposal = item.proposal
             # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
+            if item.guide is not None:
+                rows = guided_logits(rows, unconditional[index], item.guide.scale, item.guide.vocab)
             raw = rows
             path, bonus = [], None
             try:
@@ -344,11 +375,9 @@ class Target:
             accepted = [proposal.tokens[i] for i in path]
             tail = len(feed.tokens) - len(proposal)
             kept.append(list(range(tail)) + [tail + i for i in path])
-            base = len(item.context)
-            if proposal.is_chain:
-                self.kv.crop(item.slot, base + len(path))
-            else:
-                self.kv.keep(item.slot, list(range(base)) + [base + i for i in path], item.context + accepted)
+            self._keep_path(item.slot, item.context, proposal, path)
+            if item.guide is not None:
+                self._keep_path(item.guide.slot, item.guide.context, proposal, path)
             emitted = accepted + ([] if bonus is None else [bonus])
             logprobs = None
             if item.logprobs is not None and failure is None:

@@ -384,7 +384,7 @@ class TargetDeployment:
         back at the next step), and the KV buffers allocated (fixed once grown); and its KV
         capacity: slots, positions each, their product, and whether the device's memory or the
         configuration set it (``kv_memory``)."""
-        live = [s for s in self.scheduler.slots if s is not None and not s.done]
+        live = [s for s in self.scheduler.running if not s.done]
         kv = self.scheduler.target.kv
         return {"replica_id": self.replica_id, "running": len(live), "waiting": len(self.scheduler.waiting),
                 "slots_in_use": len(live), "kv_slots": kv.slots,
