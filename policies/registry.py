@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specserve.policies.adt_tree import ADTTree
+from specserve.policies.adt_tree import RANDOM, VERTICAL, ADTTree
 from specserve.policies.cache_fsm_window import CacheFSMWindow
 from specserve.policies.eagle2_depth_tree import Eagle2DepthTree
 from specserve.policies.fsm_window import FSMWindow
@@ -39,12 +39,15 @@ POLICIES: dict[str, Callable[[], object]] = {
     "static-tree": StaticPolicy,
     "sage": lambda: TreePolicy(SageTree()),
     "adt-tree": lambda: TreePolicy(ADTTree()),
+    # ADT-Tree's other initialisations on an image grid (the paper's ablation, §V).
+    "adt-tree-vertical": lambda: TreePolicy(ADTTree(init=VERTICAL)),
+    "adt-tree-random": lambda: TreePolicy(ADTTree(init=RANDOM)),
     "eagle2-depth": lambda: TreePolicy(Eagle2DepthTree()),
 }
 DEFAULT_POLICY = "load-aware"
 # Which names adapt chains and which adapt trees, so that a benchmark can tell them apart.
 WINDOW_POLICY_NAMES = ("static", "online", "fsm", "cache-fsm", "q-learning", "q-learning-per-request", "hf-heuristic")
-TREE_POLICY_NAMES = ("static-tree", "sage", "adt-tree", "eagle2-depth")
+TREE_POLICY_NAMES = ("static-tree", "sage", "adt-tree", "adt-tree-vertical", "adt-tree-random", "eagle2-depth")
 
 
 def build_policy(name: str):

@@ -110,6 +110,9 @@ class SpecRequest:
     resumed_tokens: int = 0
     # Classifier-free guidance: an unconditional row beside this one (two KV slots); None: none.
     guidance: Guidance | None = None
+    # An image generator's request: its picture's tokens per row (tree rules read a token's grid
+    # neighbours, ``policies/adt_tree.py``); 0: text.
+    grid: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -118,6 +121,8 @@ class SpecRequest:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.grid < 0:
+            raise ValueError(f"grid must be >= 0, got {self.grid}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if not 0 <= self.resumed_tokens < len(self.prompt_ids):

@@ -73,7 +73,8 @@ def test_outcome_reads_the_request_its_tree_and_the_rest_of_its_batch():
 def test_registry_names_tell_window_and_tree_policies_apart():
     assert set(WINDOW_POLICY_NAMES) | set(TREE_POLICY_NAMES) <= set(POLICIES)
     assert not set(WINDOW_POLICY_NAMES) & set(TREE_POLICY_NAMES)
-    assert TREE_POLICY_NAMES == ("static-tree", "sage", "adt-tree", "eagle2-depth")
+    assert TREE_POLICY_NAMES == ("static-tree", "sage", "adt-tree", "adt-tree-vertical", "adt-tree-random",
+                                 "eagle2-depth")
     assert build_policy("sage") is not build_policy("sage")   # state is per replica
 
 
@@ -265,6 +266,57 @@ def test_adt_tree_moves_by_the_bisection_rule_within_its_bounds():
 def test_adt_tree_starts_from_the_requests_tree_within_bounds():
     # The benchmark's start tree has top-2, below the paper's k_min: the first tree is brought in.
     assert ADTTree().decide(ADTTree().start(request(START)), 1, RNG)[0] == TreeShape(4, 4, 8)
+
+
+def grid_request(grid: int = 4, tree=TreeShape(3, 7, 40)) -> SpecRequest:
+    return SpecRequest([1], 64, SamplingParams(), "d", 0, tree, "r", grid=grid)
+
+
+def walk(rule: ADTTree, trace: list[tuple[int, int]], grid: int = 4) -> list[tuple[int, int]]:
+    """The (depth, top-k) each step asks over a trace of (accepted n, depth offered)."""
+    state, asked = rule.start(grid_request(grid)), []
+    for n, d in trace:
+        shape, state = rule.decide(state, 1, RNG)
+        asked.append((shape.depth, shape.top_k))
+        state = rule.update(state, outcome(n, d))
+    return asked
+
+
+def test_adt_tree_horizontal_repeat_on_a_grid_is_the_text_walk():
+    trace = [(3, 3), (0, 4), (1, 3), (3, 3), (0, 4), (2, 2), (0, 3)]
+    assert walk(ADTTree(), trace) == walk(ADTTree(), trace, grid=0)
+
+
+def test_adt_tree_vertical_repeat_starts_from_the_tree_above_moved_by_the_last_status():
+    rule = ADTTree(init="vertical")
+    # Grid of 4 per row. Step 1 covers positions 0-3 (n = 3: the whole first row) with (3, 7);
+    # α = 1: positive. Step 2 predicts (1, 0): the tree above is (3, 7), moved +1/-3 -> (4, 4).
+    # Step 2 covers (1, 0) only (n = 0, α = 0: negative); step 3 predicts (1, 1): above (3, 7),
+    # moved -1/+3 -> (2, 10).
+    assert walk(rule, [(3, 3), (0, 4), (0, 2)]) == [(3, 7), (4, 4), (2, 10)]
+    # Horizontal from the same trace: each tree is the previous one moved.
+    assert walk(ADTTree(), [(3, 3), (0, 4), (0, 2)]) == [(3, 7), (4, 4), (3, 7)]
+
+
+def test_adt_tree_vertical_repeat_reads_each_columns_own_tree():
+    rule = ADTTree(init="vertical")
+    state = rule.start(grid_request(grid=3))
+    for n, d in [(0, 3), (0, 2), (0, 1)]:   # row 0: one token a step, each step's own tree
+        state = rule.decide(state, 1, RNG)[1]
+        state = rule.update(state, outcome(n, d))
+    assert [c for c in state.covered] == [(3, 7), (2, 10), (1, 13)] and state.position == 3
+    shape, state = rule.decide(state, 1, RNG)    # (1, 0): above (3, 7), last status negative
+    assert (shape.depth, shape.top_k) == (2, 10)
+    assert ADTState.from_json(state.to_json()) == state
+
+
+def test_adt_tree_random_initialisation_draws_within_the_bounds():
+    rule = ADTTree(init="random")
+    asked = walk(rule, [(1, 3)] * 30)   # every tree a draw, moved by the last status (negative)
+    # (at depth 1 the top-k may pass its bound, up to the node budget: §IV-B)
+    assert all(1 <= d <= 9 and 4 <= k <= (13 if d > 1 else 40) for d, k in asked) and len(set(asked)) > 3
+    with pytest.raises(ValueError):
+        ADTTree(init="diagonal")
 
 
 # ---- EAGLE-2 adaptive depth -----------------------------------------------------------------------
