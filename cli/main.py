@@ -621,6 +621,7 @@ def zoo_imagegen(
     device: Optional[str] = typer.Option(None, help="Where to train, e.g. cuda (default: the CPU; expect hours there)."),
     max_seconds: Optional[float] = typer.Option(None, help="Stop (saved) after this long; run again to go on."),
     work: Optional[Path] = typer.Option(None, help="Token grids, checkpoint and log folder."),
+    export: Optional[Path] = typer.Option(None, help="Then write the generator, its gallery and model card to this folder."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """Train the reference image generator, a class-conditional Llama over the VQ tokenizer's
@@ -631,9 +632,12 @@ def zoo_imagegen(
     if (steps is not None and steps < 1) or (batch is not None and batch < 1):
         fail("--steps and --batch must be >= 1")
     try:
-        work = imagegen_train.train(tokenizer or vq_train.default_work() / "export", steps=steps, batch=batch,
-                                    work=work, max_seconds=max_seconds, device=device)
+        tokenizer = tokenizer or vq_train.default_work() / "export"
+        work = imagegen_train.train(tokenizer, steps=steps, batch=batch, work=work, max_seconds=max_seconds,
+                                    device=device)
         typer.echo(f"checkpoint and log in {work}")
+        if export is not None:
+            typer.echo(f"generator written to {imagegen_train.export(tokenizer, work=work, out=export)}")
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

@@ -11,7 +11,9 @@ token for token, sampled in distribution.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,3 +87,55 @@ def generate(model, layout: ImagegenLayout, labels: list[int], tokens: int, cfg_
         out.append(picked)
         ids = torch.cat([picked, picked])[:, None] if guided else picked[:, None]
     return torch.stack(out, dim=1)
+
+
+# The generator folder's own settings, beside its Hugging Face config and weights.
+GENERATOR_FILE = "imagegen.json"
+
+
+@dataclass(frozen=True)
+class GeneratorSettings:
+    """What serving needs beyond the Llama: the vocabulary's layout, the picture's grid, where the
+    VQ tokenizer is (relative to the generator's folder), and the default guidance and top-k."""
+
+    codebook_size: int
+    classes: int
+    grid: int
+    tokenizer: str
+    cfg_scale: float
+    top_k: int
+
+    @property
+    def layout(self) -> ImagegenLayout:
+        return ImagegenLayout(self.codebook_size, self.classes)
+
+    @property
+    def tokens(self) -> int:
+        return self.grid * self.grid
+
+
+def is_generator_folder(folder) -> bool:
+    return (Path(folder) / GENERATOR_FILE).is_file()
+
+
+def load_generator(folder, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(the Llama, its ``GeneratorSettings``, the VQ tokenizer) of a generator folder
+    (``training/imagegen_train.export``)."""
+    from transformers import LlamaForCausalLM
+
+    from specserve.replicas.vq_tokenizer import VQTokenizer
+
+    folder = Path(folder)
+    settings = GeneratorSettings(**json.loads((folder / GENERATOR_FILE).read_text()))
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    tokenizer = VQTokenizer.load((folder / settings.tokenizer).resolve(), device=device)
+    return model, settings, tokenizer
+
+
+@torch.inference_mode()
+def to_pictures(tokenizer, ids: torch.Tensor, grid: int):
+    """PIL pictures of image token rows [B, grid * grid], through the VQ tokenizer's decoder."""
+    from specserve.replicas.vq_tokenizer import to_images
+
+    device = next(tokenizer.parameters()).device
+    return to_images(tokenizer.decode(ids.view(-1, grid, grid).to(device)))

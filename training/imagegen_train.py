@@ -22,6 +22,8 @@ scenes each, with their labels) and reused; seeds count up from 0, so a longer r
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,8 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specserve.data.scenes import scene
-from specserve.replicas.imagegen import ImagegenLayout
+from specserve.data.scenes import BACKGROUNDS, SMOOTH_BACKGROUNDS, class_label, label_prompt, scene
+from specserve.data.synthetic_images import COLOURS, SHAPES
+from specserve.replicas.imagegen import GENERATOR_FILE, GeneratorSettings, ImagegenLayout, generate, to_pictures
 from specserve.replicas.model_store import model_cache_dir
 from specserve.replicas.vq_tokenizer import VQTokenizer, to_pixels
 from specserve.training.schedule import warmup_cosine
@@ -169,3 +172,69 @@ def train(tokenizer_folder: Path, steps: int | None = None, batch: int | None = 
             break
     (work / "log.json").write_text(json.dumps(log))
     return work
+
+
+# The served defaults written into the export (``GeneratorSettings``): LlamaGen's class-conditional
+# setting scaled to this codebook (guidance a few times over, top-k an eighth of the codes).
+EXPORT_CFG_SCALE = 3.0
+EXPORT_TOP_K = 64
+# Gallery classes: each shape and colour once, half on smooth backgrounds and half on busy ones.
+GALLERY_CLASSES = 8
+
+
+def export(tokenizer_folder: Path, work: Path | None = None, out: Path | None = None,
+           cfg_scale: float = EXPORT_CFG_SCALE, top_k: int = EXPORT_TOP_K) -> Path:
+    """The checkpoint's generator as a folder ``load_generator`` reads: the Llama in bfloat16
+    (``save_pretrained``), ``imagegen.json`` pointing at the tokenizer, a gallery of sampled
+    pictures and a model card with the held-out loss."""
+    from transformers import LlamaForCausalLM
+
+    work = Path(work or default_work())
+    out = Path(out or work / "export")
+    state = torch.load(work / "checkpoint.pt", map_location="cpu")
+    recipe, layout = ImagegenRecipe(**state["recipe"]), ImagegenLayout(**state["layout"])
+    tokenizer = VQTokenizer.load(tokenizer_folder)
+    grid = tokenizer.config.grid
+    model = LlamaForCausalLM(model_config(layout, grid, recipe))
+    model.load_state_dict(state["weights"])
+    model.eval().to(torch.bfloat16).save_pretrained(out)
+    settings = GeneratorSettings(layout.codebook_size, layout.classes, grid,
+                                 os.path.relpath(Path(tokenizer_folder).resolve(), out.resolve()), cfg_scale, top_k)
+    (out / GENERATOR_FILE).write_text(json.dumps(asdict(settings), indent=1) + "\n")
+    busy = [b for b in BACKGROUNDS if b not in SMOOTH_BACKGROUNDS]
+    labels = [class_label(SHAPES[i % len(SHAPES)], list(COLOURS)[i % len(COLOURS)],
+                          (SMOOTH_BACKGROUNDS if i % 2 == 0 else busy)[(i // 2) % 2]) for i in range(GALLERY_CLASSES)]
+    gallery(model.float(), settings, tokenizer, labels).save(out / "gallery.png")
+    log = state["log"]
+    held = [e for e in log if "held_out_loss" in e]
+    minutes = log[-1]["seconds"] / 60 if log else 0.0
+    (out / "README.md").write_text(
+        f"# scenes-imagegen\n\nThe reference visual autoregressive image generator: a class-conditional Llama "
+        f"({recipe.layers} layers of {recipe.hidden}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+        f"parameters) over the `{Path(tokenizer_folder).name}` tokenizer's {grid}x{grid} grid of "
+        f"{layout.codebook_size} codes, trained by `training/imagegen_train.py` for {state['step']} steps of "
+        f"{recipe.batch} scenes (`data/scenes.py`, {layout.classes} classes: shape x colour x background), "
+        f"the class token dropped for the unconditional one in {CFG_DROPOUT:.0%} of rows (classifier-free "
+        f"guidance), last run segment {minutes:.0f} minutes.\n\n"
+        f"- held-out loss (image tokens, nats): "
+        + ", ".join(f"{e['held_out_loss']:.3f} at step {e['step']}" for e in held)
+        + f" (uniform: {math.log(layout.codebook_size):.2f})\n"
+        f"- served defaults: guidance scale {cfg_scale}, top-k {top_k}\n\n"
+        f"![sampled pictures, two per class (guidance {cfg_scale}, temperature 1, top-k {top_k}): "
+        + "; ".join(label_prompt(label) for label in labels) + "](gallery.png)\n")
+    return out
+
+
+def gallery(model, settings, tokenizer, labels: list[int], per_class: int = 2, seed: int = 0):
+    """Sampled pictures, ``per_class`` columns per class, decoded by the tokenizer."""
+    from PIL import Image
+
+    rows = [label for label in labels for _ in range(per_class)]
+    ids = generate(model, settings.layout, rows, settings.tokens, cfg_scale=settings.cfg_scale, temperature=1.0,
+                   top_k=settings.top_k, seed=seed)
+    pictures = to_pictures(tokenizer, ids, settings.grid)
+    size = pictures[0].width
+    sheet = Image.new("RGB", (size * len(labels), size * per_class), (255, 255, 255))
+    for i, picture in enumerate(pictures):
+        sheet.paste(picture, ((i // per_class) * size, (i % per_class) * size))
+    return sheet

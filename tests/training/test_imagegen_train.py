@@ -1,5 +1,6 @@
 """Training the reference image generator: its vocabulary, its rows (class, then the image's grid,
-the class dropped a tenth of the time for guidance), and a tiny run that resumes."""
+the class dropped a tenth of the time for guidance), a tiny run that resumes, and its export as a
+folder the server loads."""
 
 import numpy as np
 import pytest
@@ -7,8 +8,8 @@ import torch
 
 from specserve.data.scenes import CLASSES, scene
 from specserve.replicas.vq_tokenizer import VQConfig, VQTokenizer, to_pixels
-from specserve.replicas.imagegen import ImagegenLayout
-from specserve.training.imagegen_train import CFG_DROPOUT, ImagegenRecipe, sequences, token_grids, train
+from specserve.replicas.imagegen import ImagegenLayout, generate, load_generator
+from specserve.training.imagegen_train import CFG_DROPOUT, ImagegenRecipe, export, sequences, token_grids, train
 
 
 def test_the_vocabulary_holds_codes_then_classes_then_the_unconditional_token():
@@ -42,3 +43,13 @@ def test_a_tiny_generator_trains_on_its_tokenizers_grids_and_resumes(tmp_path):
     state = torch.load(work / "checkpoint.pt")
     assert state["step"] == 4 and [e["step"] for e in state["log"]] == [1, 2, 3, 4]
     assert "held_out_loss" in state["log"][-1] and state["layout"]["codebook_size"] == 32
+
+    out = export(folder, work=work, out=tmp_path / "gen")
+    model, settings, tokenizer = load_generator(out)
+    assert (settings.grid, settings.codebook_size, settings.layout.vocab_size) == (16, 32, 32 + CLASSES + 1)
+    assert (out / "gallery.png").is_file() and "held-out loss" in (out / "README.md").read_text()
+    # The exported weights are the checkpoint's, rounded to bfloat16.
+    weights = state["weights"]["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, weights.to(torch.bfloat16).float())
+    ids = generate(model, settings.layout, [3], 8, cfg_scale=settings.cfg_scale)
+    assert ids.shape == (1, 8) and int(ids.max()) < 32
