@@ -642,6 +642,34 @@ def zoo_imagegen(
         fail(str(err))
 
 
+@zoo_app.command("imagegen-draft")
+def zoo_imagegen_draft(
+    generator: Path = typer.Option(..., help="The exported image generator's folder (`zoo imagegen --export`)."),
+    pictures: Optional[int] = typer.Option(None, help="Pictures the generator samples to learn from (default: the recipe's)."),
+    steps: Optional[int] = typer.Option(None, help="Train to this step (default: the recipe's)."),
+    device: Optional[str] = typer.Option(None, help="Where to sample and train, e.g. cuda (default: the CPU)."),
+    max_seconds: Optional[float] = typer.Option(None, help="Stop (saved) after this long; run again to go on."),
+    work: Optional[Path] = typer.Option(None, help="Streams, checkpoint and log folder."),
+    export: Optional[Path] = typer.Option(None, help="Then write the draft and its model card to this folder."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Distil the image generator's draft, a one-layer Llama, from pictures the generator samples;
+    resumes when run again."""
+    from specserve.training import imagegen_draft
+
+    set_threads(threads)
+    if (steps is not None and steps < 1) or (pictures is not None and pictures < 1):
+        fail("--steps and --pictures must be >= 1")
+    try:
+        work = imagegen_draft.train(generator, work=work, steps=steps, pictures=pictures, max_seconds=max_seconds,
+                                    device=device)
+        typer.echo(f"checkpoint and log in {work}")
+        if export is not None:
+            typer.echo(f"draft written to {imagegen_draft.export(generator, work=work, out=export)}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
 @zoo_app.command("vlm-draft")
 def zoo_vlm_draft(
     pictures: int = typer.Option(3072, help="Pictures the VLM answers (in chunks of 64; resumable)."),
