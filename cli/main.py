@@ -110,6 +110,10 @@ def generate(
     model: Optional[str] = typer.Option(None, help="With --server: the served model id (default: the server's)."),
     image: list[Path] = typer.Option([], "--image", help="A picture shown before the prompt (repeatable); the target "
                                      "defaults to the reference VLM, smollm2-vlm.", exists=True, dir_okay=False),
+    image_out: Optional[Path] = typer.Option(None, "--image-out", help="Generate a picture of the PROMPT's scene (\"a red "
+                                             "circle on a striped background\") with the reference image generator "
+                                             "and write it here as PNG; its draft by default, --top-k 0: the generator's."),
+    cfg_scale: Optional[float] = typer.Option(None, "--cfg-scale", help="With --image-out: guidance scale (default: the generator's)."),
 ) -> None:
     """Generate with speculative decoding: in-process on the reference models, or on a --server."""
     from specserve.replicas.sampling import SamplingParams
@@ -132,6 +136,11 @@ def generate(
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     except ValueError as err:
         fail(str(err))
+    if image_out is not None:
+        set_threads(threads)
+        _generate_picture(prompts[0], image_out, draft, window, shape, params, cfg_scale,
+                          None if target == "smollm2-135m-instruct" else target)
+        return
     pictures = [_read_image(path) for path in image]
     if pictures and target == "smollm2-135m-instruct":
         target = "smollm2-vlm"   # the reference VLM reads the reference target
@@ -165,6 +174,29 @@ def generate(
                 _print_generation(out)
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
+
+
+def _generate_picture(prompt: str, out: Path, draft: str, window: int, shape, params, cfg_scale: float | None,
+                      generator: str | None) -> None:
+    """One picture of the prompt's scene through the image engine, written as PNG."""
+    from specserve.data.scenes import prompt_label
+    from specserve.replicas.image_engine import GENERATOR_DRAFT, ImageEngine
+
+    try:
+        label = prompt_label(prompt)
+        engine = ImageEngine(generator)
+        # The text default (prompt lookup) means the generator's own draft here, when there is one.
+        name = GENERATOR_DRAFT if draft in ("prompt-lookup", GENERATOR_DRAFT) and engine.drafts else "none"
+        request = engine.request(label, "picture", name, window if name != "none" else 0, shape if name != "none" else None,
+                                 params.temperature, params.top_k or None, params.seed, cfg_scale)
+        generation = engine.generate([request])[0]
+        engine.pictures([generation])[0].save(out, format="PNG")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    spec = generation.stats.summary()
+    typer.echo(f"{out}: {len(generation.token_ids)} image tokens")
+    typer.secho(f"[draft={spec['draft']} steps={spec['steps']} mean_accepted_len={spec['mean_accepted_len']}]",
+                err=True, dim=True)
 
 
 def _read_image(path: Path):

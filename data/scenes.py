@@ -64,6 +64,26 @@ def label_prompt(label: int) -> str:
     return f"a {colour} {shape} on {where} background"
 
 
+# The words a prompt may name each background by (``label_prompt`` uses the first).
+_BACKGROUND_WORDS = {"plain": ("plain",), "gradient": ("shaded", "gradient"), "stripes": ("striped", "stripes"),
+                     "checks": ("checked", "checks", "checkered"), "speckle": ("speckled", "speckle")}
+
+
+def prompt_label(prompt: str) -> int:
+    """The class a prompt names: exactly one shape, one colour and one background among its
+    words ("a red circle on a striped background"); ValueError saying what is missing or twice."""
+    words = set(prompt.lower().replace(",", " ").replace(".", " ").split())
+    found = {"shape": [s for s in SHAPES if s in words], "colour": [c for c in _COLOUR_NAMES if c in words],
+             "background": [b for b, names in _BACKGROUND_WORDS.items() if words & set(names)]}
+    choices = {"shape": SHAPES, "colour": _COLOUR_NAMES,
+               "background": tuple(names[0] for names in _BACKGROUND_WORDS.values())}
+    for part, hits in found.items():
+        if len(hits) != 1:
+            raise ValueError(f"the prompt must name one {part} ({', '.join(choices[part])}); "
+                             f"it names {' and '.join(hits) if hits else 'none'}")
+    return class_label(found["shape"][0], found["colour"][0], found["background"][0])
+
+
 def _background(rng: random.Random, kind: str) -> Image.Image:
     tone = _TONES[rng.choice(list(_TONES))]
     image = Image.new("RGB", (SCENE_SIZE, SCENE_SIZE), tone)

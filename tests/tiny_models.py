@@ -151,3 +151,31 @@ def pruned_copy(model, head: list[int]) -> PrunedHeadLlamaForCausalLM:
     state["lm_head.weight"] = state["lm_head.weight"][head]
     pruned.load_state_dict(state)
     return pruned
+
+
+def tiny_generator_folder(folder, grid: int = 16, seed: int = 0):
+    """A tiny class-conditional image generator saved as ``imagegen.load_generator`` reads it: a
+    one-layer Llama over 32 codes and 6 classes, an untrained VQ tokenizer of ``grid`` x ``grid``
+    codes beside it, guidance 2 and top-k 8 as its served defaults."""
+    import json
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specserve.replicas.imagegen import GENERATOR_FILE, GeneratorSettings
+    from specserve.replicas.vq_tokenizer import VQConfig, VQTokenizer
+
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    VQTokenizer(VQConfig(channels=8, codebook_size=32, code_dim=4)).eval().save(folder / "vq")
+    settings = GeneratorSettings(codebook_size=32, classes=6, grid=grid, tokenizer="../vq", cfg_scale=2.0, top_k=8)
+    config = LlamaConfig(vocab_size=settings.layout.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=grid * grid + 8, tie_word_embeddings=False, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)   # peaked distributions: greedy choices far from ties
+    model.save_pretrained(folder / "gen")
+    (folder / "gen" / GENERATOR_FILE).write_text(json.dumps(settings.__dict__))
+    return folder / "gen"

@@ -197,3 +197,22 @@ def test_models_list_shows_the_reference_target():
     result = specserve("models", "list", "--json", timeout=60)
     assert result.returncode == 0
     assert "smollm2-135m-instruct" in [row["name"] for row in json.loads(result.stdout)]
+
+
+def test_generate_writes_a_picture_of_the_prompts_scene(tmp_path):
+    from PIL import Image
+
+    from tiny_models import tiny_generator_folder
+
+    generator = tiny_generator_folder(tmp_path / "models")
+    out = tmp_path / "picture.png"
+    # The tiny generator knows 6 classes: a red square on a plain background is class 6 * 5 > 5.
+    bad = in_process("generate", "a red square on a plain background", "--image-out", str(out), "--target", str(generator))
+    assert bad.exit_code != 0 and "class label" in bad.output
+    result = in_process("generate", "a red circle on a striped background", "--image-out", str(out),
+                        "--target", str(generator), "--temperature", "0", "--window", "0")
+    assert result.exit_code == 0, result.output
+    with Image.open(out) as picture:
+        assert picture.format == "PNG" and picture.size == (64, 64)
+    missing = in_process("generate", "a red circle", "--image-out", str(out), "--target", str(generator))
+    assert missing.exit_code != 0 and "must name one background" in missing.output
