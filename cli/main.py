@@ -416,6 +416,34 @@ def bench_steps(
         fail(str(err))
 
 
+@bench_app.command("imagegen")
+def bench_imagegen(
+    json_path: Path = typer.Option(Path("bench-imagegen.json"), "--out", help="Where to write the rows."),
+    pictures: int = typer.Option(8, help="Pictures per row (half on smooth backgrounds, half on busy ones)."),
+    temperatures: str = typer.Option("0,1", help="Comma-separated sampling temperatures (0: greedy)."),
+    window: int = typer.Option(4, help="The chain row's window."),
+    tree: str = typer.Option("4,4,16", help="DEPTH,TOPK,BUDGET: the static tree, where tree rules start."),
+    rows: Optional[str] = typer.Option(None, help="Comma-separated rows (default: all)."),
+    generator: Optional[Path] = typer.Option(None, help="A generator folder (default: the reference generator)."),
+    draft: Optional[Path] = typer.Option(None, help="Its draft's folder (default: the zoo's)."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Image generation side by side: target-only, a chain, a static tree and the tree rules
+    (ADT-Tree's three initialisations among them) on the reference generator, τ by grid position."""
+    from specserve.bench.imagegen import ROWS, ImagegenBenchConfig, run_imagegen_bench
+    from specserve.replicas.step import TreeShape
+
+    set_threads(threads)
+    try:
+        run_imagegen_bench(ImagegenBenchConfig(
+            json_path=json_path, plot_path=json_path.with_suffix(".png"), pictures=pictures,
+            temperatures=tuple(float(t) for t in temperatures.split(",") if t.strip()), window=window,
+            tree=TreeShape.parse(tree), rows=_names(rows) or ROWS, generator=generator, draft=draft))
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+    typer.echo(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+
+
 @bench_app.command("decode")
 def bench_decode(
     json_path: Path = typer.Option(Path("bench-decode.json"), "--out", "--json", help="Where to write the rows (rewritten after each)."),

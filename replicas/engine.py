@@ -105,17 +105,24 @@ def generation(state: RequestState) -> Generation:
 
 def run_side_by_side(targets: list[Target], drafts: dict[str, DraftServer],
                      runs: list[tuple[list[SpecRequest], object]], eos_token_ids: frozenset[int] | set[int] = frozenset(),
-                     max_running: int | None = None) -> list[tuple[list[Generation], float]]:
+                     max_running: int | None = None,
+                     on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[tuple[list[Generation], float]]:
     """Several runs of requests (each with its policy, its own scheduler and target) in one
     thread, their steps taking turns: each run's seconds are the sum of its own steps. A noisy
     neighbour on a shared machine slows whatever step is running, so two runs compared this way
     see the same machine to within a step (~40 ms) instead of within a run (~25 s, where rounds of
-    the same code differ by ±8%)."""
+    the same code differ by ±8%). ``on_tokens(run, i, tokens)`` sees request i of a run's tokens
+    as each of its steps verifies them."""
     if len(targets) != len(runs):
         raise ValueError(f"one target per run: {len(targets)} targets for {len(runs)} runs")
     loops = [StepLoop(Scheduler(target, policy or StaticPolicy(), eos_token_ids, max_running=max_running),
                       drafts, InlineWorker()) for target, (_, policy) in zip(targets, runs)]
-    states = [[loop.add(request) for request in requests] for loop, (requests, _) in zip(loops, runs)]
+
+    def emit(run: int, i: int):
+        return None if on_tokens is None else (lambda item: on_tokens(run, i, item.token_ids))
+
+    states = [[loop.add(request, emit(run, i)) for i, request in enumerate(requests)]
+              for run, (loop, (requests, _)) in enumerate(zip(loops, runs))]
     seconds = [0.0] * len(loops)
 
     async def take_turns() -> None:

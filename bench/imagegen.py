@@ -1,0 +1,176 @@
+"""Image generation with speculative decoding: ADT-Tree where it was made for, side by side.
+
+In-process (``replicas/image_engine.py``): the reference image generator, its distilled draft,
+classifier-free guidance at the generator's scale, pictures of classes half on smooth backgrounds
+and half on busy ones, at temperature 0 and 1 (the ADT-Tree paper's two settings). Rows, all over
+the same pictures, their steps taking turns (``run_side_by_side``):
+
+- ``target-only``: guided decoding one token per step, the baseline;
+- ``chain``: the draft at a fixed window; ``static-tree``: a fixed tree (EAGLE-2's N nodes);
+- ``adt-tree`` (Horizontal Repeat), ``adt-tree-vertical``, ``adt-tree-random``: ADT-Tree's three
+  initialisations, then its bisectional adaptation; ``eagle2-depth`` and ``sage``: the other tree
+  rules, all starting from the static tree.
+
+Per row and temperature: tokens/s, the speedup over target-only, τ (tokens per step), τ on smooth
+and on busy backgrounds, and at temperature 0 the pictures whose tokens equal target-only's (they
+must all). τ by grid position: each step's tokens counted at the position its first token fills,
+averaged over pictures: the paper's observation (smooth regions τ > 3, textured τ ≤ 2) measured
+here. JSON and a plot: the τ maps and the speedups.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specserve.bench.engine import machine_info
+from specserve.data.scenes import BACKGROUNDS, SMOOTH_BACKGROUNDS, class_label, label_parts
+from specserve.data.synthetic_images import COLOURS, SHAPES
+from specserve.policies.registry import build_policy
+from specserve.replicas.engine import run_side_by_side
+from specserve.replicas.image_engine import GENERATOR_DRAFT, ImageEngine
+from specserve.replicas.request import NO_DRAFT
+from specserve.replicas.step import TreeShape
+from specserve.replicas.target import Target
+
+BASELINE = "target-only"
+# Rows: (draft used, policy name or None for pinned, window, tree).
+TREE_POLICIES = ("adt-tree", "adt-tree-vertical", "adt-tree-random", "eagle2-depth", "sage")
+ROWS = (BASELINE, "chain", "static-tree", *TREE_POLICIES)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImagegenBenchConfig:
+    json_path: Path = Path("bench-imagegen.json")
+    plot_path: Path = Path("bench-imagegen.png")
+    pictures: int = 8                  # half on smooth backgrounds, half on busy ones
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    window: int = 4                    # the chain row's
+    tree: TreeShape = TreeShape(4, 4, 16)   # the static row's, and where the tree rules start
+    rows: tuple[str, ...] = ROWS
+    generator: Path | None = None      # default: the reference generator
+    draft: Path | None = None          # default: its zoo draft
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.pictures < 2:
+            raise ValueError(f"--pictures must be >= 2 (smooth and busy), got {self.pictures}")
+        unknown = set(self.rows) - set(ROWS)
+        if unknown:
+            raise ValueError(f"unknown row(s) {', '.join(sorted(unknown))}; choose from {', '.join(ROWS)}")
+        if any(t < 0 for t in self.temperatures):
+            raise ValueError("temperatures must be >= 0")
+
+
+def picture_labels(n: int) -> list[int]:
+    """n classes, shapes and colours in turn, smooth and busy backgrounds alternating."""
+    busy = [b for b in BACKGROUNDS if b not in SMOOTH_BACKGROUNDS]
+    colours = list(COLOURS)
+    return [class_label(SHAPES[i % len(SHAPES)], colours[(i // 2) % len(colours)],
+                        (SMOOTH_BACKGROUNDS if i % 2 == 0 else busy)[(i // 2) % 2]) for i in range(n)]
+
+
+def _requests(engine: ImageEngine, row: str, labels: list[int], temperature: float, config: ImagegenBenchConfig):
+    drafted = row != BASELINE and engine.drafts
+    kwargs = dict(draft=GENERATOR_DRAFT if drafted else NO_DRAFT, temperature=temperature)
+    if drafted and row == "chain":
+        kwargs.update(window=config.window)
+    elif drafted:
+        kwargs.update(tree=config.tree, pinned=row == "static-tree")
+    return [engine.request(label, f"{row}-{i}", seed=config.seed + i, **kwargs) for i, label in enumerate(labels)]
+
+
+def run_imagegen_bench(config: ImagegenBenchConfig) -> dict:
+    from specserve.replicas.engine import in_process_server
+
+    engine = ImageEngine(config.generator, config.draft)
+    if not engine.drafts:
+        raise FileNotFoundError("the generator has no draft: train one (`specserve zoo imagegen-draft`) or give --draft")
+    labels = picture_labels(config.pictures)
+    smooth = [label_parts(label)[2] in SMOOTH_BACKGROUNDS for label in labels]
+    grid = engine.settings.grid
+    servers = {name: in_process_server(name, draft) for name, draft in engine.drafts.items()}
+    rows_out, maps = [], {}
+    for temperature in config.temperatures:
+        runs = [(_requests(engine, row, labels, temperature, config),
+                 None if row in (BASELINE, "chain", "static-tree") else build_policy(row)) for row in config.rows]
+        steps: list[list[list[int]]] = [[[] for _ in labels] for _ in config.rows]   # run -> picture -> tokens per step
+
+        def record(run: int, i: int, tokens: list[int]) -> None:
+            if tokens:
+                steps[run][i].append(len(tokens))
+
+        targets = [Target(engine.model, slots=2 * len(labels)) for _ in config.rows]
+        results = run_side_by_side(targets, servers, runs, on_tokens=record)
+        baseline = config.rows.index(BASELINE) if BASELINE in config.rows else None
+        base_speed = None
+        for r, (row, (gens, seconds)) in enumerate(zip(config.rows, results)):
+            tokens = sum(len(g.token_ids) for g in gens)
+            taus = [np.mean(s) for s in steps[r]]
+            tau_map = np.zeros(grid * grid)
+            counts = np.zeros(grid * grid)
+            for per_picture in steps[r]:
+                position = 0
+                for n in per_picture:
+                    tau_map[position] += n
+                    counts[position] += 1
+                    position += n
+            tau_map = np.divide(tau_map, counts, out=np.full_like(tau_map, np.nan), where=counts > 0)
+            maps[f"{row}@T={temperature:g}"] = tau_map.reshape(grid, grid).round(3).tolist()
+            speed = tokens / seconds
+            if r == baseline:
+                base_speed = speed
+            out = {
+                "row": row, "temperature": temperature, "tokens_per_s": round(speed, 2), "seconds": round(seconds, 3),
+                "mean_accepted_len": round(float(np.mean(taus)), 3),
+                "tau_smooth": round(float(np.mean([t for t, s in zip(taus, smooth) if s])), 3),
+                "tau_busy": round(float(np.mean([t for t, s in zip(taus, smooth) if not s])), 3),
+                "trees": [g.stats.summary().get("trees") for g in gens][:1],
+            }
+            if temperature == 0 and baseline is not None:
+                reference = [g.token_ids for g in results[baseline][0]]
+                out["matches_target_only"] = sum(g.token_ids == ref for g, ref in zip(gens, reference))
+            rows_out.append(out)
+        for out in rows_out:
+            if out["temperature"] == temperature and base_speed:
+                out["speedup"] = round(out["tokens_per_s"] / base_speed, 3)
+    report = {"meta": {"pictures": config.pictures, "labels": labels, "grid": grid,
+                       "cfg_scale": engine.settings.cfg_scale, "top_k": engine.settings.top_k,
+                       "window": config.window, "tree": [config.tree.depth, config.tree.top_k, config.tree.budget],
+                       "machine": machine_info()},
+              "rows": rows_out, "tau_maps": maps}
+    config.json_path.write_text(json.dumps(report, indent=1))
+    plot(report, config.plot_path)
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    """τ by grid position per drafted row at the first temperature, and the speedups."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = report["rows"][0]["temperature"]
+    drafted = [k for k in report["tau_maps"] if not k.startswith(BASELINE) and k.endswith(f"T={first:g}")]
+    fig, axes = plt.subplots(1, len(drafted) + 1, figsize=(3 * (len(drafted) + 1), 3.2))
+    for ax, key in zip(axes, drafted):
+        image = ax.imshow(np.array(report["tau_maps"][key], dtype=float), vmin=1, cmap="viridis")
+        ax.set_title(key, fontsize=8)
+        ax.axis("off")
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    ax = axes[-1]
+    for temperature in sorted({r["temperature"] for r in report["rows"]}):
+        rows = [r for r in report["rows"] if r["temperature"] == temperature]
+        ax.plot([r["row"] for r in rows], [r.get("speedup", 0) for r in rows], "o-", label=f"T={temperature:g}")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_ylabel("speedup over target-only")
+    ax.tick_params(axis="x", rotation=70, labelsize=7)
+    ax.legend(fontsize=7)
+    fig.suptitle("τ (tokens per step) by the grid position a step starts at", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

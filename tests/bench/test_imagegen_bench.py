@@ -1,0 +1,53 @@
+"""bench imagegen on a tiny generator and draft: every row over the same pictures, greedy pictures
+equal target-only's, τ maps by grid position, the JSON and the plot."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from specserve.bench.imagegen import ROWS, ImagegenBenchConfig, picture_labels, run_imagegen_bench
+from specserve.data.scenes import SMOOTH_BACKGROUNDS, label_parts
+from specserve.replicas.step import TreeShape
+from tiny_models import tiny_generator_folder
+
+
+def test_pictures_alternate_smooth_and_busy_backgrounds():
+    labels = picture_labels(6)
+    assert [label_parts(label)[2] in SMOOTH_BACKGROUNDS for label in labels] == [True, False] * 3
+    assert len(set(labels)) == 6
+
+
+def test_bad_settings_fail_before_any_model_loads():
+    with pytest.raises(ValueError, match="unknown row"):
+        ImagegenBenchConfig(rows=("target-only", "beam"))
+    with pytest.raises(ValueError, match="pictures"):
+        ImagegenBenchConfig(pictures=1)
+
+
+def test_every_row_runs_the_same_pictures_side_by_side(tmp_path, monkeypatch):
+    folder = tiny_generator_folder(tmp_path / "models", grid=4)
+    draft = LlamaForCausalLM.from_pretrained(folder)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.3 * param.std())
+    draft.save_pretrained(tmp_path / "draft")
+    # The tiny generator knows 6 classes: the benchmark's labels, taken modulo.
+    monkeypatch.setattr("specserve.bench.imagegen.picture_labels", lambda n: [i % 6 for i in range(n)])
+    config = ImagegenBenchConfig(json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png", pictures=2,
+                                 tree=TreeShape(3, 4, 8), generator=folder, draft=tmp_path / "draft")
+    report = run_imagegen_bench(config)
+    assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == len(report["rows"])
+    assert (tmp_path / "b.png").stat().st_size > 0
+    rows = {(r["row"], r["temperature"]): r for r in report["rows"]}
+    assert set(rows) == {(row, t) for row in ROWS for t in (0.0, 1.0)}
+    for (row, t), r in rows.items():
+        assert r["tokens_per_s"] > 0 and r["mean_accepted_len"] >= 1 and "speedup" in r
+        if t == 0:
+            assert r["matches_target_only"] == 2, row
+    assert rows[("target-only", 0.0)]["mean_accepted_len"] == 1
+    assert max(r["mean_accepted_len"] for r in report["rows"]) > 1   # drafts were accepted
+    tau = report["tau_maps"]["adt-tree@T=0"]
+    assert len(tau) == 4 and len(tau[0]) == 4 and tau[0][0] >= 1
