@@ -80,7 +80,7 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
-        if ids is None:
+        if ids is None and self.tokenizer is not None:
             ids = self.tokenizer.eos_token_id
         if ids is None:
             return set()
@@ -194,6 +194,10 @@ def load_tokenizer_and_config(name_or_path: str = REFERENCE_TARGET):
     return AutoTokenizer.from_pretrained(path, **kwargs), AutoConfig.from_pretrained(path, **kwargs)
 
 
+# Files that hold a Hugging Face tokenizer in a model folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_causal_lm(
     name_or_path: str = REFERENCE_TARGET,
     dtype: str = "auto",
@@ -209,7 +213,9 @@ def load_causal_lm(
     device = torch.device(device) if device is not None else default_device()
     torch_dtype = resolve_dtype(dtype, device)
     path, kwargs = _from_pretrained_args(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    # A folder without a tokenizer (an image generator's draft reads token ids only) loads without one.
+    untokenized = Path(path).is_dir() and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+    tokenizer = None if untokenized else AutoTokenizer.from_pretrained(path, **kwargs)
     config = AutoConfig.from_pretrained(path, **kwargs)
     embeddings_from = getattr(config, "embeddings_from", None)
     if embeddings_from:

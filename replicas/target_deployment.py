@@ -45,7 +45,8 @@ from specserve.replicas.core_share import CoreShare
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.grammar import grammar_tokenizer, warm_up
 from specserve.replicas.kv_memory import check_utilization, choose_slots, model_bytes
-from specserve.replicas.model_store import load_causal_lm
+from specserve.replicas.imagegen import is_generator_folder, load_generator
+from specserve.replicas.model_store import LoadedModel, default_device, load_causal_lm, resolve_dtype
 from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.native_memory import release_free_memory
@@ -164,15 +165,24 @@ class TargetDeployment:
             raise TypeError(f"the replica's policy must name the rule it applies to each request (name_for) and "
                             f"take the replica's measured costs (seed_costs): {type(policy).__name__} does not; "
                             "wrap it in policies.per_request.PolicyByRequest")
-        self.loaded = (load_vlm(config.model, dtype=config.dtype) if is_vlm_folder(config.model)
-                       else load_causal_lm(config.model, dtype=config.dtype))
+        # An image generator's folder (``imagegen.py``) serves picture requests: token ids in and
+        # out, no tokenizer (the ingress decodes its image tokens).
+        self.generator = None
+        if is_generator_folder(config.model):
+            model, self.generator, _ = load_generator(config.model, dtype=resolve_dtype(config.dtype, default_device()))
+            self.loaded = LoadedModel(Path(config.model).name, model, None)
+        else:
+            self.loaded = (load_vlm(config.model, dtype=config.dtype) if is_vlm_folder(config.model)
+                           else load_causal_lm(config.model, dtype=config.dtype))
         # A VLM runs its language model; its pictures' image tokens embed from the image store.
         self.images = None
-        text = target_text(self.loaded.tokenizer, self.loaded.model.config)
-        text_model, self.tokenizer = self.loaded.model, text.tokenizer
-        if text.processor is not None:
-            text_model = language_model(self.loaded.model)
-            self.images = target_image_store(self.loaded.model, text.processor)
+        text_model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        if self.generator is None:
+            text = target_text(self.loaded.tokenizer, self.loaded.model.config)
+            self.tokenizer = text.tokenizer
+            if text.processor is not None:
+                text_model = language_model(self.loaded.model)
+                self.images = target_image_store(self.loaded.model, text.processor)
         # Ray sets OMP_NUM_THREADS to num_cpus; the model thread sets torch's count itself.
         threads = config.torch_threads or torch.get_num_threads()
         self._worker = ModelWorker("target", threads=threads)
@@ -207,7 +217,9 @@ class TargetDeployment:
             # On CUDA every bucket's graph now, before any request: a first step then waits on no capture.
             target.kv.capture_graphs(cuda_graphs.TOKEN_BUCKETS)
         self.stats_name = config.stats_name or Path(config.model).name.removesuffix(".gguf")
-        self.routing = None if router is None else router(self.stats_name, list(drafts), self.tokenizer)
+        # The router's features read text: a generator's requests keep the draft they name.
+        self.routing = (None if router is None or self.tokenizer is None
+                        else router(self.stats_name, list(drafts), self.tokenizer))
         self.learning = learning(self.stats_name) if learning is not None else None
         if self.learning is not None:
             policy.carry_into(self.learning.carry)
@@ -217,10 +229,12 @@ class TargetDeployment:
             max_running=self.kv_sizing.max_running, router=None if self.routing is None else self.routing.router, default_draft=config.default_draft,
             observers=self.learning.observers if self.learning is not None else (),
             on_draft=[self._routed] if self.learning is not None else (),
-            grammar_tokenizer=(make_grammar_tokenizer := functools.partial(
+            # Grammars constrain text: a generator's replica refuses them (no tokenizer to compile with).
+            grammar_tokenizer=(make_grammar_tokenizer := None if self.tokenizer is None else functools.partial(
                 grammar_tokenizer, self.tokenizer, target.vocab, tuple(sorted(self.loaded.eos_token_ids)))),
             grammar_draft=config.grammar_draft)
-        threading.Thread(target=warm_up, args=(make_grammar_tokenizer,), name="grammar-warm-up", daemon=True).start()
+        if make_grammar_tokenizer is not None:
+            threading.Thread(target=warm_up, args=(make_grammar_tokenizer,), name="grammar-warm-up", daemon=True).start()
         self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory,
                              draft_ahead=config.draft_ahead, on_draft_costs=self._price_separate)
         self._released_at = -math.inf

@@ -156,7 +156,8 @@ def pruned_copy(model, head: list[int]) -> PrunedHeadLlamaForCausalLM:
 def tiny_generator_folder(folder, grid: int = 16, seed: int = 0):
     """A tiny class-conditional image generator saved as ``imagegen.load_generator`` reads it: a
     one-layer Llama over 32 codes and 6 classes, an untrained VQ tokenizer of ``grid`` x ``grid``
-    codes beside it, guidance 2 and top-k 8 as its served defaults."""
+    codes beside it, guidance 2 and top-k 8 as its served defaults; its context leaves room for a
+    replica's start-up cost probe."""
     import json
     from pathlib import Path
 
@@ -171,7 +172,7 @@ def tiny_generator_folder(folder, grid: int = 16, seed: int = 0):
     settings = GeneratorSettings(codebook_size=32, classes=6, grid=grid, tokenizer="../vq", cfg_scale=2.0, top_k=8)
     config = LlamaConfig(vocab_size=settings.layout.vocab_size, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=grid * grid + 8, tie_word_embeddings=False, bos_token_id=None,
+                         max_position_embeddings=max(grid * grid + 8, 128), tie_word_embeddings=False, bos_token_id=None,
                          eos_token_id=None, pad_token_id=None)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
