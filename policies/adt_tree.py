@@ -101,7 +101,8 @@ class ADTTree:
             state = self.bounded(depth, top_k, tree.budget)
         else:
             state = self.bounded(tree.depth, tree.top_k, tree.budget)
-        return replace(state, grid=request.grid) if request.grid else state
+        # A continuation's picture is under way: its next token is where its earlier output ended.
+        return replace(state, grid=request.grid, position=request.resumed_tokens) if request.grid else state
 
     def counts(self, state: ADTState) -> dict[str, int]:
         """Where the request's walk ended: the depth and top-k it would have asked next."""

@@ -114,22 +114,45 @@ class GeneratorSettings:
         return self.grid * self.grid
 
 
-def is_generator_folder(folder) -> bool:
-    return (Path(folder) / GENERATOR_FILE).is_file()
+def generator_folder(name_or_path) -> Path | None:
+    """The folder of a generator given by path or by name (the model cache, the package's
+    targets), or None when it names no generator."""
+    from specserve.replicas.model_store import resolve_model_path
+
+    try:
+        folder = resolve_model_path(str(name_or_path))
+    except FileNotFoundError:
+        return None
+    return folder if (folder / GENERATOR_FILE).is_file() else None
 
 
-def load_generator(folder, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """(the Llama, its ``GeneratorSettings``, the VQ tokenizer) of a generator folder
-    (``training/imagegen_train.export``)."""
-    from transformers import LlamaForCausalLM
+def is_generator_folder(name_or_path) -> bool:
+    return generator_folder(name_or_path) is not None
 
+
+def generator_settings(name_or_path) -> tuple[Path, GeneratorSettings]:
+    """A generator's folder and settings (no weights loaded)."""
+    folder = generator_folder(name_or_path)
+    if folder is None:
+        raise FileNotFoundError(f"{str(name_or_path)!r} is no image generator's folder (it holds no {GENERATOR_FILE})")
+    return folder, GeneratorSettings(**json.loads((folder / GENERATOR_FILE).read_text()))
+
+
+def load_tokenizer(folder: Path, settings: GeneratorSettings, device: str | torch.device = "cpu"):
+    """The generator's VQ tokenizer (``settings.tokenizer`` is relative to its folder)."""
     from specserve.replicas.vq_tokenizer import VQTokenizer
 
-    folder = Path(folder)
-    settings = GeneratorSettings(**json.loads((folder / GENERATOR_FILE).read_text()))
+    return VQTokenizer.load((folder / settings.tokenizer).resolve(), device=device)
+
+
+def load_generator(name_or_path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(the Llama, its ``GeneratorSettings``, the VQ tokenizer) of a generator folder
+    (``training/imagegen_train.export``), by path or name."""
+    from transformers import LlamaForCausalLM
+
+    folder, settings = generator_settings(name_or_path)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
-    tokenizer = VQTokenizer.load((folder / settings.tokenizer).resolve(), device=device)
-    return model, settings, tokenizer
+    return model, settings, load_tokenizer(folder, settings, device)
 
 
 @torch.inference_mode()

@@ -239,7 +239,9 @@ class RequestState:
     @property
     def guide_context(self) -> list[int]:
         """The unconditional row's tokens (``Guidance.context``); a request without guidance has none."""
-        return self.request.guidance.context(self.context, len(self.request.prompt_ids))
+        # A continuation's prompt ends with its own earlier output (``resumed_tokens``): output too.
+        request = self.request
+        return request.guidance.context(self.context, len(request.prompt_ids) - request.resumed_tokens)
 
     @property
     def room(self) -> int:

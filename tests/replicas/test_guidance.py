@@ -120,3 +120,15 @@ def test_guided_samples_follow_the_guided_distribution(models, speculation):
     pvalue = chi_square_pvalue(counts, exact_joint(target, 2, params))
     assert pvalue > 1e-3, f"chi-square p={pvalue:.2e}"
     assert sum(gen.stats.accepted for gen in gens) > runs // 20
+
+
+def test_a_guided_continuation_resumes_both_rows_where_its_output_ended(models):
+    """A replica failed after 9 tokens: the continuation's prompt holds them (``resumed_tokens``),
+    and its unconditional row is the unconditional prompt plus the same 9."""
+    target, drafts = models
+    whole = generate(target, LAYOUT, [3], TOKENS, cfg_scale=SCALE)[0].tolist()
+    first = guided_request(3, "c")
+    rest = SpecRequest(first.prompt_ids + whole[:9], TOKENS - 9, GREEDY, "near", 3, None, "c-r1",
+                       resumed_tokens=9, guidance=first.guidance)
+    got = run_batch(Target(target, slots=4), {"near": in_process_server("near", drafts["near"])}, [rest])[0]
+    assert got.token_ids == whole[9:]
