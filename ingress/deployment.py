@@ -29,9 +29,11 @@ from specserve.ingress.auth import ApiKeys
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.grpc_api import GrpcFace
 from specserve.ingress.http_api import HttpFace, api
-from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest
+from specserve.ingress.image_generation import ImageGenerationRequest, NoText, PictureFace
+from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Preparer
 from specserve.ingress.resumable import TargetStreams
+from specserve.replicas.imagegen import is_generator_folder
 from specserve.replicas.vlm import load_target_text
 
 __all__ = ["Ingress", "IngressConfig", "api"]
@@ -44,9 +46,14 @@ logger = logging.getLogger("ray.serve")
 class Ingress:
     def __init__(self, target: DeploymentHandle, config: IngressConfig, policy: DeploymentHandle | None = None):
         """``policy``: the policy service, when the application shares statistics through Redis."""
-        text = load_target_text(config.target)
-        preparer = Preparer(text, config)
-        streams = TargetStreams(target, text.tokenizer, config)
+        # An image generator's deployment answers /v1/images/generations; text routes refuse.
+        self.pictures = None
+        if is_generator_folder(config.target):
+            preparer, streams = None, TargetStreams(target, NoText(), config)
+            self.pictures = PictureFace(config, streams)
+        else:
+            text = load_target_text(config.target)
+            preparer, streams = Preparer(text, config), TargetStreams(target, text.tokenizer, config)
         api_keys = ApiKeys.load(config.api_keys_file)
         guard.configure(api_keys, config.max_body_bytes, config.body_timeout_s)
         self.http = HttpFace(config, preparer, streams, target, policy)
@@ -79,11 +86,25 @@ class Ingress:
 
     @api.post("/v1/completions")
     async def completions(self, req: CompletionRequest):
+        self._text_only()
         return await self.http.completions(req)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, req: ChatCompletionRequest):
+        self._text_only()
         return await self.http.chat_completions(req)
+
+    @api.post("/v1/images/generations")
+    async def images_generations(self, req: ImageGenerationRequest) -> dict:
+        if self.pictures is None:
+            raise OpenAIError("this deployment's model generates text, not pictures: use /v1/chat/completions",
+                              param="model", code="images_not_supported")
+        return await self.pictures.generate(req)
+
+    def _text_only(self) -> None:
+        if self.pictures is not None:
+            raise OpenAIError("this deployment's model generates pictures: POST /v1/images/generations",
+                              param="model", code="text_not_supported")
 
     # ---- gRPC (method names are the RPC names of specserve.proto) --------------------------------
 

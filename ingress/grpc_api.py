@@ -173,7 +173,7 @@ def grpc_abort(grpc_context, err: OpenAIError) -> None:
 class GrpcFace:
     """What ``SpecServe``'s RPCs answer (the ``Ingress`` deployment's methods of those names call these)."""
 
-    def __init__(self, model_id: str, api_keys: ApiKeys, preparer: Preparer, streams: TargetStreams):
+    def __init__(self, model_id: str, api_keys: ApiKeys, preparer: Preparer | None, streams: TargetStreams):
         self.model_id, self.api_keys, self.preparer, self.streams = model_id, api_keys, preparer, streams
 
     @functools.cached_property
@@ -197,6 +197,9 @@ class GrpcFace:
         if self.api_keys.enabled and not self.api_keys.allows_metadata(grpc_context.invocation_metadata()):
             raise OpenAIError("missing or invalid API key: send metadata `authorization: Bearer <key>`",
                               status=401, code="invalid_api_key")
+        if self.preparer is None:   # an image generator's deployment (``image_generation.py``)
+            raise OpenAIError("this deployment's model generates pictures: POST /v1/images/generations over HTTP",
+                              param="model", code="text_not_supported")
         asked = from_pb(request, self.model_id)
         return asked, await self.preparer.prepare(asked)
 

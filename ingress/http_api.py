@@ -118,10 +118,13 @@ class HttpFace:
         return out
 
     def models(self) -> dict:
+        text = self.preparer   # None: an image generator's deployment
         return {"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
-            "max_model_len": self.preparer.max_context, "drafts": self.config.draft_names, "policies": list(POLICIES),
-            "input_modalities": ["text", "image"] if self.preparer.processor is not None else ["text"],
+            "max_model_len": text.max_context if text else None, "drafts": self.config.draft_names,
+            "policies": list(POLICIES),
+            "input_modalities": ["text", "image"] if text and text.processor is not None else ["text"],
+            "output_modalities": ["text"] if text else ["image"],
             "placement": self.config.placement,
         }]}
 
