@@ -15,6 +15,7 @@ import yaml
 
 from specserve.cluster.config import (INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROMPT_LOOKUP, SEPARATE, SHIPPED_ANSWERS, SUFFIX,
                                       TARGET_DEPLOYMENT, AppConfig, draft_deployment)
+from specserve.replicas.image_engine import GENERATOR_DRAFT, REFERENCE_GENERATOR
 
 APP_NAME = "specserve"
 BUILDER = "specserve.cluster.app:build_app"
@@ -211,6 +212,18 @@ def multimodal_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dic
         "default_window": 4, "max_model_len": LOCAL_MAX_MODEL_LEN,
         "drafts": [{"name": PROMPT_LOOKUP}, dict(SUFFIX_DRAFT), {"name": "smollm2-eagle3", "model": "smollm2-eagle3"},
                    {"name": "smollm2-vlm-draft", "model": "smollm2-vlm-draft", "ensemble": {"views": ["multimodal"]}}],
+    }, http_port, grpc_port, TARGET_REPLICAS)
+
+
+def imagegen_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
+    """The reference image generator (scenes-imagegen: a class-conditional Llama over a VQ
+    tokenizer's image tokens, ``replicas/imagegen.py``) with its distilled draft inside each target
+    replica and ADT-Tree adapting every picture's trees from its neighbours' (Horizontal Repeat);
+    ``deploy/serve-imagegen.yaml``. Pictures come from POST /v1/images/generations."""
+    return app_serve_config({
+        "target": REFERENCE_GENERATOR, "dtype": "auto", "torch_threads": TARGET_THREADS,
+        "default_draft": GENERATOR_DRAFT, "default_window": 4, "policy": "adt-tree",
+        "drafts": [{"name": GENERATOR_DRAFT, "model": GENERATOR_DRAFT, "placement": "inside"}],
     }, http_port, grpc_port, TARGET_REPLICAS)
 
 

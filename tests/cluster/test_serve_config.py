@@ -18,6 +18,7 @@ from specserve.cluster.serve_config import (
     load_serve_config,
     local_ray_cpus,
     local_serve_config,
+    imagegen_serve_config,
     multimodal_serve_config,
     proxy_env,
     with_overrides,
@@ -29,6 +30,16 @@ SERVE_YAML = Path(__file__).resolve().parents[2] / "deploy" / "serve.yaml"
 def test_deploy_serve_yaml_is_the_local_default():
     assert yaml.safe_load(SERVE_YAML.read_text()) == local_serve_config(), (
         "deploy/serve.yaml drifted from specserve.cluster.serve_config.local_serve_config: regenerate it")
+
+
+def test_deploy_serve_imagegen_yaml_is_the_reference_generator_config():
+    path = SERVE_YAML.with_name("serve-imagegen.yaml")
+    assert yaml.safe_load(path.read_text()) == imagegen_serve_config(), (
+        "deploy/serve-imagegen.yaml drifted from specserve.cluster.serve_config.imagegen_serve_config: regenerate it")
+    args = AppConfig.model_validate(imagegen_serve_config()["applications"][0]["args"])
+    # The draft reads the conditional row inside the target replica; ADT-Tree adapts its trees.
+    assert [(d.name, d.placement) for d in args.drafts] == [("scenes-imagegen-draft", "inside")]
+    assert args.policy == "adt-tree"
 
 
 def test_deploy_serve_multimodal_yaml_is_the_reference_vlm_config():
