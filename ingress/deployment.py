@@ -57,7 +57,7 @@ class Ingress:
         api_keys = ApiKeys.load(config.api_keys_file)
         guard.configure(api_keys, config.max_body_bytes, config.body_timeout_s)
         self.http = HttpFace(config, preparer, streams, target, policy)
-        self.grpc = GrpcFace(config.model_id, api_keys, preparer, streams)
+        self.grpc = GrpcFace(config.model_id, api_keys, preparer, streams, self.pictures)
         logger.info("ingress for %s: API keys %s", config.model_id,
                     f"required ({len(api_keys)} configured)" if api_keys.enabled else "off")
 
@@ -114,3 +114,6 @@ class Ingress:
     async def CompleteStream(self, request: pb.CompletionRequest, grpc_context) -> AsyncIterator[pb.CompletionChunk]:
         async for chunk in self.grpc.complete_stream(request, grpc_context):
             yield chunk
+
+    async def GenerateImage(self, request: pb.ImageRequest, grpc_context) -> pb.ImageResponse:
+        return await self.grpc.generate_image(request, grpc_context)

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress.auth import ApiKeys
 from specserve.ingress.choices import answers, best, choice_requests, merged, total_usage
+from specserve.ingress.image_generation import ImageGenerationRequest, PictureFace
 from specserve.ingress.logprob_fields import LogprobFields
 from specserve.ingress.openai_api import ChatCompletionRequest, CompletionRequest, OpenAIError
 from specserve.ingress.prepare import Prepared, Preparer, validation_message
@@ -135,6 +136,31 @@ def from_pb(request: pb.CompletionRequest, model_id: str) -> CompletionRequest |
         raise OpenAIError(message, param=param) from err
 
 
+def image_request_from_pb(request: pb.ImageRequest) -> ImageGenerationRequest:
+    """The gRPC ImageRequest as the HTTP body, checked by the same schema."""
+    body: dict = {"prompt": request.prompt}
+    if request.model:
+        body["model"] = request.model
+    if request.size:
+        body["size"] = request.size
+    for name in ("n", "seed", "temperature", "top_k", "cfg_scale"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    if request.HasField("spec"):
+        spec = {"draft": request.spec.draft or None, "policy": request.spec.policy or None}
+        if request.spec.HasField("window"):
+            spec["window"] = request.spec.window
+        if request.spec.HasField("tree"):
+            tree = request.spec.tree
+            spec["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "budget": tree.budget}
+        body["spec"] = {k: v for k, v in spec.items() if v is not None}
+    try:
+        return ImageGenerationRequest.model_validate(body)
+    except ValidationError as err:
+        message, param = validation_message(err.errors())
+        raise OpenAIError(message, param=param) from err
+
+
 def logprobs_pb(fields: LogprobFields, token_ids: list[int], logprobs: list | None) -> list[pb.TokenLogprob]:
     """The gRPC TokenLogprobs of ``token_ids`` (None: not asked, none)."""
     if logprobs is None:
@@ -173,8 +199,10 @@ def grpc_abort(grpc_context, err: OpenAIError) -> None:
 class GrpcFace:
     """What ``SpecServe``'s RPCs answer (the ``Ingress`` deployment's methods of those names call these)."""
 
-    def __init__(self, model_id: str, api_keys: ApiKeys, preparer: Preparer | None, streams: TargetStreams):
+    def __init__(self, model_id: str, api_keys: ApiKeys, preparer: Preparer | None, streams: TargetStreams,
+                 pictures: PictureFace | None = None):
         self.model_id, self.api_keys, self.preparer, self.streams = model_id, api_keys, preparer, streams
+        self.pictures = pictures
 
     @functools.cached_property
     def logprob_fields(self) -> LogprobFields:
@@ -202,6 +230,22 @@ class GrpcFace:
                               param="model", code="text_not_supported")
         asked = from_pb(request, self.model_id)
         return asked, await self.preparer.prepare(asked)
+
+    async def generate_image(self, request: pb.ImageRequest, grpc_context) -> pb.ImageResponse:
+        """``GenerateImage``: POST /v1/images/generations' answer, each picture's PNG as bytes."""
+        try:
+            if self.api_keys.enabled and not self.api_keys.allows_metadata(grpc_context.invocation_metadata()):
+                raise OpenAIError("missing or invalid API key: send metadata `authorization: Bearer <key>`",
+                                  status=401, code="invalid_api_key")
+            if self.pictures is None:
+                raise OpenAIError("this deployment's model generates text, not pictures: call Complete",
+                                  param="model", code="images_not_supported")
+            pngs, scene, specs = await self.pictures.render(image_request_from_pb(request))
+        except OpenAIError as err:
+            grpc_abort(grpc_context, err)
+            return pb.ImageResponse()
+        return pb.ImageResponse(pictures=[pb.Picture(png=png, revised_prompt=scene, spec=spec_pb(spec))
+                                          for png, spec in zip(pngs, specs)])
 
     async def complete(self, request: pb.CompletionRequest, grpc_context) -> pb.CompletionResponse:
         try:

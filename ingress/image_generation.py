@@ -115,24 +115,29 @@ class PictureFace:
                             pinned=bool(spec and (spec.window is not None or spec.tree is not None)), policy=policy,
                             guidance=guidance, grid=s.grid) for i in range(req.n)]
 
-    async def generate(self, req: ImageGenerationRequest) -> dict:
+    async def render(self, req: ImageGenerationRequest) -> tuple[list[bytes], str, list[dict | None]]:
+        """(each picture's PNG, the scene the generator was conditioned on, each one's spec)."""
         requests = self._requests(req)
         answers = await asyncio.gather(*(self.streams.answer(Prepared(r.request_id, r, [])) for r in requests))
         if any(len(a.token_ids) != self.settings.tokens for a in answers):
             raise OpenAIError("the target returned an incomplete picture; retry", status=503, type="server_error",
                               code="unavailable", retry_after=self.config.retry_after_s)
         pngs = await asyncio.to_thread(self._pngs, [a.token_ids for a in answers])
-        scene = label_prompt(prompt_label(req.prompt))
-        return {"created": int(time.time()),
-                "data": [{"b64_json": png, "revised_prompt": scene} for png in pngs],
-                "spec": [a.spec for a in answers]}
+        return pngs, label_prompt(prompt_label(req.prompt)), [a.spec for a in answers]
 
-    def _pngs(self, ids: list[list[int]]) -> list[str]:
+    async def generate(self, req: ImageGenerationRequest) -> dict:
+        """The HTTP body: OpenAI's ``data`` of base64 PNGs, and each picture's ``spec``."""
+        pngs, scene, specs = await self.render(req)
+        return {"created": int(time.time()),
+                "data": [{"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": scene} for png in pngs],
+                "spec": specs}
+
+    def _pngs(self, ids: list[list[int]]) -> list[bytes]:
         import torch
 
         out = []
         for picture in to_pictures(self.tokenizer, torch.tensor(ids), self.settings.grid):
             buffer = io.BytesIO()
             picture.save(buffer, format="PNG")
-            out.append(base64.b64encode(buffer.getvalue()).decode("ascii"))
+            out.append(buffer.getvalue())
         return out

@@ -44,6 +44,11 @@ class SpecServeStub:
                 request_serializer=specserve_dot_ingress_dot_specserve__pb2.CompletionRequest.SerializeToString,
                 response_deserializer=specserve_dot_ingress_dot_specserve__pb2.CompletionChunk.FromString,
                 _registered_method=True)
+        self.GenerateImage = channel.unary_unary(
+                '/specserve.SpecServe/GenerateImage',
+                request_serializer=specserve_dot_ingress_dot_specserve__pb2.ImageRequest.SerializeToString,
+                response_deserializer=specserve_dot_ingress_dot_specserve__pb2.ImageResponse.FromString,
+                _registered_method=True)
 
 
 class SpecServeServicer:
@@ -61,6 +66,12 @@ class SpecServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateImage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SpecServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_SpecServeServicer_to_server(servicer, server):
                     servicer.CompleteStream,
                     request_deserializer=specserve_dot_ingress_dot_specserve__pb2.CompletionRequest.FromString,
                     response_serializer=specserve_dot_ingress_dot_specserve__pb2.CompletionChunk.SerializeToString,
+            ),
+            'GenerateImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateImage,
+                    request_deserializer=specserve_dot_ingress_dot_specserve__pb2.ImageRequest.FromString,
+                    response_serializer=specserve_dot_ingress_dot_specserve__pb2.ImageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class SpecServe:
             '/specserve.SpecServe/CompleteStream',
             specserve_dot_ingress_dot_specserve__pb2.CompletionRequest.SerializeToString,
             specserve_dot_ingress_dot_specserve__pb2.CompletionChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specserve.SpecServe/GenerateImage',
+            specserve_dot_ingress_dot_specserve__pb2.ImageRequest.SerializeToString,
+            specserve_dot_ingress_dot_specserve__pb2.ImageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -113,3 +113,26 @@ def test_another_model_is_a_404_and_the_body_is_checked_by_its_schema(face):
     for bad in ({"prompt": "x", "n": 9}, {"prompt": ""}, {"prompt": "x", "cfg_scale": 0}, {"prompt": "x", "quality": "hd"}):
         with pytest.raises(ValidationError):
             ImageGenerationRequest(**bad)
+
+
+def test_grpc_generate_image_gives_the_same_pictures_as_png_bytes(face):
+    import grpc
+
+    from scripted_target import GrpcContext
+    from specserve.ingress import specserve_pb2 as pb
+    from specserve.ingress.auth import ApiKeys
+    from specserve.ingress.grpc_api import GrpcFace
+
+    pictures, _ = face
+    rpc = GrpcFace("scenes", ApiKeys(), None, pictures.streams, pictures)
+    prompt = "a red circle on a striped background"
+    got = asyncio.run(rpc.generate_image(pb.ImageRequest(prompt=prompt, temperature=0, n=1), GrpcContext()))
+    http = asyncio.run(pictures.generate(ImageGenerationRequest(prompt=prompt, temperature=0)))
+    assert [p.png for p in got.pictures] == [base64.b64decode(d["b64_json"]) for d in http["data"]]
+    assert got.pictures[0].revised_prompt == prompt and got.pictures[0].spec.draft == "draft"
+    bad = GrpcContext()
+    asyncio.run(rpc.generate_image(pb.ImageRequest(prompt="a red circle"), bad))
+    assert bad.code == grpc.StatusCode.INVALID_ARGUMENT and "background" in bad.details
+    text_only = GrpcContext()
+    asyncio.run(GrpcFace("m", ApiKeys(), None, pictures.streams).generate_image(pb.ImageRequest(prompt=prompt), text_only))
+    assert text_only.code == grpc.StatusCode.INVALID_ARGUMENT and "Complete" in text_only.details
