@@ -194,8 +194,9 @@ def test_auto_requests_are_routed_and_the_decision_is_visible_everywhere(served,
     body, data = wait_until(recent, lambda seen: len(seen[1]) >= len(PROMPTS) + 1, timeout=60, interval=1)
     assert body["source"] == "cluster" and len(data) >= len(PROMPTS) + 1, body
     assert {"features_named", "realised", "observations", "choice", "final_draft"} <= set(data[-1])
-    shown = subprocess.run([sys.executable, "-m", "specserve.cli.main", "routes", "--server", served.http_url],
-                           capture_output=True, text=True, timeout=120)
+    # The same window as the decisions read above: the module's pinned requests share the stream.
+    shown = subprocess.run([sys.executable, "-m", "specserve.cli.main", "routes", "--server", served.http_url,
+                            "--limit", "50"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "whole cluster" in shown.stdout and data[-1]["request_id"][:10] in shown.stdout, shown
 
     names = ("ray_specserve_router_decisions", "ray_specserve_router_predicted_alpha_bucket",
