@@ -26,6 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.data.scenes import label_prompt, prompt_label
+from specserve.ingress.choices import answers
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.openai_api import Name, OpenAIError, SpecOptions
 from specserve.ingress.prepare import Prepared
@@ -118,12 +119,14 @@ class PictureFace:
     async def render(self, req: ImageGenerationRequest) -> tuple[list[bytes], str, list[dict | None]]:
         """(each picture's PNG, the scene the generator was conditioned on, each one's spec)."""
         requests = self._requests(req)
-        answers = await asyncio.gather(*(self.streams.answer(Prepared(r.request_id, r, [])) for r in requests))
-        if any(len(a.token_ids) != self.settings.tokens for a in answers):
+        # Each picture's call with a Serve request id of its own (``choices.answers``: concurrent
+        # calls under one id are taken for one call).
+        answered = await answers(self.streams, [Prepared(r.request_id, r, []) for r in requests])
+        if any(len(a.token_ids) != self.settings.tokens for a in answered):
             raise OpenAIError("the target returned an incomplete picture; retry", status=503, type="server_error",
                               code="unavailable", retry_after=self.config.retry_after_s)
-        pngs = await asyncio.to_thread(self._pngs, [a.token_ids for a in answers])
-        return pngs, label_prompt(prompt_label(req.prompt)), [a.spec for a in answers]
+        pngs = await asyncio.to_thread(self._pngs, [a.token_ids for a in answered])
+        return pngs, label_prompt(prompt_label(req.prompt)), [a.spec for a in answered]
 
     async def generate(self, req: ImageGenerationRequest) -> dict:
         """The HTTP body: OpenAI's ``data`` of base64 PNGs, and each picture's ``spec``."""
@@ -133,10 +136,13 @@ class PictureFace:
                 "spec": specs}
 
     def _pngs(self, ids: list[list[int]]) -> list[bytes]:
+        """Each picture decoded on its own: a batched convolution may round a pixel differently,
+        and a picture must not depend on the others of its request."""
         import torch
 
         out = []
-        for picture in to_pictures(self.tokenizer, torch.tensor(ids), self.settings.grid):
+        for row in ids:
+            picture = to_pictures(self.tokenizer, torch.tensor([row]), self.settings.grid)[0]
             buffer = io.BytesIO()
             picture.save(buffer, format="PNG")
             out.append(buffer.getvalue())
