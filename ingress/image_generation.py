@@ -29,12 +29,10 @@ from specserve.data.scenes import label_prompt, prompt_label
 from specserve.ingress.choices import answers
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.openai_api import Name, OpenAIError, SpecOptions
-from specserve.ingress.prepare import Prepared
-from specserve.policies.registry import POLICIES, TREE_POLICY_NAMES
+from specserve.ingress.prepare import Prepared, speculation
 from specserve.replicas.imagegen import generator_settings, load_tokenizer, to_pictures
-from specserve.replicas.request import AUTO_DRAFT, MAX_GUIDANCE_SCALE, NO_DRAFT, Guidance, SpecRequest
+from specserve.replicas.request import AUTO_DRAFT, MAX_GUIDANCE_SCALE, Guidance, SpecRequest
 from specserve.replicas.sampling import SamplingParams
-from specserve.replicas.step import TreeShape
 
 MAX_PICTURES = 8
 
@@ -93,19 +91,8 @@ class PictureFace:
         spec = req.spec
         if spec is not None and spec.grammar_draft is not None:
             raise OpenAIError("grammar_draft is for structured text output", param="spec.grammar_draft")
-        draft = spec.draft if spec and spec.draft else config.default_draft
+        draft, window, tree, policy = speculation(spec, config, config.default_draft)
         draft = config.default_draft if draft == AUTO_DRAFT else draft   # no router reads pictures' prompts
-        if draft not in (NO_DRAFT, *config.draft_names):
-            raise OpenAIError(f"unknown draft {draft!r}; available: {', '.join([NO_DRAFT, *config.draft_names])}",
-                              param="spec.draft", code="draft_not_found")
-        policy = spec.policy if spec else None
-        if policy is not None and policy not in POLICIES:
-            raise OpenAIError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}",
-                              param="spec.policy", code="policy_not_found")
-        window = spec.window if spec and spec.window is not None else config.default_window
-        tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
-        if tree is None and not (spec and spec.window is not None) and (policy or config.policy) in TREE_POLICY_NAMES:
-            tree = config.default_tree
         guidance = Guidance((s.layout.unconditional,), s.cfg_scale if req.cfg_scale is None else req.cfg_scale,
                             s.codebook_size)
         base = uuid.uuid4().hex

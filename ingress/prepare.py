@@ -48,6 +48,26 @@ class Prepared:
     tool_calls: bool = False  # the output's tool calls are parsed out of it (``tools.py``)
 
 
+def speculation(spec, config: IngressConfig, default_draft: str) -> tuple[str, int, TreeShape | None, str | None]:
+    """(draft, window, tree, policy) of a request's ``spec`` (None: none given), its names checked:
+    an unknown draft or policy is a 400 naming the field. A request under a tree policy that names
+    neither a window nor a tree gets ``default_tree`` (unpinned: the policy adapts it)."""
+    draft = spec.draft if spec and spec.draft else default_draft
+    known = [AUTO_DRAFT, NO_DRAFT, *config.draft_names]
+    if draft not in known:
+        raise OpenAIError(f"unknown draft {draft!r}; available: {', '.join(known)}", param="spec.draft",
+                          code="draft_not_found")
+    policy = spec.policy if spec else None
+    if policy is not None and policy not in POLICIES:
+        raise OpenAIError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}",
+                          param="spec.policy", code="policy_not_found")
+    window = spec.window if spec and spec.window is not None else config.default_window
+    tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
+    if tree is None and not (spec and spec.window is not None) and (policy or config.policy) in TREE_POLICY_NAMES:
+        tree = config.default_tree
+    return draft, window, tree, policy
+
+
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """(message, param) of pydantic's errors for a body, the way OpenAI words a bad field."""
     first = errors[0]
@@ -115,18 +135,7 @@ class Preparer:
         spec = req.spec
         # "auto" goes to the target replica as it is: its draft router chooses after the prefill
         # (or, with the router off, the configured default draft).
-        draft = spec.draft if spec and spec.draft else AUTO_DRAFT
-        if draft not in (AUTO_DRAFT, NO_DRAFT, *self.config.draft_names):
-            raise OpenAIError(f"unknown draft {draft!r}; available: {', '.join([AUTO_DRAFT, NO_DRAFT, *self.config.draft_names])}",
-                              param="spec.draft", code="draft_not_found")
-        policy = spec.policy if spec else None
-        if policy is not None and policy not in POLICIES:
-            raise OpenAIError(f"unknown policy {policy!r}; available: {', '.join(POLICIES)}",
-                              param="spec.policy", code="policy_not_found")
-        window = spec.window if spec and spec.window is not None else self.config.default_window
-        tree = TreeShape(spec.tree.depth, spec.tree.top_k, spec.tree.budget) if spec and spec.tree else None
-        if tree is None and not (spec and spec.window is not None) and (policy or self.config.policy) in TREE_POLICY_NAMES:
-            tree = self.config.default_tree   # a tree policy adapts trees: unpinned, from the default shape
+        draft, window, tree, policy = speculation(spec, self.config, AUTO_DRAFT)
         params = self._sampling(req, max_tokens or 16)
         grammar = request_grammar(req)
         tool_calls = is_chat and req.tool_mode != "none"

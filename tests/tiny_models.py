@@ -180,3 +180,17 @@ def tiny_generator_folder(folder, grid: int = 16, seed: int = 0):
     model.save_pretrained(folder / "gen")
     (folder / "gen" / GENERATOR_FILE).write_text(json.dumps(settings.__dict__))
     return folder / "gen"
+
+
+def tiny_generator_draft(generator, noise: float = 0.3, seed: int = 1):
+    """A draft for a ``tiny_generator_folder`` generator: its own weights plus noise (agreeing often,
+    not always), saved beside it without a tokenizer; returns the folder."""
+    from transformers import LlamaForCausalLM
+
+    draft = LlamaForCausalLM.from_pretrained(generator)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std())
+    draft.save_pretrained(generator.parent / "draft")
+    return generator.parent / "draft"

@@ -4,13 +4,11 @@ equal target-only's, τ maps by grid position, the JSON and the plot."""
 import json
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM
 
 from specserve.bench.imagegen import ROWS, ImagegenBenchConfig, picture_labels, run_imagegen_bench
 from specserve.data.scenes import SMOOTH_BACKGROUNDS, label_parts
 from specserve.replicas.step import TreeShape
-from tiny_models import tiny_generator_folder
+from tiny_models import tiny_generator_draft, tiny_generator_folder
 
 
 def test_pictures_alternate_smooth_and_busy_backgrounds():
@@ -28,16 +26,11 @@ def test_bad_settings_fail_before_any_model_loads():
 
 def test_every_row_runs_the_same_pictures_side_by_side(tmp_path, monkeypatch):
     folder = tiny_generator_folder(tmp_path / "models", grid=4)
-    draft = LlamaForCausalLM.from_pretrained(folder)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.3 * param.std())
-    draft.save_pretrained(tmp_path / "draft")
+    draft = tiny_generator_draft(folder)
     # The tiny generator knows 6 classes: the benchmark's labels, taken modulo.
     monkeypatch.setattr("specserve.bench.imagegen.picture_labels", lambda n: [i % 6 for i in range(n)])
     config = ImagegenBenchConfig(json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png", pictures=2,
-                                 tree=TreeShape(3, 4, 8), generator=folder, draft=tmp_path / "draft")
+                                 tree=TreeShape(3, 4, 8), generator=folder, draft=draft)
     report = run_imagegen_bench(config)
     assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == len(report["rows"])
     assert (tmp_path / "b.png").stat().st_size > 0

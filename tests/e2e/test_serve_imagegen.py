@@ -11,16 +11,14 @@ import io
 import grpc
 import httpx
 import pytest
-import torch
 from PIL import Image
-from transformers import LlamaForCausalLM
 
 from conftest import local_stack
 from specserve.cluster.serve_config import app_serve_config
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress import specserve_pb2_grpc
 from specserve.replicas.imagegen import generate, load_generator, to_pictures
-from tiny_models import tiny_generator_folder
+from tiny_models import tiny_generator_draft, tiny_generator_folder
 
 PROMPT = "a green circle on a plain background"   # class 5 of the tiny generator's 6
 LABEL = 5
@@ -29,12 +27,7 @@ LABEL = 5
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     generator = tiny_generator_folder(tmp_path_factory.mktemp("models"), grid=8)
-    draft = LlamaForCausalLM.from_pretrained(generator)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.3 * param.std())
-    draft.save_pretrained(generator.parent / "draft")
-    return generator, generator.parent / "draft"
+    return generator, tiny_generator_draft(generator)
 
 
 @pytest.fixture(scope="module")

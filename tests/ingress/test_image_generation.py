@@ -8,10 +8,8 @@ import base64
 import io
 
 import pytest
-import torch
 from PIL import Image
 from pydantic import ValidationError
-from transformers import LlamaForCausalLM
 
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.image_generation import ImageGenerationRequest, NoText, PictureFace
@@ -20,7 +18,7 @@ from specserve.ingress.resumable import TargetStreams
 from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.imagegen import generate, load_generator, to_pictures
 from specserve.replicas.target_deployment import TargetConfig, TargetDeployment
-from tiny_models import tiny_generator_folder
+from tiny_models import tiny_generator_draft, tiny_generator_folder
 
 
 class LocalHandle:
@@ -52,13 +50,9 @@ class LocalHandle:
 @pytest.fixture(scope="module")
 def face(tmp_path_factory):
     folder = tiny_generator_folder(tmp_path_factory.mktemp("models"), grid=4)
-    draft = LlamaForCausalLM.from_pretrained(folder)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(1)) * 0.3 * param.std())
-    draft.save_pretrained(folder.parent / "draft")
     replica = TargetDeployment.func_or_class(TargetConfig(str(folder), dtype="float32", max_batch=4),
-                                             policy=PolicyByRequest("static"), drafts={"draft": {"model": str(folder.parent / "draft")}})
+                                             policy=PolicyByRequest("static"),
+                                             drafts={"draft": {"model": str(tiny_generator_draft(folder))}})
     config = IngressConfig(str(folder), "scenes", ["draft"], "draft", 3)
     return PictureFace(config, TargetStreams(LocalHandle(replica), NoText(), config)), folder
 

@@ -5,15 +5,12 @@ tokens; text-only features (grammars, the router) are off, not broken."""
 import asyncio
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM
-
 from specserve.policies.per_request import PolicyByRequest
 from specserve.replicas.imagegen import generate, load_generator
 from specserve.replicas.request import Guidance, SpecRequest
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target_deployment import TargetConfig, TargetDeployment
-from tiny_models import tiny_generator_folder
+from tiny_models import tiny_generator_draft, tiny_generator_folder
 
 Replica = TargetDeployment.func_or_class
 
@@ -21,13 +18,7 @@ Replica = TargetDeployment.func_or_class
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     generator = tiny_generator_folder(tmp_path_factory.mktemp("models"), grid=4)
-    draft = LlamaForCausalLM.from_pretrained(generator)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.3 * param.std())
-    draft.save_pretrained(generator.parent / "draft")   # no tokenizer: it loads without one
-    return generator, generator.parent / "draft"
+    return generator, tiny_generator_draft(generator)   # no tokenizer: it loads without one
 
 
 def picture(settings, label: int, request_id: str, **speculation) -> SpecRequest:

@@ -2,28 +2,18 @@
 generator's draft, greedy output equal to the plain guided decoder's under every tree policy."""
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM
-
 from specserve.policies.registry import build_policy
 from specserve.replicas.image_engine import GENERATOR_DRAFT, ImageEngine
 from specserve.replicas.imagegen import generate
 from specserve.replicas.request import NO_DRAFT
 from specserve.replicas.step import TreeShape
-from tiny_models import tiny_generator_folder
+from tiny_models import tiny_generator_draft, tiny_generator_folder
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     folder = tiny_generator_folder(tmp_path_factory.mktemp("models"), grid=4)
-    # The draft: the generator itself with noise (agrees often, not always).
-    draft = LlamaForCausalLM.from_pretrained(folder)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * 0.3 * param.std())
-    draft.save_pretrained(folder.parent / "draft")
-    return ImageEngine(folder, folder.parent / "draft", slots=8)
+    return ImageEngine(folder, tiny_generator_draft(folder), slots=8)
 
 
 @pytest.mark.parametrize("policy", ["static-tree", "adt-tree", "adt-tree-vertical", "adt-tree-random", "sage",
