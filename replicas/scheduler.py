@@ -271,11 +271,25 @@ class Scheduler:
                 budget -= min(budget, len(state.context) - 1)
         self._route(plan.decode)
         for state in plan.decode:
-            spec = state.cap(self.policy.choose(state, len(plan.decode)))
+            spec = self._within_cache(state, state.cap(self.policy.choose(state, len(plan.decode))))
             plan.speculation[state.id] = spec
             if not spec.plain:
                 plan.asks.setdefault(state.request.draft, []).append((state, spec))
         return plan
+
+    def _within_cache(self, state: RequestState, spec: Speculation) -> Speculation:
+        """A tree's nodes hold cache positions past the context until the verify keeps their
+        accepted path: at most as many as the slot has left (a chain's window, capped by the
+        tokens left to generate, always fits), or the step would fail for every request in it."""
+        if spec.tree is None:
+            return spec
+        used = len(state.context) if state.guide_slot is None else max(len(state.context), len(state.guide_context))
+        left = self.target.kv.max_len - used
+        if left < 1:
+            return PLAIN
+        if spec.tree.budget <= left:
+            return spec
+        return Speculation(0, replace(spec.tree, budget=left, depth=min(spec.tree.depth, left)))
 
     def _waits_or_copies(self, state: RequestState, prefilling: list[RequestState], copied: set[int],
                          plan: StepPlan) -> bool:

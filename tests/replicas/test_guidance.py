@@ -132,3 +132,14 @@ def test_a_guided_continuation_resumes_both_rows_where_its_output_ended(models):
                        resumed_tokens=9, guidance=first.guidance)
     got = run_batch(Target(target, slots=4), {"near": in_process_server("near", drafts["near"])}, [rest])[0]
     assert got.token_ids == whole[9:]
+
+
+def test_a_tree_near_the_end_of_the_context_keeps_its_nodes_within_the_cache(models):
+    """The generator's context is 128 positions: a picture of 120 tokens under a 40-node tree
+    would need more near its end. Its trees shrink to what the slots hold; the output is exact."""
+    target, drafts = models
+    whole = generate(target, LAYOUT, [1], 120, cfg_scale=SCALE)[0].tolist()
+    request = guided_request(1, "long", "near", tree=TreeShape(4, 4, 40), tokens=120)
+    got = run_batch(Target(target, slots=4), {"near": in_process_server("near", drafts["near"])}, [request])[0]
+    assert got.token_ids == whole and got.finish_reason == "length"
+    assert min(budget for _, _, budget in got.stats.trees) < 40   # the last trees were cut to fit
