@@ -61,7 +61,7 @@ def label_prompt(label: int) -> str:
     shape, colour, background = label_parts(label)
     where = {"plain": "a plain", "gradient": "a shaded", "stripes": "a striped", "checks": "a checked",
              "speckle": "a speckled"}[background]
-    return f"a {colour} {shape} on {where} background"
+    return f"{'an' if colour[0] in 'aeiou' else 'a'} {colour} {shape} on {where} background"
 
 
 # The words a prompt may name each background by (``label_prompt`` uses the first).

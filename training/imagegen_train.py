@@ -207,7 +207,9 @@ def export(tokenizer_folder: Path, work: Path | None = None, out: Path | None = 
     gallery(model.float(), settings, tokenizer, labels).save(out / "gallery.png")
     log = state["log"]
     held = [e for e in log if "held_out_loss" in e]
-    minutes = log[-1]["seconds"] / 60 if log else 0.0
+    # A resumed run's clock starts again: the training time is each segment's last reading, summed.
+    minutes = sum(e["seconds"] for e, after in zip(log, log[1:] + [None])
+                  if after is None or after["seconds"] < e["seconds"]) / 60
     (out / "README.md").write_text(
         f"# scenes-imagegen\n\nThe reference visual autoregressive image generator: a class-conditional Llama "
         f"({recipe.layers} layers of {recipe.hidden}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
@@ -215,7 +217,7 @@ def export(tokenizer_folder: Path, work: Path | None = None, out: Path | None = 
         f"{layout.codebook_size} codes, trained by `training/imagegen_train.py` for {state['step']} steps of "
         f"{recipe.batch} scenes (`data/scenes.py`, {layout.classes} classes: shape x colour x background), "
         f"the class token dropped for the unconditional one in {CFG_DROPOUT:.0%} of rows (classifier-free "
-        f"guidance), last run segment {minutes:.0f} minutes.\n\n"
+        f"guidance), {minutes:.0f} minutes of training.\n\n"
         f"- held-out loss (image tokens, nats): "
         + ", ".join(f"{e['held_out_loss']:.3f} at step {e['step']}" for e in held)
         + f" (uniform: {math.log(layout.codebook_size):.2f})\n"
