@@ -196,6 +196,10 @@ def export(generator_folder: Path, work: Path | None = None, out: Path | None = 
     model = LlamaForCausalLM(draft_config(settings, recipe))
     model.load_state_dict(state["weights"])
     model.eval().save_pretrained(out)
+    # The zoo lists a draft under the model it was distilled from (``model_store.zoo_drafts``).
+    (out / "training.json").write_text(json.dumps({
+        "recipe": "scenes-imagegen-draft", "kind": "standalone", "teacher": Path(generator_folder).name,
+        "steps": state["step"], "config": state["recipe"]}, indent=2) + "\n")
     last = next((e for e in reversed(state["log"]) if "agreement_by_row" in e), None)
     rows = "" if last is None else ", ".join(f"{a:.2f}" for a in last["agreement_by_row"])
     (out / "README.md").write_text(
