@@ -281,20 +281,6 @@ class BatchKV:
                     self.reset()
         return len(self.graphs)
 
-    def _graph_bucket(self, hi: int, width: int) -> "cuda_graphs.Bucket | None":
-        """The graph bucket of a padded step over slots below ``hi`` whose longest feed has
-        ``width`` tokens, or None (eager). Every row of the bucket's slots writes its columns
-        after its own cached tokens, so the keys cover the longest of them."""
-        graphs = self.graphs
-        if graphs is None or not graphs.enabled:
-            return None
-        rows = cuda_graphs.smallest_at_least(hi, graphs.batch_buckets)
-        tokens = cuda_graphs.smallest_at_least(width, cuda_graphs.TOKEN_BUCKETS)
-        if rows is None or tokens is None:
-            return graphs.bucket(hi, width, 0, self.capacity)   # counts the eager step
-        keys = max(len(self.tokens[s]) for s in range(rows)) + tokens
-        return graphs.bucket(rows, tokens, keys, self.capacity)
-
     @torch.inference_mode()
     def forward(self, feeds: list[Feed]) -> list[torch.Tensor]:
         """One forward for every feed; returns each feed's logits ``[logits_rows, V]``.
@@ -380,7 +366,8 @@ class BatchKV:
         slots = [f.slot for f in feeds]
         lo, hi = min(slots), max(slots) + 1
         # Pictures and M-RoPE offsets are inputs no graph takes: those steps run eagerly.
-        bucket = self._graph_bucket(hi, width) if images is None and self.mrope is None else None
+        bucket = (self.graphs.bucket(hi, width, [len(t) for t in self.tokens], self.capacity)
+                  if self.graphs is not None and images is None and self.mrope is None else None)
         if bucket is not None:   # slots 0..B-1, S columns, L keys (cuda_graphs)
             lo, hi, width = 0, bucket.rows, bucket.tokens
         lengths = [len(self.tokens[s]) for s in range(lo, hi)]

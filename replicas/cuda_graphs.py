@@ -104,15 +104,17 @@ class StepGraphs:
         self.replays = 0     # steps served by a graph
         self.eager = 0       # padded steps that fit no bucket
 
-    def bucket(self, rows: int, width: int, keys_needed: int, capacity: int) -> Bucket | None:
-        """The smallest bucket holding a step over slots ``0..rows-1`` whose longest feed has
-        ``width`` tokens and whose rows need ``keys_needed`` positions; None: run eagerly."""
+    def bucket(self, hi: int, width: int, cached: list[int], capacity: int) -> Bucket | None:
+        """The smallest bucket holding a padded step over slots below ``hi`` whose longest feed
+        has ``width`` tokens (``cached``: each slot's cached positions), or None: run eagerly.
+        Every row of the bucket's slots writes its columns after its own cached tokens, so the
+        keys cover the longest of them."""
         if not self.enabled:
             return None
-        B = smallest_at_least(rows, self.batch_buckets)
+        B = smallest_at_least(hi, self.batch_buckets)
         S = smallest_at_least(width, TOKEN_BUCKETS)
-        L = smallest_at_least(keys_needed, key_buckets(capacity))
-        if B is None or S is None or L is None:
+        L = None if B is None or S is None else smallest_at_least(max(cached[:B]) + S, key_buckets(capacity))
+        if L is None:
             self.eager += 1
             return None
         return Bucket(B, S, L)
