@@ -153,6 +153,25 @@ def pruned_copy(model, head: list[int]) -> PrunedHeadLlamaForCausalLM:
     return pruned
 
 
+def tiny_generator(layout, hidden: int, heads: int, kv_heads: int, context: int, scale: float, layers: int = 2,
+                   seed: int | None = None):
+    """A tiny class-conditional image generator over ``layout``'s vocabulary (random weights, the
+    output layer scaled by ``scale``: peaked distributions keep greedy choices far from ties); seeded
+    first when ``seed`` is given."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=layout.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=context, tie_word_embeddings=False, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
 def tiny_generator_folder(folder, grid: int = 16, seed: int = 0):
     """A tiny class-conditional image generator saved as ``imagegen.load_generator`` reads it: a
     one-layer Llama over 32 codes and 6 classes, an untrained VQ tokenizer of ``grid`` x ``grid``
@@ -161,8 +180,6 @@ def tiny_generator_folder(folder, grid: int = 16, seed: int = 0):
     import json
     from pathlib import Path
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from specserve.replicas.imagegen import GENERATOR_FILE, GeneratorSettings
     from specserve.replicas.vq_tokenizer import VQConfig, VQTokenizer
 
@@ -170,13 +187,8 @@ def tiny_generator_folder(folder, grid: int = 16, seed: int = 0):
     torch.manual_seed(seed)
     VQTokenizer(VQConfig(channels=8, codebook_size=32, code_dim=4)).eval().save(folder / "vq")
     settings = GeneratorSettings(codebook_size=32, classes=6, grid=grid, tokenizer="../vq", cfg_scale=2.0, top_k=8)
-    config = LlamaConfig(vocab_size=settings.layout.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                         max_position_embeddings=max(grid * grid + 8, 128), tie_word_embeddings=False, bos_token_id=None,
-                         eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)   # peaked distributions: greedy choices far from ties
+    model = tiny_generator(settings.layout, hidden=32, heads=2, kv_heads=2, context=max(grid * grid + 8, 128),
+                           scale=6.0, layers=1)
     model.save_pretrained(folder / "gen")
     (folder / "gen" / GENERATOR_FILE).write_text(json.dumps(settings.__dict__))
     return folder / "gen"

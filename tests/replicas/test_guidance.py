@@ -5,7 +5,7 @@ guided distribution under sampling, with chains and trees, beside unguided reque
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from chi_square import chi_square_pvalue
 from specserve.replicas.drafts.draft_lm import DraftLM
@@ -18,7 +18,7 @@ from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.request import StaticPolicy
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
-from tiny_models import DEVICE
+from tiny_models import DEVICE, tiny_generator
 
 LAYOUT = ImagegenLayout(codebook_size=24, classes=5)
 GREEDY = SamplingParams()
@@ -29,15 +29,10 @@ SCALE = 3.0
 def generator(seed: int, noise: float = 0.0, source=None) -> LlamaForCausalLM:
     """A tiny class-conditional generator; with ``source``, its weights plus noise (a draft that
     agrees with it often but not always)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=LAYOUT.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        if source is None:
-            model.lm_head.weight.mul_(6.0)   # peaked distributions: greedy choices far from ties
-        else:
+    model = tiny_generator(LAYOUT, hidden=64, heads=4, kv_heads=2, context=128, scale=6.0 if source is None else 1.0,
+                           seed=seed)
+    if source is not None:
+        with torch.no_grad():
             model.load_state_dict(source.state_dict())
             gen = torch.Generator().manual_seed(seed)
             for param in model.parameters():

@@ -3,22 +3,15 @@ image tokens must equal)."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from specserve.replicas.imagegen import ImagegenLayout, generate, guided_logits
+from tiny_models import tiny_generator
 
 LAYOUT = ImagegenLayout(codebook_size=24, classes=5)
 
 
-def tiny_generator(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=LAYOUT.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)   # peaked distributions: greedy choices far from ties
-    return model
+def generator(seed: int = 0):
+    return tiny_generator(LAYOUT, hidden=32, heads=2, kv_heads=2, context=64, scale=8.0, seed=seed)
 
 
 def test_the_layout_places_classes_after_the_codebook():
@@ -39,7 +32,7 @@ def test_guidance_extrapolates_from_the_unconditional_logits_over_codebook_ids_o
 
 @pytest.mark.parametrize("cfg_scale", [1.0, 3.0])
 def test_greedy_generation_is_the_argmax_of_the_whole_prefix_each_step(cfg_scale):
-    model = tiny_generator()
+    model = generator()
     got = generate(model, LAYOUT, [1, 3], tokens=6, cfg_scale=cfg_scale)
     assert got.shape == (2, 6) and int(got.max()) < LAYOUT.codebook_size
     with torch.inference_mode():
@@ -54,7 +47,7 @@ def test_greedy_generation_is_the_argmax_of_the_whole_prefix_each_step(cfg_scale
 
 
 def test_sampling_is_seeded_and_keeps_the_top_k():
-    model = tiny_generator(1)
+    model = generator(1)
     a = generate(model, LAYOUT, [0, 2, 4], tokens=8, cfg_scale=2.0, temperature=1.0, top_k=3, seed=5)
     b = generate(model, LAYOUT, [0, 2, 4], tokens=8, cfg_scale=2.0, temperature=1.0, top_k=3, seed=5)
     assert torch.equal(a, b) and int(a.max()) < LAYOUT.codebook_size
