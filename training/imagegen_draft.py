@@ -20,17 +20,15 @@ streams, by grid row (where acceptance varies).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specserve.replicas.imagegen import generate, guided_logits, load_generator
 from specserve.replicas.model_store import model_cache_dir
-from specserve.training.schedule import warmup_cosine
+from specserve.training.resumable import train_loop
 
 STREAM_CHUNK = 256
 
@@ -128,7 +126,6 @@ def train(generator_folder: Path, work: Path | None = None, recipe: DraftRecipe 
           pictures: int | None = None, progress: bool = True, max_seconds: float | None = None,
           device: str | None = None) -> Path:
     """Sample the streams (once), then train the draft (resuming from ``work``'s checkpoint)."""
-    from tqdm import tqdm
     from transformers import LlamaForCausalLM
 
     recipe = DraftRecipe(**{**asdict(recipe), **({"steps": steps} if steps else {}),
@@ -144,43 +141,18 @@ def train(generator_folder: Path, work: Path | None = None, recipe: DraftRecipe 
     del generator
     model = LlamaForCausalLM(draft_config(settings, recipe)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay)
-    checkpoint = work / "checkpoint.pt"
-    start, log = 0, []
-    if checkpoint.exists():
-        state = torch.load(checkpoint, map_location=device)
-        model.load_state_dict(state["weights"])
-        optimizer.load_state_dict(state["optimizer"])
-        start, log = state["step"], state["log"]
-    model.train()
-    bar = tqdm(range(start, recipe.steps), initial=start, total=recipe.steps, desc="imagegen draft", disable=not progress)
-    began = time.perf_counter()
-    for step in bar:
-        pick = np.random.default_rng(step).integers(0, len(train_rows), recipe.batch)
-        rows = train_rows[pick].to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = warmup_cosine(recipe.lr, step, recipe.warmup_steps, recipe.steps)
-        logits = model(input_ids=rows[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), rows[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        entry = {"step": step + 1, "loss": loss.item(), "seconds": time.perf_counter() - began}
-        done = step + 1 == recipe.steps or (max_seconds is not None and entry["seconds"] > max_seconds)
-        if (step + 1) % recipe.eval_every == 0 or done:
-            model.eval()
-            entry["agreement_by_row"] = agreement_by_row(model, held_rows.to(device), targets, settings.grid)
-            model.train()
-            bar.write(f"step {step + 1}: loss {entry['loss']:.3f}, held-out greedy acceptance "
-                      f"{np.mean(entry['agreement_by_row']):.3f}")
-        log.append(entry)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}")
-        if (step + 1) % recipe.save_every == 0 or done:
-            torch.save({"weights": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                        "log": log, "recipe": asdict(recipe)}, checkpoint)
-        if done:
-            break
-    (work / "log.json").write_text(json.dumps(log))
+
+    def rows(step: int) -> torch.Tensor:
+        return train_rows[np.random.default_rng(step).integers(0, len(train_rows), recipe.batch)].to(device)
+
+    def evaluate() -> tuple[dict, str]:
+        agreement = agreement_by_row(model, held_rows.to(device), targets, settings.grid)
+        return {"agreement_by_row": agreement}, f"held-out greedy acceptance {np.mean(agreement):.3f}"
+
+    train_loop(model, optimizer, work / "checkpoint.pt", steps=recipe.steps, lr=recipe.lr,
+               warmup_steps=recipe.warmup_steps, eval_every=recipe.eval_every, save_every=recipe.save_every,
+               rows=rows, evaluate=evaluate, saved={"recipe": asdict(recipe)}, desc="imagegen draft",
+               progress=progress, max_seconds=max_seconds)
     return work
 
 

@@ -24,20 +24,18 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from specserve.data.scenes import BACKGROUNDS, SMOOTH_BACKGROUNDS, class_label, label_prompt, scene
 from specserve.data.synthetic_images import COLOURS, SHAPES
 from specserve.replicas.imagegen import GENERATOR_FILE, GeneratorSettings, ImagegenLayout, generate, to_pictures
 from specserve.replicas.model_store import model_cache_dir
 from specserve.replicas.vq_tokenizer import VQTokenizer, to_pixels
-from specserve.training.schedule import warmup_cosine
+from specserve.training.resumable import next_token_loss, train_loop
 
 TOKEN_CHUNK = 1024
 CFG_DROPOUT = 0.1
@@ -108,8 +106,7 @@ def sequences(ids: np.ndarray, labels: np.ndarray, layout: ImagegenLayout, rng: 
 
 def image_loss(model, rows: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of each image token given the class token and the tokens before it."""
-    logits = model(input_ids=rows[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), rows[:, 1:].reshape(-1))
+    return next_token_loss(model, rows)
 
 
 def train(tokenizer_folder: Path, steps: int | None = None, batch: int | None = None, work: Path | None = None,
@@ -117,7 +114,6 @@ def train(tokenizer_folder: Path, steps: int | None = None, batch: int | None = 
           device: str | None = None) -> Path:
     """Train (resuming from ``work``'s checkpoint); returns ``work``. Held out: the last 1/64 of
     the tokenized scenes, scored every ``eval_every`` steps."""
-    from tqdm import tqdm
     from transformers import LlamaForCausalLM
 
     recipe = ImagegenRecipe(**{**asdict(recipe), **({"steps": steps} if steps else {}),
@@ -132,45 +128,22 @@ def train(tokenizer_folder: Path, steps: int | None = None, batch: int | None = 
     train_ids, train_labels = ids[:-held], labels[:-held]
     model = LlamaForCausalLM(model_config(layout, tokenizer.config.grid, recipe)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=recipe.weight_decay)
-    checkpoint = work / "checkpoint.pt"
-    start, log = 0, []
-    if checkpoint.exists():
-        state = torch.load(checkpoint, map_location=device)
-        model.load_state_dict(state["weights"])
-        optimizer.load_state_dict(state["optimizer"])
-        start, log = state["step"], state["log"]
-    model.train()
-    bar = tqdm(range(start, recipe.steps), initial=start, total=recipe.steps, desc="imagegen", disable=not progress)
-    began = time.perf_counter()
-    for step in bar:
+
+    def rows(step: int) -> torch.Tensor:
         rng = np.random.default_rng(step)   # the rows of a step are its own, resumed or not
         pick = rng.integers(0, len(train_ids), recipe.batch)
-        rows = sequences(train_ids[pick], train_labels[pick], layout, rng).to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = warmup_cosine(recipe.lr, step, recipe.warmup_steps, recipe.steps)
-        loss = image_loss(model, rows)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        entry = {"step": step + 1, "loss": loss.item(), "seconds": time.perf_counter() - began}
-        done = step + 1 == recipe.steps or (max_seconds is not None and entry["seconds"] > max_seconds)
-        if (step + 1) % recipe.eval_every == 0 or done:
-            model.eval()
-            with torch.no_grad():
-                rows = sequences(ids[-held:], labels[-held:], layout, np.random.default_rng(0)).to(device)
-                entry["held_out_loss"] = sum(image_loss(model, rows[i:i + 64]).item() * len(rows[i:i + 64])
-                                             for i in range(0, len(rows), 64)) / len(rows)
-            model.train()
-            bar.write(f"step {step + 1}: loss {entry['loss']:.3f}, held-out {entry['held_out_loss']:.3f}")
-        log.append(entry)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}")
-        if (step + 1) % recipe.save_every == 0 or done:
-            torch.save({"weights": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                        "log": log, "recipe": asdict(recipe), "layout": asdict(layout)}, checkpoint)
-        if done:
-            break
-    (work / "log.json").write_text(json.dumps(log))
+        return sequences(train_ids[pick], train_labels[pick], layout, rng).to(device)
+
+    def evaluate() -> tuple[dict, str]:
+        held_rows = sequences(ids[-held:], labels[-held:], layout, np.random.default_rng(0)).to(device)
+        loss = sum(image_loss(model, held_rows[i:i + 64]).item() * len(held_rows[i:i + 64])
+                   for i in range(0, len(held_rows), 64)) / len(held_rows)
+        return {"held_out_loss": loss}, f"held-out {loss:.3f}"
+
+    train_loop(model, optimizer, work / "checkpoint.pt", steps=recipe.steps, lr=recipe.lr,
+               warmup_steps=recipe.warmup_steps, eval_every=recipe.eval_every, save_every=recipe.save_every,
+               rows=rows, evaluate=evaluate, saved={"recipe": asdict(recipe), "layout": asdict(layout)},
+               desc="imagegen", progress=progress, max_seconds=max_seconds)
     return work
 
 
