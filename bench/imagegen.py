@@ -30,7 +30,7 @@ from specserve.bench.engine import machine_info
 from specserve.data.scenes import BACKGROUNDS, SMOOTH_BACKGROUNDS, class_label, label_parts
 from specserve.data.synthetic_images import COLOURS, SHAPES
 from specserve.policies.registry import build_policy
-from specserve.replicas.engine import run_side_by_side
+from specserve.replicas.engine import in_process_server, run_side_by_side
 from specserve.replicas.image_engine import GENERATOR_DRAFT, ImageEngine
 from specserve.replicas.request import NO_DRAFT
 from specserve.replicas.step import TreeShape
@@ -84,8 +84,6 @@ def _requests(engine: ImageEngine, row: str, labels: list[int], temperature: flo
 
 
 def run_imagegen_bench(config: ImagegenBenchConfig) -> dict:
-    from specserve.replicas.engine import in_process_server
-
     engine = ImageEngine(config.generator, config.draft)
     if not engine.drafts:
         raise FileNotFoundError("the generator has no draft: train one (`specserve zoo imagegen-draft`) or give --draft")

@@ -29,7 +29,7 @@ from specserve.data.scenes import label_prompt, prompt_label
 from specserve.ingress.choices import answers
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.openai_api import Name, OpenAIError, SpecOptions
-from specserve.ingress.prepare import Prepared, speculation
+from specserve.ingress.prepare import Prepared, check_model, speculation
 from specserve.replicas.imagegen import generator_settings, load_tokenizer, to_pictures
 from specserve.replicas.request import AUTO_DRAFT, MAX_GUIDANCE_SCALE, Guidance, SpecRequest
 from specserve.replicas.sampling import SamplingParams
@@ -71,9 +71,7 @@ class PictureFace:
 
     def _requests(self, req: ImageGenerationRequest) -> list[SpecRequest]:
         s, config = self.settings, self.config
-        if req.model is not None and req.model != config.model_id:
-            raise OpenAIError(f"the model {req.model!r} does not exist here; this deployment serves {config.model_id!r}",
-                              status=404, param="model", code="model_not_found")
+        check_model(req.model, config.model_id)
         if req.size is not None and req.size != f"{self.size}x{self.size}":
             raise OpenAIError(f"size {req.size!r}: this generator draws {self.size}x{self.size} pictures only",
                               param="size")

@@ -48,6 +48,13 @@ class Prepared:
     tool_calls: bool = False  # the output's tool calls are parsed out of it (``tools.py``)
 
 
+def check_model(asked: str | None, served: str) -> None:
+    """A request naming another model than this deployment's is a 404 (None: the body names none)."""
+    if asked is not None and asked != served:
+        raise OpenAIError(f"The model `{asked}` does not exist; this server serves `{served}`.",
+                          status=404, param="model", code="model_not_found")
+
+
 def speculation(spec, config: IngressConfig, default_draft: str) -> tuple[str, int, TreeShape | None, str | None]:
     """(draft, window, tree, policy) of a request's ``spec`` (None: none given), its names checked:
     an unknown draft or policy is a 400 naming the field. A request under a tree policy that names
@@ -98,9 +105,7 @@ class Preparer:
         self.vocab_size = getattr(text.text_config, "vocab_size", None)
 
     async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
-        if req.model != self.model_id:
-            raise OpenAIError(f"The model `{req.model}` does not exist; this server serves `{self.model_id}`.",
-                              status=404, param="model", code="model_not_found")
+        check_model(req.model, self.model_id)
         urls = [url for m in req.messages for url in m.image_urls()] if isinstance(req, ChatCompletionRequest) else []
         if urls and self.processor is None:
             raise OpenAIError(f"`{self.model_id}` reads text only: drop the image_url parts, or serve a "
