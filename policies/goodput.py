@@ -13,8 +13,9 @@ window to the one that pays most at the replica's load, or to none:
     acceptance     α̂ per request over its own steps with its draft, Σn / (Σn + Σ1[n < γ]) (Eq. 2 of
                    "A Drop-in Solution for On-the-Fly Adaptation of Speculative Decoding in Large
                    Language Models"), with a prior of ``request_prior_steps`` pseudo-steps: the α
-                   the router chose the draft on for this prompt, else the draft's α̂ over the
-                   replica's recent steps
+                   the router chose the draft on for this prompt, else the cluster's α for the
+                   prompt's task (its warm start's, ``SpecRequest.prior_alpha``), else the draft's
+                   α̂ over the replica's recent steps, which mixes whatever tasks it is serving
     net(γ)         E(γ) − 1 − (1 + margin) · B / (a + b·B) · (b·γ + d̂·γ),   E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)
     window         argmax over γ in 1..γ_asked of net(γ) if it is positive, else plain decoding
 
@@ -114,12 +115,14 @@ class GoodputPolicy:
                               None if prior is None else (prior, self.prior_steps))
 
     def request_alpha(self, state: RequestState) -> float | None:
-        """α̂ of ``state``'s draft for this request: its own steps, the router's α for it (else
-        the replica's α̂) as the prior; None while there is neither a prior nor ``min_steps``
-        of its own."""
+        """α̂ of ``state``'s draft for this request: its own steps, with the router's α for it,
+        else its task's from the cluster, else the replica's α̂ as the prior; None while there is
+        neither a prior nor ``min_steps`` of its own."""
         draft = state.request.draft
         own = self._by_request.get((state.id, draft), ())
-        prior = state.expected_alpha if state.expected_alpha is not None else self.alpha(draft)
+        prior = next((a for a in (state.expected_alpha, state.request.prior_alpha) if a is not None), None)
+        if prior is None:
+            prior = self.alpha(draft)
         if prior is None:
             return estimate_alpha(own, self.alpha_max) if len(own) >= self.min_steps else None
         return estimate_alpha(own, self.alpha_max, (prior, self.request_prior_steps))

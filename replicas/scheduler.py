@@ -139,11 +139,13 @@ class Scheduler:
     def set_draft(self, state: RequestState, draft: str) -> None:
         """``state`` speculates with ``draft`` from its next step (NO_DRAFT: plain decoding). The
         new draft starts its own session from the tokens (it was sent none of the target's
-        states); the old one's session is freed."""
+        states); the old one's session is freed, and with it the old draft's cluster prior."""
         old = state.request.draft
         if draft == old:
             return
         state.request = replace(state.request, draft=draft)
+        if old != AUTO_DRAFT:   # the cluster's prior was the old draft's: none for the new one
+            state.request = replace(state.request, prior_alpha=None, prior_learned=None)
         state.stats.draft = draft
         state.speculating = not state.request.speculation.plain
         state.features_sent = 0

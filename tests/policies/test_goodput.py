@@ -184,6 +184,33 @@ def test_each_request_is_priced_at_its_own_acceptance():
     assert failing.choose(request("routed", expected=0.9), batch_size=1).window >= 1
 
 
+def test_a_request_is_priced_at_its_tasks_prior_before_the_replicas_mix_of_tasks():
+    """The replica saw the draft fail (α̂ 0, 16 steps of another task): a request that came with
+    its task's cluster α (0.9, its warm start's) drafts, priced at that prior beside its own
+    steps; one without a prior is priced at the replica's α̂ and decodes plainly; the router's
+    prediction, when there is one, comes first."""
+    from specserve.replicas.sampling import SamplingParams
+    from specserve.replicas.request import RequestState, SpecRequest
+    import torch
+
+    def request(rid: str, prior: float | None = None, expected: float | None = None) -> RequestState:
+        s = RequestState(SpecRequest([1, 2], 64, SamplingParams(), "d", 4, request_id=rid, prior_alpha=prior),
+                         frozenset(), torch.device("cpu"))
+        s.expected_alpha = expected
+        return s
+
+    policy = GoodputPolicy(StaticPolicy(), explore_share=0.0, margin=0.0)
+    for tokens in (1, 5) * 4:
+        policy.observe(record(tokens, 20 + 0.2 * tokens))
+    for _ in range(16):
+        policy.observe(StepRecord(1, 5, 0, 16.0, 21.0, 0.0, (RequestStep("other", "d", Speculation(4), 4, 0, 4, None),),
+                                  draft_ms_by=(("d", 16.0),)))
+    assert policy.alpha("d") == 0.0 and policy.choose(request("cold"), batch_size=1).plain
+    assert policy.request_alpha(request("warm", prior=0.9)) == pytest.approx(0.9)
+    assert policy.choose(request("warm", prior=0.9), batch_size=1).window >= 1
+    assert policy.request_alpha(request("routed", prior=0.9, expected=0.3)) == pytest.approx(0.3)
+
+
 def test_a_request_alone_with_a_draft_model_pays_its_whole_call():
     """Batch 8, verify 10 ms + 0.1 ms a token, α̂ = 0.95, the draft's call 10 ms. Shared by all
     eight requests (1.25 ms each), γ = 4 pays; one request drafting alone makes the whole step

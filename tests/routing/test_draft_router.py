@@ -256,6 +256,23 @@ def test_a_busy_replica_scores_no_perplexity_rows():
     assert router.features(busy).vector()[3] == 1.0   # the "perplexity_missing" indicator
 
 
+def test_a_switch_drops_the_old_drafts_cluster_prior():
+    """A request's prior (α and carried state) is its draft's: a draft chosen for an ``auto``
+    request gets its own from the replica's warm start; a switch leaves the new draft none."""
+    from specserve.replicas.request import StaticPolicy
+    from specserve.replicas.scheduler import Scheduler
+
+    model = tiny_model("llama", seed=0)
+    scheduler = Scheduler(Target(model, slots=4), StaticPolicy())
+    warm = scheduler.add(SpecRequest(PROMPTS[0], 8, GREEDY, "prompt-lookup", 3, request_id="warm", prior_alpha=0.7,
+                                     prior_learned={"version": 1, "sums": {}}))
+    routed = scheduler.add(SpecRequest(PROMPTS[1], 8, GREEDY, AUTO_DRAFT, 3, request_id="auto", prior_alpha=0.5))
+    scheduler.set_draft(warm, "near")
+    scheduler.set_draft(routed, "prompt-lookup")
+    assert warm.request.draft == "near" and warm.request.prior_alpha is None and warm.request.prior_learned is None
+    assert routed.request.prior_alpha == 0.5   # an auto request's start is set where it is routed
+
+
 def test_a_failing_router_costs_the_choice_not_the_request():
     class Broken(LearnedDraftRouter):
         def route(self, state, batch_size):
