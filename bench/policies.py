@@ -26,6 +26,9 @@ alike. Four sections:
   that warm start should close. ``cold-tree`` and ``warm-tree``: a tree request of the tree
   start policy (``adt-tree`` unless ``--tree-start-policy``) from the start tree, or from the tree
   shape and the rule's carried state the snapshot's prior gives it, a fresh policy per request.
+  Warm starts look the prior up under the prompt's task topic (the topic basis a replica's router
+  fits, ``routing/topics.py``); ``warm-by-length`` and ``warm-tree-by-length``: the same from the
+  prompt's length bucket alone, as before topics, side by side.
   ``warm`` rows need ``--snapshot``, or ``--learn-snapshot N``: one learned in-process from N
   other prompts (``learn_snapshot``; with ``warm-tree``, decoded as trees too).
 In ``window``, ``tree`` and ``start`` every row of one length decodes the prompt side by side
@@ -65,8 +68,9 @@ from pathlib import Path
 
 from specserve.bench.engine import ALL, ZOO_TREE, machine_info
 from specserve.cluster.config import AppConfig
-from specserve.data.prompts import CATEGORIES, check_categories, load_prompts
+from specserve.data.prompts import CATEGORIES, check_categories, load_prompts, topic_corpus
 from specserve.policies.stats import request_bucket, task_bucket
+from specserve.routing.router_factory import RouterFactory, topic_basis
 from specserve.replicas.step import TreeShape
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
 
@@ -78,6 +82,10 @@ LOAD_AWARE = "load-aware"
 COLD, WARM = "cold", "warm"
 # The same for a tree request: its shape and its rule's carried state from the snapshot, or not.
 COLD_TREE, WARM_TREE = "cold-tree", "warm-tree"
+# Warm starts from the prompt's length bucket alone, its task topic not asked (the priors' wider
+# bucket, ``priors.find_prior``): what the topic adds, side by side.
+WARM_LENGTH, WARM_TREE_LENGTH = "warm-by-length", "warm-tree-by-length"
+WARM_ROWS = (WARM, WARM_TREE, WARM_LENGTH, WARM_TREE_LENGTH)
 TREE_START_POLICY = "adt-tree"
 SECTIONS = ("window", "tree", "start", "load")
 # The window of a request that names none (the deployment's default): where every adaptive window
@@ -130,6 +138,7 @@ class Row:
     tree: TreeShape | None = None
     speculate: bool = True             # False: target-only (draft "none")
     start_hook: bool = False           # cold / warm: the start window comes from start_window()
+    by_topic: bool = True              # a warm start looks its prior up with the prompt's task topic
 
 
 # --- the registry, read at run time ---------------------------------------------------------
@@ -177,9 +186,12 @@ def plan_rows(selected: Sequence[str] | None, window_policies: Sequence[str], tr
     trees += [Row(n, "tree", policy=n, tree=START_TREE) for n in tree_policies if n != STATIC_TREE]
     short_static = [Row(r.name, "start", window=r.window) for r in static]
     starts = [Row(COLD, "start", policy=start_policy, window=START_WINDOW, start_hook=True),
-              Row(WARM, "start", policy=start_policy, window=START_WINDOW, start_hook=True)]
+              Row(WARM, "start", policy=start_policy, window=START_WINDOW, start_hook=True),
+              Row(WARM_LENGTH, "start", policy=start_policy, window=START_WINDOW, start_hook=True, by_topic=False)]
     tree_starts = [Row(COLD_TREE, "start", policy=tree_start_policy, tree=START_TREE, start_hook=True),
-                   Row(WARM_TREE, "start", policy=tree_start_policy, tree=START_TREE, start_hook=True)]
+                   Row(WARM_TREE, "start", policy=tree_start_policy, tree=START_TREE, start_hook=True),
+                   Row(WARM_TREE_LENGTH, "start", policy=tree_start_policy, tree=START_TREE, start_hook=True,
+                       by_topic=False)]
     load = [Row(LOAD_AWARE, "load", policy=LOAD_AWARE, window=START_WINDOW), Row(TARGET_ONLY, "load", speculate=False)]
 
     registered = {*window_policies, *tree_policies}
@@ -206,18 +218,18 @@ def plan_rows(selected: Sequence[str] | None, window_policies: Sequence[str], tr
         notes.append("the draft builds no trees (no propose_tree): no tree rows")
         tree_rows = []
     rows += tree_rows
-    if {COLD, WARM} & wanted:
+    if {COLD, WARM, WARM_LENGTH} & wanted:
         rows += short_static
         rows.append(starts[0])
         if snapshot_given:
-            rows.append(starts[1])
+            rows += [r for r in starts[1:] if r.name == WARM or r.name in wanted]
         else:
             notes.append("warm: no --snapshot given, so no warm rows (give a policy snapshot: `GET /v1/policy`'s "
                          "body or the snapshot document itself)")
-    if {COLD_TREE, WARM_TREE} & wanted and trees_ok:
+    if {COLD_TREE, WARM_TREE, WARM_TREE_LENGTH} & wanted and trees_ok:
         rows.append(tree_starts[0])
         if snapshot_given:
-            rows.append(tree_starts[1])
+            rows += [r for r in tree_starts[1:] if r.name == WARM_TREE or r.name in wanted]
         elif WARM_TREE in wanted and selected is not None:
             notes.append("warm-tree: no --snapshot given, so no warm-tree row")
     if LOAD_AWARE in wanted:
@@ -249,12 +261,14 @@ def read_snapshot(data: object) -> dict:
 
 
 def start_window(prompt_ids: Sequence[int], draft: str, target: str, snapshot: dict | None = None,
-                 default_window: int = START_WINDOW) -> tuple[int, dict | None]:
+                 default_window: int = START_WINDOW, topic: int | None = None) -> tuple[int, dict | None]:
     """The window a request starts from, and the warm start it came from (None: a cold start):
-    the target replica's own rule (``policies.priors.warm_start``), else the deployment's default."""
+    the target replica's own rule (``policies.priors.warm_start``, under the prompt's task
+    ``topic`` when given), else the deployment's default."""
     from specserve.policies.priors import warm_start
 
-    start = warm_start(snapshot, target, draft, task_bucket(len(prompt_ids)), batch_size=1)   # one request at a time
+    bucket = task_bucket(len(prompt_ids), topic=topic)
+    start = warm_start(snapshot, target, draft, bucket, batch_size=1)   # one request at a time
     return (default_window, None) if start is None else (start["window"], start)
 
 
@@ -277,25 +291,33 @@ class Collecting:
         self.policy.observe(record)
 
 
+def learns_trees(rows: Sequence[Row]) -> bool:
+    """A warm tree row runs: the snapshot's learners decode trees too."""
+    return any(r.name in (WARM_TREE, WARM_TREE_LENGTH) for r in rows)
+
+
 def learn_snapshot(engine: SpecEngine, draft: str, prompts: list[list[int]], policy: str,
                    max_tokens: int = LEARN_TOKENS, levels: Sequence[int] = LEARN_LEVELS,
-                   tree_policy: str | None = None) -> dict:
+                   tree_policy: str | None = None, topics: Sequence[int | None] | None = None) -> dict:
     """A snapshot learned in-process from ``prompts`` (none of the measured ones): they are decoded
     with ``policy`` from the default window at each of ``levels`` requests at once, and with
-    ``tree_policy`` (when given) from the start tree, counted by a replica's ``StatsCollector``
-    (the tree rule's carried state too, as a replica counts it) and priced by the policy service's
+    ``tree_policy`` (when given) from each of ``STATIC_TREES`` in turn, counted by a replica's
+    ``StatsCollector`` (the tree rule's carried state too, as a replica counts it) and priced by the policy service's
     ``compute_snapshot``: the counters and the maths of the cluster's snapshot, without Redis or a
-    cluster."""
+    cluster. ``topics``: each prompt's task topic, counted in its bucket as a replica counts it."""
     from specserve.policies.per_request import Carries
     from specserve.policies.priors import compute_snapshot
     from specserve.policies.stats import StatsCollector
 
     collector = StatsCollector(engine.loaded.name)
-    runs = [(policy, START_WINDOW, None)] + ([(tree_policy, 0, START_TREE)] if tree_policy else [])
-    for name, window, tree in runs:
-        for c in levels:
+    runs = [(policy, START_WINDOW, (None,))] + ([(tree_policy, 0, STATIC_TREES)] if tree_policy else [])
+    for name, window, shapes in runs:
+        for level, c in enumerate(levels):
             engine.reset_caches()
-            requests = [GenerateRequest("", max_tokens, draft, window, tree) for _ in prompts]
+            # Tree learners start from each static shape in turn: a snapshot prices only the
+            # shapes requests used, and a rule's own walk uses the shapes its state favours.
+            requests = [GenerateRequest("", max_tokens, draft, window, shapes[(i + level) % len(shapes)], topic=topic)
+                        for i, topic in enumerate(topics or [None] * len(prompts))]
             learner = build_policy(name)
             if isinstance(learner, Carries):   # a rule whose state carries: counted as a replica counts it
                 learner.carried.sinks.append(collector.carry)
@@ -337,6 +359,10 @@ class Run:
     draft: str
     snapshot: dict | None
     policies: dict[tuple, object] = field(default_factory=dict)   # (row, section, key) -> a policy object
+    basis: object | None = None   # the replica's topic basis (``routing.topics.TopicBasis``); None: no topics
+
+    def topic(self, prompt_ids: Sequence[int]) -> int | None:
+        return None if self.basis is None else self.basis.topic(prompt_ids)
 
     def policy(self, row: Row, key: str):
         """The row's policy object, created on first use (fresh per row) and kept across its requests."""
@@ -352,9 +378,11 @@ def row_request(run: Run, row: Row, prompt_ids: list[int], max_tokens: int) -> t
     if not row.speculate:
         return GenerateRequest("", max_tokens, NO_DRAFT, 0), (None, None)
     window, tree, start, prior_alpha, learned = row.window, row.tree, (None, None), None, None
+    topic = run.topic(prompt_ids)
     if row.start_hook:
-        snapshot = run.snapshot if row.name in (WARM, WARM_TREE) else None
-        start_at, prior = start_window(prompt_ids, run.draft, run.engine.loaded.name, snapshot)
+        snapshot = run.snapshot if row.name in WARM_ROWS else None
+        start_at, prior = start_window(prompt_ids, run.draft, run.engine.loaded.name, snapshot,
+                                       topic=topic if row.by_topic else None)
         if prior is not None:
             prior_alpha, learned = prior["alpha"], {"version": prior["version"], "sums": prior["learned"]}
         if tree is None:
@@ -362,7 +390,8 @@ def row_request(run: Run, row: Row, prompt_ids: list[int], max_tokens: int) -> t
         elif prior is not None and prior["tree"] is not None:   # the target replica's rule (ReplicaLearning.start)
             tree = replace(tree, depth=prior["tree"][0], top_k=prior["tree"][1])
         start = (window if tree is None else tree.depth, prior is not None)
-    return GenerateRequest("", max_tokens, run.draft, window, tree, prior_alpha=prior_alpha, prior_learned=learned), start
+    return GenerateRequest("", max_tokens, run.draft, window, tree, prior_alpha=prior_alpha, prior_learned=learned,
+                           topic=topic), start
 
 
 def timed(run: Run, row: Row, prompts: list[list[int]], max_tokens: int, policy) -> tuple[list, float, list]:
@@ -762,7 +791,8 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
     encoded = {c: [engine.encode(t, chat=True) for t in ts] for c, ts in texts.items()}
     prompts = [(c, encoded[c][i]) for c in categories for i in range(config.prompts_per_category)]
     mix = [encoded[c][i] for i in range(per_category) for c in categories][:config.load_requests]
-    if learning and any(r.name in (WARM, WARM_TREE) for r in rows_run):
+    basis = topic_basis(engine.loaded.name, engine.tokenizer, topic_corpus, RouterFactory.topic_dims)   # a replica's
+    if learning and any(r.name in WARM_ROWS for r in rows_run):
         learn = [encoded[c][per_category + i] for i in range(learn_per_category) for c in categories]
         learn = learn[:learn_requests]
         if progress:
@@ -770,12 +800,13 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
                   f"{' and '.join(map(str, LEARN_LEVELS))} at once)...", flush=True)
         with quiet_draft_servers():
             snapshot = learn_snapshot(engine, draft_name, learn, config.learn_policy,
-                                      tree_policy=learn_tree_policy if any(r.name == WARM_TREE for r in rows_run) else None)
+                                      tree_policy=learn_tree_policy if learns_trees(rows_run) else None,
+                                      topics=[None if basis is None else basis.topic(ids) for ids in learn])
         notes.append(f"warm: the snapshot was learned in-process from {len(learn)} other prompts of the categories "
                      f"({LEARN_TOKENS} tokens, {', '.join(map(str, LEARN_LEVELS))} at once, {config.learn_policy}): "
                      f"{len(snapshot['priors'])} priors")
 
-    run = Run(engine, draft_name, snapshot)
+    run = Run(engine, draft_name, snapshot, basis=basis)
     total = count_generations(rows_run, len(prompts), config.load_requests, config.concurrency, config.load_mode,
                               config.load_rounds)
     with tqdm(total=total, desc="bench policies", unit="gen", disable=not progress) as bar, quiet_draft_servers():
@@ -810,7 +841,8 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
         "static_trees": {tree_name(s): asdict(s) for s in STATIC_TREES},
         "start_policy": start_policy,
         "tree_start_policy": config.tree_start_policy,
-        "snapshot_trees_learned_with": learn_tree_policy if learning and any(r.name == WARM_TREE for r in rows_run) else None,
+        "snapshot_trees_learned_with": learn_tree_policy if learning and learns_trees(rows_run) else None,
+        "prompt_topics": {c: [run.topic(ids) for cat, ids in prompts if cat == c] for c in categories},
         "window_policies": list(window_policies),
         "tree_policies": list(tree_policies),
         "rows_run": order,

@@ -65,7 +65,7 @@ def build_app(args: AppConfig) -> Application:
                            redis_prefix=config.redis_prefix) if config.router else None
     target = TargetDeployment.options(name=TARGET_DEPLOYMENT, request_router_config=PREFIX_AFFINITY).bind(
         target_config, policy=PolicyByRequest(config.policy), drafts=drafts,
-        learning=ReplicaLearningFactory(config.redis_url, config.redis_prefix), router=router,
+        learning=ReplicaLearningFactory(config.redis_url, config.redis_prefix, config.tree_explore), router=router,
     )
     policy = None
     if config.redis_url:

@@ -176,6 +176,10 @@ class AppConfig(BaseModel):
                          "learned draft router (specserve/routing/draft_router.py); false: default_draft for all of them.")
     router_explore: float = Field(0.2, ge=0.0, le=5.0, description="The router's exploration weight (LinUCB's β): "
                                   "how much an untried draft's uncertainty counts in its favour; 0: always the predicted best.")
+    tree_explore: float = Field(0.1, ge=0.0, le=1.0, description=(
+        "With redis_url: the share of tree requests (not pinned) that start one move from the shape "
+        "they would start from (depth or top-k halved or doubled), so that the policy service prices "
+        "the shapes around the best one measured; 0: never."))
     default_window: int = Field(4, ge=0, le=MAX_WINDOW, description="Window γ for requests that name none.")
     default_tree: TreeOptions = Field(TreeOptions(depth=4, top_k=2, budget=8), description=(
         "The tree a request starts from when its policy (its own or the deployment's) adapts trees (sage, "

@@ -20,13 +20,15 @@ Per (target, draft, task bucket), from counters summed over time windows with ex
                      window measured only when the line rises (``window_for``)
     best tree        among the tree shapes (depth, top-k) requests asked for, the one whose steps
                      emitted the most tokens per ms of draft + verify time, measured (no model of
-                     tree acceptance is assumed); only shapes with ``min_steps`` steps compete;
-                     pooled and per load bucket (``best_tree_by_load``), as windows
+                     tree acceptance is assumed); only shapes with ``min_steps`` steps compete,
+                     and a narrower bucket keeps the wider bucket's best unless it measured that
+                     shape too; pooled and per load bucket (``best_tree_by_load``), as windows
     learned          the decayed sums of the rules' carried counts (``carry.py``), which requests
                      of this draft and bucket start their rule's state from
 
-A bucket's prior is published only after ``min_steps`` drafting steps; an ``all`` bucket per
-(target, draft) pools every bucket, for buckets not yet seen.
+A bucket's prior is published only after ``min_steps`` drafting steps. A topic bucket
+(``p256-t2``) is pooled into its length bucket (``p256``) and every bucket into an ``all`` bucket
+per (target, draft): a request starts from the most specific of these that has a prior.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from collections import Counter, defaultdict
 
 from specserve.policies.carry import LEARNED
 from specserve.policies.goodput import expected_emitted
-from specserve.policies.stats import LOAD_BUCKETS, StatsKey, load_bucket
+from specserve.policies.stats import LOAD_BUCKETS, StatsKey, load_bucket, without_topic
 
 ALL_BUCKETS = "all"
 SNAPSHOT_FORMAT = 1
@@ -49,7 +51,7 @@ def _decayed(counts: dict[StatsKey, Counter], now: float, half_life_s: float) ->
     sums: dict[tuple[str, str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for key, c in counts.items():
         weight = 0.5 ** (max(0.0, now - key.window_start) / half_life_s)
-        for bucket in (key.bucket, ALL_BUCKETS):
+        for bucket in dict.fromkeys((key.bucket, without_topic(key.bucket), ALL_BUCKETS)):
             into = sums[(key.target, key.draft, bucket)]
             for field, n in c.items():
                 into[field] += weight * n
@@ -197,14 +199,39 @@ def compute_snapshot(counts: dict[StatsKey, Counter], now: float | None = None, 
     """The snapshot document (without version: ``RedisStats.publish_snapshot`` stamps it)."""
     now = time.time() if now is None else now
     priors = []
-    for (target, draft, bucket), c in sorted(_decayed(counts, now, half_life_s).items()):
+    sums = _decayed(counts, now, half_life_s)
+    for (target, draft, bucket), c in sorted(sums.items()):
         if c.get("drafts", 0.0) < min_steps:
             continue
         prior = prior_of(target, draft, bucket, c, alpha_max, window_max, min_steps)
         if prior is not None:
             priors.append(prior)
+    _wider_trees_where_unmeasured(priors, sums, min_steps)
     return {"format": SNAPSHOT_FORMAT, "computed_at": now, "half_life_s": half_life_s, "min_steps": min_steps,
             "priors": priors}
+
+
+def _wider_trees_where_unmeasured(priors: list[dict], sums: dict, min_steps: int) -> None:
+    """A bucket's best tree has beaten only the shapes its own requests used: where the best shape
+    of the bucket that pools it (a topic's length bucket, a length bucket's ``all``) has fewer than
+    ``min_steps`` steps in it, per load and pooled, it takes that shape instead. Widest first, so
+    that a length bucket's choice is settled before its topics read it."""
+    by_bucket = {(p["target"], p["draft"], p["bucket"]): p for p in priors}
+    for prior in sorted(priors, key=lambda p: len(_wider(p["bucket"]))):
+        key = (prior["target"], prior["draft"])
+        wider = next((by_bucket[(*key, b)] for b in _wider(prior["bucket"]) if (*key, b) in by_bucket), None)
+        if wider is None:
+            continue
+        c = sums[(*key, prior["bucket"])]
+        for load in (None, *LOAD_BUCKETS):
+            best = wider["best_tree"] if load is None else wider["best_tree_by_load"].get(load)
+            prefix = "" if load is None else f"load_{load}_"
+            if best is None or c.get(f"{prefix}tree_{best['depth']}x{best['top_k']}_steps", 0.0) >= min_steps:
+                continue
+            if load is None:
+                prior["best_tree"] = dict(best)
+            else:
+                prior["best_tree_by_load"][load] = dict(best)
 
 
 def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batch_size: int = 1) -> dict | None:
@@ -230,8 +257,9 @@ def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batc
         return None
     load, window = _load_window(snapshot, prior, load_bucket(batch_size))
     tree = _tree(prior, load_bucket(batch_size))
-    if tree is None and prior["bucket"] != ALL_BUCKETS:   # no shape measured for this task yet: the draft's
-        tree = _tree(find_prior(snapshot, target, draft, ALL_BUCKETS) or {}, load_bucket(batch_size))
+    for wider in _wider(prior["bucket"]):   # no shape measured for this task yet: its length bucket's, the draft's
+        if tree is None:
+            tree = _tree(find_prior(snapshot, target, draft, wider) or {}, load_bucket(batch_size))
     return {"version": snapshot.get("version"), "bucket": prior["bucket"], "load": load, "alpha": prior["alpha"],
             "window": max(1, int(window)), "tree": None if tree is None else (tree["depth"], tree["top_k"]),
             "learned": prior.get("learned") or {}}
@@ -262,15 +290,15 @@ def _load_window(snapshot: dict, prior: dict, wanted: str, window_max: int = 8) 
     return None, prior["best_window"]
 
 
+def _wider(bucket: str) -> list[str]:
+    """The buckets that pool ``bucket``, narrowest first: its length bucket (a topic's), ``all``."""
+    return [b for b in dict.fromkeys((without_topic(bucket), ALL_BUCKETS)) if b != bucket]
+
+
 def find_prior(snapshot: dict | None, target: str, draft: str, bucket: str) -> dict | None:
-    """The prior for a request: its bucket's, else the draft's pooled ``all``; None when absent."""
+    """The prior for a request: its bucket's, else its length bucket's (a topic bucket not
+    measured yet), else the draft's pooled ``all``; None when absent."""
     if not snapshot:
         return None
-    fallback = None
-    for prior in snapshot.get("priors", ()):
-        if prior["target"] == target and prior["draft"] == draft:
-            if prior["bucket"] == bucket:
-                return prior
-            if prior["bucket"] == ALL_BUCKETS:
-                fallback = prior
-    return fallback
+    mine = {p["bucket"]: p for p in snapshot.get("priors", ()) if p["target"] == target and p["draft"] == draft}
+    return next((mine[b] for b in (bucket, *_wider(bucket)) if b in mine), None)

@@ -11,6 +11,7 @@ these calls: ``observers``, ``start``, ``finish``, ``share_output``, ``receive_o
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 
@@ -22,12 +23,31 @@ from specserve.policies.spec_metrics import SpecMetrics
 from specserve.policies.stats import StatsCollector, request_bucket
 from specserve.policies.stats_exporter import RedisExporter
 from specserve.replicas.request import SpecRequest
-from specserve.replicas.step import StepRecord
+from specserve.replicas.step import StepRecord, TreeShape
+
+
+def neighbour_shapes(tree: TreeShape) -> list[tuple[int, int]]:
+    """The (depth, top-k) shapes one move from ``tree``'s: depth halved or doubled, top-k halved or
+    doubled, within its node budget."""
+    moves = ((tree.depth // 2, tree.top_k), (tree.depth * 2, tree.top_k),
+             (tree.depth, tree.top_k // 2), (tree.depth, tree.top_k * 2))
+    return [(d, k) for d, k in dict.fromkeys(moves) if 1 <= d <= tree.budget and 1 <= k <= tree.budget
+            and (d, k) != (tree.depth, tree.top_k)]
 
 
 class ReplicaLearning:
-    def __init__(self, target: str, redis_url: str | None = None, redis_prefix: str = "specserve"):
+    """``tree_explore``: the share of tree requests (not pinned) that start one move away from the
+    shape they would start from (``neighbour_shapes``), so that the policy service prices the
+    shapes around the best one measured: it can only price shapes some request used, and a tree
+    rule's own walk uses the shapes its state favours, not a fair sample of them."""
+
+    def __init__(self, target: str, redis_url: str | None = None, redis_prefix: str = "specserve",
+                 tree_explore: float = 0.0, rng: random.Random | None = None):
+        if not 0.0 <= tree_explore <= 1.0:
+            raise ValueError(f"tree_explore is a share of tree requests in [0, 1], got {tree_explore}")
         self.target = target
+        self.tree_explore = tree_explore
+        self.rng = rng if rng is not None else random.Random()
         self.collector = StatsCollector(target)
         self.metrics = SpecMetrics(target)
         self.exporter = self.snapshots = self.outputs = None
@@ -68,7 +88,8 @@ class ReplicaLearning:
         load of ``batch_size`` running requests) unless the client pinned its window or tree or
         asked for no speculation: a chain's window, a tree's shape (its node budget stays the
         request's), the draft's α and the rules' carried sums; returns the request to run and the
-        prior it started from (None: cold)."""
+        prior it started from (None: cold). With cluster learning on, a ``tree_explore`` share of
+        tree requests starts one move away from that shape (``explored_tree`` in the prior)."""
         start = None
         snapshot = None if self.snapshots is None else self.snapshots.current()
         if snapshot is not None and not (request.pinned or request.speculation.plain):
@@ -81,6 +102,11 @@ class ReplicaLearning:
                 elif start["tree"] is not None:
                     depth, top_k = start["tree"]
                     request = replace(request, tree=replace(request.tree, depth=depth, top_k=top_k))
+            shapes = [] if request.tree is None else neighbour_shapes(request.tree)
+            if shapes and self.rng.random() < self.tree_explore:
+                depth, top_k = self.rng.choice(shapes)
+                request = replace(request, tree=replace(request.tree, depth=depth, top_k=top_k))
+                start = {**(start or {"version": snapshot.get("version")}), "explored_tree": (depth, top_k)}
         self.collector.start(request.request_id, request.draft, request_bucket(request))
         return request, start
 
@@ -98,6 +124,7 @@ class ReplicaLearningFactory:
 
     redis_url: str | None = None
     redis_prefix: str = "specserve"
+    tree_explore: float = 0.0
 
     def __call__(self, target: str) -> ReplicaLearning:
-        return ReplicaLearning(target, self.redis_url, self.redis_prefix)
+        return ReplicaLearning(target, self.redis_url, self.redis_prefix, self.tree_explore)

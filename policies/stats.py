@@ -40,6 +40,7 @@ resolution, never memory or counts.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import Counter
@@ -50,8 +51,9 @@ from specserve.replicas.request import SpecRequest
 from specserve.replicas.step import StepRecord
 
 # Prompt-length buckets (tokens): acceptance differs by task, and length is what every replica
-# knows before the first step. The draft router (``routing/``) goes further: it predicts α from
-# the prompt's own features.
+# knows before the first step; with the router's topics a bucket is split by task topic too
+# (``SpecRequest.topic``). The draft router (``routing/``) goes further: it predicts α from the
+# prompt's own features.
 BUCKET_EDGES = (64, 256, 1024)
 
 
@@ -74,17 +76,28 @@ LOAD_BUCKETS = tuple([f"b{e}" for e in LOAD_EDGES] + [f"b{LOAD_EDGES[-1]}+"])
 CONSTRAINED = "-grammar"
 
 
-def task_bucket(prompt_tokens: int, constrained: bool = False) -> str:
-    suffix = CONSTRAINED if constrained else ""
+def task_bucket(prompt_tokens: int, constrained: bool = False, topic: int | None = None) -> str:
+    """``p<edge>`` by prompt length, then ``-t<topic>`` with the prompt's task topic, then
+    ``-grammar`` when a grammar constrains the output: ``p256-t2-grammar``."""
+    suffix = ("" if topic is None else f"-t{topic}") + (CONSTRAINED if constrained else "")
     for edge in BUCKET_EDGES:
         if prompt_tokens <= edge:
             return f"p{edge}{suffix}"
     return f"p{BUCKET_EDGES[-1]}+{suffix}"
 
 
+_TOPIC = re.compile(r"-t\d+")
+
+
+def without_topic(bucket: str) -> str:
+    """The length (and grammar) bucket a topic bucket belongs to: ``p256-t2`` -> ``p256``. The
+    policy service pools each topic into it, the prior of a topic not measured yet."""
+    return _TOPIC.sub("", bucket, count=1)
+
+
 def request_bucket(request: SpecRequest) -> str:
     """The task bucket a request is counted and warm-started under."""
-    return task_bucket(len(request.prompt_ids), request.grammar is not None)
+    return task_bucket(len(request.prompt_ids), request.grammar is not None, request.topic)
 
 
 @dataclass(frozen=True, order=True)

@@ -47,6 +47,7 @@ class GenerateRequest:
     prior_alpha: float | None = None   # the cluster's α for the draft (a warm start: policies/priors.py)
     prior_learned: dict | None = None  # the cluster's carried rule state ({"version", "sums"}: policies/carry.py)
     images: tuple = ()   # PIL images shown before the prompt (a VLM target)
+    topic: int | None = None   # the prompt's task topic (``SpecRequest.topic``)
 
 
 @dataclass
@@ -286,7 +287,7 @@ class SpecEngine:
         return SpecRequest(prompt_ids, request.max_tokens, request.params,
                            request.draft if speculating else NO_DRAFT, request.window, request.tree, uuid.uuid4().hex,
                            prior_alpha=request.prior_alpha, prior_learned=request.prior_learned,
-                           image_placeholder=placeholder)
+                           image_placeholder=placeholder, topic=request.topic)
 
     def generate_ids(self, prompt_ids: list[int], request: GenerateRequest,
                      on_tokens: Callable[[list[int]], None] | None = None) -> Generation:

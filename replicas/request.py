@@ -113,6 +113,9 @@ class SpecRequest:
     # An image generator's request: its picture's tokens per row (tree rules read a token's grid
     # neighbours, ``policies/adt_tree.py``); 0: text.
     grid: int = 0
+    # The prompt's task topic (``routing/topics.TopicBasis.topic``), part of the task bucket its
+    # statistics are counted and warm-started under; None: the replica has no topics.
+    topic: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -123,6 +126,8 @@ class SpecRequest:
             raise ValueError(f"window must be >= 0, got {self.window}")
         if self.grid < 0:
             raise ValueError(f"grid must be >= 0, got {self.grid}")
+        if self.topic is not None and self.topic < 0:
+            raise ValueError(f"topic must be >= 0, got {self.topic}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if not 0 <= self.resumed_tokens < len(self.prompt_ids):

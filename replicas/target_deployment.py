@@ -354,6 +354,9 @@ class TargetDeployment:
             for pixels in request.images:   # the prompt's image ids name these very pixels
                 self.images.add(pixels)
         prior = None
+        basis = None if self.routing is None else self.routing.router.basis
+        if basis is not None and request.topic is None:   # priors are kept per task topic
+            request = replace(request, topic=basis.topic(request.prompt_ids))
         if self.learning is not None and request.draft != AUTO_DRAFT:   # routed ones start in _routed
             request, prior = self.learning.start(request, len(self.scheduler.running) + 1)
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()

@@ -38,7 +38,6 @@ objective must price; steps where the window policy switched speculation off are
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -79,8 +78,7 @@ class LearnedDraftRouter:
         self.basis = basis
         self.topic_dims = basis.dims if basis is not None else topic_dims
         # Models learned on one basis mean nothing on another: weights and outcomes carry its id.
-        self.basis_id = (f"none-d{self.topic_dims}" if basis is None
-                         else hashlib.sha1(basis.to_json().encode()).hexdigest()[:12])
+        self.basis_id = f"none-d{self.topic_dims}" if basis is None else basis.fingerprint
         self.explore = explore
         self.revisit_every = revisit_every
         self.switch_margin = switch_margin

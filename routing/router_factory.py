@@ -29,12 +29,20 @@ def encode_user(tokenizer, text: str) -> list[int]:
     return encode_chat(tokenizer, [{"role": "user", "content": text}])
 
 
-def topic_basis(name: str, tokenizer, corpus: Callable[[], Iterable[str]] | None, dims: int) -> TopicBasis | None:
-    """The cached or freshly fitted basis for target ``name``; None without a corpus."""
+# Task topics the priors are kept under (``TopicBasis.topic``): about as many as the kinds of
+# prompt the corpus holds, few enough that each topic's prior fills within minutes of traffic.
+TASK_TOPICS = 4
+
+
+def topic_basis(name: str, tokenizer, corpus: Callable[[], Iterable[str]] | None, dims: int,
+                topics: int = TASK_TOPICS) -> TopicBasis | None:
+    """The cached or freshly fitted basis for target ``name``, with ``topics`` task topics; None
+    without a corpus."""
     if corpus is None:
         return None
     try:
-        return cached_basis(f"{name}-d{dims}", lambda: fit_texts(corpus(), lambda t: encode_user(tokenizer, t), dims))
+        return cached_basis(f"{name}-d{dims}-k{topics}",
+                            lambda: fit_texts(corpus(), lambda t: encode_user(tokenizer, t), dims, clusters=topics))
     except Exception as err:  # noqa: BLE001 - topics improve routing; their absence must not stop a replica
         logger.warning("router: no TF-IDF topics (%s: %s); routing on length, perplexity and repetition",
                        type(err).__name__, err)
@@ -62,13 +70,14 @@ class RouterFactory:
     explore: float = 0.2
     corpus: Callable[[], Iterable[str]] | None = None
     topic_dims: int = 8
+    topics: int = TASK_TOPICS
     redis_url: str | None = None
     redis_prefix: str = "specserve"
 
     metrics: bool = True
 
     def __call__(self, target: str, drafts: Sequence[str], tokenizer) -> ReplicaRouter:
-        basis = topic_basis(target, tokenizer, self.corpus, self.topic_dims)
+        basis = topic_basis(target, tokenizer, self.corpus, self.topic_dims, self.topics)
         router = LearnedDraftRouter(drafts, basis, topic_dims=self.topic_dims, explore=self.explore)
         if self.metrics:
             router.on_outcome.append(RouteMetrics(target).observe)

@@ -11,14 +11,14 @@ import pytest
 
 from specserve.bench.policies import (
     COLD, COLD_TREE, ORACLE, START_TREE, START_WINDOW, STATIC_TREE, TARGET_ONLY, TREE_POLICIES_EXPECTED, WARM,
-    WARM_TREE, WINDOW_POLICIES_EXPECTED, PoliciesBenchConfig, Sample, oracle_samples, plan_rows, read_snapshot,
+    WARM_LENGTH, WARM_TREE, WARM_TREE_LENGTH, WINDOW_POLICIES_EXPECTED, PoliciesBenchConfig, Sample, oracle_samples, plan_rows, read_snapshot,
     registered_policies, run_policies_bench, start_window,
 )
 
 TARGET = "smollm2-135m-instruct"
 # Every name a JSON row's policy may take (the expected policies, the static windows and extra static trees).
 ROW_NAME = re.compile(r"^(static-[1-8]|oracle-static|online|fsm|cache-fsm|q-learning|q-learning-per-request|hf-heuristic"
-                      r"|static-tree|static-tree-d\d+k\d+n\d+|sage|adt-tree|eagle2-depth|warm|cold|cold-tree|warm-tree"
+                      r"|static-tree|static-tree-d\d+k\d+n\d+|sage|adt-tree|eagle2-depth|warm|cold|cold-tree|warm-tree|warm-by-length|warm-tree-by-length"
                       r"|load-aware|target-only)$")
 
 
@@ -38,8 +38,13 @@ def test_a_full_plan_has_every_expected_name_in_its_section():
         by_section.setdefault(r.section, []).append(r.name)
     assert by_section["window"] == [f"static-{w}" for w in range(1, 9)] + ["online", "fsm"]
     assert by_section["tree"] == ["static-tree-d2k2n4", STATIC_TREE, "static-tree-d6k2n12", "sage"]
-    assert by_section["start"] == [f"static-{w}" for w in range(1, 9)] + [COLD, WARM, COLD_TREE, WARM_TREE]
+    assert by_section["start"] == [f"static-{w}" for w in range(1, 9)] + [COLD, WARM, WARM_LENGTH, COLD_TREE, WARM_TREE,
+                                                                        WARM_TREE_LENGTH]
     assert next(r for r in rows if r.name == WARM_TREE).tree == START_TREE
+    # The by-length rows differ from theirs only in looking the prior up without the topic.
+    for topic, length in ((WARM, WARM_LENGTH), (WARM_TREE, WARM_TREE_LENGTH)):
+        a, b = (next(r for r in rows if r.name == n) for n in (topic, length))
+        assert a.by_topic and not b.by_topic and (a.policy, a.window, a.tree) == (b.policy, b.window, b.tree)
     assert by_section["load"] == ["load-aware", TARGET_ONLY]
     # Adaptive rows start where a request that names nothing starts, and are never pinned (the
     # engine's requests carry no pin), so the policies adapt them.

@@ -336,12 +336,14 @@ def openai_client(served):
 def test_a_tree_rules_state_flows_through_redis_to_every_replica(served, engine):
     """adt-tree requests leave where their walks ended; the counts reach Redis and the policy
     service's snapshot (a prior's `learned`), and each of the two target replicas starts new tree
-    requests of that draft and bucket from the cluster's sums."""
+    requests of that draft and bucket (prompt length and task topic) from the cluster's sums."""
     from collections import Counter
 
     from counters import counts
     from specserve.policies.redis_stats import RedisStats
+    from specserve.data.prompts import topic_corpus
     from specserve.policies.stats import StatsKey, task_bucket
+    from specserve.routing.router_factory import RouterFactory, topic_basis
 
     client, spec = openai_client(served), {"draft": "prompt-lookup", "policy": "adt-tree"}
 
@@ -364,7 +366,10 @@ def test_a_tree_rules_state_flows_through_redis_to_every_replica(served, engine)
     assert pooled.get("learned", {}).get("adt_requests", 0) >= 0.9 * len(PROMPTS), pooled
     # Another replica's counts, written as a replica flushes them and heavy enough to set the mean:
     # walks that ended at depth 7, top-k 5.
-    bucket = task_bucket(len(engine.encode(PROMPTS[0])))
+    # The bucket a replica counts PROMPTS[0] under: its length and its task topic (the router's basis).
+    basis = topic_basis(pooled["target"], engine.tokenizer, topic_corpus, RouterFactory.topic_dims)
+    ids = engine.encode(PROMPTS[0])
+    bucket = task_bucket(len(ids), topic=basis.topic(ids))
     elsewhere = counts(600, 200, window=4) + Counter(adt_requests=10_000, adt_depth=70_000, adt_top_k=50_000)
     key = StatsKey(pooled["target"], "prompt-lookup", bucket, int(time.time()) // 60 * 60)
     assert RedisStats(served.redis_url, "specserve").flush("another-replica", 1, {key: elsewhere})

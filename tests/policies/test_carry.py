@@ -176,6 +176,75 @@ def test_a_task_with_no_tree_measured_starts_from_the_drafts_pooled_tree():
     snapshot = compute_snapshot({StatsKey("t", "d", "p256", 0): with_trees,
                                  StatsKey("t", "d", "p1024", 0): counts(600, 200, window=4)}, now=0.0)
     snapshot.update(version=1, published_at=0.0)
-    assert next(p for p in snapshot["priors"] if p["bucket"] == "p1024")["best_tree"] is None
-    assert warm_start(snapshot, "t", "d", "p1024")["tree"] == (6, 2)    # the pooled prior's
+    # The snapshot gives it the pooled prior's (it measured no shape of its own to beat it).
+    assert next(p for p in snapshot["priors"] if p["bucket"] == "p1024")["best_tree"]["depth"] == 6
+    assert warm_start(snapshot, "t", "d", "p1024")["tree"] == (6, 2)
     assert warm_start(snapshot, "t", "d", "p256")["tree"] == (6, 2)
+
+
+def test_a_topic_with_no_tree_measured_starts_from_its_length_buckets_tree_before_the_drafts():
+    def shaped(*shapes):
+        c = counts(600, 200, window=4)
+        for depth, emitted in shapes:
+            c.update({f"tree_{depth}x2_steps": 30, f"tree_{depth}x2_emitted": emitted, f"tree_{depth}x2_us": 30_000})
+        return c
+    snapshot = compute_snapshot({StatsKey("t", "d", "p256-t0", 0): counts(600, 200, window=4),
+                                 StatsKey("t", "d", "p256-t1", 0): shaped((6, 90), (3, 60)),
+                                 StatsKey("t", "d", "p1024-t0", 0): shaped((3, 150)),   # the draft's fastest shape
+                                 StatsKey("t", "d", "p1024-t1", 0): shaped((3, 150))}, now=0.0)
+    snapshot.update(version=1, published_at=0.0)
+    start = warm_start(snapshot, "t", "d", "p256-t0")
+    assert start["bucket"] == "p256-t0" and start["tree"] == (6, 2)     # p256's, not the draft's (3, 2)
+    assert warm_start(snapshot, "t", "d", "p1024-t2")["bucket"] == "p1024"
+
+
+def test_a_share_of_tree_requests_starts_one_move_from_the_prior_shape_and_says_so(tmp_path):
+    """With cluster learning on (a real Redis and a published snapshot), ``tree_explore`` of the
+    tree requests start one move from the prior's shape (depth or top-k halved or doubled): the
+    shapes the policy service then prices are the ones around the best measured. Chains, pinned
+    trees and a share of 0 are left as they were."""
+    from specserve.cluster.redis_server import RedisServer
+    from specserve.policies.redis_stats import RedisStats
+    from specserve.policies.replica_learning import neighbour_shapes
+
+    assert neighbour_shapes(TreeShape(4, 2, 8)) == [(2, 2), (8, 2), (4, 1), (4, 4)]
+    assert neighbour_shapes(TreeShape(1, 1, 2)) == [(2, 1), (1, 2)]
+    with_tree = counts(600, 200, window=4) + Counter({"tree_4x2_steps": 30, "tree_4x2_emitted": 90, "tree_4x2_us": 30_000})
+    server = RedisServer.start(tmp_path)
+    try:
+        RedisStats(server.url, "specserve").publish_snapshot(compute_snapshot({StatsKey("t", "d", "p64", 0): with_tree},
+                                                                               now=0.0) | {"computed_at": 0.0})
+        def started(share, tree=TreeShape(3, 4, 16), pinned=False, n=200):
+            learning = ReplicaLearning("t", server.url, tree_explore=share, rng=random.Random(0))
+            assert learning.snapshots.refresh() is not None
+            window = 0 if tree is not None else 2
+            return [learning.start(SpecRequest([1, 2, 3], 4, SamplingParams(), "d", window, tree, f"r{i}", pinned=pinned))
+                    for i in range(n)]
+
+        explored = [(r.tree.depth, r.tree.top_k, prior.get("explored_tree")) for r, prior in started(0.25)]
+        moved = [(d, k) for d, k, shape in explored if shape is not None]
+        assert all((d, k) == (4, 2) for d, k, shape in explored if shape is None)   # the prior's shape
+        assert all(shape == (d, k) for d, k, shape in explored if shape is not None)
+        assert 30 <= len(moved) <= 70 and set(moved) == {(2, 2), (8, 2), (4, 1), (4, 4)}
+        assert all(r.tree.depth == 4 for r, _ in started(0.0))
+        assert all(r.tree == TreeShape(3, 4, 16) and prior is None for r, prior in started(1.0, pinned=True))
+        assert all(r.tree is None and r.window == 4 and "explored_tree" not in prior for r, prior in started(1.0, tree=None))
+    finally:
+        server.stop()
+
+
+def test_a_topic_keeps_its_length_buckets_best_tree_unless_it_measured_that_shape_too():
+    def shaped(*shapes):
+        c = counts(600, 200, window=4)
+        for depth, emitted in shapes:
+            c.update({f"tree_{depth}x2_steps": 30, f"tree_{depth}x2_emitted": emitted, f"tree_{depth}x2_us": 30_000,
+                      f"load_b1_tree_{depth}x2_steps": 30, f"load_b1_tree_{depth}x2_emitted": emitted,
+                      f"load_b1_tree_{depth}x2_us": 30_000})
+        return c
+    snapshot = compute_snapshot({StatsKey("t", "d", "p256-t0", 0): shaped((2, 150)),
+                                 StatsKey("t", "d", "p256-t1", 0): shaped((6, 60)),          # never tried 2x2
+                                 StatsKey("t", "d", "p256-t2", 0): shaped((6, 90), (2, 60))}, now=0.0)
+    best = {p["bucket"]: (p["best_tree"]["depth"], p["best_tree_by_load"]["b1"]["depth"]) for p in snapshot["priors"]}
+    assert best["p256"] == (2, 2)
+    assert best["p256-t1"] == (2, 2)      # its one shape beat nothing: the length bucket's best stands
+    assert best["p256-t2"] == (6, 6)      # it measured 2x2 too, and 6x2 beat it there

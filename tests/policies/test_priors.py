@@ -45,6 +45,19 @@ def test_find_prior_falls_back_to_the_pooled_bucket():
     assert find_prior(snapshot, "t", "other", "p64") is None and find_prior(None, "t", "pl", "p64") is None
 
 
+def test_a_topic_bucket_pools_into_its_length_bucket_and_a_topic_not_measured_starts_from_that():
+    code, chat = counts(900, 100), counts(100, 300, window=1)
+    snapshot = compute_snapshot({StatsKey("t", "pl", "p256-t0", 0): code, StatsKey("t", "pl", "p256-t1", 0): chat},
+                                now=0.0)
+    assert sorted(p["bucket"] for p in snapshot["priors"]) == ["all", "p256", "p256-t0", "p256-t1"]
+    alpha = {b: find_prior(snapshot, "t", "pl", b)["alpha"] for b in ("p256-t0", "p256-t1", "p256")}
+    assert alpha["p256-t0"] > alpha["p256"] > alpha["p256-t1"]
+    assert alpha["p256"] == pytest.approx(1000 / 1400, abs=1e-4)    # counts add up across topics
+    assert find_prior(snapshot, "t", "pl", "p256-t3")["bucket"] == "p256"   # a topic not measured yet
+    assert find_prior(snapshot, "t", "pl", "p64-t0")["bucket"] == "all"     # nor its length
+    assert find_prior(snapshot, "t", "pl", "p256-t1-grammar")["bucket"] == "all"
+
+
 def test_the_best_tree_is_the_measured_fastest_shape_with_enough_steps():
     c = counts(300, 100)
     c.update({"tree_4x2_steps": 50, "tree_4x2_emitted": 150, "tree_4x2_us": 50 * 20_000,     # 0.15 tokens/ms

@@ -1,9 +1,11 @@
 """The replica-local statistics collector: integer counts per (target, draft, bucket, window)."""
 
+import pytest
+
 from collections import Counter
 from dataclasses import replace
 
-from specserve.policies.stats import (StatsCollector, StatsKey, counts_from_record, load_bucket, request_bucket,
+from specserve.policies.stats import (StatsCollector, StatsKey, counts_from_record, load_bucket, request_bucket, without_topic,
                                       task_bucket)
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
@@ -73,6 +75,13 @@ def test_task_buckets():
     assert task_bucket(100, constrained=True) == "p256-grammar"
     constrained = SpecRequest([1] * 100, 8, SamplingParams(), "pl", 4, grammar='start: "a"')
     assert request_bucket(constrained) == "p256-grammar" and request_bucket(replace(constrained, grammar=None)) == "p256"
+    # With the router's topics, a bucket is a task's: length, topic, grammar.
+    assert task_bucket(100, topic=2) == "p256-t2" and task_bucket(2000, True, 0) == "p1024+-t0-grammar"
+    assert request_bucket(replace(constrained, topic=3)) == "p256-t3-grammar"
+    assert [without_topic(b) for b in ("p256-t2", "p1024+-t0-grammar", "p64", "all")] == ["p256", "p1024+-grammar",
+                                                                                         "p64", "all"]
+    with pytest.raises(ValueError, match="topic"):
+        replace(constrained, topic=-1)
 
 
 def test_a_tree_step_counts_its_shape():

@@ -51,3 +51,33 @@ def test_real_prompts_code_and_prose_land_apart():
     held_out = [(c, basis.project(encode_user(tokenizer, t))) for c in ("code", "chat") for t in load_prompts(c, 10)]
     right = sum(min(centroid, key=lambda k: np.linalg.norm(np.array(p) - centroid[k])) == c for c, p in held_out)
     assert right >= 16, f"nearest topic centroid right on {right} of 20 held-out code/chat prompts"
+
+
+@pytest.mark.slow
+def test_the_reference_corpus_topics_tell_code_from_prose():
+    """The priors' task topics from the corpus a replica fits them on: held-out code prompts
+    share a topic no chat or summarise prompt has."""
+    from specserve.data.prompts import topic_corpus
+
+    tokenizer, _ = load_tokenizer_and_config()
+    basis = TopicBasis.fit([encode_user(tokenizer, t) for t in topic_corpus()], dims=8, vocab_size=4096, clusters=4)
+    topics = {c: [basis.topic(encode_user(tokenizer, t)) for t in load_prompts(c, 8)] for c in ("code", "chat", "summarise")}
+    code = max(set(topics["code"]), key=topics["code"].count)
+    assert topics["code"].count(code) >= 7, topics
+    assert code not in topics["chat"] + topics["summarise"], topics
+
+
+def test_topics_are_the_nearest_centroid_and_leave_the_projection_and_its_fingerprint_alone():
+    docs = synthetic(0)
+    plain, clustered = TopicBasis.fit(docs, dims=4, vocab_size=200), TopicBasis.fit(docs, dims=4, vocab_size=200, clusters=2)
+    assert clustered.topics == 2 and plain.topics == 0 and plain.topic(docs[0]) is None
+    assert clustered.components == plain.components and clustered.fingerprint == plain.fingerprint
+    held_out = synthetic(3)
+    a, b = {clustered.topic(d) for d in held_out[:20]}, {clustered.topic(d) for d in held_out[20:]}
+    assert len(a) == 1 and len(b) == 1 and a != b, (a, b)    # one topic per kind of document, two kinds
+    assert clustered.topic([]) is None and clustered.topic([99999]) is None   # nothing to tell it by
+    again = TopicBasis.from_json(clustered.to_json())
+    assert again.centroids == clustered.centroids and again.topic(held_out[0]) == clustered.topic(held_out[0])
+    assert TopicBasis.fit(docs, dims=4, vocab_size=200, clusters=2) == clustered   # deterministic
+    with pytest.raises(ValueError, match="distinct"):
+        TopicBasis.fit([[1, 2]] * 5, dims=1, clusters=3)
