@@ -11,6 +11,7 @@ the same pictures, their steps taking turns (``run_side_by_side``):
   initialisations, then its bisectional adaptation; ``eagle2-depth`` and ``sage``: the other tree
   rules, all starting from the static tree.
 
+Pictures are decoded ``at_once`` at a time (default 1: the paper measures one picture's latency).
 Per row and temperature: tokens/s, the speedup over target-only, τ (tokens per step), τ on smooth
 and on busy backgrounds, and at temperature 0 the pictures whose tokens equal target-only's (they
 must all). τ by grid position: each step's tokens counted at the position its first token fills,
@@ -47,6 +48,7 @@ class ImagegenBenchConfig:
     json_path: Path = Path("bench-imagegen.json")
     plot_path: Path = Path("bench-imagegen.png")
     pictures: int = 8                  # half on smooth backgrounds, half on busy ones
+    at_once: int = 1                   # pictures decoded together; 1: one at a time, the paper's latency setting
     temperatures: tuple[float, ...] = (0.0, 1.0)
     window: int = 4                    # the chain row's
     tree: TreeShape = TreeShape(4, 4, 16)   # the static row's, and where the tree rules start
@@ -58,6 +60,8 @@ class ImagegenBenchConfig:
     def __post_init__(self) -> None:
         if self.pictures < 2:
             raise ValueError(f"--pictures must be >= 2 (smooth and busy), got {self.pictures}")
+        if self.at_once < 1:
+            raise ValueError(f"--at-once must be >= 1, got {self.at_once}")
         unknown = set(self.rows) - set(ROWS)
         if unknown:
             raise ValueError(f"unknown row(s) {', '.join(sorted(unknown))}; choose from {', '.join(ROWS)}")
@@ -101,8 +105,9 @@ def run_imagegen_bench(config: ImagegenBenchConfig) -> dict:
             if tokens:
                 steps[run][i].append(len(tokens))
 
-        targets = [Target(engine.model, slots=2 * len(labels)) for _ in config.rows]
-        results = run_side_by_side(targets, servers, runs, on_tokens=record)
+        at_once = min(config.at_once, len(labels))
+        targets = [Target(engine.model, slots=2 * at_once) for _ in config.rows]   # two rows a picture (guidance)
+        results = run_side_by_side(targets, servers, runs, max_running=2 * at_once, on_tokens=record)
         baseline = config.rows.index(BASELINE) if BASELINE in config.rows else None
         base_speed = None
         for r, (row, (gens, seconds)) in enumerate(zip(config.rows, results)):
@@ -135,7 +140,8 @@ def run_imagegen_bench(config: ImagegenBenchConfig) -> dict:
         for out in rows_out:
             if out["temperature"] == temperature and base_speed:
                 out["speedup"] = round(out["tokens_per_s"] / base_speed, 3)
-    report = {"meta": {"pictures": config.pictures, "labels": labels, "grid": grid,
+    report = {"meta": {"pictures": config.pictures, "at_once": min(config.at_once, len(labels)), "labels": labels,
+                       "grid": grid,
                        "cfg_scale": engine.settings.cfg_scale, "top_k": engine.settings.top_k,
                        "window": config.window, "tree": [config.tree.depth, config.tree.top_k, config.tree.budget],
                        "machine": machine_info()},

@@ -420,6 +420,7 @@ def bench_steps(
 def bench_imagegen(
     json_path: Path = typer.Option(Path("bench-imagegen.json"), "--out", help="Where to write the rows."),
     pictures: int = typer.Option(8, help="Pictures per row (half on smooth backgrounds, half on busy ones)."),
+    at_once: int = typer.Option(1, help="Pictures decoded together (1: one at a time, the paper's setting)."),
     temperatures: str = typer.Option("0,1", help="Comma-separated sampling temperatures (0: greedy)."),
     window: int = typer.Option(4, help="The chain row's window."),
     tree: str = typer.Option("4,4,16", help="DEPTH,TOPK,BUDGET: the static tree, where tree rules start."),
@@ -436,7 +437,7 @@ def bench_imagegen(
     set_threads(threads)
     try:
         run_imagegen_bench(ImagegenBenchConfig(
-            json_path=json_path, plot_path=json_path.with_suffix(".png"), pictures=pictures,
+            json_path=json_path, plot_path=json_path.with_suffix(".png"), pictures=pictures, at_once=at_once,
             temperatures=tuple(float(t) for t in temperatures.split(",") if t.strip()), window=window,
             tree=TreeShape.parse(tree), rows=_names(rows) or ROWS, generator=generator, draft=draft))
     except (ValueError, FileNotFoundError) as err:

@@ -22,17 +22,21 @@ def test_bad_settings_fail_before_any_model_loads():
         ImagegenBenchConfig(rows=("target-only", "beam"))
     with pytest.raises(ValueError, match="pictures"):
         ImagegenBenchConfig(pictures=1)
+    with pytest.raises(ValueError, match="at-once"):
+        ImagegenBenchConfig(at_once=0)
 
 
-def test_every_row_runs_the_same_pictures_side_by_side(tmp_path, monkeypatch):
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_every_row_runs_the_same_pictures_side_by_side(tmp_path, monkeypatch, at_once):
     folder = tiny_generator_folder(tmp_path / "models", grid=4)
     draft = tiny_generator_draft(folder)
     # The tiny generator knows 6 classes: the benchmark's labels, taken modulo.
     monkeypatch.setattr("specserve.bench.imagegen.picture_labels", lambda n: [i % 6 for i in range(n)])
     config = ImagegenBenchConfig(json_path=tmp_path / "b.json", plot_path=tmp_path / "b.png", pictures=2,
-                                 tree=TreeShape(3, 4, 8), generator=folder, draft=draft)
+                                 at_once=at_once, tree=TreeShape(3, 4, 8), generator=folder, draft=draft)
     report = run_imagegen_bench(config)
     assert len(json.loads((tmp_path / "b.json").read_text())["rows"]) == len(report["rows"])
+    assert report["meta"]["at_once"] == at_once
     assert (tmp_path / "b.png").stat().st_size > 0
     rows = {(r["row"], r["temperature"]): r for r in report["rows"]}
     assert set(rows) == {(row, t) for row in ROWS for t in (0.0, 1.0)}
