@@ -80,8 +80,8 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> set[int]:
         ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
-        if ids is None and self.tokenizer is not None:
-            ids = self.tokenizer.eos_token_id
+        if ids is None and self.tokenizer is not None:   # a VLM's is its processor, which holds the tokenizer
+            ids = getattr(self.tokenizer, "tokenizer", self.tokenizer).eos_token_id
         if ids is None:
             return set()
         return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoProcessor, LlavaConfig, LlavaForConditionalGeneration,
-                          LlavaProcessor, Qwen2Config, SiglipVisionConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, LlavaConfig,
+                          LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config, SiglipVisionConfig)
 from transformers import logging as transformers_logging
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
@@ -160,8 +160,10 @@ def build_vlm(text: LoadedModel, config: LlavaConfig) -> LlavaForConditionalGene
 
 def load_vlm(name_or_path: str = REFERENCE_VLM, dtype: str = "auto",
              device: str | torch.device | None = None) -> LoadedModel:
-    """A VLM from a local folder; a folder whose config names ``text_from`` (the zoo's reference
-    VLM) gets that model's language weights. ``LoadedModel.tokenizer`` is the processor."""
+    """A VLM from a local folder as ``save_pretrained`` wrote it, of the class its config names
+    (LLaVA, Idefics3 / SmolVLM, Qwen2-VL: ``AutoModelForImageTextToText``); a folder whose config
+    names ``text_from`` (the zoo's reference VLM) gets that model's language weights.
+    ``LoadedModel.tokenizer`` is the processor."""
     path = resolve_model_path(name_or_path)
     device = torch.device(device) if device is not None else default_device()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -169,8 +171,8 @@ def load_vlm(name_or_path: str = REFERENCE_VLM, dtype: str = "auto",
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()   # the text weights are "missing" until attached
     try:
-        model = LlavaForConditionalGeneration.from_pretrained(path, config=config, local_files_only=True,
-                                                              dtype=resolve_dtype(dtype, device))
+        model = AutoModelForImageTextToText.from_pretrained(path, config=config, local_files_only=True,
+                                                            dtype=resolve_dtype(dtype, device))
     finally:
         transformers_logging.set_verbosity(verbosity)
     if text_from:

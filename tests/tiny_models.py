@@ -106,6 +106,57 @@ def tiny_idefics3(seed: int, scale: float = 8.0):
     return model.to(DEVICE).eval()
 
 
+VLM_FOLDER_KINDS = ("llava", "idefics3")
+
+
+def tiny_vlm_folder(kind: str, folder, seed: int = 0):
+    """A VLM of class ``kind`` with random weights over the reference tokenizer, written as
+    ``save_pretrained`` writes one (config, weights, the processor with its chat template): a
+    folder a user would point specserve at. Returns the folder."""
+    from pathlib import Path
+
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor,
+                              LlavaForConditionalGeneration)
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from specserve.replicas.model_store import load_tokenizer_and_config
+    from specserve.replicas.vlm import CHAT_TEMPLATE, IMAGE_PLACEHOLDER, build_processor, reference_vlm_config
+
+    tokenizer, _ = load_tokenizer_and_config()
+    torch.manual_seed(seed)
+    if kind == "llava":
+        text = tiny_config("llama")
+        text.vocab_size = len(tokenizer)
+        config = reference_vlm_config(text, image_size=TINY_IMAGE_SIZE, patch_size=8, hidden_size=32, layers=1,
+                                      heads=2, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER))
+        processor, model = build_processor(tokenizer, config), LlavaForConditionalGeneration(config)
+    elif kind == "idefics3":
+        # SmolVLM's processor: a 32 px picture (no tiles), 16 patches shuffled by 2 into 4 image tokens.
+        processor = Idefics3Processor(Idefics3ImageProcessorPil(size={"longest_edge": TINY_IMAGE_SIZE},
+                                                                max_image_size={"longest_edge": TINY_IMAGE_SIZE}),
+                                      tokenizer, image_seq_len=4,
+                                      chat_template=CHAT_TEMPLATE.replace(IMAGE_PLACEHOLDER, "<image>"))
+        text = tiny_config("llama").to_dict()
+        text["vocab_size"] = len(processor.tokenizer)   # the processor's marker tokens added
+        vision = {"image_size": TINY_IMAGE_SIZE, "patch_size": 8, "hidden_size": 32, "intermediate_size": 64,
+                  "num_hidden_layers": 1, "num_attention_heads": 2}
+        config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                                image_token_id=processor.tokenizer.convert_tokens_to_ids("<image>"))
+        model = Idefics3ForConditionalGeneration(config)
+    else:
+        raise ValueError(f"unknown VLM class {kind!r}; choose from {VLM_FOLDER_KINDS}")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)   # a peaked output, so that greedy ties are rare
+        for name, param in model.named_parameters():   # pictures loud enough to change the answer
+            if ("projector" in name or "connector" in name) and name.endswith("weight"):
+                param.mul_(30.0)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    folder = Path(folder)
+    model.to(torch.float32).save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder
+
+
 VISION_START, VISION_END = 10, 11   # the tiny Qwen2-VL's markers around a picture's image tokens
 
 
