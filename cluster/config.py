@@ -254,6 +254,9 @@ class AppConfig(BaseModel):
     allow_image_urls: bool = Field(False, description="Fetch http(s) image URLs (public addresses only, every "
                                    "redirect checked, 10 s for all of a request's fetches, 16 MB a picture); off: "
                                    "pictures come inline as data: URLs only.")
+    max_videos: int = Field(2, ge=0, description="Clips per request at most (a VLM target's video_url parts).")
+    max_video_frames: int = Field(16, ge=1, le=256, description="Frames a clip is sampled to, spread evenly over it "
+                                  "(vLLM's rule), before any is decoded; each is a picture of the prompt.")
     max_request_image_pixels: int = Field(2 * 4096 * 4096, ge=1, description="All of a request's pictures together, "
                                           "width x height summed (400 beyond, checked before each is decoded).")
     max_image_aspect_ratio: float = Field(32.0, ge=1.0, description="A picture's longer side over its shorter at most: "
@@ -296,7 +299,8 @@ class AppConfig(BaseModel):
                              body_timeout_s=self.body_timeout_s,
                              images=ImageLimits(self.max_images, self.max_image_pixels, self.allow_image_urls,
                                                 max_total_pixels=self.max_request_image_pixels,
-                                                max_aspect_ratio=self.max_image_aspect_ratio))
+                                                max_aspect_ratio=self.max_image_aspect_ratio,
+                                                max_videos=self.max_videos, max_video_frames=self.max_video_frames))
 
     @property
     def model_id(self) -> str:

@@ -35,13 +35,19 @@ GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTH
               504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+def _data_url(data: bytes) -> str:
+    return "data:image;base64," + base64.b64encode(data).decode()
+
+
 def pb_content(message: pb.ChatMessage) -> str | list[dict]:
-    """A gRPC message's content as the HTTP API's: with pictures (raw file bytes), image parts
-    first (as data URLs, so both APIs check them one way), then the text."""
-    if not message.images:
+    """A gRPC message's content as the HTTP API's: with pictures and clips (raw file bytes), image
+    parts first, then video parts (as data URLs, so both APIs check them one way), then the text."""
+    if not message.images and not message.videos:
         return message.content
-    parts: list[dict] = [{"type": "image_url", "image_url": {"url": "data:image;base64," + base64.b64encode(b).decode()}}
-                         for b in message.images]
+    parts: list[dict] = [{"type": "image_url", "image_url": {"url": _data_url(b)}} for b in message.images]
+    for video in message.videos:
+        source = {"frames": [_data_url(b) for b in video.frames]} if video.frames else {"url": _data_url(video.clip)}
+        parts.append({"type": "video_url", "video_url": source})
     return [*parts, {"type": "text", "text": message.content}]
 
 

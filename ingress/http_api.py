@@ -123,7 +123,7 @@ class HttpFace:
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
             "max_model_len": text.max_context if text else None, "drafts": self.config.draft_names,
             "policies": list(POLICIES),
-            "input_modalities": ["text", "image"] if text and text.processor is not None else ["text"],
+            "input_modalities": ["text", "image", "video"] if text and text.processor is not None else ["text"],
             "output_modalities": ["text"] if text else ["image"],
             "placement": self.config.placement,
         }]}

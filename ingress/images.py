@@ -1,4 +1,5 @@
-"""Pictures in requests: OpenAI ``image_url`` content parts, decoded safely.
+"""Pictures and clips in requests: OpenAI ``image_url`` and vLLM ``video_url`` content parts,
+decoded safely.
 
 A part's URL is a ``data:`` URL (``data:image/png;base64,...``); remote ``http(s)`` URLs are
 refused unless the operator allows fetching (``allow_image_urls``). Whatever comes, Pillow
@@ -8,6 +9,13 @@ than ``max_image_pixels``, is longer than ``max_aspect_ratio`` to one, or would 
 pictures past ``max_total_pixels`` together. Only a picture's first frame is ever decoded: an
 animation's later frames are never read, however many there are. Every failure is a 400 that says
 what to fix; nothing a client sends can take the ingress down.
+
+A clip (``video_url``) is an animated GIF, WebP or PNG, or a list of pictures (its frames). It is
+sampled to ``max_video_frames`` frames spread evenly over it (vLLM's rule, ``sample_frames``)
+before any frame is decoded: an animation's frame count is read from its file (at most
+``max_clip_frames``), and only the sampled frames are decoded; a list's other pictures are never
+opened. Every frame is checked as a picture is, and counts against ``max_total_pixels`` with the
+request's pictures.
 
 A URL is fetched by ``image_fetch.fetch`` (public addresses only, a deadline, a byte cap); a
 request's fetches share one deadline, ``fetch_timeout_s`` from when it arrived, so a request of
@@ -23,10 +31,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from specserve.ingress.image_fetch import IPAddress, fetch, public_address
-from specserve.ingress.openai_api import OpenAIError
+from specserve.ingress.openai_api import ImagePart, OpenAIError, VideoPart
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 # A camera's JPEG that carries a second picture (a depth map, a preview) is opened as MPO; its
@@ -49,6 +58,9 @@ class ImageLimits:
     max_redirects: int = 3
     # Which resolved addresses a fetch may connect to; tests that serve on loopback replace it.
     allow_address: Callable[[IPAddress, int], bool] = public_address
+    max_videos: int = 2                 # clips per request
+    max_video_frames: int = 16          # frames a clip is sampled to, before any is decoded
+    max_clip_frames: int = 4096         # frames an animated picture may hold (read before decoding)
 
 
 def _bad(message: str, param: str) -> OpenAIError:
@@ -144,3 +156,88 @@ def decode_images(urls: list[str], limits: ImageLimits, param: str = "messages",
                        "send fewer or smaller ones", param)
         pictures.append(_decode(picture, param))
     return pictures
+
+
+def sample_frames(count: int, wanted: int) -> list[int]:
+    """The indices of ``wanted`` frames spread evenly over ``count``, the first and the last among
+    them (every frame when there are no more): vLLM's ``np.linspace(0, count - 1, wanted)``."""
+    if count <= wanted:
+        return list(range(count))
+    return sorted({int(i) for i in np.linspace(0, count - 1, wanted, dtype=int)})
+
+
+class _Pixels:
+    """A request's running count of decoded pixels against ``max_total_pixels``."""
+
+    def __init__(self, limits: ImageLimits, param: str):
+        self.limits, self.param, self.total = limits, param, 0
+
+    def add(self, width: int, height: int, frames: int = 1) -> None:
+        self.total += width * height * frames
+        if self.total > self.limits.max_total_pixels:
+            raise _bad(f"the request's pictures and frames hold more than {self.limits.max_total_pixels} pixels "
+                       "together: send fewer, smaller ones or shorter clips", self.param)
+
+
+def _clip(url: str, limits: ImageLimits, param: str, deadline: float, pixels: _Pixels) -> list[Image.Image]:
+    """An animated picture's sampled frames, as RGB."""
+    picture = _open(image_bytes(url, limits, param, deadline), limits, param)
+    with picture:
+        try:
+            count = getattr(picture, "n_frames", 1)
+        except Exception as err:   # a damaged animation: counting its frames reads their headers
+            raise _bad(f"the clip's frames could not be read ({type(err).__name__}); send a valid animated "
+                       "GIF, WebP or PNG, or the frames as a list of pictures", param) from None
+        if count > limits.max_clip_frames:
+            raise _bad(f"the clip has {count} frames, more than {limits.max_clip_frames}: send a shorter clip "
+                       "or its frames as a list of pictures", param)
+        chosen = sample_frames(count, limits.max_video_frames)
+        pixels.add(*picture.size, frames=len(chosen))
+        frames = []
+        try:
+            for i in chosen:
+                picture.seek(i)
+                frames.append(picture.convert("RGB"))
+        except Exception as err:   # truncated or corrupt frame data
+            raise _bad(f"the clip's frame {i} could not be decoded ({type(err).__name__}); send a valid animated "
+                       "GIF, WebP or PNG", param) from None
+    return frames
+
+
+def decode_media(parts: list[ImagePart | VideoPart], limits: ImageLimits, param: str = "messages",
+                 deadline: float | None = None) -> list[list[Image.Image]]:
+    """Per part, in order, its pictures as RGB: a picture's one, a clip's sampled frames; the
+    checks of ``decode_images``, at most ``max_videos`` clips, and every frame counted against
+    ``max_total_pixels``. Every fetch ends by ``deadline`` (``fetch_timeout_s`` from now if none)."""
+    pictures = [p for p in parts if isinstance(p, ImagePart)]
+    clips = [p for p in parts if isinstance(p, VideoPart)]
+    if len(pictures) > limits.max_images:
+        raise OpenAIError(f"{len(pictures)} images in one request; this server takes at most {limits.max_images}",
+                          param=param, code="too_many_images")
+    if len(clips) > limits.max_videos:
+        raise OpenAIError(f"{len(clips)} videos in one request; this server takes at most {limits.max_videos}",
+                          param=param, code="too_many_videos")
+    if deadline is None:
+        deadline = time.monotonic() + limits.fetch_timeout_s
+    pixels, out = _Pixels(limits, param), []
+    for part in parts:
+        if isinstance(part, VideoPart) and part.video_url.url is not None:
+            out.append(_clip(part.video_url.url, limits, param, deadline, pixels))
+            continue
+        urls = [part.image_url.url] if isinstance(part, ImagePart) else part.video_url.frames
+        frames = []
+        for i in sample_frames(len(urls), limits.max_video_frames) if isinstance(part, VideoPart) else [0]:
+            picture = _open(image_bytes(urls[i], limits, param, deadline), limits, param)
+            try:
+                pixels.add(*picture.size)
+            except OpenAIError:
+                picture.close()
+                raise
+            frames.append(_decode(picture, param))
+        out.append(frames)
+    return out
+
+
+def media_urls(parts: list[ImagePart | VideoPart]) -> list[str]:
+    """Every URL the parts carry (a clip's frames all, though only the sampled ones are read)."""
+    return [url for p in parts for url in (p.video_url.urls() if isinstance(p, VideoPart) else [p.image_url.url])]

@@ -35,6 +35,9 @@ MAX_ALLOWED_TOKENS = 262144
 MAX_CHOICES = 16
 # OpenAI's limits on tools: how many a request may offer, and a function name's shape.
 MAX_TOOLS = 128
+# Frames a clip sent as a list of pictures may hold (the ingress samples at most the server's
+# max_video_frames of them before decoding any): bounds what a request's JSON makes it parse.
+MAX_CLIP_FRAME_URLS = 1024
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
@@ -285,6 +288,36 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class VideoURL(BaseModel):
+    """A clip: one animated picture (``url``), or its frames as pictures (``frames``), in order."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: Text | None = Field(None, min_length=1, description="data: URL of an animated GIF, WebP or PNG (or "
+                                                             "http(s) where the server fetches)")
+    frames: list[Annotated[str, Unicode, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=MAX_CLIP_FRAME_URLS, description="The clip's frames, each a picture's data URL "
+                                                                        "(or http(s) where the server fetches).")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.url is None) == (self.frames is None):
+            raise ValueError("a video_url has either url (an animated GIF, WebP or PNG) or frames (a list of "
+                             "pictures), not both and not neither")
+        return self
+
+    def urls(self) -> list[str]:
+        return [self.url] if self.url is not None else list(self.frames)
+
+
+class VideoPart(BaseModel):
+    """vLLM's ``video_url`` content part. Container formats (MP4, WebM) are not decoded here: a
+    clip comes as an animated picture or as a list of frames."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Text
@@ -303,7 +336,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Annotated[Literal["system", "developer", "user", "assistant", "tool"], Unicode]
-    content: Annotated[str | list[TextPart | ImagePart] | None, Unicode] = None
+    content: Annotated[str | list[TextPart | ImagePart | VideoPart] | None, Unicode] = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: Text | None = None
@@ -328,12 +361,23 @@ class ChatMessage(BaseModel):
         return [] if not isinstance(self.content, list) else [
             p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
-    def template_content(self) -> str | list[dict]:
-        """What a chat template reads: the text, or with pictures the parts in order."""
-        if not self.image_urls():
+    def media(self) -> list[ImagePart | VideoPart]:
+        """The message's pictures and clips, in order."""
+        return [] if not isinstance(self.content, list) else [
+            p for p in self.content if isinstance(p, (ImagePart, VideoPart))]
+
+    def template_content(self, frames=lambda part: len(part.video_url.urls())) -> str | list[dict]:
+        """What a chat template reads: the text, or with pictures the parts in order; a clip is its
+        frames as consecutive pictures (``frames(part)`` of them: those the ingress sampled)."""
+        if not self.media():
             return self.text()
-        return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
-                for p in self.content]
+        out: list[dict] = []
+        for p in self.content:
+            if isinstance(p, VideoPart):
+                out += [{"type": "image"}] * frames(p)
+            else:
+                out.append({"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text})
+        return out
 
 
 class FunctionSpec(BaseModel):

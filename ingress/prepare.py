@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from specserve.ingress.config import IngressConfig
 from specserve.ingress.image_fetch import fetch_pool
-from specserve.ingress.images import decode_images, fetches
+from specserve.ingress.images import decode_media, fetches, media_urls
 from specserve.ingress.openai_api import (AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                           OpenAIError)
 from specserve.ingress.structured import request_grammar
@@ -106,24 +106,26 @@ class Preparer:
 
     async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Prepared:
         check_model(req.model, self.model_id)
-        urls = [url for m in req.messages for url in m.image_urls()] if isinstance(req, ChatCompletionRequest) else []
-        if urls and self.processor is None:
-            raise OpenAIError(f"`{self.model_id}` reads text only: drop the image_url parts, or serve a "
+        media = [p for m in req.messages for p in m.media()] if isinstance(req, ChatCompletionRequest) else []
+        if media and self.processor is None:
+            raise OpenAIError(f"`{self.model_id}` reads text only: drop the image_url and video_url parts, or serve a "
                               "vision-language target", param="messages", code="images_not_supported")
-        if fetches(urls, self.config.images):
+        if fetches(media_urls(media), self.config.images):
             # The deadline starts now, so that a wait for a fetch thread counts against it: a
             # request that cannot start fetching in time fails as a timed-out fetch does.
             deadline = time.monotonic() + self.config.images.fetch_timeout_s
-            return await asyncio.get_running_loop().run_in_executor(fetch_pool, self._prepare, req, urls, deadline)
-        return await asyncio.to_thread(self._prepare, req, urls)
+            return await asyncio.get_running_loop().run_in_executor(fetch_pool, self._prepare, req, media, deadline)
+        return await asyncio.to_thread(self._prepare, req, media)
 
-    def _prepare(self, req: CompletionRequest | ChatCompletionRequest, urls: list[str],
+    def _prepare(self, req: CompletionRequest | ChatCompletionRequest, media: list,
                  deadline: float | None = None) -> Prepared:
         """The checks and the work a request's size sets (in a worker thread); its picture fetches
-        end by ``deadline``."""
-        pixels = ([self.prepare_pixels(p) for p in decode_images(urls, self.config.images, deadline=deadline)]
-                  if urls else [])
-        prompt_ids = self._prompt_ids(req, pixels)
+        end by ``deadline``. A clip's sampled frames are pictures of the prompt, one after another
+        (a class with temporal patches, Qwen2-VL's, sees them as pictures too)."""
+        decoded = decode_media(media, self.config.images, deadline=deadline) if media else []
+        frames = {id(part): len(pictures) for part, pictures in zip(media, decoded)}
+        pixels = [self.prepare_pixels(p) for pictures in decoded for p in pictures]
+        prompt_ids = self._prompt_ids(req, pixels, lambda part: frames[id(part)])
         is_chat = isinstance(req, ChatCompletionRequest)
         max_tokens = req.token_limit if is_chat else req.max_tokens
         if self.max_context:
@@ -218,7 +220,8 @@ class Preparer:
                 f"{text_bytes} bytes make at least {at_least} tokens. Shorten the prompt.",
                 param=param, code="context_length_exceeded")
 
-    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pixels: list) -> list[int]:
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pixels: list, frames=None) -> list[int]:
+        """``frames(part)``: how many pictures a clip part became (its sampled frames)."""
         if isinstance(req, ChatCompletionRequest):
             self._check_text_size(sum(len(m.text().encode("utf-8")) for m in req.messages), "messages")
         elif isinstance(req.prompt, str):
@@ -228,7 +231,8 @@ class Preparer:
                 raise OpenAIError("messages: every message is empty; give some text", param="messages")
             if not pixels:
                 return encode_chat(self.tokenizer, *template_messages(req, self.teaches_tools))
-            messages, tools = template_messages(req, self.teaches_tools, content=ChatMessage.template_content)
+            messages, tools = template_messages(req, self.teaches_tools,
+                                                content=lambda m: m.template_content(frames) if frames else m.template_content())
             text = self.processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             try:

@@ -1,9 +1,10 @@
 """Vision-language targets: a language model that reads image tokens, and the reference VLM.
 
-A VLM here is a Hugging Face image-text-to-text model of the LLaVA or Idefics3 (SmolVLM) class: a
-vision tower turns a picture into ``tokens_per_image`` vectors, a projector (Idefics3: a pixel
-shuffle and a linear map) maps them into the language model's embedding space, and they take the
-places of as many placeholder tokens in the prompt. After prefill the language model decodes text
+A VLM here is a Hugging Face image-text-to-text model of the LLaVA, Idefics3 (SmolVLM) or Qwen2-VL
+class, loaded by the class its folder's config names: a vision tower turns a picture into
+``tokens_per_image`` vectors, a projector (Idefics3: a pixel shuffle and a linear map) maps them
+into the language model's embedding space, and they take the places of as many placeholder
+tokens in the prompt. After prefill the language model decodes text
 as any target does. Idefics3's processor may split a large picture into tiles, each behind marker
 tokens, beside the whole picture resized (its "global image"); here a picture is that global
 image alone (the processor's ``do_image_splitting=False``), its image tokens between the markers
@@ -11,7 +12,9 @@ the processor puts there (``picture_markers``). A tiled picture's detail is not 
 Qwen2-VL's class reads a picture at its own resolution as flattened patches merged 2 x 2, and
 places its image tokens with multimodal rotary positions (``mrope.py``); here every picture is
 resized to one square (``QWEN2_VL_PICTURE``), so that its image tokens are a fixed grid like
-every other class's (the aspect ratio is not kept), and videos are not served.
+every other class's (the aspect ratio is not kept). A clip reaches every class as its sampled
+frames, pictures one after another (``ingress/images.py``); Qwen2-VL's temporal patches (two
+frames a patch) are not used.
 
 The reference VLM (``smollm2-vlm`` in the zoo) is LLaVA-class: a SigLIP vision tower (96 px, 12 px
 patches: 64 image tokens) and LLaVA's two-layer projector, trained from scratch on pictures drawn

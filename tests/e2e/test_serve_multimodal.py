@@ -1,5 +1,5 @@
 """End to end with the reference VLM on a real local Ray cluster: pictures as OpenAI image_url
-parts over HTTP and as bytes over gRPC; the served answer equals the in-process engine's (float32
+parts and clips as video_url parts over HTTP, both as bytes over gRPC; the served answer equals the in-process engine's (float32
 greedy), a bad picture is a 400 / INVALID_ARGUMENT and the replica serves on."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def ask(served, content, **spec):
 
 def test_models_lists_image_input(served):
     model = httpx.get(f"{served.http_url}/v1/models", timeout=30).json()["data"][0]
-    assert model["id"] == MODEL and model["input_modalities"] == ["text", "image"]
+    assert model["id"] == MODEL and model["input_modalities"] == ["text", "image", "video"]
 
 
 def test_http_image_parts_answer_as_in_process(served, expected):
@@ -121,4 +121,37 @@ def test_grpc_carries_pictures(served, expected):
         with pytest.raises(grpc.RpcError) as err:
             stub.Complete(pb.CompletionRequest(model=MODEL, max_tokens=4, messages=[
                 pb.ChatMessage(role="user", content="hi", images=[b"not a picture"])]), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def apng(frames) -> bytes:
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="PNG", save_all=True, append_images=frames[1:], duration=100)
+    return buffer.getvalue()
+
+
+def test_a_clip_answers_as_its_frames_shown_in_process_over_http_and_grpc(served):
+    """A clip of three frames (an animated PNG, or the frames as a list) is its frames as
+    consecutive pictures before the question: the same answer as the in-process engine shown
+    those pictures."""
+    frames = [example(TEST_SEED + 710 + i, "shape").image for i in range(3)]
+    question = "What shape is shown, and does it change?"
+    engine = SpecEngine.load(MODEL, dtype="float32", device="cpu")
+    want = engine.generate(GenerateRequest(question, max_tokens=12, draft="none", window=0, images=tuple(frames)))["token_ids"]
+    data = "data:image/png;base64,"
+    for source in ({"url": data + base64.b64encode(apng(frames)).decode()},
+                   {"frames": [data + base64.b64encode(png(f)).decode() for f in frames]}):
+        reply = ask(served, [{"type": "video_url", "video_url": source}, {"type": "text", "text": question}],
+                    draft="prompt-lookup", window=3)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == want, sorted(source)
+    with grpc.insecure_channel(served.grpc_address) as channel:
+        stub = specserve_pb2_grpc.SpecServeStub(channel)
+        for video in (pb.Video(clip=apng(frames)), pb.Video(frames=[png(f) for f in frames])):
+            reply = stub.Complete(pb.CompletionRequest(model=MODEL, max_tokens=12, temperature=0, messages=[
+                pb.ChatMessage(role="user", content=question, videos=[video])]), timeout=300)
+            assert list(reply.token_ids) == want
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Complete(pb.CompletionRequest(model=MODEL, max_tokens=4, messages=[
+                pb.ChatMessage(role="user", content="hi", videos=[pb.Video(clip=b"not a clip")])]), timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

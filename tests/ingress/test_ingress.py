@@ -438,11 +438,11 @@ def test_a_request_that_fetches_pictures_prepares_on_the_fetch_pool(monkeypatch)
 
     seen = []
 
-    def decode(urls, limits, deadline=None):
+    def decode(parts, limits, deadline=None):
         seen.append((threading.current_thread().name, deadline))
         raise OpenAIError("stop here", code="invalid_image")
 
-    monkeypatch.setattr(prepare_module, "decode_images", decode)
+    monkeypatch.setattr(prepare_module, "decode_media", decode)
     prep = object.__new__(Preparer)
     prep.model_id, prep.processor = "m", object()
     prep.config = IngressConfig("t", "m", [], "none", 0, images=ImageLimits(allow_image_urls=True))

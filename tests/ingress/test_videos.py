@@ -1,0 +1,94 @@
+"""Clips in requests (vLLM's ``video_url`` parts): an animated picture or a list of frames,
+sampled evenly to ``max_video_frames`` before any frame is decoded; every limit a 400 that says
+what to fix."""
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+
+from specserve.ingress.images import ImageLimits, decode_media, media_urls, sample_frames
+from specserve.ingress.openai_api import ChatCompletionRequest, OpenAIError
+
+LIMITS = ImageLimits(max_video_frames=4)
+
+
+def frame(i: int, size=(16, 12)) -> Image.Image:
+    return Image.new("RGB", size, (i * 5 % 256, 255 - i * 5 % 256, 40))
+
+
+def clip_url(n: int, fmt: str = "GIF", size=(16, 12)) -> str:
+    buffer = io.BytesIO()
+    frames = [frame(i, size) for i in range(n)]
+    frames[0].save(buffer, format=fmt, save_all=True, append_images=frames[1:], duration=40, lossless=True)
+    return "data:image/gif;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def picture_url(picture: Image.Image) -> str:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def message(*parts) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [*parts, {"type": "text", "text": "What moves?"}]}]})
+
+
+def test_frames_are_sampled_evenly_first_and_last_included():
+    assert sample_frames(3, 4) == [0, 1, 2]
+    assert sample_frames(40, 4) == [0, 13, 26, 39]
+    assert sample_frames(1000, 16)[0] == 0 and sample_frames(1000, 16)[-1] == 999 and len(sample_frames(1000, 16)) == 16
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP", "PNG"])
+def test_an_animated_picture_is_a_clip_of_its_sampled_frames(fmt):
+    request = message({"type": "video_url", "video_url": {"url": clip_url(40, fmt)}})
+    (frames,) = decode_media(request.messages[0].media(), LIMITS)
+    assert len(frames) == 4 and all(f.mode == "RGB" and f.size == (16, 12) for f in frames)
+    for got, index in zip(frames, [0, 13, 26, 39]):
+        expected = frame(index).getpixel((3, 3))
+        assert all(abs(a - b) <= 8 for a, b in zip(got.getpixel((3, 3)), expected)), (fmt, index)
+
+
+def test_a_list_of_frames_opens_only_the_sampled_ones():
+    urls = [picture_url(frame(i)) for i in range(10)]
+    urls[1] = "data:image/png;base64," + base64.b64encode(b"never opened").decode()   # not sampled: 0, 3, 6, 9
+    request = message({"type": "image_url", "image_url": {"url": urls[0]}},
+                      {"type": "video_url", "video_url": {"frames": urls}})
+    picture, frames = decode_media(request.messages[0].media(), LIMITS)
+    assert len(picture) == 1 and [f.getpixel((0, 0)) for f in frames] == [frame(i).getpixel((0, 0)) for i in (0, 3, 6, 9)]
+    assert len(media_urls(request.messages[0].media())) == 11
+    # The template sees the clip as its sampled frames, pictures one after another.
+    content = request.messages[0].template_content(lambda part: 4)
+    assert [p["type"] for p in content] == ["image"] * 5 + ["text"]
+    urls[3] = urls[1]   # a sampled frame that is not a picture
+    with pytest.raises(OpenAIError, match="could not be decoded") as err:
+        decode_media(message({"type": "video_url", "video_url": {"frames": urls}}).messages[0].media(), LIMITS)
+    assert err.value.status == 400
+
+
+def test_a_video_url_has_a_clip_or_frames_not_both():
+    for source in ({}, {"url": clip_url(2), "frames": [picture_url(frame(0))]}):
+        with pytest.raises(ValidationError, match="either url"):
+            message({"type": "video_url", "video_url": source})
+    with pytest.raises(ValidationError):
+        message({"type": "video_url", "video_url": {"frames": []}})
+
+
+def test_clip_limits_are_400s_before_the_frames_are_decoded():
+    clip = {"type": "video_url", "video_url": {"url": clip_url(12)}}
+    with pytest.raises(OpenAIError, match="3 videos") as err:
+        decode_media(message(clip, clip, clip).messages[0].media(), LIMITS)
+    assert err.value.body()["error"]["code"] == "too_many_videos"
+    with pytest.raises(OpenAIError, match="12 frames, more than 10"):
+        decode_media(message(clip).messages[0].media(), ImageLimits(max_clip_frames=10))
+    # 4 sampled frames of 16 x 12 pixels: 768 pixels, past a cap of 700 before any is decoded.
+    with pytest.raises(OpenAIError, match="more than 700 pixels"):
+        decode_media(message(clip).messages[0].media(), ImageLimits(max_video_frames=4, max_total_pixels=700))
+    assert len(decode_media(message(clip).messages[0].media(), ImageLimits(max_video_frames=4, max_total_pixels=800))[0]) == 4
+    with pytest.raises(OpenAIError, match="could not be decoded"):
+        broken = {"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(b"GIF89a").decode()}}
+        decode_media(message(broken).messages[0].media(), LIMITS)
