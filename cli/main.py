@@ -427,6 +427,7 @@ def bench_imagegen(
     rows: Optional[str] = typer.Option(None, help="Comma-separated rows (default: all)."),
     generator: Optional[Path] = typer.Option(None, help="A generator folder (default: the reference generator)."),
     draft: Optional[Path] = typer.Option(None, help="Its draft's folder (default: the zoo's)."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cpu)."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """Image generation side by side: target-only, a chain, a static tree and the tree rules
@@ -439,7 +440,7 @@ def bench_imagegen(
         run_imagegen_bench(ImagegenBenchConfig(
             json_path=json_path, plot_path=json_path.with_suffix(".png"), pictures=pictures, at_once=at_once,
             temperatures=tuple(float(t) for t in temperatures.split(",") if t.strip()), window=window,
-            tree=TreeShape.parse(tree), rows=_names(rows) or ROWS, generator=generator, draft=draft))
+            tree=TreeShape.parse(tree), rows=_names(rows) or ROWS, generator=generator, draft=draft, device=device))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
     typer.echo(f"wrote {json_path} and {json_path.with_suffix('.png')}")
