@@ -22,6 +22,14 @@ answers run to ~45 tokens, the others' to 2-12.
 Aim (TABED's robustness claim): the ensemble at least 0.97x the best single view on every
 category, and above it on the mix.
 
+``--scenarios`` measures the same rows over conversations where different views should win
+(TABED's setting), instead of categories: ``single`` (one picture question of a category, in
+turn), ``follow-up`` (the picture, the question, the VLM's own answer, then "say it again in a
+full sentence"), ``text-turn`` (the same first turn, then a text-only question from the chat
+prompts), ``unseen`` (pictures unlike the training ones: inverted, rotated and noisy), ``clip``
+(four frames of one scene shown as consecutive pictures, as a served clip is, and a question
+about them).
+
 Sparrow's rows (``--frames``): prompts showing 1, 4 or 16 pictures ("frames") and a question,
 drafted by the zoo's EAGLE-3 head with full attention and with Sparrow's text-anchored window
 (``HSRDraft(windowed=True)``): the draft's milliseconds per drafted token (its catch-up on the
@@ -38,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.bench.engine import machine_info
+from specserve.data.prompts import load_prompts
 from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example
 from specserve.replicas.engine import GenerateRequest, SpecEngine
 
@@ -50,6 +59,10 @@ def rows_of(views: tuple[str, ...]) -> tuple[str, ...]:
     """The rows of a run comparing ``views``: each alone, both mixes of them, target-only."""
     return (*views, *MIXES, "target-only")
 SEED_OFFSET = 500_000   # held-out pictures other than the model card's and the tests'
+SCENARIOS = ("single", "follow-up", "text-turn", "unseen", "clip")
+FOLLOW_UP = "Say that again, in one full sentence."
+CLIP_FRAMES = 4
+CLIP_QUESTION = "These are frames of a clip. What shape is in the last frame, and what colour is it?"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +82,7 @@ class MultimodalBenchConfig:
     head: str = "smollm2-eagle3"
     captions: str = "cold"
     views: tuple[str, ...] = VIEWS   # the views compared, and mixed by the ensembles
+    scenarios: tuple[str, ...] = ()  # conversations instead of categories (``SCENARIOS``); none: categories
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.categories) - set(CATEGORIES))
@@ -78,6 +92,8 @@ class MultimodalBenchConfig:
             raise ValueError("--pictures, --max-tokens, --window, --repeats and --frame-prompts must be at least 1")
         if not self.views or not set(self.views) <= set(VIEWS) or len(set(self.views)) != len(self.views):
             raise ValueError(f"--views must name distinct views of {', '.join(VIEWS)}; got {list(self.views)}")
+        if not set(self.scenarios) <= set(SCENARIOS):
+            raise ValueError(f"unknown scenarios {sorted(set(self.scenarios) - set(SCENARIOS))}; known: {', '.join(SCENARIOS)}")
         if self.captions not in ("cold", "warm"):
             raise ValueError(f"--captions must be cold or warm; got {self.captions!r}")
         if any(f < 1 for f in self.frames):
@@ -97,31 +113,36 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
                                        draft_models=[config.head] if config.frames else [])
     if engine.images is None:
         raise ValueError(f"{config.target} reads text only: the multimodal benchmark needs a VLM target")
-    work = [(c, example(TEST_SEED + SEED_OFFSET + 1000 * i + n, c))
-            for i, c in enumerate(config.categories) for n in range(config.pictures)]
+    if config.scenarios:
+        work = scenario_work(engine, config)
+        groups = list(config.scenarios)
+    else:
+        work = [(c, *single_turn(example(TEST_SEED + SEED_OFFSET + 1000 * i + n, c)))
+                for i, c in enumerate(config.categories) for n in range(config.pictures)]
+        groups = list(config.categories)
     # Categories interleaved, as a replica's traffic is: what a draft learns across requests (an
     # ensemble's prior) is learned from the mix, not from the same question asked just before.
     random.Random(0).shuffle(work)
     rows_run = rows_of(config.views)
-    totals = {(row, c): {"tokens": 0, "seconds": 0.0, "steps": 0} for row in rows_run for c in config.categories}
+    totals = {(row, c): {"tokens": 0, "seconds": 0.0, "steps": 0} for row in rows_run for c in groups}
     machine = machine_info()
     if config.captions == "warm":
-        write_captions(engine, [ex.image for _, ex in work])
+        write_captions(engine, [image for _, _, images in work for image in images])
     bar = tqdm(total=len(work) * len(rows_run) * config.repeats, desc="bench multimodal", disable=not progress)
     for _ in range(config.repeats):
-        for category, ex in work:
+        for category, messages, images in work:
             for row in rows_run:
                 draft = "none" if row == "target-only" else row
-                request = GenerateRequest(ex.question, max_tokens=config.max_tokens, draft=draft,
-                                          window=0 if row == "target-only" else config.window, images=(ex.image,))
+                request = GenerateRequest("", max_tokens=config.max_tokens, draft=draft,
+                                          window=0 if row == "target-only" else config.window)
                 # Every row starts cold: no row reuses another's prefill (nor its captions, unless warm).
                 engine.reset_caches(captions=config.captions == "cold")
                 began = time.perf_counter()
-                out = engine.generate(request)
+                out = engine.generate_ids(engine.encode_messages(messages, images), request)
                 cell = totals[(row, category)]
                 cell["seconds"] += time.perf_counter() - began
-                cell["tokens"] += len(out["token_ids"])
-                cell["steps"] += out["spec"]["steps"]
+                cell["tokens"] += len(out.token_ids)
+                cell["steps"] += out.stats.steps
                 bar.update()
     bar.close()
     rows = []
@@ -129,7 +150,7 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
         rows.append({"view": row, "category": category, "tokens_per_s": round(cell["tokens"] / cell["seconds"], 2),
                      "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
     for row in rows_run:   # the mix: every category's tokens over every category's seconds
-        cells = [totals[(row, c)] for c in config.categories]
+        cells = [totals[(row, c)] for c in groups]
         tokens, seconds, steps = (sum(c[k] for c in cells) for k in ("tokens", "seconds", "steps"))
         rows.append({"view": row, "category": "mix", "tokens_per_s": round(tokens / seconds, 2),
                      "mean_accepted_len": round(tokens / max(1, steps), 3)})
@@ -141,6 +162,48 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
     plot(result, config.plot_path)
     print(format_table(result))
     return result
+
+
+def single_turn(ex) -> tuple[list[dict], tuple]:
+    """One user turn: the picture, then its question."""
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ex.question}]}], (ex.image,)
+
+
+def unseen(image):
+    """A picture unlike the training ones: colours inverted, turned a quarter, speckled."""
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    turned = ImageOps.invert(image.convert("RGB")).rotate(90, expand=True)
+    pixels = np.asarray(turned).astype(np.int16)
+    noise = np.random.default_rng(0).integers(-40, 41, pixels.shape)
+    return Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8))
+
+
+def scenario_work(engine: SpecEngine, config: MultimodalBenchConfig) -> list[tuple[str, list[dict], tuple]]:
+    """(scenario, messages, pictures) per conversation, ``config.pictures`` per scenario. The first
+    turns' answers are the VLM's own (greedy), as a client's conversation would carry them."""
+    chats = [t for t in load_prompts("chat", 4 * config.pictures) if len(t) < 300][:config.pictures]
+    work = []
+    for n in range(config.pictures):
+        ex = example(TEST_SEED + SEED_OFFSET + 900_000 + n, config.categories[n % len(config.categories)])
+        first, images = single_turn(ex)
+        answer = engine.generate_ids(engine.encode_messages(first, images),
+                                     GenerateRequest("", max_tokens=config.max_tokens, draft="none", window=0))
+        said = engine.tokenizer.decode(answer.token_ids, skip_special_tokens=True)
+        earlier = [*first, {"role": "assistant", "content": said}]
+        frames = [example(TEST_SEED + SEED_OFFSET + 950_000 + CLIP_FRAMES * n + f, "shape").image for f in range(CLIP_FRAMES)]
+        odd = example(TEST_SEED + SEED_OFFSET + 980_000 + n, config.categories[n % len(config.categories)])
+        conversations = {
+            "single": (first, images),
+            "follow-up": ([*earlier, {"role": "user", "content": FOLLOW_UP}], images),
+            "text-turn": ([*earlier, {"role": "user", "content": chats[n % len(chats)]}], images),
+            "unseen": (single_turn(odd)[0], (unseen(odd.image),)),
+            "clip": ([{"role": "user", "content": [*({"type": "image"} for _ in frames),
+                                                    {"type": "text", "text": CLIP_QUESTION}]}], tuple(frames)),
+        }
+        work += [(scenario, *conversations[scenario]) for scenario in config.scenarios]
+    return work
 
 
 def write_captions(engine: SpecEngine, images: list) -> None:

@@ -973,12 +973,14 @@ def bench_multimodal(
                                               "the answer (timed); warm: captioned before the rows."),
     views: Optional[str] = typer.Option(None, help="Comma-separated views compared and mixed (of multimodal, "
                                                    "text-only, pooled, caption); default: all four."),
+    scenarios: Optional[str] = typer.Option(None, help="Comma-separated conversations instead of categories (single, "
+                                                       "follow-up, text-turn, unseen, clip; 'all': every one)."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
-    """TABED's drafting views of VLM requests side by side, per picture category: multimodal,
+    """TABED's drafting views of VLM requests side by side, per picture category (or scenario): multimodal,
     text-only, pooled, caption, their adaptive and static ensembles, and target-only (tokens/s and mean
     accepted length); then Sparrow's windowed draft against full attention as pictures grow."""
-    from specserve.bench.multimodal import VIEWS, MultimodalBenchConfig, run_multimodal_bench
+    from specserve.bench.multimodal import SCENARIOS, VIEWS, MultimodalBenchConfig, run_multimodal_bench
     from specserve.data.synthetic_images import CATEGORIES
 
     set_threads(threads)
@@ -988,7 +990,8 @@ def bench_multimodal(
             categories=tuple(_names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
             repeats=repeats, dtype=dtype, frames=tuple(int(f) for f in _names(frames) or ()),
             frame_prompts=frame_prompts, head=head, captions=captions,
-            views=tuple(_names(views) or VIEWS)))
+            views=tuple(_names(views) or VIEWS),
+            scenarios=SCENARIOS if scenarios == "all" else tuple(_names(scenarios) or ())))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

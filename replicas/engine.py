@@ -263,14 +263,19 @@ class SpecEngine:
             if not chat:
                 raise ValueError("images go in a chat prompt (chat=True)")
             content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
-            text = self.processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                      add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder,
-                                    self.images.markers)
+            return self.encode_messages([{"role": "user", "content": content}], images)
         if chat:
             return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         return encode_text(self.tokenizer, prompt)
+
+    def encode_messages(self, messages: list[dict], images=()) -> list[int]:
+        """A conversation's prompt ids (a VLM target): the messages as the processor's chat template
+        writes them, each ``{"type": "image"}`` part one of ``images``, in order, as its image tokens."""
+        if self.images is None:
+            raise ValueError(f"{self.loaded.name} reads text only: images need a vision-language target")
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder, self.images.markers)
 
     def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:
         if request.draft == AUTO_DRAFT and self.router is None:

@@ -1,7 +1,7 @@
 """The multimodal benchmark's verdict: the ensemble against the best single view, per category."""
 
 import pytest
-from specserve.bench.multimodal import ROWS, aims, format_table
+from specserve.bench.multimodal import ROWS, MultimodalBenchConfig, aims, format_table
 
 
 def rows(ensemble: dict[str, float]) -> list[dict]:
@@ -61,3 +61,19 @@ def test_the_plot_shows_the_views_and_sparrows_cost(tmp_path):
     for name, data in (("views.png", {**result, "frames": []}), ("both.png", result)):
         plot(data, tmp_path / name)
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_scenarios_are_checked_and_an_unseen_picture_is_turned_inverted_and_speckled():
+    import numpy as np
+    from PIL import Image
+
+    from specserve.bench.multimodal import SCENARIOS, unseen
+
+    with pytest.raises(ValueError, match="unknown scenarios"):
+        MultimodalBenchConfig(scenarios=("single", "karaoke"))
+    assert MultimodalBenchConfig(scenarios=SCENARIOS).scenarios == SCENARIOS
+    picture = Image.new("RGB", (20, 10), (250, 10, 10))
+    odd = np.asarray(unseen(picture)).astype(int)
+    assert odd.shape == (20, 10, 3)                                    # a quarter turn
+    assert abs(odd[..., 0].mean() - 5) < 15 and abs(odd[..., 1].mean() - 245) < 15   # inverted
+    assert odd.std() > 5                                               # speckled
