@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from specserve.policies.output_exchange import OutputExchange
 from specserve.policies.priors import warm_start
+from specserve.policies.redis_schema import MAX_TOP_K, MAX_TREE_DEPTH
 from specserve.policies.redis_stats import RedisStats
 from specserve.policies.snapshot_cache import SnapshotCache
 from specserve.policies.spec_metrics import SpecMetrics
@@ -28,10 +29,11 @@ from specserve.replicas.step import StepRecord, TreeShape
 
 def neighbour_shapes(tree: TreeShape) -> list[tuple[int, int]]:
     """The (depth, top-k) shapes one move from ``tree``'s: depth halved or doubled, top-k halved or
-    doubled, within its node budget."""
+    doubled, within its node budget and the shapes a snapshot may carry (``redis_schema``)."""
     moves = ((tree.depth // 2, tree.top_k), (tree.depth * 2, tree.top_k),
              (tree.depth, tree.top_k // 2), (tree.depth, tree.top_k * 2))
-    return [(d, k) for d, k in dict.fromkeys(moves) if 1 <= d <= tree.budget and 1 <= k <= tree.budget
+    return [(d, k) for d, k in dict.fromkeys(moves)
+            if 1 <= d <= min(tree.budget, MAX_TREE_DEPTH) and 1 <= k <= min(tree.budget, MAX_TOP_K)
             and (d, k) != (tree.depth, tree.top_k)]
 
 

@@ -209,6 +209,7 @@ def test_a_share_of_tree_requests_starts_one_move_from_the_prior_shape_and_says_
 
     assert neighbour_shapes(TreeShape(4, 2, 8)) == [(2, 2), (8, 2), (4, 1), (4, 4)]
     assert neighbour_shapes(TreeShape(1, 1, 2)) == [(2, 1), (1, 2)]
+    assert neighbour_shapes(TreeShape(16, 64, 64)) == [(8, 64), (16, 32)]   # what a snapshot may carry
     with_tree = counts(600, 200, window=4) + Counter({"tree_4x2_steps": 30, "tree_4x2_emitted": 90, "tree_4x2_us": 30_000})
     server = RedisServer.start(tmp_path)
     try:
