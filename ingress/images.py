@@ -35,7 +35,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from specserve.ingress.image_fetch import IPAddress, fetch, public_address
-from specserve.ingress.openai_api import ImagePart, OpenAIError, VideoPart
+from specserve.ingress.openai_api import ImagePart, ImageURL, OpenAIError, VideoPart
 
 FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 # A camera's JPEG that carries a second picture (a depth map, a preview) is opened as MPO; its
@@ -141,21 +141,8 @@ def decode_images(urls: list[str], limits: ImageLimits, param: str = "messages",
     most ``max_total_pixels`` (400 ``invalid_image``, before the one that passes it is decoded).
     Every fetch ends by ``deadline`` (``time.monotonic()``; ``fetch_timeout_s`` from now if none):
     one for the request, so that its pictures cannot each take the whole timeout."""
-    if len(urls) > limits.max_images:
-        raise OpenAIError(f"{len(urls)} images in one request; this server takes at most {limits.max_images}",
-                          param=param, code="too_many_images")
-    if deadline is None:
-        deadline = time.monotonic() + limits.fetch_timeout_s
-    pictures, total = [], 0
-    for url in urls:
-        picture = _open(image_bytes(url, limits, param, deadline), limits, param)
-        total += picture.size[0] * picture.size[1]
-        if total > limits.max_total_pixels:
-            picture.close()
-            raise _bad(f"the request's pictures hold more than {limits.max_total_pixels} pixels together: "
-                       "send fewer or smaller ones", param)
-        pictures.append(_decode(picture, param))
-    return pictures
+    parts = [ImagePart(type="image_url", image_url=ImageURL(url=url)) for url in urls]
+    return [picture for (picture,) in decode_media(parts, limits, param, deadline)]
 
 
 def sample_frames(count: int, wanted: int) -> list[int]:
@@ -206,9 +193,11 @@ def _clip(url: str, limits: ImageLimits, param: str, deadline: float, pixels: _P
 
 def decode_media(parts: list[ImagePart | VideoPart], limits: ImageLimits, param: str = "messages",
                  deadline: float | None = None) -> list[list[Image.Image]]:
-    """Per part, in order, its pictures as RGB: a picture's one, a clip's sampled frames; the
-    checks of ``decode_images``, at most ``max_videos`` clips, and every frame counted against
-    ``max_total_pixels``. Every fetch ends by ``deadline`` (``fetch_timeout_s`` from now if none)."""
+    """Per part, in order, its pictures as RGB: a picture's one, a clip's sampled frames; at most
+    ``max_images`` pictures and ``max_videos`` clips (checked before any is decoded), each picture
+    and frame checked as ``decode_image`` checks a picture, and all of them together holding at
+    most ``max_total_pixels`` (checked before the one that passes it is decoded). Every fetch ends
+    by ``deadline`` (``fetch_timeout_s`` from now if none): one for the request."""
     pictures = [p for p in parts if isinstance(p, ImagePart)]
     clips = [p for p in parts if isinstance(p, VideoPart)]
     if len(pictures) > limits.max_images:
