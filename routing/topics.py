@@ -17,8 +17,10 @@ noise to a basis fitted on a few thousand prompts).
     topics  ``clusters`` centroids of the corpus's projections (scikit-learn's k-means): a
             prompt's topic is its nearest centroid, the task key under which the policy service
             keeps priors (``policies/stats.task_bucket``, docs/design.md §4), so that a code
-            request does not start from the window or tree that chat requests favour The basis is data (tuples of numbers) with a
-JSON round trip: it travels inside Serve deployment arguments and a cache file, never pickled.
+            request does not start from the window or tree that chat requests favour
+
+The basis is data (tuples of numbers) with a JSON round trip: it travels inside Serve deployment
+arguments and a cache file, never pickled.
 """
 
 from __future__ import annotations
