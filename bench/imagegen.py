@@ -89,7 +89,9 @@ def _requests(engine: ImageEngine, row: str, labels: list[int], temperature: flo
     return [engine.request(label, f"{row}-{i}", seed=config.seed + i, **kwargs) for i, label in enumerate(labels)]
 
 
-def run_imagegen_bench(config: ImagegenBenchConfig) -> dict:
+def run_imagegen_bench(config: ImagegenBenchConfig, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
     engine = ImageEngine(config.generator, config.draft, device=config.device)
     if not engine.drafts:
         raise FileNotFoundError("the generator has no draft: train one (`specserve zoo imagegen-draft`) or give --draft")
@@ -98,6 +100,9 @@ def run_imagegen_bench(config: ImagegenBenchConfig) -> dict:
     grid = engine.settings.grid
     servers = {name: in_process_server(name, draft) for name, draft in engine.drafts.items()}
     rows_out, maps = [], {}
+    # A picture's tokens, every row and temperature: what the bar counts as the rows verify them.
+    bar = tqdm(total=len(config.temperatures) * len(config.rows) * len(labels) * grid * grid, unit="tok",
+               desc="bench imagegen", disable=not progress)
     for temperature in config.temperatures:
         # One untimed picture per row first: a row's first steps pay one-time costs (buffers,
         # kernels' first calls) that would weigh on a short run.
@@ -111,6 +116,7 @@ def run_imagegen_bench(config: ImagegenBenchConfig) -> dict:
         def record(run: int, i: int, tokens: list[int]) -> None:
             if tokens:
                 steps[run][i].append(len(tokens))
+                bar.update(len(tokens))
 
         at_once = min(config.at_once, len(labels))
         targets = [Target(engine.model, slots=2 * at_once) for _ in config.rows]   # two rows a picture (guidance)
@@ -150,9 +156,11 @@ def run_imagegen_bench(config: ImagegenBenchConfig) -> dict:
     report = {"meta": {"pictures": config.pictures, "at_once": min(config.at_once, len(labels)), "labels": labels,
                        "grid": grid,
                        "cfg_scale": engine.settings.cfg_scale, "top_k": engine.settings.top_k,
-                       "window": config.window, "device": str(engine.model.device), "tree": [config.tree.depth, config.tree.top_k, config.tree.budget],
+                       "window": config.window, "device": str(engine.model.device),
+                       "tree": [config.tree.depth, config.tree.top_k, config.tree.budget],
                        "machine": machine_info()},
               "rows": rows_out, "tau_maps": maps}
+    bar.close()
     config.json_path.write_text(json.dumps(report, indent=1))
     plot(report, config.plot_path)
     return report
