@@ -106,11 +106,13 @@ def run_imagegen_bench(config: ImagegenBenchConfig, progress: bool = True) -> di
     for temperature in config.temperatures:
         # One untimed picture per row first: a row's first steps pay one-time costs (buffers,
         # kernels' first calls) that would weigh on a short run.
-        warm = [(_requests(engine, row, labels[:1], temperature, config),
-                 None if row in (BASELINE, "chain", "static-tree") else build_policy(row)) for row in config.rows]
-        run_side_by_side([Target(engine.model, slots=2) for _ in config.rows], servers, warm, max_running=2)
-        runs = [(_requests(engine, row, labels, temperature, config),
-                 None if row in (BASELINE, "chain", "static-tree") else build_policy(row)) for row in config.rows]
+        def runs_of(pictures: list[int]) -> list[tuple]:   # each row's requests, with a fresh policy of its own
+            return [(_requests(engine, row, pictures, temperature, config),
+                     None if row in (BASELINE, "chain", "static-tree") else build_policy(row)) for row in config.rows]
+
+        run_side_by_side([Target(engine.model, slots=2) for _ in config.rows], servers, runs_of(labels[:1]),
+                         max_running=2)
+        runs = runs_of(labels)
         steps: list[list[list[int]]] = [[[] for _ in labels] for _ in config.rows]   # run -> picture -> tokens per step
 
         def record(run: int, i: int, tokens: list[int]) -> None:

@@ -220,7 +220,7 @@ class Preparer:
                 f"{text_bytes} bytes make at least {at_least} tokens. Shorten the prompt.",
                 param=param, code="context_length_exceeded")
 
-    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pixels: list, frames=None) -> list[int]:
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pixels: list, frames) -> list[int]:
         """``frames(part)``: how many pictures a clip part became (its sampled frames)."""
         if isinstance(req, ChatCompletionRequest):
             self._check_text_size(sum(len(m.text().encode("utf-8")) for m in req.messages), "messages")
@@ -232,7 +232,7 @@ class Preparer:
             if not pixels:
                 return encode_chat(self.tokenizer, *template_messages(req, self.teaches_tools))
             messages, tools = template_messages(req, self.teaches_tools,
-                                                content=lambda m: m.template_content(frames) if frames else m.template_content())
+                                                content=lambda m: m.template_content(frames))
             text = self.processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             try:

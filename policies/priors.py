@@ -236,11 +236,11 @@ def _wider_trees_where_unmeasured(priors: list[dict], sums: dict, min_steps: int
 
 def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batch_size: int = 1) -> dict | None:
     """Where a request that did not pin its window or tree starts, from the cluster's prior for
-    its draft and task bucket (``stats.request_bucket``: prompt length, constrained or not):
+    its draft and task bucket (``stats.request_bucket``: prompt length, topic, constrained or not):
     ``{"version", "bucket", "load", "alpha", "window", "tree", "learned"}``, or None (cold).
-    ``tree``: the (depth, top-k) that paid best under the request's load (else over every load;
-    else the draft's pooled prior's; None: no tree measured); ``learned``: the rules' carried sums
-    (``carry.py``).
+    ``tree``: the (depth, top-k) that paid best under the request's load, else over every load
+    (a bucket that measured no shape carries its wider bucket's: ``compute_snapshot``); None: no
+    tree measured; ``learned``: the rules' carried sums (``carry.py``).
     The target replica and ``bench policies`` both start requests through here.
 
     The window is the best one under the load the request starts in (``batch_size``, its
@@ -257,9 +257,6 @@ def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batc
         return None
     load, window = _load_window(snapshot, prior, load_bucket(batch_size))
     tree = _tree(prior, load_bucket(batch_size))
-    for wider in _wider(prior["bucket"]):   # no shape measured for this task yet: its length bucket's, the draft's
-        if tree is None:
-            tree = _tree(find_prior(snapshot, target, draft, wider) or {}, load_bucket(batch_size))
     return {"version": snapshot.get("version"), "bucket": prior["bucket"], "load": load, "alpha": prior["alpha"],
             "window": max(1, int(window)), "tree": None if tree is None else (tree["depth"], tree["top_k"]),
             "learned": prior.get("learned") or {}}
