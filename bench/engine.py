@@ -255,8 +255,9 @@ def _tokens_per_s(samples: list[Sample]) -> float:
 
 
 def cpu_model() -> dict:
-    """The CPU's model name and the instruction sets that decide bfloat16 speed: machines of the
-    same name here differ ~2x with and without them, so every figure records them."""
+    """The CPU's model name and the instruction sets that decide bfloat16 speed: machines of one
+    model name may or may not have them, and their speed differs with them, so every figure records
+    them."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

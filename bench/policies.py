@@ -33,7 +33,7 @@ alike. Four sections:
   other prompts (``learn_snapshot``; with ``warm-tree``, decoded as trees too).
 In ``window``, ``tree`` and ``start`` every row of one length decodes the prompt side by side
 with the others, their steps taking turns in one thread (``SpecEngine.generate_side_by_side``), each
-row's time the sum of its own steps: rows measured minutes apart on these shared machines differ by
+row's time the sum of its own steps: rows measured minutes apart on a shared machine differ by
 more than the few percent the aims are about, rows taking turns per step see the same machine.
 - ``load`` (the mix of all categories, ``load_requests`` requests): ``load-aware``
   (``build_policy("load-aware")``, one object per concurrency, kept across its rounds as a replica
@@ -44,8 +44,8 @@ more than the few percent the aims are about, rows taking turns per step see the
   the sum of its own steps; ``load_rounds`` rounds. ``waves``: the requests in waves of c at once,
   the rows alternating per wave. Why steady and step by step: a wave's makespan is its slowest
   request (the speculating ones finish first, the others end the wave), and whole runs of the same
-  code 25 s apart differed by ±8% on these shared machines, while rows taking turns per step (~40
-  ms) agreed within ±1.5% (docs/benchmarks.md §4.2).
+  code seconds apart differ by more on a shared machine than rows that take turns per step
+  (figures: docs/benchmarks.md §4.2).
 
 Per row (policy × section × category, plus an ``all`` row over the categories; the load rows are
 ``all``): ``tokens_per_s`` = Σ tokens / Σ seconds over the requests, ``mean_accepted_len`` τ =
@@ -713,7 +713,7 @@ class PoliciesBenchConfig:
 
     json_path: Path = Path("bench-policies.json")   # rows, aims, notes and every timed generation
     plot_path: Path = Path("bench-policies.png")    # a panel per category, and the load rows
-    prompts_per_category: int = 2      # one stream each, every row: ~10 min a run on a quiet 2-core EPYC
+    prompts_per_category: int = 2      # one stream each, every row: a run's time grows with it
     max_tokens: int = 96               # new tokens per request; the cold / warm rows take at most SHORT_TOKENS
     categories: tuple[str, ...] = CATEGORIES   # the prompt sets (checked; blanks and repeats dropped)
     policies: tuple[str, ...] | None = None    # row names to run (and what they are measured against); None: all

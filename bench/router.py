@@ -22,8 +22,8 @@ adaptation of speculative decoding in large language models" (the drop-in paper 
    objective prefers; its tokens/s is the table's for that candidate, not a separate run).
 
 The oracle is chosen on some timings and read on others. The fastest of four noisy medians is
-faster than the fastest candidate really is (the winner's curse: up to half the 3% aim on the
-mix, docs/benchmarks.md §5.1), while the router's row is one live run
+faster than the fastest candidate really is (the winner's curse, a sizeable part of the aims'
+margin: docs/benchmarks.md §5.1), while the router's row is one live run
 that nothing selected. So with ``repeats`` ≥ 2 each repeat k is held out in turn: the candidate
 with the best median over the other repeats is picked and its k-th timing read; the prompt's
 oracle is their median. ``oracle-in-sample`` (the best median, the same timings choosing and
@@ -249,8 +249,8 @@ class Bench:
 
     def run(self, phase: str, prompt: int, category: str, ids: list[int], draft: str) -> Generation:
         """One generation; in the evaluation, ``repeats`` of them back to back, timed by their
-        median (single timings here scatter by ±15% with identical choices and α, which is
-        the size of the aims). The router learns from each repeat, as it would from a resend."""
+        median (single timings scatter, with identical choices and α, by as much as the aims are
+        about). The router learns from each repeat, as it would from a resend."""
         self.engine.router = self.bandit if draft == AUTO else self.recorder
         request = GenerateRequest("", self.max_tokens, draft, 0 if draft == NO_DRAFT else WINDOW)
         timings = []

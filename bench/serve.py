@@ -476,7 +476,7 @@ class ServeBenchConfig:
     categories: tuple[str, ...] = CATEGORIES   # the prompts', in turn (checked; blanks and repeats dropped)
     router_warmup: int = 0             # other prompts per category sent with no spec first, for the routers to learn
     dtype: str = "auto"                # of the in-process engine and of the local stack
-    repeats: int = 2                   # rounds of the loaded runs, the rows taking turns: one run scatters ±10%
+    repeats: int = 2                   # rounds of the loaded runs, the rows taking turns: one run alone is noisy
     stream_interval: int = 1           # tokens per streamed piece of the local stack (peers: start them the same)
     no_prefix_reuse: bool = False      # a cache_salt per row, round and concurrency: no prefix cache another filled
     only_drafts: bool = False          # the local stack serves only ``drafts`` (not the shipped default any more)
@@ -503,8 +503,9 @@ class ServeBenchConfig:
 
 def run_serve_bench(config: ServeBenchConfig) -> dict:
     """Every row on the same prompts, at every concurrency and rate; write JSON and plot, print a
-    table; return the JSON. ``repeats``: one run each of a few seconds differs by ±10% on a shared
-    2-core machine, so the loaded runs go round ``repeats`` times, the rows taking turns in each.
+    table; return the JSON. ``repeats``: one run each of a few seconds on a shared machine differs
+    by more than the rows do, so the loaded runs go round ``repeats`` times, the rows taking turns
+    in each.
     ``no_prefix_reuse``: every row, round and concurrency sends its requests with a ``cache_salt``
     of its own (``salt_for``), so that no row is served from a prefix cache another row or round
     filled: the engines' throughput, not their caches (peers must know vLLM's ``cache_salt``).

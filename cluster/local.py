@@ -88,8 +88,8 @@ def _ray_cli() -> str:
 
 
 # Serve's proxy forwards each request (and each streamed piece) to the ingress over gRPC instead of
-# Ray actor calls: measured with 16 streams at once on 2 cores, the proxy and ingress took
-# 11% and 14% of a core before, 7.5% and 10.5% after. An explicit value in the environment wins.
+# Ray actor calls, which cost the proxy and the ingress more CPU per streamed piece (figures:
+# docs/benchmarks.md §2.5). An explicit value in the environment wins.
 CLUSTER_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 
 
@@ -365,7 +365,7 @@ def down() -> list[str]:
     if state.ray_started:
         _ray("stop", "--force")
         # `ray stop` can return while the GCS still answers: an `up` right after would take the
-        # dying cluster for one to join (seen in the test suite: a new app found 0.7 free CPUs).
+        # dying cluster for one to join, and find its CPUs only partly free.
         deadline = time.monotonic() + 60
         while _ray_running() and time.monotonic() < deadline:
             time.sleep(1)

@@ -31,17 +31,15 @@ SUFFIX_DRAFT = {"name": SUFFIX, "method": SUFFIX, "seed_outputs": SHIPPED_ANSWER
 # it runs torch threads (num_cpus = torch_threads), so Ray's books show what the replicas really
 # use. The thread counts are written into the app's args, not left to Ray's OMP_NUM_THREADS, so
 # that the two numbers cannot drift apart.
-# The target runs ONE thread on the 2-core machine, measured: served, it decodes 1.5x faster with
-# one thread than with two (53.4 vs 35.4 tok/s one request at a time, 128.7 vs 109.9 with 8 at once,
-# plain decoding), because the ingress, the HTTP proxy and Ray's own processes need a core too, and
-# an OpenMP team that spans every core stalls at each barrier whenever one of its threads is
-# descheduled. Give it cores - 1 (or its GPU) on a bigger machine.
+# The target runs ONE thread on a 2-core machine: served, it decodes faster with one thread than
+# with two, because the ingress, the HTTP proxy and Ray's own processes need a core too, and an
+# OpenMP team that spans every core stalls at each barrier whenever one of its threads is
+# descheduled (docs/design.md §6). Give it cores - 1 (or its GPU) on a bigger machine.
 REFERENCE_VLM = "smollm2-vlm"
 TARGET_THREADS = 1
 # ... and the second core runs a second target replica instead: two one-thread replicas share
-# nothing but memory bandwidth, so they use both cores without OpenMP barriers. Measured served,
-# 12 requests at once (24 ShareGPT prompts, 128 tokens): 200.1 vs 161.6 tok/s plain, 227.1 vs
-# 165.0 with prompt lookup and the goodput policy; one at a time unchanged (50-72 tok/s).
+# nothing but memory bandwidth, so they use both cores without OpenMP barriers and serve more
+# under load than one replica on two threads (figures: docs/benchmarks.md §2.0c).
 TARGET_REPLICAS = 2
 DRAFT_MODEL_THREADS = 1   # a draft model: one thread (a small forward gains little from two)
 MODEL_FREE_CPUS = 0.1     # the ingress and prompt lookup: an event loop and no model

@@ -2,8 +2,8 @@
 
 At batch 1 a CPU verifies 5 tokens for about the price of 1, so drafting is nearly free; at
 batch 12 the forward feeds 60 tokens instead of 12 and costs several times more, while a draft
-with α ≈ 0.3 adds only ~0.4 tokens per request per step. This policy wraps another one and, per request and step, shrinks its
-window to the one that pays most at the replica's load, or to none:
+with α ≈ 0.3 adds only ~0.4 tokens per request per step. This policy wraps another one and, per
+request and step, shrinks its window to the one that pays most at the replica's load, or to none:
 
     cost model     verify_ms ≈ a + b · forward_tokens      (least squares over recent steps of the
                                                              same load bucket, else over all of them)
@@ -26,31 +26,30 @@ The verify forward is flat (each request feeds only its own tokens, ``batch_kv``
 request's window costs b·γ and the others' rows are untouched; with every request speculating
 at γ with one draft of call time d (d̂ = d / B) it is the whole-batch rule
 E(γ)·B / (d + a + b·B·(1 + γ)) > B / (a + b·B) (without the margin). A request alone with a draft
-model pays the whole call (an earlier d / B charged a lone request at batch 8 an eighth of the
-call it made the whole step wait for). A busy step prices every token at the step's high rate,
-so windows shrink with load: at batch 16 on this CPU a γ = 1 pays from α ≈ 0.25, a γ = 4 only
-from α ≈ 0.6. A tree is kept whole (priced at its node budget) or dropped.
+model pays the whole call, because the whole step waits for the call it made. A busy step prices
+every token at the step's high rate, so windows shrink with load and a large window needs a higher
+α to pay than a small one. A tree is kept whole (priced at its node budget) or dropped.
 
 The replica's start-up probe (``replicas/cost_probe.py``) gives the first verify points and draft
 costs (``seed_costs``), so that the first requests are priced by measurement, not by nothing.
 
 A request whose client pinned its window or tree keeps it. Until both are measured it speculates
 (α̂ counts as measured after ``min_steps`` drafting steps of the draft, or at once when requests
-bring the cluster's prior: one empty first step of prompt lookup must not switch it off, which
-ended short requests plain in ``bench policies``).
+bring the cluster's prior: one empty first step of prompt lookup must not switch it off, or a
+short request would decode plainly to its end).
 
 Exploring: once speculation is off, α̂ is no longer observed, and a draft that started to pay
 (the workload changed) would stay off. So a request that decodes plainly earns credit,
 ``explore_share`` of its share of each step's time, and speculates at its asked window when the
 credit covers that window's price (b·tokens fed + its share of the draft's call): at most that
-share of the verify time goes to exploring, spread over the requests one at a time. Exploring
-every request of one step in 32·B/4 instead cost 3% of the verify time at batch 8 and made that
-step several times slower than its neighbours (docs/benchmarks.md §4.3).
+share of the verify time goes to exploring, spread over the requests one at a time, because a
+step that explores many requests at once is several times slower than its neighbours (figures:
+docs/benchmarks.md §4.3).
 
 Why a line per load bucket (b1, b4, b8, b8+ requests in the step, ``stats.load_bucket``): one line
-through steps of every batch size underestimated what the extra tokens cost at batch 16 on two
-threads (docs/benchmarks.md §4.3), where the forward is past the size at which the CPU's matrix products stop being flat. Within a
-bucket the line is local.
+through steps of every batch size underprices the extra tokens of a large batch, whose forward is
+past the size at which the CPU's matrix products stop being flat (docs/benchmarks.md §4.3). Within
+a bucket the line is local.
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ class GoodputPolicy:
         self.base = base
         # Speculate only when the model predicts ``margin`` more tokens/s than plain decoding: its
         # cost model leaves out what grows with the tokens fed besides the forward (acceptance,
-        # sampling, KV copies), and near break-even it lost to target-only under load (bench
-        # serve, 16 at once: 192 vs 213 tok/s at τ = 1.28 without a margin).
+        # sampling, KV copies), so near break-even speculating loses to plain decoding under load.
         self.margin = margin
         self.min_steps = min_steps
         if not 0.0 <= explore_share < 1.0:
@@ -100,10 +98,9 @@ class GoodputPolicy:
         # a good draft off.
         self._prior: dict[str, float] = {}
         self.prior_steps = 8
-        # (request id, draft) -> (n, γ) per step: a request's own acceptance. Prompts differ (the
-        # HSR head accepts 0.55 on one chat prompt, 0.19 on a code prompt): a replica-wide α̂
-        # switched a draft off for the prompt the router had chosen it for, after a prompt it
-        # served badly.
+        # (request id, draft) -> (n, γ) per step: a request's own acceptance, because prompts
+        # differ widely and a replica-wide α̂ would switch a draft off for the prompt the router
+        # chose it for after another prompt it served badly.
         self._by_request: dict[tuple[str, str], deque[tuple[int, int]]] = {}
         self.request_prior_steps = 4
 
@@ -153,8 +150,7 @@ class GoodputPolicy:
     def draft_ms_per_position(self, draft: str) -> float:
         """d̂: the ms of ``draft``'s call per request that drafted with it, per position drafted
         (recent steps' mean). A model draft runs one forward per position, so a shorter window
-        drafts for less (a per-call price made γ = 4 look as cheap as γ = 1: the HSR head at
-        batch 1 then kept 4 where 3 was faster, 77.7 vs 80.7 tok/s on a chat prompt)."""
+        drafts for less (a per-call price would make a long window look as cheap as a short one)."""
         measured = self._draft_share.get(draft)
         return sum(measured) / len(measured) if measured else 0.0
 

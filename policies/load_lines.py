@@ -5,10 +5,11 @@
 
 fitted by least squares (``window.fit_verify_ms``) over the recent steps of the batch's load
 bucket (``stats.load_bucket``: b1, b4, b8, b8+) when they span two sizes, else over all recent
-steps, else the last line that did. A token fed costs more in a loaded forward than alone (on 2
-cores ~0.5 ms at batch 1, 1.5-2.2 ms at 16), so one line through every batch size underprices
-speculation under load. A steady batch decoding plainly feeds the same tokens every step and
-fits no line: the last line still prices a window. Fits are kept until the next step is added
+steps, else the last line that did. A token fed costs more in a loaded forward than alone (the
+forward is past the size at which the CPU's matrix products stop being flat; figures:
+docs/benchmarks.md §4.2), so one line through every batch size underprices speculation under
+load. A steady batch decoding plainly feeds the same tokens every step and fits no line: the last
+line still prices a window. Fits are kept until the next step is added
 (they are asked for every request of a step).
 """
 

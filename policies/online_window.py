@@ -13,7 +13,7 @@ expected emitted tokens per unit time under the costs and acceptance measured so
              level (the median of its last steps' excess over the table: long contexts cost
              more at every size). Until the replica has measured two sizes, the request's own
              steps: the mean per size, interpolated, extended with their slope. Never assumed
-             flat: on the CPU here 9 tokens cost about 1.3x one at batch 1.
+             flat: even at batch 1 a wider forward costs more.
     G(γ)     = E(γ) / (γ·a + b(γ)),  E(γ) = (1 − α̂^(γ+1)) / (1 − α̂)        (Eq. 1)
     γ        = argmax G over 0..window_max, the smallest γ on ties
 
@@ -25,10 +25,9 @@ Where this deviates from the paper, and why:
   emitted tokens, longest window and forward tokens taken from the last step. Alone
   (T_others = 0, E_others = 0) this is exactly Eq. 1.
 - **Costs pooled over the replica.** The paper measures a and b "by observing the most recent
-  steps". One request's steps are too few and too noisy for b (a step varies by ~2 ms, the
-  windows that matter differ by 0-1.5 ms): replayed over recorded outputs with that noise, b from
-  the request's own steps reached 0.95 of the per-request oracle and b from the replica's table
-  0.99 (``verify_costs.py``); served, part of that gain carries over (docs/benchmarks.md §4.1).
+  steps". One request's steps are too few and too noisy for b (a step varies by more than the
+  windows that matter differ by), so b comes from the replica's table (``verify_costs.py``), which
+  prices windows closer to the per-request oracle's (figures: docs/benchmarks.md §4.1).
 - **Before measurement.** Until α̂ and two forward sizes are measured the request alternates its
   own window with a second size (half of it, or 2 when it asked for 1), so that the first fit
   comes from steps that differ.
@@ -37,13 +36,13 @@ Where this deviates from the paper, and why:
 - **Estimator.** Eq. 2 is the paper's own approximation of the MLE of App. B.2; we use Eq. 2.
 - **A prior in α̂.** Eq. 2 alone says α̂ = 0 after a few rejected steps in a row, the rule then
   decodes plainly until it looks again, and with prompt lookup that happens in most requests: its
-  matches come and go, and three misses say little about the next match. In ``bench policies``
-  (bfloat16, 8 prompts, 96 tokens, one stream) the paper's cold α̂ reached 0.86-0.92 of the
-  per-request oracle; so α̂ counts a prior as ``prior_steps`` pseudo-steps: the cluster's α for
-  the request's draft and task bucket when it came with one (``SpecRequest.prior_alpha``, from the
-  policy service's snapshot), else ``default_alpha``. With 0.5 over 3 pseudo-steps the same
-  runs reached 0.95-0.97 of the oracle; α̂ stays above 1.5 / 9 = 0.17 over h = 6 rejected steps,
-  so γ = 0 still wins where drafting costs (a model draft, a busy batch) more than that gains.
+  matches come and go, and three misses say little about the next match. So α̂ counts a prior as
+  ``prior_steps`` pseudo-steps, which brings the rule closer to the per-request oracle
+  (docs/benchmarks.md §4.1): the cluster's α for the request's draft and task bucket when it came
+  with one (``SpecRequest.prior_alpha``, from the policy service's snapshot), else
+  ``default_alpha``. With 0.5 over 3 pseudo-steps α̂ stays above 1.5 / 9 = 0.17 over h = 6
+  rejected steps, so γ = 0 still wins where drafting costs (a model draft, a busy batch) more than
+  that gains.
   ``default_alpha=None`` is the paper's cold estimator.
 """
 

@@ -98,8 +98,8 @@ def best_window(alpha: float, draft_ms_per_token: float, b0: float, b1: float, w
 
 def _verify_by_window(c: dict[str, float], fit: tuple[float, float], load: str | None = None) -> dict[str, float]:
     """Verify ms per window used (JSON keys), each window's mean shrunk towards the line by
-    ``LINE_STEPS``: on the CPU here b(γ) is flat up to γ = 5 at batch 1 and steps up by ~2 ms at 6
-    (matrix tiles), which a line through windows 1-8 smears over every window."""
+    ``LINE_STEPS``: on a CPU b(γ) can be flat over small windows and step up at one size (the
+    matrix products' tiles), which a line through every window would smear over all of them."""
     out = {}
     for gamma, steps in sorted(_steps_by_window(c, load).items()):
         us = c.get(f"verify_us_w{gamma}" if load is None else f"load_{load}_verify_us_w{gamma}", 0.0)
@@ -127,11 +127,10 @@ def costs_by_load(c: dict[str, float], pooled_a: float, min_steps: int) -> dict[
 def window_for(alpha: float, costs: dict, window_max: int) -> int:
     """The best window at α for one load's measured costs: each measured window at what it cost,
     the line elsewhere. Beyond the largest window measured only when the line rises (two windows or
-    more, slope > 0: extending it is a model). A flat line says nothing about longer windows: from
-    windows 1-4 it recommended 7-8 to warm starts, where the CPU's verify cost steps up at γ = 6
-    (``bench policies``: warm rows at 7-8 while the oracle mostly took 5); and with one
-    window seen b(γ) is flat by construction (bench serve: warm starts at γ = 8 from γ = 4 data fed
-    larger forwards than the verify cost allowed under load)."""
+    more, slope > 0: extending it is a model). A flat line says nothing about longer windows,
+    where the verify cost may step up (the matrix products' tiles), and with one window seen b(γ)
+    is flat by construction: extended, either would recommend windows longer than the costs
+    allow."""
     windows = costs["windows"]
     rises = len(windows) >= 2 and costs["verify_ms"][1] > 0
     limit = window_max if rises else min(window_max, max(windows))
@@ -245,8 +244,7 @@ def warm_start(snapshot: dict | None, target: str, draft: str, bucket: str, batc
 
     The window is the best one under the load the request starts in (``batch_size``, its
     replica's running requests with it; ``_load_window`` says where its costs come from). Priors learned
-    under load recommend small windows that would cost an idle replica's request speed (bench
-    policies: warm starts from pooled priors ran below cold ones on short requests).
+    under load recommend small windows that would cost an idle replica's request speed.
 
     The window is at least 1: a prior of γ = 0 still starts drafting, because the per-step policy
     decides whether to switch speculation off and must see the draft to learn; its α counts as

@@ -1,22 +1,19 @@
 """What a verify forward costs on this replica, by batch size and tokens fed, from every step.
 
 The online window rule (``online_window.py``) prices each window with b(γ), the verify ms of a
-forward that feeds 1 + γ tokens. One request's own steps are too few to measure that: on the CPU
-here a step varies by ~2 ms (sd) while the windows that matter differ by 0-1.5 ms (batch 1,
-bfloat16: 19.8 / 22.0 / 19.2 / 20.7 / 20.8 / 20.9 / 23.6 / 25.8 / 25.6 ms for 1..9 tokens, the
-medians of ~1100 steps of bench-like runs), and its 32 steps visit two to four sizes. Replayed
-over recorded outputs with that noise, the rule priced from its own steps reached 0.95 of the
-per-request oracle, priced from the true costs 0.99 (the same as the best static window).
+forward that feeds 1 + γ tokens. One request's own steps are too few to measure that: a step's
+noise exceeds the differences between the windows that matter, and a request visits only a few
+sizes, so a rule priced from its own steps falls further from the per-request oracle than one
+priced from the true costs (figures: docs/benchmarks.md §4.1).
 
 So the replica pools every step it verifies: per (batch size, context bucket, forward tokens),
-the median of the last ``samples`` verify times (medians: a step now and then takes 8 ms longer).
-The context matters to the shape, not only the level: alone, 6 tokens cost ~1 ms more than 1 at
-a 200-token context and ~6 ms more at ~1000 (the attention reads the whole cache once per token
-fed), so one table over every context prices long windows too high for short prompts and too low
-for long ones (in ``bench policies`` the buckets moved the online rule from 0.959 to 0.960 of the
-oracle: within its noise). A bucket is the batch's mean context rounded up to a power of two (at
-least 128). A request then takes the shape of b from the table of its bucket and its level from
-its own steps (``online_window``).
+the median of the last ``samples`` verify times (medians, because a step now and then takes much
+longer). The context matters to the shape, not only the level: the attention reads the whole
+cache once per token fed, so a wide window costs more over a short one at a long context than at
+a short one, and one table over every context would price long windows too high for short
+prompts and too low for long ones. A bucket is the batch's mean context rounded up to a power of
+two (at least 128). A request then takes the shape of b from the table of its bucket and its
+level from its own steps (``online_window``).
 """
 
 from __future__ import annotations

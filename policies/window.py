@@ -127,7 +127,7 @@ def fit_verify_ms(costs: Sequence[tuple[int, float]]) -> tuple[float, float] | N
     negative) and the intercept at 1 µs, so a step never looks free."""
     if len({t for t, _ in costs}) < 2:
         return None
-    # Closed form (statistics.linear_regression is exact but ~10x slower, and this runs per step).
+    # Closed form (statistics.linear_regression is exact but slower, and this runs per step).
     n = len(costs)
     mean_t = sum(t for t, _ in costs) / n
     mean_ms = sum(ms for _, ms in costs) / n

@@ -3,9 +3,8 @@ policy price with until the replica's own steps replace them, and what draft pla
 (``cluster/placement.py``) compares.
 
 Unmeasured, a cost model can only guess, and a guess of "free" (a draft at 0 ms, a flat verify
-line) sent every first request to the costliest draft: served, the router's first decision saw
-1996 tokens/s for every draft against 1000 for none. So the replica times, on its own model
-thread and device:
+line) sends every first request to the costliest draft, since every draft then looks far faster
+than none. So the replica times, on its own model thread and device:
 
     verify    one request's forward feeding 1 + γ tokens (γ = 0, 2, 4, 6) at a short context,
               through ``Target.verify``: the points of b(γ) = c0 + c1·(1 + γ) at batch 1
@@ -16,7 +15,7 @@ thread and device:
 
 Each is the median of ``rounds`` repetitions, after one unmeasured warm-up. Batch-1 points do not
 price a loaded step (the forward's cost per token grows past the CPU's flat region): priced with
-them, the first requests of a burst were routed to drafts that cost more than they saved. The
+them, the first requests of a burst would go to drafts that cost more than they save. The
 loaded points seed the busy buckets' lines, and the replica's real steps replace them within a
 few dozen steps (``StepCosts``, ``GoodputPolicy``
 keep a bounded history, and the load-aware policy fits a line per load bucket).

@@ -1,15 +1,10 @@
 """Attention of a verify step on the CPU with a small C kernel (``kernels/decode_attention.c``):
 each sequence's cached keys and values are read once, in place, and only up to its own length.
 
-Why: at batch 16 the target's step on one core spent ~45% of its time in attention (in-process,
-bfloat16, 16 ShareGPT prompts of 48-407 tokens, 128 new tokens; torch profiler): torch's batched
-products of 3-row query blocks (9 query heads over 3 kv heads, one new token) with the slot cache's
-views run far below memory speed, they need a copy of every view first (strided bfloat16 views are
-4-9x slower still), and every sequence is padded to the batch's longest. Micro-benchmark, 30
-layers, one thread, bfloat16, torch vs this kernel: 16 sequences of the real mix (mean 177 cached
-positions, longest 467) 28.6 vs 14.5 ms; the same with 5 new tokens each 61.9 vs 44.7; 16 x 426
-equal lengths 32.3 vs 27.4; one sequence of 300 4.5 vs 1.8. In-process generation, 16 at once,
-one thread: 123.3 -> 163.6 tok/s.
+Why: at a large batch attention is a large share of a one-core step, and torch's batched products
+of 3-row query blocks (9 query heads over 3 kv heads, one new token) with the slot cache's views
+run far below memory speed: they need a copy of every view first (strided views are slower
+still), and every sequence is padded to the batch's longest (figures: docs/benchmarks.md §2.5).
 
 The step is flat (``batch_kv``: each sequence's new tokens one after another, no padding): each
 sequence has its slot, its first token in the step, its token count and its cached length, and
@@ -34,10 +29,9 @@ from specserve.replicas import native_kernels
 MAX_HEAD_DIM = 256     # the kernel's per-thread buffers (kernels/decode_attention.c)
 MAX_ROWS = 256         # query rows per kv head: (query heads per kv head) x new tokens
 # Tokens a sequence may feed in one step (a window, a tree, a short prefill chunk). A step with a
-# longer feed takes the padded layout, where every row is as wide as the longest feed: with one
-# tree of 31 nodes beside 15 requests decoding, that step took 909 ms against 123 ms flat (one
-# thread, bfloat16, ~200 cached positions each; 16 x 1 token: 54 ms). Longer queries (prefill
-# chunks) are matrix products torch does well.
+# longer feed takes the padded layout, where every row is as wide as the longest feed, which makes
+# a step with one tree beside many decoding requests several times slower than flat
+# (docs/benchmarks.md §2.3). Longer queries (prefill chunks) are matrix products torch does well.
 MAX_NEW_TOKENS = 64
 
 _I64, _INT, _FLOAT, _PTR = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p

@@ -3,13 +3,13 @@ argmax over the vocabulary, RMSNorm fused with the residual add before it, and t
 embedding of q and k.
 
 Why: at decode sizes (1-16 rows) torch runs each of these as several passes with temporaries
-and a dispatch each, and its bfloat16 argmax is a scalar loop: at 16 sequences these took a
-twelfth of a step, ten times what they take here (docs/benchmarks.md §2.4).
+and a dispatch each, and its bfloat16 argmax is a scalar loop, a noticeable share of a step that
+one C pass makes small (figures: docs/benchmarks.md §2.4).
 
 The numbers are Hugging Face's eager ones to the rounding: float32 arithmetic, each
 intermediate rounded to the model's dtype where torch's ops round it (the residual sum; the norm
-in float32, cast, then scaled). SiLU(gate) * up was tried too and left to torch: without a
-vectorised exp the C loop was 8x slower than torch's. Sums run in a different order than torch's, so a
+in float32, cast, then scaled). SiLU(gate) * up is left to torch, whose vectorised exp a plain
+C loop does not match. Sums run in a different order than torch's, so a
 float32 result can differ in the last bit: greedy tokens can differ from torch's path only at a
 near-tie, and a row's result never depends on the other rows of the batch. Where the kernel
 cannot be built, or off the CPU, callers keep torch's ops (``usable``).

@@ -3,10 +3,10 @@
 It runs in one of three places:
 
 - as its own Ray Serve deployment (``draft_deployment.DraftDeployment``): drafts scale and fail apart from the
-  target, on their own GPUs, and a step pays one handle call for all its requests (measured 6-7 ms
-  inside a replica on the 2-core machines here, 3.7 ms from an idle driver);
+  target, on their own GPUs, and a step pays one handle call for all its requests (milliseconds:
+  docs/benchmarks.md §2);
 - inside each target replica (``DraftSpec.placement``, inside): no call at all, sharing the target's model
-  thread. Worth it when proposing is cheap next to the hop (prompt lookup: 0.5 ms) or the draft is
+  thread. Worth it when proposing is cheap next to the hop (prompt lookup) or the draft is
   small enough to sit beside the target;
 - in-process (``specserve generate``, ``bench engine``, tests), built from a draft factory.
 

@@ -111,8 +111,8 @@ def run_side_by_side(targets: list[Target], drafts: dict[str, DraftServer],
     """Several runs of requests (each with its policy, its own scheduler and target) in one
     thread, their steps taking turns: each run's seconds are the sum of its own steps. A noisy
     neighbour on a shared machine slows whatever step is running, so two runs compared this way
-    see the same machine to within a step (~40 ms) instead of within a run (~25 s, where rounds of
-    the same code differ by ±8%). ``on_tokens(run, i, tokens)`` sees request i of a run's tokens
+    see the same machine to within a step instead of within a run, whose rounds of the same code
+    differ more (docs/benchmarks.md §4.2). ``on_tokens(run, i, tokens)`` sees request i of a run's tokens
     as each of its steps verifies them."""
     if len(targets) != len(runs):
         raise ValueError(f"one target per run: {len(targets)} targets for {len(runs)} runs")

@@ -1,8 +1,7 @@
 """A preallocated KV cache: appends write in place, rollback only moves a length.
 
-transformers' DynamicLayer grows by ``torch.cat`` every step, O(context) per step: measured here
-(SmolLM2-135M, 30 layers, float32) 0.4 ms a step at 200 tokens, 2.5 ms at 1k and 24 ms at 4k,
-against 0.36 ms flat for an in-place copy. Speculation also rolls back after every rejection,
+transformers' DynamicLayer grows by ``torch.cat`` every step, O(context) per step, where an
+in-place copy costs the same at every length. Speculation also rolls back after every rejection,
 which here is O(1). Logits are identical to DynamicCache (tests/replicas/test_kv_session.py).
 """
 

@@ -116,9 +116,8 @@ class FlatStep:
 
 class Linear:
     """``y = x W^T + b``. On a CPU with oneDNN, 16-bit weights are packed once into oneDNN's
-    blocked layout: measured 1.6-1.9x faster than ``F.linear`` here from batch 1 to 12 with
-    bitwise-equal results (bfloat16, products of 576-3072 wide, weights streamed from memory as
-    in a real forward). Float32 weights stay as they are: oneDNN's float32 result differs from
+    blocked layout, whose products of a few rows run faster than ``F.linear``'s with bitwise-equal
+    results. Float32 weights stay as they are: oneDNN's float32 result differs from
     ``F.linear``'s in the last bits and may depend on the batch size, and float32 is the dtype
     the exactness tests run in."""
 
@@ -243,16 +242,15 @@ def _attention_block(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     q: [B, nq, S, D]; keys, values: [B, nkv, L, D]; mask: [B, 1, S, L] additive -> [B, nq, S, D].
     Query heads h use kv head h // (nq / nkv), so a group's queries are stacked into one product
-    with their kv head instead of repeating k and v. Measured against ``scaled_dot_product_attention``
-    on this CPU (bfloat16, 200 cached positions): 1.2x faster for one stream of one token, 4x for 12
-    streams (verify steps, which on the CPU now run flat), and faster for prefill chunks in the
-    blocks of ``query_blocks`` (495 new tokens: 7.0 vs 9.4 ms a layer)."""
+    with their kv head instead of repeating k and v. On the CPU this is faster than
+    ``scaled_dot_product_attention`` for a step's few query rows and for prefill chunks in the
+    blocks of ``query_blocks``, because the grouped product reads each kv head once."""
     B, nq, S, D = q.shape
     nkv, L = keys.shape[1], keys.shape[2]
     group = nq // nkv
     # The cache hands out views strided by its capacity; oneDNN's bfloat16 product of q with such a
-    # view, transposed, is 4-9x slower than a copy plus the product on a dense copy (16 streams x 600
-    # positions: 1.07 ms vs 0.06 + 0.12).
+    # view, transposed, is several times slower than a copy plus the product on the dense copy
+    # (docs/benchmarks.md §2.6).
     # (float32 and other devices take the strided view as it is: a copy there only costs.)
     if keys.device.type == "cpu" and keys.dtype != torch.float32:
         keys, values = keys.contiguous(), values.contiguous()
@@ -392,7 +390,7 @@ class LlamaForward:
         values) slot buffers, into which this step's keys and values are written; ``keep`` [R]:
         the tokens whose logits come back ([R, V]). Only ``cpu_attention.usable`` steps come here.
 
-        Why flat: padded to the longest feed, one request verifying 5 tokens made every row of a
+        Why flat: padded to the longest feed, one request verifying 5 tokens makes every row of a
         batch of 16 five tokens wide (80 tokens through every linear instead of 20). Here every
         linear, norm and rotary runs over exactly the tokens fed. Each tapped output is [1, T, hidden]."""
         T = ids.shape[0]

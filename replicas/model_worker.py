@@ -1,10 +1,10 @@
 """The one thread a replica runs model work on, and the health check that watches it.
 
 One thread, because forwards of concurrent sessions must queue rather than fight over the cores
-(two torch forwards on two cores made each 5-80x slower on the machines here), and because the
-event loop must stay free to accept calls and answer health checks. A replica whose forward has
-run far longer than any forward should is stuck (a wedged device, a deadlock): ``check`` raises,
-Ray Serve's health check fails, and Serve replaces the replica.
+(two torch forwards on the same cores oversubscribe OpenMP and slow each other many times over),
+and because the event loop must stay free to accept calls and answer health checks. A replica
+whose forward has run far longer than any forward should is stuck (a wedged device, a deadlock):
+``check`` raises, Ray Serve's health check fails, and Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class ModelWorker:
                  share: CoreShare | None = None):
         """``threads``: torch's thread count for model work. OpenMP thread counts are per OS
         thread, and Ray sets ``OMP_NUM_THREADS`` to an actor's ``num_cpus``: set in the replica's
-        constructor, it would not reach this thread (measured: a matmul here ran 1.7x slower),
-        so it is set here, in the thread that runs the model. ``own_stream``: on a GPU, this
+        constructor, it would not reach this thread, so it is set here, in the thread that runs
+        the model. ``own_stream``: on a GPU, this
         thread's kernels go to a CUDA stream of their own (a draft beside the target's forward,
         not queued behind it), and each call waits for them before it returns, so what it hands
         to another thread is complete. ``share``: the node's idle cores this thread may borrow

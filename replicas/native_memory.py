@@ -2,12 +2,10 @@
 
 Every batch and prompt length is a new matrix shape, and on CPU in reduced precision torch
 builds a oneDNN kernel per shape and keeps it: ideep's cache (``LRU_CACHE_CAPACITY``) and
-oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), 1024 entries each by default.
-Measured (bfloat16 SmolLM2-135M, one thread, prefills of new lengths): each new shape kept
-~2.8 MB live, 200 shapes +560 MB, so a 10-minute soak's target replicas grew 8-10% after
-warm-up; float32 kept nothing. With both caches at 64 entries the same 200 shapes kept nothing,
-and running them again (every kernel rebuilt) took 85.1 s against 86.5 s with every kernel
-cached: a kernel is cheap to build next to the forward that uses it. ``bound_kernel_caches``
+oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), 1024 entries each by default,
+so a replica's memory grows with every new prompt length (float32 keeps nothing). Both caches
+are bounded at 64 entries, because a kernel is cheap to build next to the forward that uses it
+(figures: docs/benchmarks.md §7.2). ``bound_kernel_caches``
 sets both before the first kernel is built (the variables are read once; a value already in
 the environment wins).
 

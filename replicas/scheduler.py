@@ -44,9 +44,9 @@ logger = logging.getLogger("ray.serve")
 PERPLEXITY_ROWS = 64
 # A replica with this many requests in its batch (prefilling or decoding, the scored one
 # included) scores none, and the router sees the perplexity as missing (a feature of its own):
-# the output layer over 64 rows is ~25 ms of a one-thread prefill that every running request
-# waits for (in-process, 8 chat prompts at once: 3.5% of the run), and under load the goodput
-# policy switches most speculation off whatever the router chose.
+# the output layer over 64 rows is a sizeable part of a one-thread prefill that every running
+# request waits for (docs/benchmarks.md §2.2), and under load the goodput policy switches most
+# speculation off whatever the router chose.
 PERPLEXITY_BUSY = 4
 # Tokens a grammar forces proposed in one step at most (a window's bound, ``openai_api.MAX_WINDOW``).
 MAX_FORCED = 16
@@ -365,8 +365,8 @@ class Scheduler:
         request's new tokens and hands the step's record to the policy."""
         t0 = self._clock()
         prefilled = 0
-        # The router's perplexity feature costs an output layer over PERPLEXITY_ROWS rows (~25 ms
-        # of a one-thread prefill here): a busy replica scores none.
+        # The router's perplexity feature costs an output layer over PERPLEXITY_ROWS rows in the
+        # prefill, which every running request waits for: a busy replica scores none.
         score_rows = PERPLEXITY_ROWS if self.router is not None and len(self.running) < PERPLEXITY_BUSY else 0
         for src, dst, length in plan.copies:
             self.target.copy_prefix(src, dst, length)

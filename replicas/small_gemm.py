@@ -67,7 +67,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 @functools.cache
 def pays(rows: int = 3, out_features: int = 16384, in_features: int = 1024, rounds: int = 5) -> bool:
     """Whether the kernel beats ``F.linear`` on this machine at a verify's few rows, on a weight
-    too large for the caches (as a model's are): timed once per process, ~0.1 s."""
+    too large for the caches (as a model's are): timed once per process, in a fraction of a second."""
     weight = torch.randn(out_features, in_features)
     x = torch.randn(rows, in_features)
 

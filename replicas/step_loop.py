@@ -26,8 +26,8 @@ time, then dropped (that step of its request goes plain).
 
 Tokens reach their requests on the event loop's thread, never from the model thread
 (``asyncio`` objects are not thread-safe), and after the next forward has started, so that a
-served replica's streaming overlaps the model's work (with 16 requests on one-thread replicas
-this changed throughput by nothing measurable: the point is thread safety).
+served replica's streaming overlaps the model's work (the reason is thread safety, not
+throughput).
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ class TargetConfig:
     # knows which drafts it deployed.
     default_draft: str = NO_DRAFT
     # The longest prompt + completion; the KV cache of every slot is allocated for it at start
-    # (vLLM's preallocation: memory stays flat under load; a soak measured +11% RSS in 10 minutes as
-    # the cache grew towards the longest sequence seen). None: the model's context, the cache
+    # (vLLM's preallocation: memory stays flat under load, where a cache grown on demand keeps
+    # growing towards the longest sequence seen, docs/benchmarks.md §7.2). None: the model's context, the cache
     # growing as sequences do, for the in-process tests and small runs that never fill it; on CUDA
     # the model's context capped so that ``max_batch`` slots fit in the device's memory, allocated
     # at start too, since a cache that grows on a GPU runs out of memory mid-request.
@@ -304,7 +304,7 @@ class TargetDeployment:
 
     async def _build_suffix_indexes(self) -> None:
         """Outputs join the suffix drafts' arrays in batches, built off the event loop (a build
-        is a few numpy sorts: ~0.3 s for 600k tokens here), installed on it."""
+        is a few numpy sorts, too long to hold the loop for), installed on it."""
         while True:
             await asyncio.sleep(SUFFIX_BUILD_EVERY_S)
             try:

@@ -14,9 +14,8 @@ One class serves both models:
 
 **The prior** (``prior_alpha``, α₀): the ridge pulls the fit towards α₀ instead of 0 (it regresses
 α − α₀), so a draft nothing has been observed for is predicted α₀. Pulled towards 0, a draft
-tried twice on unlucky prompts was predicted α ≈ 0.1 and LinUCB's bonus (β·width ≈ 0.3) never
-brought it back: in ``bench router`` the bandit then chose the HSR head for 36 of
-its 40 warm-up prompts and prompt lookup, the faster draft on most of them, for 2. The router's
+tried on a few unlucky prompts is predicted so low that LinUCB's bonus never brings it back, and
+the bandit keeps choosing another draft where this one is faster. The router's
 models start at ``ROUTER_PRIOR_ALPHA``; the least-squares baseline keeps the paper's α₀ = 0 (with
 its tiny ridge the prior does not matter once it has data).
 
@@ -131,7 +130,7 @@ class LinearAcceptance:
             np.linalg.cholesky(A)
         except np.linalg.LinAlgError as err:
             raise ValueError("acceptance model whose A is not positive definite") from err
-        # Weights published before the prior existed were fitted towards 0.
+        # A document without ``prior_alpha`` was fitted towards 0.
         model = cls(size, float(data["ridge"]), float(data.get("alpha_max", 0.95)), float(data.get("prior_alpha", 0.0)))
         model.A, model.b, model.observations = A, b, float(data.get("observations", 0.0))
         return model

@@ -19,12 +19,13 @@ of its in-replica drafts before it serves (``replicas/cost_probe.py``, through `
 (a separate deployment with no probe that no request has drafted with here) is priced at 0
 tokens/s by ``best``, so prediction alone never chooses it. Exploration may try it, priced at
 ``stand_in_ms``: the dearest known draft's cost, pessimistic, so that the exploration bonus must
-pay for the worst cost seen (priced at 0 ms instead, an unknown draft won every first decision);
+pay for the worst cost seen (priced at 0 ms, an unknown draft would win every first decision);
 the steps it drafts then measure its own.
 
 Why a line per load bucket (``policies/load_lines.py``): one line through every batch size (and
-the start-up probe's batch-1 points) priced speculation at 16 at once at the batch-1 slope:
-served, the default then drafted at τ 1.42 and ran at 0.95x target-only.
+the start-up probe's batch-1 points) prices a busy step's speculation at the batch-1 slope, too
+cheap, so the router keeps choosing drafts where plain decoding is faster (docs/benchmarks.md
+§2.2).
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 - **answers**: the target's own greedy answers to held-out prompts, with its hidden states;
 - **transcripts**: held-out ShareGPT conversations as written, read by the target in one
-  teacher-forced pass (``<dir>/transcripts``). A pass costs a twentieth of generating the same
+  teacher-forced pass (``<dir>/transcripts``). A pass costs far less than generating the same
   number of tokens, so this part is where the bulk of the data comes from: a draft trained on the
-  answers alone (140k answer tokens) learns them by heart and stops generalising (train KL 0.8,
-  held-out acceptance 0.3). EAGLE trains on such fixed ShareGPT text for the same reason.
+  answers alone (140k answer tokens) learns them by heart and stops generalising. EAGLE trains on
+  such fixed ShareGPT text for the same reason.
 
 Why the target's answers and not the dataset's: a draft is judged on how often it agrees with
 what the target writes, and a 135M model writes quite differently from ShareGPT's GPT-3.5
@@ -49,7 +49,7 @@ MAX_NEW_TOKENS = 128
 GENERATE_BATCH = 16
 # Transcripts: the first TRANSCRIPT_TOKENS tokens (= the training row length) of each conversation
 # long enough to fill them, so a batch needs no padding. 9,000 of them are 2.3M tokens (16 times
-# the answers' 140k answer tokens), about 40 minutes of the target on 2 cores.
+# the answers' 140k answer tokens), read in one teacher-forced pass, far cheaper than generating them.
 TRANSCRIPTS = 9000
 TRANSCRIPT_TOKENS = 256
 # Every VALIDATION_EVERY-th answer is held out of training to pick the best checkpoint by.

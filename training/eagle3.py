@@ -10,35 +10,29 @@ states) plus ``ce_weight`` times the cross-entropy on the answer's next token. T
 the standalone draft LM from the cache too (its tokens, and the final states as the teacher:
 ``distill.standalone_loss``), on the CPU or, holding the whole cache in its memory, a GPU.
 
-Choices for the reference target (30 layers, H = 576), and why (measured on the committed
-answers, the target in bfloat16 reading a 64-token window of the prompt):
+Choices for the reference target (30 layers, H = 576), and why (figures, measured on the committed
+answers: docs/benchmarks.md):
 
 - layers ``[2, 15, -2]`` (indices into transformers' ``hidden_states``: the outputs of decoder
-  layers 1, 14 and 28). EAGLE-3 takes ``[2, L/2, L-3]``. A ridge map from layer 28's state (24
-  answers, 5,278 answer positions, per-dimension R² on a held-out third) recovers 43% of the
-  variance of the lowest layers' states (hidden_states 1 to 4 alike), 50% of the middle one's
-  (15), 65% of 21's and 90% of L-3's (27): the low and middle states carry what the top one has
-  lost, and L-3 adds little to -2. -2 it is, because it is the input of the target's last layer, which
-  the head's layer starts as a copy of: the fusion starts as ``[0 | 0 | I]``, exactly the
-  single-layer head's input. (Read through the output layer, hidden_states 2, 15 and -2 agree
-  with the next answer token 3.1%, 9.1% and 58.8% of the time, the final state 91.2%.)
+  layers 1, 14 and 28). EAGLE-3 takes ``[2, L/2, L-3]``. The low and middle states carry what the
+  top one has lost (a linear map from layer 28's state recovers little of them), while L-3 adds
+  little to -2. -2 it is, because it is the input of the target's last layer, which the head's
+  layer starts as a copy of: the fusion starts as ``[0 | 0 | I]``, exactly the single-layer head's
+  input.
 - 6 unrolled steps: the shipped windows are 4 by default and 1-8 under the window policies, and
   a step the head never trained on drifts (what the unrolling is for); positions past 6 are
   rarely reached (acceptance compounds). EAGLE-3 unrolls 7. Each step adds a sixth of a
   training step's cost.
-- a 16,384-token head: the most frequent answer tokens of the training answers cover, of the
-  held-out answers' tokens (3,328 answers, 34.5k held-out answer tokens), 92.0% at 8,192, 96.3%
-  at 16,384 and 99.1% at 32,768 (ranked by answer counts, then prompt counts, then lowest id).
-  The head is most of a drafting step's cost: per drafted token 1.4x the shipped 8k
-  single-layer head's at 16k, 2.2x at 32k (bfloat16, one thread), and most of a training
-  step's; 2.8 points of coverage do not pay for that on a CPU.
+- a 16,384-token head: the most frequent answer tokens of the training answers (ranked by answer
+  counts, then prompt counts, then lowest id), because the head's rows are most of a drafting
+  step's cost and of a training step's, and a wider head buys only a few points of coverage of
+  held-out answer tokens on a CPU.
 - the head's rows start as the target's output rows and stay frozen, as in the other recipes
-  (not stored in the export; training them was not measured here);
-- ``ce_weight`` 0.2: with 64 prompt tokens the target's argmax is its own answer token at 90.6%
-  of answer positions when the prompt is long (over 400 tokens; 96.0% with 256 prompt tokens,
-  99.2% with the whole prompt), so the KL's teacher is off where a long prompt matters, while
-  the answer token is what greedy verification checks. The CE pulls toward it at a fifth of the
-  weight, so the KL (the whole distribution, which sampled drafting needs) still leads.
+  (not stored in the export);
+- ``ce_weight`` 0.2: the cached teacher read only a window of a long prompt, so it is off where a
+  long prompt matters, while the answer token is what greedy verification checks. The CE
+  pulls toward it at a fifth of the weight, so the KL (the whole distribution, which sampled
+  drafting needs) still leads.
 
 Deviations from EAGLE-3 beyond the head's (``hsr_head``): data is the target's own greedy
 answers, not ShareGPT and UltraChat regenerated at temperature; the loss adds the KL to the

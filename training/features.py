@@ -12,12 +12,10 @@ would triple the pass and the cache for positions that are never scored (only an
 are). So the states and the teacher are those of the target reading a shortened prompt, which
 for long prompts differ from what the served target hands the head; the answer tokens
 themselves are the target's greedy choices given the whole prompt, which is why the recipe adds
-a cross-entropy on them to the KL (``training/hsr_train.py``). Measured on answers whose prompt
-is over 400 tokens, the target's argmax is its own answer token at 90.6% of answer positions
-with 64 prompt tokens, 96.0% with 256, 99.2% with all of them; keeping the system prompt's
-first tokens too (an attention sink) changes nothing (90.3%). 68% of the prompts are longer than
-64 tokens, 36% longer than 256: the cache reads 256 (``CONTEXT``), 1.34x the size of a 64-token
-window's (~9 GB for every answer).
+a cross-entropy on them to the KL (``training/hsr_train.py``). The cache reads 256 prompt tokens
+(``CONTEXT``): the whole prompt of most answers, and on a long prompt a teacher that agrees with
+the answer tokens far more often than a shorter window's, for a cache not much larger (figures:
+docs/benchmarks.md).
 
 Layout (``<dir>``, default ``<model cache>/../zoo/features``):
 - ``shard-NNNNN/`` per answers chunk ``answers-NNNNN.npz``, renamed into place whole (an
@@ -32,7 +30,7 @@ Layout (``<dir>``, default ``<model cache>/../zoo/features``):
   features.
 
 Size: (n + 1)·H·2 bytes a position, 4.6 kB for three layers of the reference target; the answers'
-~5.3k sequences of ≤ 256 + 256 tokens are ~2M positions, ~9 GB (~1.46M and ~6.7 GB with 64).
+~5.3k sequences of ≤ 256 + 256 tokens are ~2M positions, ~9 GB.
 """
 
 from __future__ import annotations
@@ -53,8 +51,8 @@ from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, mod
 from specserve.training.answers import ANSWERS_DIR
 from specserve.training.distill import seeded_batches
 
-# Prompt tokens read before each answer: the whole prompt of two in three answers, and with it
-# the target agrees with its own answer token at 96% of positions after long prompts (90.6% at 64).
+# Prompt tokens read before each answer: the whole prompt of most answers, and enough of a long one
+# that the cached teacher mostly agrees with the answer tokens (the module's docstring says why).
 CONTEXT = 256
 # EAGLE-3's low, middle and high states for the 30-layer reference target (indices into
 # transformers' ``hidden_states``; see ``training/eagle3.py`` for the choice).

@@ -86,17 +86,17 @@ class Recipe:
 
 RECIPES = {
     r.name: r for r in (
-        # The shipped weights: 7,248 steps of 32 answers on one GPU (6 min), the best validation at
-        # step 3,624 (~23 passes over the ~5k training answers; past it the validation KL rises).
+        # The shipped weights are the checkpoint with the best validation KL, halfway through
+        # ``steps``: past it the validation KL rises (training record: docs/benchmarks.md §6.0c).
         Recipe("smollm2-draft-2l", "standalone", "standalone draft LM: the target's first 2 layers, retrained, "
                "8k-token head, frozen target embeddings, on the feature cache's tokens and teacher", head_tokens=8192,
                layers=2, batch=32, steps=7248, data="features"),
         Recipe("smollm2-hsr", "hsr", "hidden-state-reuse head: FC(e_t + h_t-1) into one decoder layer "
                "(from the target's last), 8k-token head, 2 unrolled steps", head_tokens=8192, unroll=2, lr=2e-3,
                steps=1500),
-        # Choices and measurements: training/eagle3.py. The shipped weights: 2,287 steps of 32
-        # answers, ~14.6 passes over the ~5k training answers, in 5 min on one GPU (a step of 8
-        # took ~6 s on 2 CPU cores: on a CPU, expect ~15 h); still improving at the end.
+        # Choices: training/eagle3.py. The shipped weights are the last checkpoint, still improving
+        # at the end; train it on a GPU, where the whole feature cache fits in memory and a step is
+        # far faster than on a CPU (training record: docs/benchmarks.md §6.0c).
         Recipe("smollm2-eagle3", "hsr", "EAGLE-3 head: the target's hidden states 2, 15 and -2 fused, FC(e_t + h_t-1) "
                "into one decoder layer (from the target's last), 16k-token head, 6 unrolled steps, KL + 0.2 CE, on "
                "the feature cache of the committed answers", head_tokens=16384, unroll=6, seq_len=320, batch=32,
@@ -157,8 +157,8 @@ def train(name: str, steps: int | None = None, work: Path | None = None, corpus:
     head_file = work / "head_token_ids.json"
     if head_file.exists():
         head = json.loads(head_file.read_text())
-    else:   # the corpus's most frequent tokens, EOS always (over everything, answers and transcripts,
-        # the head covers 95.8% of held-out answer tokens; over the answers alone, 94.9%)
+    else:   # the corpus's most frequent tokens, EOS always, counted over answers and transcripts
+        # (they cover held-out answer tokens better than the answers alone: docs/benchmarks.md §6.3)
         head = most_frequent_tokens((s.tokens.tolist() for s in sequences), spec.head_tokens,
                                     always=sorted(loaded.eos_token_ids))
         head_file.write_text(json.dumps(head))

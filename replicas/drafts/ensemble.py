@@ -35,8 +35,8 @@ request's by default, the paper's choice); before any, the replica's prior (belo
   target — the deviation from the paper, which reads p;
 - ``matches`` (the default): minus the hard matches, the candidate mix's argmax equal to the
   verified token. With only the verified token as the label, KL and TVD reward whichever view put
-  more mass on it and, when the views are close, settle on one of them; matches keep the mix
-  (measured on held-out later turns: α 0.415 with matches, 0.398 with KL, the full view alone's).
+  more mass on it and, when the views are close, settle on one of them; matches keep the mix,
+  which accepts more on held-out later turns (figures: docs/benchmarks.md §6.0d).
 
 Only positions the draft predicted from a correct prefix score: those up to and including a
 block's first rejected token. ``static`` weights keep the equal mix (the paper's MT).

@@ -1,9 +1,9 @@
 """The HSR head's drafting step in fewer, larger operations (what ``llama_forward`` does for the target).
 
-Why: drafting one token is one decoder layer and a 8,192-row head, ~8M weights, yet on this CPU
-the module path cost 2.1 ms a token (bfloat16, 2 threads: ~40 small operations, each paying
-dispatch, and ``F.linear``'s bfloat16 path), a sixth of a verify step, which made the head lose
-to prompt lookup on every prompt. Here, measured the same way: 0.85 ms.
+Why: drafting one token is one decoder layer and a 8,192-row head, ~8M weights, yet the module
+path runs ~40 small operations, each paying dispatch, and ``F.linear``'s bfloat16 path, whose
+cost dominates a one-token step; fewer, larger operations make the head cheap enough to compete
+with prompt lookup (figures: docs/benchmarks.md §6.1).
 
 - the projections are oneDNN-packed ``llama_forward.Linear``s, q/k/v stacked into one and gate/up
   into another;

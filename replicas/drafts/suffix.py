@@ -20,7 +20,7 @@ thread → ``install``); ``refresh`` does all three in place. Deviation from the
 tree is updated per output and evicts per request; here outputs join in batches, which is what
 sharing them across replicas does anyway.
 
-Memory: a request's trie costs ~3 KB a context token at depth 24 (Python objects), so only the
+Memory: a request's trie costs kilobytes a context token (Python objects), so only the
 latest ``requests`` tries are kept (more than a replica runs at once); the cluster's arrays cost
 12 bytes a token, ``remembered_tokens`` per tenant for at most ``salts`` tenants, and the seed.
 

@@ -1,7 +1,7 @@
 """A suffix array over token sequences: the compact form of the cluster's index of earlier outputs.
 
-The per-request trie (``suffix_index.SuffixIndex``) costs ~3 KB a token at depth 24 in Python
-(12 nodes a token on chat answers), fine for one request's context and far too much for the
+The per-request trie (``suffix_index.SuffixIndex``) costs kilobytes a token in Python objects
+(several nodes a token at depth 24), fine for one request's context and far too much for the
 millions of tokens a cluster produces. This array answers the same questions from 8 bytes a
 token (the tokens, int32, and their sorted positions, int32), built with numpy.
 
@@ -61,8 +61,8 @@ _SIGNATURES = {
 
 
 def _kernel():
-    """``kernels/suffix_array.c``: a search per call instead of numpy calls per token (~10x less
-    time a speculation); None without a C compiler, and numpy does it."""
+    """``kernels/suffix_array.c``: a search per call instead of numpy calls per token, whose
+    dispatch dominates a speculation's search; None without a C compiler, and numpy does it."""
     kernel = native_kernels.load("suffix_array", _SIGNATURES, "the suffix index searches with numpy")
     if kernel is not None:
         kernel.sa_children.restype = ctypes.c_int64
