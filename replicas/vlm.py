@@ -47,6 +47,9 @@ from specserve.replicas.model_store import (LoadedModel, default_device, load_ca
 
 IMAGE_PLACEHOLDER = "<empty_output>"
 REFERENCE_VLM = "smollm2-vlm"
+# The reference VLM taught clips as well (``zoo vlm --clips``): a target of its own, so that the
+# drafts trained on ``REFERENCE_VLM``'s answers stay matched to it.
+REFERENCE_VIDEO_VLM = "smollm2-vlm-video"
 # Qwen2-VL reads a picture at its own resolution; here every picture is resized to this square
 # (pixels a side, within the processor's bounds: ``picture_side``), 256 image tokens at 14 px
 # patches merged 2 x 2, so that a picture's image tokens are a fixed grid like every other class's.

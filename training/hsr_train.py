@@ -46,11 +46,14 @@ def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x[..., :by, :]), x[..., :-by, :]], dim=-2)
 
 
-def unrolled_outputs(head: HSRHead, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def unrolled_outputs(head: HSRHead, tokens: torch.Tensor, features: torch.Tensor, steps: int,
+                     anchor: torch.Tensor | None = None, image: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The head's outputs for positions 1..T-1, one tensor [B, T-1, H] per unrolled step.
 
     tokens [B, T]; features [B, T, n·H]: the target's states (row p = position p), its layers side
-    by side for a head that fuses several."""
+    by side for a head that fuses several. With Sparrow's visual anchor (IVSB, Eq. 3-4), the
+    positions ``image`` [B, T] take ``anchor`` [B, T, H] as their input at every step in place of
+    ``FC(e ⊕ h)``."""
     t = tokens.shape[1] - 1
     device = tokens.device
     positions = torch.arange(1, t + 1, device=device)
@@ -63,6 +66,8 @@ def unrolled_outputs(head: HSRHead, tokens: torch.Tensor, features: torch.Tensor
     prev = head.fused(features[:, :-1])   # [B, T-1, H]
     for j in range(1, steps + 1):
         z = head.inputs(tokens[:, 1:], prev)
+        if anchor is not None:
+            z = torch.where(image[:, 1:, None], anchor[:, 1:].to(z.dtype), z)
         q, k, v = layer.self_attn.qkv(layer.input_layernorm(z), cos, sin)
         keys.append(k)
         values.append(v)
@@ -151,7 +156,8 @@ def hsr_loss(head: HSRHead, head_weight: torch.Tensor, steps: int, autocast_bf16
         where, weights, p, teacher_logp, target = _scored(head, batch, head_weight)
         teacher = Teacher(teacher_logp)
         with torch.autocast(batch["tokens"].device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            outputs = unrolled_outputs(head, batch["tokens"], batch["features"], steps)
+            outputs = unrolled_outputs(head, batch["tokens"], batch["features"], steps, batch.get("anchor"),
+                                       batch.get("image"))
             total = 0.0
             for j, out in enumerate(outputs, start=1):
                 logits = head.head_logits(out[where])
@@ -175,10 +181,11 @@ def hsr_metrics(head: HSRHead, head_weight: torch.Tensor, steps: int, batches, a
         where, weights, p, teacher, target = _scored(head, batch, head_weight)
         teacher_best = teacher.argmax(-1)
         with torch.autocast(batch["tokens"].device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            outputs = unrolled_outputs(head, batch["tokens"], batch["features"], steps)
+            outputs = unrolled_outputs(head, batch["tokens"], batch["features"], steps, batch.get("anchor"),
+                                       batch.get("image"))
         for j, out in enumerate(outputs):
             w = weights * (p >= j + 1)
-            logits = head.head_logits(out[where]).float()
+            logits = head.head_logits(out[where].float()).float()   # the float32 head, as the module path promotes
             best = logits.argmax(-1)
             kl[j] += float(distill_loss(logits, teacher, w)) * float(w.sum())
             hits[j] += float((w * (best == target)).sum())

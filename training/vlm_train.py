@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from specserve.data.synthetic_clips import CLIP_CATEGORIES, clip_example
 from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example, normalise_answer
 from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir, targets_dir
 from specserve.replicas.vlm import (CHAT_TEMPLATE, REFERENCE_VLM, build_processor, build_vlm, expand_image_tokens,
@@ -63,15 +64,21 @@ class VLMRecipe:
 RECIPE = VLMRecipe()
 FINE_TUNE = VLMRecipe(steps=400, batch=16, lr=1.5e-4, warmup_steps=20, eval_every=100, eval_per_category=16,
                       categories=(*CATEGORIES, "word", "dots", "digits"))
+# The video stage: clips (``data/synthetic_clips.py``, four frames a row) beside every picture
+# question, so that the picture skills are kept while the clips are learned.
+CLIPS = VLMRecipe(steps=240, batch=8, lr=1.5e-4, warmup_steps=20, eval_every=60, eval_per_category=16,
+                  categories=(*CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES))
 # Greedy tokens an answer may take when scored: a description runs to ~45.
-ANSWER_TOKENS = {"caption": 20, "describe": 64}
+ANSWER_TOKENS = {"caption": 20, "describe": 64, "sequence": 24}
 # What learns (and what a checkpoint and an export hold): the tower and the projector.
 LEARNED = ("model.vision_tower.", "model.multi_modal_projector.")
 
 
-def prompt_ids(tokenizer, config, question: str) -> list[int]:
-    """The chat prompt of one picture and a question, its placeholder expanded to the image tokens."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+def prompt_ids(tokenizer, config, question: str, pictures: int = 1) -> list[int]:
+    """The chat prompt of ``pictures`` pictures (a clip's frames) and a question, the placeholders
+    expanded to the image tokens."""
+    messages = [{"role": "user", "content": [*({"type": "image"} for _ in range(pictures)),
+                                             {"type": "text", "text": question}]}]
     text = tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
                                          add_generation_prompt=True)
     return expand_image_tokens(tokenizer(text, add_special_tokens=False)["input_ids"], config)
@@ -87,10 +94,13 @@ class PictureStream(IterableDataset):
         self.end_ids = tokenizer("<|im_end|>", add_special_tokens=False)["input_ids"]
 
     def row(self, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
-        ex = example(seed, self.categories[seed % len(self.categories)])
-        prompt = prompt_ids(self.tokenizer, self.config, ex.question)
+        """A row's ids, labels and its pictures' pixels [pictures, 3, h, w] (a clip: its frames)."""
+        category = self.categories[seed % len(self.categories)]
+        ex = clip_example(seed, category) if category in CLIP_CATEGORIES else example(seed, category)
+        pictures = list(ex.frames) if category in CLIP_CATEGORIES else [ex.image]
+        prompt = prompt_ids(self.tokenizer, self.config, ex.question, len(pictures))
         answer = self.tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + self.end_ids
-        pixels = self.processor(ex.image, return_tensors="pt")["pixel_values"][0]
+        pixels = self.processor(pictures, return_tensors="pt")["pixel_values"]
         return prompt + answer, [-100] * len(prompt) + answer, pixels
 
     def __iter__(self):
@@ -110,30 +120,37 @@ def collate(rows, pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :len(row_ids)] = torch.tensor(row_ids)
         labels[i, :len(row_labels)] = torch.tensor(row_labels)
         mask[i, :len(row_ids)] = 1
+    # LLaVA fills the image tokens of the batch, row after row, from the pictures in this order.
     return {"input_ids": ids, "labels": labels, "attention_mask": mask,
-            "pixel_values": torch.stack([p for _, _, p in rows])}
+            "pixel_values": torch.cat([p for _, _, p in rows])}
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, batch: int = 50) -> dict[str, float]:
-    """Exact-match accuracy per category (and ``mix``) on held-out pictures, greedy."""
+def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, batch: int = 50,
+             categories: tuple[str, ...] = CATEGORIES) -> dict[str, float]:
+    """Exact-match accuracy per category (and ``mix``) on held-out pictures or clips, greedy."""
     config, processor = model.config, image_processor(model.config)
     device = next(model.parameters()).device
     accuracy = {}
-    for c, category in enumerate(CATEGORIES):
-        examples = [example(first_seed + c * 100_000 + i, category) for i in range(per_category)]
+    for category in categories:
+        c = (CATEGORIES + CLIP_CATEGORIES).index(category)
+        clips = category in CLIP_CATEGORIES
+        examples = [(clip_example if clips else example)(first_seed + c * 100_000 + i, category)
+                    for i in range(per_category)]
         right = 0
         for at in range(0, len(examples), batch):
             chunk = examples[at:at + batch]
-            ids = torch.tensor([prompt_ids(tokenizer, config, e.question) for e in chunk], device=device)
-            pixels = processor([e.image for e in chunk], return_tensors="pt")["pixel_values"].to(device, model.dtype)
+            pictures = [list(e.frames) if clips else [e.image] for e in chunk]
+            ids = torch.tensor([prompt_ids(tokenizer, config, e.question, len(p)) for e, p in zip(chunk, pictures)],
+                               device=device)
+            pixels = processor([p for ps in pictures for p in ps], return_tensors="pt")["pixel_values"].to(device, model.dtype)
             out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=ANSWER_TOKENS.get(category, 8), do_sample=False, pad_token_id=tokenizer.pad_token_id)
             for e, row in zip(chunk, out[:, ids.shape[1]:]):
                 said = tokenizer.decode(row, skip_special_tokens=True)
                 right += normalise_answer(said) == normalise_answer(e.answer)
         accuracy[category] = right / len(examples)
-    accuracy["mix"] = sum(accuracy.values()) / len(CATEGORIES)
+    accuracy["mix"] = sum(accuracy.values()) / len(categories)
     return accuracy
 
 
@@ -226,7 +243,8 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
         if (step + 1) % recipe.eval_every == 0 or done:
             model.eval()
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                entry["accuracy"] = evaluate(model, tokenizer, recipe.eval_per_category)
+                asked = tuple(c for c in (*CATEGORIES, *CLIP_CATEGORIES) if c in recipe.categories)
+                entry["accuracy"] = evaluate(model, tokenizer, recipe.eval_per_category, categories=asked)
             model.train()
             bar.write(f"step {step + 1}: loss {entry['loss']:.3f}, accuracy "
                       + ", ".join(f"{k} {v:.2f}" for k, v in entry["accuracy"].items()))
@@ -276,12 +294,14 @@ def write_card(out: Path, per_category: int = 50, dtype: str = "bfloat16") -> Pa
 
     out = Path(out)
     vlm = load_vlm(str(out), dtype=dtype, device="cpu")
+    log = stages(json.loads((out / "training_log.json").read_text()))
+    clips = any(c in CLIP_CATEGORIES for stage in log for c in stage["recipe"].get("categories", ()))
+    asked = CATEGORIES + CLIP_CATEGORIES if clips else CATEGORIES
     began = time.perf_counter()
-    accuracy = evaluate(vlm.model, vlm.tokenizer.tokenizer, per_category)
+    accuracy = evaluate(vlm.model, vlm.tokenizer.tokenizer, per_category, categories=asked)
     seconds = time.perf_counter() - began
-    tables = "\n\n".join(_stage_text(i, stage) for i, stage in enumerate(stages(
-        json.loads((out / "training_log.json").read_text()))))
-    card = f"""# {REFERENCE_VLM}
+    tables = "\n\n".join(_stage_text(i, stage) for i, stage in enumerate(log))
+    card = f"""# {out.name}
 
 The reference vision-language model: the reference target ({REFERENCE_TARGET}, frozen: its weights
 load from the target at start) reading 64 image tokens per 96x96 picture from a SigLIP vision
@@ -291,14 +311,14 @@ here; only they are stored (bfloat16, {(out / 'model.safetensors').stat().st_siz
 The image placeholder is the target's unused special token `<empty_output>`.
 
 - **Data**: synthetic pictures drawn with Pillow, one fresh picture per row
-  (`specserve.data.synthetic_images`): {', '.join(CATEGORIES)}; a question per category, one right answer;
+  (`specserve.data.synthetic_images`): {', '.join(CATEGORIES)}{"; and clips of four frames shown as consecutive pictures (`specserve.data.synthetic_clips`): " + ', '.join(CLIP_CATEGORIES) if clips else ""}; a question per category, one right answer;
   cross-entropy on the answer tokens, bfloat16 autocast.
 - **Accuracy** (exact match after normalising, greedy, held-out pictures from seed 10^9), by training stage:
 
 {tables}
 
   Exported weights in {dtype} on this machine ({_cpu_name()}, {per_category} pictures a
-  category, {seconds:.0f} s): """ + ", ".join(f"{c} {accuracy[c]:.2f}" for c in (*CATEGORIES, "mix")) + """.
+  category, {seconds:.0f} s): """ + ", ".join(f"{c} {accuracy[c]:.2f}" for c in (*asked, "mix")) + """.
 """
     path = out / "README.md"
     path.write_text(card)
@@ -309,15 +329,16 @@ def _stage_text(index: int, stage: dict) -> str:
     recipe, evals = stage["recipe"], stage["accuracy"]
     minutes = evals[-1]["seconds"] / 60 if evals else 0.0
     stopped = "; stopped at its time limit" if stage["steps"] < recipe["steps"] else ""
+    clips = any(c in CLIP_CATEGORIES for c in recipe.get("categories", ()))
     command = ("specserve zoo vlm --device cuda --workers 15" if index == 0
-               else "specserve zoo vlm --fine-tune")
+               else "specserve zoo vlm --clips" if clips else "specserve zoo vlm --fine-tune")
     where = "one GPU" if stage["device"] == "cuda" else "this project's 2-core CPU"
     categories = list(recipe.get("categories", CATEGORIES[:6]))
-    asked = sorted(set(categories), key=list(CATEGORIES).index)
+    asked = sorted(set(categories), key=list(CATEGORIES + CLIP_CATEGORIES).index)
     weighed = [c for c in asked if categories.count(c) > min(categories.count(a) for a in asked)]
     loss = ("each row's answer tokens averaged, then the rows" if recipe.get("loss") == "row-mean"
             else "averaged over the batch's answer tokens")
-    names = [c for c in CATEGORIES if evals and c in evals[-1]["accuracy"]]
+    names = [c for c in CATEGORIES + CLIP_CATEGORIES if evals and c in evals[-1]["accuracy"]]
     header = "| step | minutes | loss | " + " | ".join(names) + " | mix |"
     rule = "| --- " * (len(names) + 4) + "|"
     rows = [f"| {e['step']} | {e['seconds'] / 60:.1f} | {e['loss']:.3f} | "

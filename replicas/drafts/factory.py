@@ -11,5 +11,8 @@ from specserve.replicas.drafts.hsr_head import HSRHead
 
 def draft_from_model(name: str, model, windowed: bool = False) -> Draft:
     """A hidden-state-reuse head reads the target's states (``windowed``: Sparrow's text-anchored
-    attention on VLM requests, ``HSRDraft``); any other causal LM drafts from tokens alone."""
-    return HSRDraft(name, model, windowed) if isinstance(model, HSRHead) else DraftLM(name, model)
+    attention on VLM requests, ``HSRDraft``; always for a head trained with IVSB, whose picture
+    positions read states the target does not send); any other causal LM drafts from tokens alone."""
+    if not isinstance(model, HSRHead):
+        return DraftLM(name, model)
+    return HSRDraft(name, model, windowed or getattr(model.config, "visual_anchor_layer", None) is not None)

@@ -34,28 +34,34 @@ def test_the_table_names_every_row_and_the_verdict():
     assert all(view in table for view in ROWS) and "not met" in table
 
 
-def test_sparrows_aims_are_a_flat_cost_and_alpha_within_005():
+def frame_row(attention, frames, ms=2.0, decode_speedup=1.2, tau=1.5):
+    return {"draft_attention": attention, "frames": frames, "tokens_per_s": 20.0, "decode_tokens_per_s": 30.0,
+            "speedup": 1.1, "decode_speedup": decode_speedup, "draft_ms_per_token": ms, "acceptance_rate": 0.4,
+            "mean_accepted_len": tau}
+
+
+def test_sparrows_aims_are_a_kept_speedup_a_flat_cost_and_ivsb_raising_tau():
     from specserve.bench.multimodal import frame_aims
 
-    def row(attention, frames, ms, alpha):
-        return {"draft_attention": attention, "frames": frames, "draft_ms_per_token": ms, "acceptance_rate": alpha,
-                "mean_accepted_len": 1.5}
-
-    flat = [row("full", 1, 2.0, 0.50), row("windowed", 1, 2.0, 0.48), row("full", 16, 6.0, 0.50),
-            row("windowed", 16, 2.4, 0.47)]
+    flat = [frame_row("target-only", 1, 0.0, 1.0, 1.0), frame_row("target-only", 64, 0.0, 1.0, 1.0),
+            frame_row("full", 1, 2.0, 1.2), frame_row("full", 64, 6.0, 0.8),
+            frame_row("windowed", 1, 2.0, 1.2), frame_row("windowed", 64, 2.4, 1.18),
+            frame_row("windowed+ivsb", 1, 2.0, 1.3, 1.7), frame_row("windowed+ivsb", 64, 2.4, 1.3, 1.6)]
     aims = frame_aims(flat)
-    assert aims["windowed_cost_growth"] == 1.2 and aims["alpha_gap"] == {1: -0.02, 16: -0.03} and aims["met"]
-    assert not frame_aims([*flat[:3], row("windowed", 16, 2.8, 0.47)])["met"]   # 1.4x
-    assert not frame_aims([*flat[:3], row("windowed", 16, 2.0, 0.40)])["met"]   # α 0.10 below
+    assert aims["windowed_cost_growth"] == 1.2 and aims["full_speedup_kept"] == 0.667
+    assert aims["ivsb_tau_gain_at_fewest"] == 0.2 and aims["met"]
+    assert not frame_aims([*flat[:5], frame_row("windowed", 64, 2.4, 1.0), *flat[6:]])["met"]   # speedup fell
+    assert not frame_aims([*flat[:5], frame_row("windowed", 64, 2.8, 1.2), *flat[6:]])["met"]   # cost 1.4x
+    assert not frame_aims([*flat[:6], frame_row("windowed+ivsb", 1, 2.0, 1.3, 1.4), flat[7]])["met"]   # τ lower
+    assert "ivsb_tau_gain_at_fewest" not in frame_aims(flat[:6])
     assert frame_aims([]) == {}
 
 
 def test_the_plot_shows_the_views_and_sparrows_cost(tmp_path):
     from specserve.bench.multimodal import plot
 
-    frames = [{"draft_attention": a, "frames": f, "draft_ms_per_token": ms, "acceptance_rate": 0.5,
-               "mean_accepted_len": 1.5} for a, f, ms in (("full", 1, 2.0), ("full", 16, 6.0), ("windowed", 1, 2.0),
-                                                          ("windowed", 16, 2.2))]
+    frames = [frame_row(a, f, ms) for a, f, ms in (("target-only", 1, 0.0), ("target-only", 16, 0.0), ("full", 1, 2.0),
+                                                   ("full", 16, 6.0), ("windowed", 1, 2.0), ("windowed", 16, 2.2))]
     result = {"rows": rows({"bars": 11.0, "mix": 11.0}), "frames": frames, "machine": {"cpu_model": "cpu"},
               "date": "2026-11-27"}
     for name, data in (("views.png", {**result, "frames": []}), ("both.png", result)):

@@ -19,10 +19,25 @@ def test_a_row_labels_only_the_answer_and_its_end():
     assert ids.count(config.image_token_index) == tokens_per_image(config)
     answer = [t for t in labels if t != -100]
     assert ids[-len(answer):] == answer and answer[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert pixels.shape == (3, 96, 96)
+    assert pixels.shape == (1, 3, 96, 96)
     batch = collate([stream.row(3), stream.row(4)], tokenizer.pad_token_id)
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
     assert batch["pixel_values"].shape == (2, 3, 96, 96)
+
+
+def test_a_clip_row_shows_its_frames_as_consecutive_pictures():
+    from specserve.data.synthetic_clips import CLIP_FRAMES, clip_example
+
+    tokenizer, text_config = load_tokenizer_and_config()
+    config = reference_vlm_config(text_config)
+    stream = PictureStream(tokenizer, config, start=0, categories=("shape", "moves"))
+    ids, labels, pixels = stream.row(1)
+    assert ids.count(config.image_token_index) == CLIP_FRAMES * tokens_per_image(config)
+    assert pixels.shape == (CLIP_FRAMES, 3, 96, 96)
+    answer = tokenizer.decode([t for t in labels if t != -100], skip_special_tokens=True)
+    assert answer == clip_example(1, "moves").answer
+    batch = collate([stream.row(0), stream.row(1)], tokenizer.pad_token_id)   # a picture, then a clip
+    assert batch["pixel_values"].shape == (1 + CLIP_FRAMES, 3, 96, 96)
 
 
 def test_a_step_trains_the_export_loads_back_and_a_second_stage_starts_from_it(tmp_path):

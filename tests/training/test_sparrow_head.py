@@ -1,0 +1,110 @@
+"""Sparrow's head for the reference VLM: IVSB feeds a picture's positions the anchor at every
+unrolled step; the states are the VLM's own at its second-to-last and middle layers; training
+lowers the held-out KL, and the export drafts the VLM's answers through the text-anchored window
+with the output unchanged."""
+
+import json
+
+import pytest
+import torch
+
+from specserve.data.synthetic_images import TEST_SEED, example
+from specserve.replicas.drafts.factory import draft_from_model
+from specserve.replicas.drafts.hsr_head import HSRConfig, build_hsr_head
+from specserve.replicas.engine import GenerateRequest, SpecEngine
+from specserve.training import sparrow_head, vlm_draft
+from specserve.training.hsr_train import unrolled_outputs
+from tiny_models import tiny_model
+
+PICTURES = 8   # one per category
+
+
+def test_ivsb_feeds_a_pictures_positions_the_anchor_at_every_unrolled_step():
+    target = tiny_model("llama", seed=0, layers=3)
+    head = build_hsr_head(target, list(range(target.config.vocab_size)))
+    tokens = torch.tensor([[3, 4, 9, 9, 9, 9, 5, 6, 7, 8]])
+    image = tokens == 9
+    hidden = head.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(1, tokens.shape[1], hidden, generator=generator)
+    anchor = torch.randn(1, tokens.shape[1], hidden, generator=generator)
+    # The states that would feed the picture's positions (row p feeds position p + 1) are replaced.
+    moved = features.clone()
+    moved[0, 1:5] += 1.0
+    with torch.no_grad():
+        bridged = [unrolled_outputs(head, tokens, f, 3, anchor, image) for f in (features, moved)]
+        plain = [unrolled_outputs(head, tokens, f, 3) for f in (features, moved)]
+        other = unrolled_outputs(head, tokens, features, 3, anchor + 1.0, image)
+    for step in range(3):
+        assert torch.equal(bridged[0][step], bridged[1][step])
+        assert not torch.allclose(plain[0][step], plain[1][step])
+        # Text positions after the picture attend to the anchor's keys.
+        assert not torch.allclose(other[step][0, 5:], bridged[0][step][0, 5:])
+
+
+def test_a_head_trained_with_ivsb_drafts_with_the_window():
+    target = tiny_model("llama", seed=0, layers=3)
+    head = build_hsr_head(target, list(range(target.config.vocab_size)))
+    assert not draft_from_model("plain", head).windowed
+    assert draft_from_model("plain", head, windowed=True).windowed
+    head.config.visual_anchor_layer = 2
+    assert draft_from_model("sparrow", head).windowed
+    assert HSRConfig.from_dict(head.config.to_dict()).visual_anchor_layer == 2
+
+
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory):
+    return tmp_path_factory.mktemp("answers")
+
+
+@pytest.fixture(scope="module")
+def corpus(answers):
+    return sparrow_head.states_corpus(vlm_draft.answer_corpus(PICTURES, answers, progress=False), answers,
+                                      progress=False)
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+def test_the_states_are_the_vlms_own_at_its_second_to_last_and_middle_layers(corpus):
+    from specserve.replicas.vlm import image_processor, load_vlm
+
+    vlm = load_vlm("smollm2-vlm", dtype="bfloat16", device="cpu").model
+    placeholder = vlm_draft._placeholder()
+    row = corpus[3]
+    ids = torch.tensor([row["prompt"] + row["answer"]])
+    pixels = image_processor(vlm.config)([example(row["seed"], row["category"]).image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        hidden = vlm.model(input_ids=ids, pixel_values=pixels.to(vlm.dtype), output_hidden_states=True).hidden_states
+    layers = vlm.config.text_config.num_hidden_layers
+    assert row["states"].shape == (ids.shape[1], vlm.config.text_config.hidden_size)
+    assert row["anchor"].shape[0] == int((ids == placeholder).sum()) == 64
+    # Equal up to bfloat16 rounding (the corpus ran its category's answers as one padded batch).
+    assert float((row["states"].float() - hidden[-2][0].float()).abs().mean()) < 2e-2
+    mid = hidden[sparrow_head.anchor_layer(layers)][0][ids[0] == placeholder].float()
+    assert float((row["anchor"].float() - mid).abs().mean()) < 2e-2
+    assert float((mid - hidden[-2][0][ids[0] == placeholder].float()).abs().mean()) > 0.1
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+def test_training_lowers_the_held_out_kl_and_the_export_drafts_windowed_the_vlms_own_answers(corpus, answers, tmp_path):
+    work = tmp_path / "work"
+    sparrow_head.train(ivsb=True, pictures=PICTURES, steps=4, batch=4, validate_every=2, work=work, answers=answers,
+                       progress=False)
+    before = json.loads((work / "base_validation.json").read_text())["kl"]
+    log = [json.loads(line) for line in (work / "train.log").read_text().splitlines()]
+    after = min(sum(r["validation"]["kl"]) for r in log if "validation" in r)
+    assert after < sum(before)
+    out = sparrow_head.export(ivsb=True, work=work, out=tmp_path / "head")
+    config = json.loads((out / "config.json").read_text())
+    assert config["visual_anchor_layer"] == 15
+    assert {t for r in corpus for t in r["answer"]} <= set(config["head_token_ids"])
+    assert "| 1 |" in (out / "README.md").read_text()
+
+    engine = SpecEngine.load("smollm2-vlm", dtype="float32", device="cpu", draft_models=[str(out)])
+    assert engine.drafts[out.name].windowed
+    ex = example(TEST_SEED + 11, "describe")
+    said = {d: engine.generate(GenerateRequest(ex.question, max_tokens=24, draft=d, window=3, images=(ex.image,)))
+            for d in ("none", out.name)}
+    assert said[out.name]["token_ids"] == said["none"]["token_ids"]
+    assert said[out.name]["spec"]["acceptance_rate"] > 0
