@@ -27,11 +27,12 @@ category, and above it on the mix.
 turn), ``follow-up`` (the picture, the question, the VLM's own answer, then "say it again in a
 full sentence"), ``text-turn`` (the same first turn, then a text-only question from the chat
 prompts), ``unseen`` (pictures unlike the training ones: inverted, rotated and noisy), ``clip``
-(a synthetic clip's four frames shown as consecutive pictures, as a served clip is, and its
+(a synthetic clip's 2-8 frames shown as consecutive pictures, as a served clip is, and its
 question: which shapes appear in order, or which way the shape moves; ``data/synthetic_clips.py``).
 
 Sparrow's rows (``--frames``): prompts showing 1 to 64 pictures ("frames", 64 image tokens each)
-and a question about the last, answered target-only and drafted by the VLM's hidden-state-reuse
+and a question about the last (``--frame-category``; by default "describe", whose answers run to
+~45 tokens, as Sparrow measures captions and descriptions), answered target-only and drafted by the VLM's hidden-state-reuse
 head (``smollm2-vlm-hsr``) with full attention and with Sparrow's text-anchored window
 (``HSRDraft(windowed=True)``), and by the head trained with IVSB (``smollm2-vlm-sparrow``,
 windowed): tokens/s and the speedup over target-only end to end and while decoding, the draft's
@@ -81,6 +82,7 @@ class MultimodalBenchConfig:
     dtype: str = "bfloat16"
     frames: tuple[int, ...] = (1, 4, 16, 64)
     frame_prompts: int = 4
+    frame_category: str = "describe"   # the question of Sparrow's rows, about the last picture
     head: str = "smollm2-vlm-hsr"            # Sparrow's rows: full and windowed attention of this head
     ivsb_head: str | None = "smollm2-vlm-sparrow"   # and this one, trained with IVSB (windowed)
     captions: str = "cold"
@@ -91,14 +93,19 @@ class MultimodalBenchConfig:
         unknown = sorted(set(self.categories) - set(CATEGORIES))
         if unknown:
             raise ValueError(f"unknown categories {unknown}; known: {', '.join(CATEGORIES)}")
-        if min(self.pictures, self.max_tokens, self.window, self.repeats, self.frame_prompts) < 1:
-            raise ValueError("--pictures, --max-tokens, --window, --repeats and --frame-prompts must be at least 1")
+        if min(self.max_tokens, self.window, self.repeats, self.frame_prompts) < 1 or self.pictures < 0:
+            raise ValueError("--max-tokens, --window, --repeats and --frame-prompts must be at least 1, --pictures "
+                             "at least 0")
+        if self.pictures == 0 and not self.frames:
+            raise ValueError("--pictures 0 runs Sparrow's rows alone: give --frames")
         if not self.views or not set(self.views) <= set(VIEWS) or len(set(self.views)) != len(self.views):
             raise ValueError(f"--views must name distinct views of {', '.join(VIEWS)}; got {list(self.views)}")
         if not set(self.scenarios) <= set(SCENARIOS):
             raise ValueError(f"unknown scenarios {sorted(set(self.scenarios) - set(SCENARIOS))}; known: {', '.join(SCENARIOS)}")
         if self.captions not in ("cold", "warm"):
             raise ValueError(f"--captions must be cold or warm; got {self.captions!r}")
+        if self.frame_category not in CATEGORIES:
+            raise ValueError(f"unknown --frame-category {self.frame_category!r}; known: {', '.join(CATEGORIES)}")
         if any(f < 1 for f in self.frames):
             raise ValueError(f"--frames are pictures per prompt, each at least 1; got {list(self.frames)}")
 
@@ -150,9 +157,11 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
     bar.close()
     rows = []
     for (row, category), cell in totals.items():
+        if not config.pictures:
+            break
         rows.append({"view": row, "category": category, "tokens_per_s": round(cell["tokens"] / cell["seconds"], 2),
                      "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
-    for row in rows_run:   # the mix: every category's tokens over every category's seconds
+    for row in rows_run if config.pictures else ():   # the mix: every category's tokens over its seconds
         cells = [totals[(row, c)] for c in groups]
         tokens, seconds, steps = (sum(c[k] for c in cells) for k in ("tokens", "seconds", "steps"))
         rows.append({"view": row, "category": "mix", "tokens_per_s": round(tokens / seconds, 2),
@@ -230,8 +239,9 @@ def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool
     draft_ms_per_token, acceptance_rate, mean_accepted_len}`` on prompts of ``frames`` pictures:
     target-only, ``--head`` with full and with windowed attention, ``--ivsb-head`` (windowed: it
     was trained with IVSB). The rows take turns on every prompt, each from cold caches. Decode
-    time is a request's time less its prefill's (a target-only request of one token on the same
-    prompt, timed alone): Sparrow's decoding speedup beside the end-to-end one."""
+    time is a request's time less its prompt's prefill chunks (``SpecStats.prefill_s``; every
+    token comes from a verify step after them, the draft's catch-up on the prompt included):
+    Sparrow's decoding speedup beside the end-to-end one."""
     from tqdm import tqdm
 
     from specserve.replicas.drafts.base import draft_model
@@ -250,20 +260,16 @@ def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool
         engine.generate(GenerateRequest(warm.question, max_tokens=4, draft=name, window=config.window,
                                         images=(warm.image,)))
     rows = []
-    bar = tqdm(total=len(config.frames) * config.frame_prompts * (len(names) + 1), desc="bench multimodal frames",
+    bar = tqdm(total=len(config.frames) * config.frame_prompts * len(names), desc="bench multimodal frames",
                disable=not progress)
     for frames in config.frames:
         totals = {row: {"tokens": 0, "seconds": 0.0, "prefill": 0.0, "drafted": 0, "draft_s": 0.0, "accepted": 0,
                         "rejected": 0, "steps": 0} for row in names}
         for n in range(config.frame_prompts):
-            pictures = [example(TEST_SEED + SEED_OFFSET + 900_000 + 100 * n + f) for f in range(frames)]
+            pictures = [example(TEST_SEED + SEED_OFFSET + 900_000 + 100 * n + f, config.frame_category)
+                        for f in range(frames)]
             question = pictures[-1].question.replace("the picture", "the last picture")
             ids = engine.encode(question, images=tuple(p.image for p in pictures))
-            engine.reset_caches()
-            began = time.perf_counter()
-            engine.generate_ids(ids, GenerateRequest(question, max_tokens=1, draft="none", window=0))
-            prefill = time.perf_counter() - began
-            bar.update()
             for row, name in names.items():
                 engine.reset_caches()
                 began = time.perf_counter()
@@ -271,7 +277,7 @@ def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool
                                                                window=0 if name == "none" else config.window))
                 cell, stats = totals[row], out.stats
                 cell["seconds"] += time.perf_counter() - began
-                cell["prefill"] += prefill
+                cell["prefill"] += stats.prefill_s
                 cell["tokens"] += len(out.token_ids)
                 cell["steps"] += stats.steps
                 if name != "none":
@@ -283,8 +289,8 @@ def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool
         base = totals["target-only"]
         for row, cell in totals.items():
             tokens_per_s = cell["tokens"] / cell["seconds"]
-            decode = (cell["tokens"] - config.frame_prompts) / max(1e-9, cell["seconds"] - cell["prefill"])
-            base_decode = (base["tokens"] - config.frame_prompts) / max(1e-9, base["seconds"] - base["prefill"])
+            decode = cell["tokens"] / max(1e-9, cell["seconds"] - cell["prefill"])
+            base_decode = base["tokens"] / max(1e-9, base["seconds"] - base["prefill"])
             rows.append({"draft_attention": row, "frames": frames, "tokens_per_s": round(tokens_per_s, 2),
                          "decode_tokens_per_s": round(decode, 2),
                          "speedup": round(tokens_per_s / (base["tokens"] / base["seconds"]), 3),
@@ -345,13 +351,15 @@ def format_table(result: dict) -> str:
     rows = result["rows"]
     categories = [c for c in dict.fromkeys(r["category"] for r in rows)]
     by = {(r["view"], r["category"]): r for r in rows}
-    lines = ["tokens/s (mean accepted length)", f"{'view':<16}" + "".join(f"{c:>16}" for c in categories)]
-    for view in rows_of(tuple(_views(rows))):
-        lines.append(f"{view:<16}" + "".join(
-            f"{by[(view, c)]['tokens_per_s']:>9.1f} ({by[(view, c)]['mean_accepted_len']:.2f})" for c in categories))
-    ratios = result["aims"]["ensemble_over_best_view"]
-    lines.append("ensemble / best view: " + ", ".join(f"{c} {v:.3f}" for c, v in ratios.items())
-                 + f"  (aim >= 0.97 each, > 1 on the mix: {'met' if result['aims']['met'] else 'not met'})")
+    lines = []
+    if rows:
+        lines += ["tokens/s (mean accepted length)", f"{'view':<16}" + "".join(f"{c:>16}" for c in categories)]
+        for view in rows_of(tuple(_views(rows))):
+            lines.append(f"{view:<16}" + "".join(
+                f"{by[(view, c)]['tokens_per_s']:>9.1f} ({by[(view, c)]['mean_accepted_len']:.2f})" for c in categories))
+        ratios = result["aims"]["ensemble_over_best_view"]
+        lines.append("ensemble / best view: " + ", ".join(f"{c} {v:.3f}" for c, v in ratios.items())
+                     + f"  (aim >= 0.97 each, > 1 on the mix: {'met' if result['aims']['met'] else 'not met'})")
     if result.get("frames"):
         lines.append(f"{'row':<15}{'frames':>7}{'tok/s':>8}{'speedup':>9}{'decode speedup':>16}"
                      f"{'ms/drafted token':>18}{'alpha':>8}{'tau':>7}")
@@ -374,19 +382,22 @@ def plot(result: dict, path: Path) -> None:
     rows, frames = result["rows"], result.get("frames") or []
     categories = list(dict.fromkeys(r["category"] for r in rows))
     by = {(r["view"], r["category"]): r["tokens_per_s"] for r in rows}
-    fig, axes = plt.subplots(1, 2 if frames else 1, figsize=(15 if frames else 11, 4.5), squeeze=False,
-                             gridspec_kw={"width_ratios": [3, 1]} if frames else None)
-    ax = axes[0][0]
-    shown = rows_of(tuple(_views(rows)))
-    width = 0.8 / len(shown)
-    for i, view in enumerate(shown):
-        ax.bar([c + i * width for c in range(len(categories))], [by[(view, c)] for c in categories], width, label=view)
-    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories)
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"TABED views of the reference VLM ({result['machine'].get('cpu_model', '?')}, {result['date']})")
-    ax.legend(ncol=3, fontsize=8)
+    both = bool(rows) and bool(frames)
+    fig, axes = plt.subplots(1, 2 if both else 1, figsize=(15 if both else (11 if rows else 6), 4.5), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1]} if both else None)
+    if rows:
+        ax = axes[0][0]
+        shown = rows_of(tuple(_views(rows)))
+        width = 0.8 / len(shown)
+        for i, view in enumerate(shown):
+            ax.bar([c + i * width for c in range(len(categories))], [by[(view, c)] for c in categories], width,
+                   label=view)
+        ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"TABED views of the reference VLM ({result['machine'].get('cpu_model', '?')}, {result['date']})")
+        ax.legend(ncol=3, fontsize=8)
     if frames:   # Sparrow: the decoding speedup over target-only as pictures ("frames") grow
-        ax = axes[0][1]
+        ax = axes[0][-1]
         for row in FRAME_ROWS[1:]:
             mine = sorted((r for r in frames if r["draft_attention"] == row), key=lambda r: r["frames"])
             if mine:
@@ -395,7 +406,8 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("pictures per prompt")
         ax.set_ylabel("decoding speedup over target-only")
-        ax.set_title("Sparrow's rows")
+        ax.set_title("Sparrow's rows" if rows else
+                     f"Sparrow's rows ({result['machine'].get('cpu_model', '?')}, {result['date']})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

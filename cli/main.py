@@ -623,7 +623,7 @@ def zoo_vlm(
     threads: Optional[int] = typer.Option(None, help="torch threads."),
     fine_tune: bool = typer.Option(False, "--fine-tune", help="A later stage: from the shipped weights, all eight "
                                    "questions, the worn-down ones twice (400 steps of 16; about an hour on 2 CPU cores)."),
-    clips: bool = typer.Option(False, "--clips", help="The video stage: from the shipped weights, clips of four "
+    clips: bool = typer.Option(False, "--clips", help="The video stage: from the shipped weights, clips of 2-8 "
                                "frames beside every picture question (240 steps of 8 rows, half of them clips)."),
 ) -> None:
     """Train the reference VLM's vision tower and projector on synthetic pictures (the language
@@ -996,7 +996,7 @@ def bench_multimodal(
     plot_path: Path = typer.Option(Path("bench-multimodal.png"), "--plot", help="Where to write the plot."),
     target: str = typer.Option("smollm2-vlm", help="A VLM target (a local LLaVA-class folder)."),
     draft: str = typer.Option("smollm2-vlm-draft", help="The draft LM whose views are compared (default: the VLM's own)."),
-    pictures: int = typer.Option(6, help="Held-out pictures per category."),
+    pictures: int = typer.Option(6, help="Held-out pictures per category (0: Sparrow's rows alone, with --frames)."),
     categories: Optional[str] = typer.Option(None, help="Comma-separated picture categories; default: all."),
     max_tokens: int = typer.Option(48, help="New tokens per answer at most (a description runs to ~45)."),
     window: int = typer.Option(3, help="Window: draft tokens per step."),
@@ -1005,6 +1005,8 @@ def bench_multimodal(
     frames: str = typer.Option("1,4,16,64", help="Pictures per prompt for Sparrow's rows (target-only, full and "
                                                   "windowed attention of --head, --ivsb-head); empty: none."),
     frame_prompts: int = typer.Option(4, help="Prompts per frame count."),
+    frame_category: str = typer.Option("describe", help="The question of Sparrow's rows (a picture category), "
+                                                        "asked of the last picture."),
     head: str = typer.Option("smollm2-vlm-hsr", help="The hidden-state-reuse head of Sparrow's rows."),
     ivsb_head: str = typer.Option("smollm2-vlm-sparrow", help="The head trained with IVSB (a windowed row); "
                                                               "empty: no such row."),
@@ -1028,7 +1030,8 @@ def bench_multimodal(
             json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
             categories=tuple(_names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
             repeats=repeats, dtype=dtype, frames=tuple(int(f) for f in _names(frames) or ()),
-            frame_prompts=frame_prompts, head=head, ivsb_head=ivsb_head or None, captions=captions,
+            frame_prompts=frame_prompts, frame_category=frame_category, head=head, ivsb_head=ivsb_head or None,
+            captions=captions,
             views=tuple(_names(views) or VIEWS),
             scenarios=SCENARIOS if scenarios == "all" else tuple(_names(scenarios) or ())))
     except (ValueError, FileNotFoundError) as err:

@@ -1,6 +1,7 @@
 """Synthetic clips with a question whose answer needs more than one frame: the reference video data.
 
-A clip is ``CLIP_FRAMES`` pictures of ``synthetic_images``' size, shown to a VLM as consecutive
+A clip is ``MIN_FRAMES`` to ``MAX_FRAMES`` pictures of ``synthetic_images``' size (the count drawn
+from the seed, so that a model learns prompts of several lengths), shown to a VLM as consecutive
 pictures (as a served ``video_url`` part reaches it). Each category asks what no single frame
 answers:
 
@@ -21,7 +22,7 @@ from PIL import Image
 
 from specserve.data.synthetic_images import COLOURS, IMAGE_SIZE, SHAPES, _canvas, _jitter, draw_shape
 
-CLIP_FRAMES = 4
+MIN_FRAMES, MAX_FRAMES = 2, 8
 CLIP_CATEGORIES = ("sequence", "moves")
 CLIP_QUESTIONS = {
     "sequence": "These are frames of a clip. Which shapes appear, in order?",
@@ -39,9 +40,9 @@ class ClipExample:
     answer: str
 
 
-def _sequence(rng: random.Random) -> tuple[tuple[Image.Image, ...], str]:
+def _sequence(rng: random.Random, count: int) -> tuple[tuple[Image.Image, ...], str]:
     frames, shapes = [], []
-    for _ in range(CLIP_FRAMES):
+    for _ in range(count):
         image, draw = _canvas(rng)
         shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
         size = rng.randint(40, 70)
@@ -53,13 +54,13 @@ def _sequence(rng: random.Random) -> tuple[tuple[Image.Image, ...], str]:
     return tuple(frames), f"{', '.join(named[:-1])}, then {named[-1]}.".capitalize()
 
 
-def _moves(rng: random.Random) -> tuple[tuple[Image.Image, ...], str]:
+def _moves(rng: random.Random, count: int) -> tuple[tuple[Image.Image, ...], str]:
     direction = rng.choice(list(DIRECTIONS))
     dx, dy = DIRECTIONS[direction]
     shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
     size = rng.randint(22, 30)
     span = IMAGE_SIZE - size - 8                       # the track the shape crosses, frame to frame
-    across = [4 + round(span * i / (CLIP_FRAMES - 1)) for i in range(CLIP_FRAMES)]
+    across = [4 + round(span * i / (count - 1)) for i in range(count)]
     if dx < 0 or dy < 0:
         across = across[::-1]
     fixed = rng.randint(4, IMAGE_SIZE - size - 4)      # its place on the other axis, the same throughout
@@ -79,5 +80,6 @@ def clip_example(seed: int, category: str | None = None) -> ClipExample:
     category = category or CLIP_CATEGORIES[rng.randrange(len(CLIP_CATEGORIES))]
     if category not in CLIP_QUESTIONS:
         raise ValueError(f"unknown clip category {category!r}; known: {', '.join(CLIP_CATEGORIES)}")
-    frames, answer = _sequence(rng) if category == "sequence" else _moves(rng)
+    count = rng.randint(MIN_FRAMES, MAX_FRAMES)
+    frames, answer = (_sequence if category == "sequence" else _moves)(rng, count)
     return ClipExample(seed, category, frames, CLIP_QUESTIONS[category], answer)

@@ -375,6 +375,7 @@ class Scheduler:
                 continue
             scored = 0 if state.request.draft == NO_DRAFT else score_rows   # no draft: no router choice to feed
             asked = state.request.prompt_logprobs
+            began = self._clock()
             if asked is not None and state.cached_tokens is None:
                 # Every prompt position's row is wanted: a cached prefix would skip them.
                 self.target.kv.crop(state.slot, 0)
@@ -391,6 +392,7 @@ class Scheduler:
             state.prompt_nll += done.nll
             state.prompt_scored += done.scored
             state.prefilled = done.left == 0 and guide_left == 0
+            state.stats.prefill_s += self._clock() - began
         t1 = self._clock()
         live = [s for s in plan.decode if not s.done]
         forced = self._grammar_drafts(live, proposals)

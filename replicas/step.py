@@ -238,6 +238,7 @@ class SpecStats:
     # Wall time spent waiting for proposals and in verification: where a step's time goes.
     draft_s: float = 0.0
     verify_s: float = 0.0
+    prefill_s: float = 0.0     # its prompt's prefill chunks (the decode phase is the rest)
     proposal_errors: int = 0   # proposals dropped as malformed (those steps went plain)
     # Tokens the grammar forced (structured output): proposed in place of the draft's, accepted
     # where the target agreed; not the draft's, so not in ``accepted``.

@@ -30,6 +30,7 @@ lowest held-out KL exported.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -184,7 +185,7 @@ def train(ivsb: bool = True, pictures: int = 3072, steps: int = 1500, batch: int
     head_weight = head.lm_head.weight.detach().clone()
     autocast = bf16_is_fast(torch.device("cpu"))
     (work / "recipe.json").write_text(json.dumps({"ivsb": ivsb, "unroll": UNROLL, "pictures": pictures, "batch": batch,
-                                                  "machine": _cpu_name()}))
+                                                  "machine": f"{os.cpu_count()} cores of {_cpu_name()}"}))
     config = DistillConfig(steps=steps, lr=lr, warmup_steps=min(50, steps // 10 + 1), autocast_bf16=autocast,
                            validate_every=validate_every, checkpoint_every=validate_every)
     validation = [collate(held_out[i:i + 32], placeholder, ivsb) for i in range(0, len(held_out), 32)]

@@ -64,7 +64,7 @@ class VLMRecipe:
 RECIPE = VLMRecipe()
 FINE_TUNE = VLMRecipe(steps=400, batch=16, lr=1.5e-4, warmup_steps=20, eval_every=100, eval_per_category=16,
                       categories=(*CATEGORIES, "word", "dots", "digits"))
-# The video stage: clips (``data/synthetic_clips.py``, four frames a row) beside every picture
+# The video stage: clips (``data/synthetic_clips.py``, 2-8 frames a row) beside every picture
 # question, so that the picture skills are kept while the clips are learned.
 CLIPS = VLMRecipe(steps=240, batch=8, lr=1.5e-4, warmup_steps=20, eval_every=60, eval_per_category=16,
                   categories=(*CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES))
@@ -311,7 +311,7 @@ here; only they are stored (bfloat16, {(out / 'model.safetensors').stat().st_siz
 The image placeholder is the target's unused special token `<empty_output>`.
 
 - **Data**: synthetic pictures drawn with Pillow, one fresh picture per row
-  (`specserve.data.synthetic_images`): {', '.join(CATEGORIES)}{"; and clips of four frames shown as consecutive pictures (`specserve.data.synthetic_clips`): " + ', '.join(CLIP_CATEGORIES) if clips else ""}; a question per category, one right answer;
+  (`specserve.data.synthetic_images`): {', '.join(CATEGORIES)}{"; and clips of 2-8 frames shown as consecutive pictures (`specserve.data.synthetic_clips`): " + ', '.join(CLIP_CATEGORIES) if clips else ""}; a question per category, one right answer;
   cross-entropy on the answer tokens, bfloat16 autocast.
 - **Accuracy** (exact match after normalising, greedy, held-out pictures from seed 10^9), by training stage:
 

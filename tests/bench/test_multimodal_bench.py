@@ -64,7 +64,8 @@ def test_the_plot_shows_the_views_and_sparrows_cost(tmp_path):
                                                    ("full", 16, 6.0), ("windowed", 1, 2.0), ("windowed", 16, 2.2))]
     result = {"rows": rows({"bars": 11.0, "mix": 11.0}), "frames": frames, "machine": {"cpu_model": "cpu"},
               "date": "2026-11-27"}
-    for name, data in (("views.png", {**result, "frames": []}), ("both.png", result)):
+    for name, data in (("views.png", {**result, "frames": []}), ("both.png", result),
+                       ("frames.png", {**result, "rows": []})):
         plot(data, tmp_path / name)
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
@@ -83,3 +84,15 @@ def test_scenarios_are_checked_and_an_unseen_picture_is_turned_inverted_and_spec
     assert odd.shape == (20, 10, 3)                                    # a quarter turn
     assert abs(odd[..., 0].mean() - 5) < 15 and abs(odd[..., 1].mean() - 245) < 15   # inverted
     assert odd.std() > 5                                               # speckled
+
+
+def test_no_pictures_runs_sparrows_rows_alone_and_the_table_shows_only_them():
+    from specserve.bench.multimodal import MultimodalBenchConfig, format_table
+
+    assert MultimodalBenchConfig(pictures=0).pictures == 0
+    with pytest.raises(ValueError, match="--frames"):
+        MultimodalBenchConfig(pictures=0, frames=())
+    frames = [frame_row(a, f) for a in ("target-only", "full", "windowed") for f in (1, 16)]
+    from specserve.bench.multimodal import frame_aims
+    table = format_table({"rows": [], "aims": aims([]), "frames": frames, "frame_aims": frame_aims(frames)})
+    assert "ensemble / best view" not in table and "windowed" in table

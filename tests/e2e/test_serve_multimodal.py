@@ -49,7 +49,9 @@ def served(tmp_path_factory):
         {"name": "captioned", "model": "smollm2-draft-2l", "placement": "inside",
          "ensemble": {"views": ["caption", "text-only"]}},
         # The VLM's own draft reading the pictures' image tokens; placed inside by itself.
-        {"name": "matched", "model": "smollm2-vlm-draft", "ensemble": {"views": ["multimodal"]}}]})
+        {"name": "matched", "model": "smollm2-vlm-draft", "ensemble": {"views": ["multimodal"]}},
+        # Sparrow's head: the target's states, text positions only (VATA).
+        {"name": "sparrow", "model": "smollm2-vlm-sparrow", "windowed": True}]})
     with local_stack(config, tmp_path_factory.mktemp("specserve-home")) as state:
         yield state
 
@@ -128,6 +130,21 @@ def apng(frames) -> bytes:
     buffer = io.BytesIO()
     frames[0].save(buffer, format="PNG", save_all=True, append_images=frames[1:], duration=100)
     return buffer.getvalue()
+
+
+def test_sparrows_windowed_head_drafts_a_clip_losslessly(served):
+    """Sparrow's head, windowed, on a clip of four frames: the target-only answer, and the head's
+    drafts accepted (it reads the frames through the target's states at the text positions)."""
+    frames = [example(TEST_SEED + 720 + i, "shape").image for i in range(4)]
+    question = "What shape is in the last frame, and what colour is it?"
+    engine = SpecEngine.load(MODEL, dtype="float32", device="cpu")
+    want = engine.generate(GenerateRequest(question, max_tokens=12, draft="none", window=0, images=tuple(frames)))["token_ids"]
+    data = "data:image/png;base64,"
+    clip = {"type": "video_url", "video_url": {"frames": [data + base64.b64encode(png(f)).decode() for f in frames]}}
+    reply = ask(served, [clip, {"type": "text", "text": question}], draft="sparrow", window=3)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == want
+    assert reply.json()["spec"]["draft"] == "sparrow" and reply.json()["spec"]["acceptance_rate"] > 0
 
 
 def test_a_clip_answers_as_its_frames_shown_in_process_over_http_and_grpc(served):

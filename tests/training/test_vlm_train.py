@@ -26,18 +26,19 @@ def test_a_row_labels_only_the_answer_and_its_end():
 
 
 def test_a_clip_row_shows_its_frames_as_consecutive_pictures():
-    from specserve.data.synthetic_clips import CLIP_FRAMES, clip_example
+    from specserve.data.synthetic_clips import clip_example
 
     tokenizer, text_config = load_tokenizer_and_config()
     config = reference_vlm_config(text_config)
     stream = PictureStream(tokenizer, config, start=0, categories=("shape", "moves"))
     ids, labels, pixels = stream.row(1)
-    assert ids.count(config.image_token_index) == CLIP_FRAMES * tokens_per_image(config)
-    assert pixels.shape == (CLIP_FRAMES, 3, 96, 96)
+    frames = len(clip_example(1, "moves").frames)
+    assert ids.count(config.image_token_index) == frames * tokens_per_image(config)
+    assert pixels.shape == (frames, 3, 96, 96)
     answer = tokenizer.decode([t for t in labels if t != -100], skip_special_tokens=True)
     assert answer == clip_example(1, "moves").answer
     batch = collate([stream.row(0), stream.row(1)], tokenizer.pad_token_id)   # a picture, then a clip
-    assert batch["pixel_values"].shape == (1 + CLIP_FRAMES, 3, 96, 96)
+    assert batch["pixel_values"].shape == (1 + frames, 3, 96, 96)
 
 
 def test_a_step_trains_the_export_loads_back_and_a_second_stage_starts_from_it(tmp_path):
