@@ -138,8 +138,12 @@ def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, b
         examples = [(clip_example if clips else example)(first_seed + c * 100_000 + i, category)
                     for i in range(per_category)]
         right = 0
-        for at in range(0, len(examples), batch):
-            chunk = examples[at:at + batch]
+        # A batch holds prompts of one length: clips of one frame count (no padding to get wrong).
+        by_length: dict[int, list] = {}
+        for e in examples:
+            by_length.setdefault(len(e.frames) if clips else 1, []).append(e)
+        chunks = [group[at:at + batch] for group in by_length.values() for at in range(0, len(group), batch)]
+        for chunk in chunks:
             pictures = [list(e.frames) if clips else [e.image] for e in chunk]
             ids = torch.tensor([prompt_ids(tokenizer, config, e.question, len(p)) for e, p in zip(chunk, pictures)],
                                device=device)

@@ -83,3 +83,17 @@ def test_every_row_weighs_the_same_whatever_its_answers_length():
     assert torch.isclose(answer_loss(logits, labels, per_row=False), log4 / 4)
     with pytest.raises(ValueError, match="row-mean or token-mean"):
         train(steps=1, recipe=VLMRecipe(loss="mean"), progress=False)
+
+
+def test_clips_of_several_frame_counts_are_scored_together():
+    """Held-out clips differ in frame count, so in prompt length: each is scored in a batch of its
+    own length (a padded batch would be scored on the padding)."""
+    from specserve.data.synthetic_clips import clip_example
+    from specserve.data.synthetic_images import TEST_SEED
+    from specserve.training.vlm_train import evaluate
+
+    first = TEST_SEED + 9 * 100_000   # where ``evaluate`` draws the ``moves`` clips from
+    assert len({len(clip_example(first + i, "moves").frames) for i in range(4)}) > 1
+    vlm = load_vlm("smollm2-vlm", dtype="float32", device="cpu")
+    accuracy = evaluate(vlm.model, vlm.tokenizer.tokenizer, 4, categories=("moves",))
+    assert set(accuracy) == {"moves", "mix"} and accuracy["moves"] in (0.0, 0.25, 0.5, 0.75, 1.0)
