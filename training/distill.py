@@ -18,8 +18,10 @@ one and continues exactly as if it had never stopped (tests/training/test_distil
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -252,3 +254,50 @@ def seeded_batches(count: int, batch: int, make: Callable[[list[int]], dict], se
             b += 1
 
     return batches
+
+
+class TrainLog:
+    """A run's ``train.log`` in ``work`` (a JSON line per step and per validation, appended: a
+    resumed run goes on where it stopped) and its progress bar."""
+
+    def __init__(self, work: Path, steps: int, desc: str, progress: bool = True):
+        from tqdm import tqdm
+
+        self.file = (Path(work) / "train.log").open("a")
+        self.bar = tqdm(total=steps, desc=desc, unit="step", disable=not progress)
+        self.began = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        return round(time.monotonic() - self.began, 1)
+
+    def on_step(self, step: int, loss: float) -> None:
+        """``train``'s ``on_step``: the bar at ``step`` (a resumed run starts past 0), the loss logged."""
+        self.bar.n = step
+        self.bar.set_postfix(loss=f"{loss:.3f}")
+        self.write({"step": step, "loss": round(loss, 5)})
+
+    def write(self, record: dict) -> None:
+        """One line: ``record`` and the seconds since the run (re)started."""
+        self.file.write(json.dumps({**record, "elapsed_s": self.elapsed_s}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+
+
+def export_best(model, work: Path, out: Path) -> tuple[dict, list[dict], dict]:
+    """``model`` with the weights of ``work``'s checkpoint that validated best (else its latest),
+    written to ``out`` without what is the target's (``save_without_embeddings``) beside the
+    target's tokenizer. Returns the weights chosen (their step and validation), the run's log
+    records and the checkpoint."""
+    from specserve.replicas.drafts.pruned_head import save_without_embeddings
+    from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm
+
+    checkpoint = Path(work) / "checkpoint.pt"
+    chosen = load_weights(best_path(checkpoint) if best_path(checkpoint).exists() else checkpoint, model)
+    save_without_embeddings(model, out, embeddings_from=REFERENCE_TARGET)
+    load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu").tokenizer.save_pretrained(out)
+    log = [json.loads(line) for line in (Path(work) / "train.log").read_text().splitlines() if line.strip()]
+    return chosen, log, torch.load(checkpoint, map_location="cpu", weights_only=False)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -58,6 +57,7 @@ from specserve.replicas.model_store import bf16_is_fast, load_causal_lm
 from specserve.training import features as feature_cache
 from specserve.training.distill import (
     DistillConfig,
+    TrainLog,
     best_path,
     build_student,
     load_weights,
@@ -96,11 +96,6 @@ def coverage(answers: Iterable[Answer], head: list[int]) -> float:
     return hits / max(1, total)
 
 
-def _log(file, record: dict) -> None:
-    file.write(json.dumps(record) + "\n")
-    file.flush()
-
-
 def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache: Path | None = None,
                       steps: int | None = None, batch: int | None = None, validate_every: int = 200,
                       validation_sequences: int = 64, autocast_bf16: bool = False, checkpoint_every: int = 100,
@@ -110,8 +105,6 @@ def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache:
     resumed run sees exactly the batches an unbroken one would, even if the cache grew since.
     Logs ``work/train.log`` (per step: loss; per validation: KL per step, top-1 per step, the
     first of which is the first drafted token's greedy acceptance) and plots it (``plot_training``)."""
-    from tqdm import tqdm
-
     data_file = work / "data.json"
     pinned = json.loads(data_file.read_text()) if data_file.exists() else None
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -140,17 +133,8 @@ def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache:
         loss = hsr_loss(model, head_weight, spec.unroll, autocast_bf16, spec.ce_weight)
     else:
         loss = standalone_loss(model, head_weight, autocast_bf16)
-    log = (work / "train.log").open("a")
-    bar = tqdm(total=config.steps, desc=f"zoo train {spec.name}", unit="step")
-    started = time.monotonic()
+    log = TrainLog(work, config.steps, f"zoo train {spec.name}")
     last: dict = {}
-
-    def on_step(step: int, value: float) -> None:
-        if bar.n == 0:
-            bar.update(step - 1)
-        bar.update(1)
-        bar.set_postfix(loss=f"{value:.3f}")
-        _log(log, {"step": step, "loss": round(value, 5), "elapsed_s": round(time.monotonic() - started, 1)})
 
     def validate() -> float:   # lower is better: the mean KL over the unrolled steps
         last.update(hsr_metrics(model, head_weight, spec.unroll, held_out, autocast_bf16) if spec.kind == "hsr"
@@ -158,20 +142,18 @@ def train_on_features(spec, model, head_weight: torch.Tensor, work: Path, cache:
         return sum(last["kl"]) / len(last["kl"])
 
     def on_validate(step: int, value: float, best: bool) -> None:
-        bar.write(f"step {step}: validation KL {value:.4f}, first-token acceptance {last['top1'][0]:.3f}"
-                  f"{' (best so far)' if best else ''}")
-        _log(log, {"step": step, "validation": round(value, 5), "best": best,
+        log.bar.write(f"step {step}: validation KL {value:.4f}, first-token acceptance {last['top1'][0]:.3f}"
+                      f"{' (best so far)' if best else ''}")
+        log.write({"step": step, "validation": round(value, 5), "best": best,
                    "kl_by_step": [round(k, 4) for k in last["kl"]], "top1_by_step": [round(a, 4) for a in last["top1"]],
                    "teacher_top1_by_step": [round(a, 4) for a in last["teacher_top1"]],
-                   "acceptance_1": round(last["top1"][0], 4), "positions": last["positions"],
-                   "elapsed_s": round(time.monotonic() - started, 1)})
+                   "acceptance_1": round(last["top1"][0], 4), "positions": last["positions"]})
         plot_training(work)
 
     try:
         train_loop(model, loss, feature_cache.batch_stream(reader, training, batch), config, work / "checkpoint.pt",
-                   on_step=on_step, validate=validate if held_out else None, on_validate=on_validate)
+                   on_step=log.on_step, validate=validate if held_out else None, on_validate=on_validate)
     finally:
-        bar.close()
         log.close()
     plot_training(work)
     return work

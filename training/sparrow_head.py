@@ -31,16 +31,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
 from specserve.replicas.drafts.hsr_head import HSRConfig, HSRHead
-from specserve.replicas.drafts.pruned_head import save_without_embeddings
 from specserve.replicas.model_store import REFERENCE_TARGET, bf16_is_fast, load_causal_lm, model_cache_dir, zoo_dir
 from specserve.training import vlm_draft
-from specserve.training.distill import DistillConfig, best_path, load_weights, seeded_batches
+from specserve.training.distill import DistillConfig, TrainLog, export_best, seeded_batches
 from specserve.training.distill import train as train_loop
 from specserve.training.hsr_train import hsr_loss, hsr_metrics
 from specserve.training.vlm_train import _cpu_name
@@ -170,8 +168,6 @@ def train(ivsb: bool = True, pictures: int = 3072, steps: int = 1500, batch: int
           progress: bool = True) -> Path:
     """The answers and states (built into ``answers`` if missing: ``zoo vlm-draft``'s folder by
     default), then training (resumes its checkpoint); returns ``work``."""
-    from tqdm import tqdm
-
     work = Path(work or default_work(ivsb))
     work.mkdir(parents=True, exist_ok=True)
     answers = Path(answers or vlm_draft.default_work())
@@ -189,20 +185,13 @@ def train(ivsb: bool = True, pictures: int = 3072, steps: int = 1500, batch: int
     config = DistillConfig(steps=steps, lr=lr, warmup_steps=min(50, steps // 10 + 1), autocast_bf16=autocast,
                            validate_every=validate_every, checkpoint_every=validate_every)
     validation = [collate(held_out[i:i + 32], placeholder, ivsb) for i in range(0, len(held_out), 32)]
-    log = (work / "train.log").open("a")
-    bar = tqdm(total=steps, desc=f"zoo train {NAMES[ivsb]}", unit="step", disable=not progress)
-    began = time.monotonic()
-
-    def on_step(step: int, loss: float) -> None:
-        bar.n = step
-        bar.set_postfix(loss=f"{loss:.3f}")
-        log.write(json.dumps({"step": step, "loss": round(loss, 5), "elapsed_s": round(time.monotonic() - began, 1)}) + "\n")
-        log.flush()
+    log = TrainLog(work, steps, f"zoo train {NAMES[ivsb]}", progress)
 
     def validate() -> float:
         scores = hsr_metrics(head, head_weight, UNROLL, validation, autocast)
-        log.write(json.dumps({"step": bar.n, "validation": scores, "elapsed_s": round(time.monotonic() - began, 1)}) + "\n")
-        bar.write(f"step {bar.n}: held-out KL {scores['kl'][0]:.3f}, first-token acceptance {scores['top1'][0]:.3f}")
+        log.write({"step": log.bar.n, "validation": scores})
+        log.bar.write(f"step {log.bar.n}: held-out KL {scores['kl'][0]:.3f}, first-token acceptance "
+                      f"{scores['top1'][0]:.3f}")
         return sum(scores["kl"]) / len(scores["kl"])
 
     before = work / "base_validation.json"
@@ -210,8 +199,7 @@ def train(ivsb: bool = True, pictures: int = 3072, steps: int = 1500, batch: int
         before.write_text(json.dumps(hsr_metrics(head, head_weight, UNROLL, validation, autocast)))
     batches = seeded_batches(len(rows), batch, lambda idx: collate([rows[i] for i in idx], placeholder, ivsb))
     train_loop(head, hsr_loss(head, head_weight, UNROLL, autocast), batches, config, work / "checkpoint.pt",
-               on_step=on_step, validate=validate)
-    bar.close()
+               on_step=log.on_step, validate=validate)
     log.close()
     return work
 
@@ -225,12 +213,8 @@ def export(ivsb: bool = True, work: Path | None = None, out: Path | None = None)
     if not checkpoint.exists():
         raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo sparrow-head` first")
     head = build_head(json.loads((work / "head_token_ids.json").read_text()), ivsb)
-    chosen = load_weights(best_path(checkpoint) if best_path(checkpoint).exists() else checkpoint, head)
     out = Path(out or zoo_dir() / name)
-    save_without_embeddings(head, out, embeddings_from=REFERENCE_TARGET)
-    load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu").tokenizer.save_pretrained(out)
-    log = [json.loads(line) for line in (work / "train.log").read_text().splitlines() if line.strip()]
-    trained = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    chosen, log, trained = export_best(head, work, out)
     recipe = json.loads((work / "recipe.json").read_text())
     training = {
         "recipe": name, "kind": "hsr", "base": BASE_HEAD, "teacher": "smollm2-vlm", "ivsb": ivsb,

@@ -29,15 +29,15 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
 from specserve.data.synthetic_images import CATEGORIES, example
-from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM, save_without_embeddings
+from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
 from specserve.replicas.model_store import REFERENCE_TARGET, bf16_is_fast, load_causal_lm, model_cache_dir, zoo_dir
-from specserve.training.distill import DistillConfig, best_path, distill_loss, load_weights, seeded_batches, teacher_log_probs
+from specserve.training.distill import (DistillConfig, TrainLog, distill_loss, export_best, seeded_batches,
+                                       teacher_log_probs)
 from specserve.training.distill import train as train_loop
 from specserve.training.vlm_train import _cpu_name
 
@@ -213,8 +213,6 @@ def metrics(student, head_weight: torch.Tensor, rows: list[dict], placeholder: i
 def train(pictures: int = 3072, steps: int = 1200, batch: int = 16, lr: float = 5e-4, work: Path | None = None,
           validate_every: int = 200, progress: bool = True) -> Path:
     """The answers (built if missing), then training (resumes its checkpoint); returns ``work``."""
-    from tqdm import tqdm
-
     work = Path(work or default_work())
     corpus = answer_corpus(pictures, work, progress)
     placeholder = _placeholder()
@@ -228,30 +226,21 @@ def train(pictures: int = 3072, steps: int = 1200, batch: int = 16, lr: float = 
     autocast = bf16_is_fast(torch.device("cpu"))
     config = DistillConfig(steps=steps, lr=lr, warmup_steps=min(50, steps // 10 + 1), autocast_bf16=autocast,
                            validate_every=validate_every, checkpoint_every=validate_every)
-    log = (work / "train.log").open("a")
-    bar = tqdm(total=steps, desc=f"zoo train {NAME}", unit="step", disable=not progress)
-    began = time.monotonic()
-
-    def on_step(step: int, loss: float) -> None:
-        bar.n = step
-        bar.set_postfix(loss=f"{loss:.3f}")
-        log.write(json.dumps({"step": step, "loss": round(loss, 5), "elapsed_s": round(time.monotonic() - began, 1)}) + "\n")
-        log.flush()
-
+    log = TrainLog(work, steps, f"zoo train {NAME}", progress)
     before = work / "base_validation.json"
     if not before.exists():   # the base draft's layers under the same head: what training starts from
         before.write_text(json.dumps(metrics(student, head_weight, held_out, placeholder, autocast)))
 
     def validate() -> float:
         scores = metrics(student, head_weight, held_out, placeholder, autocast)
-        log.write(json.dumps({"step": bar.n, "validation": scores, "elapsed_s": round(time.monotonic() - began, 1)}) + "\n")
-        bar.write(f"step {bar.n}: held-out KL {scores['all']['kl']:.3f}, first-token acceptance {scores['all']['top1']:.3f}")
+        log.write({"step": log.bar.n, "validation": scores})
+        log.bar.write(f"step {log.bar.n}: held-out KL {scores['all']['kl']:.3f}, first-token acceptance "
+                      f"{scores['all']['top1']:.3f}")
         return scores["all"]["kl"]
 
     loss = draft_loss(student, head_weight, autocast)
     batches = seeded_batches(len(rows), batch, lambda idx: collate([rows[i] for i in idx], placeholder))
-    train_loop(student, loss, batches, config, work / "checkpoint.pt", on_step=on_step, validate=validate)
-    bar.close()
+    train_loop(student, loss, batches, config, work / "checkpoint.pt", on_step=log.on_step, validate=validate)
     log.close()
     return work
 
@@ -279,12 +268,8 @@ def export(work: Path | None = None, out: Path | None = None) -> Path:
     if not checkpoint.exists():
         raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo vlm-draft` first")
     student = build_student(json.loads((work / "head_token_ids.json").read_text()))
-    chosen = load_weights(best_path(checkpoint) if best_path(checkpoint).exists() else checkpoint, student)
     out = Path(out or zoo_dir() / NAME)
-    save_without_embeddings(student, out, embeddings_from=REFERENCE_TARGET)
-    load_causal_lm(REFERENCE_TARGET, dtype="float32", device="cpu").tokenizer.save_pretrained(out)
-    log = [json.loads(line) for line in (work / "train.log").read_text().splitlines() if line.strip()]
-    trained = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    chosen, log, trained = export_best(student, work, out)
     validations = [r for r in log if "validation" in r]
     at_export = next((r["validation"] for r in validations if r["step"] == chosen["step"]), None)
     chunks = sorted((work / "answers").glob("chunk-*.pt"))

@@ -47,6 +47,7 @@ from specserve.training import corpus as zoo_corpus
 from specserve.training import eagle3
 from specserve.training.distill import (
     DistillConfig,
+    TrainLog,
     best_path,
     build_student,
     load_weights,
@@ -138,8 +139,6 @@ def train(name: str, steps: int | None = None, work: Path | None = None, corpus:
     (default ``features.features_dir()``). For those, ``validate_every`` steps the first
     ``validation_sequences`` held-out answers are scored (``validation_every`` is the corpus's
     split), on ``device`` (default: the CPU; the corpus recipes train on the CPU only)."""
-    from tqdm import tqdm
-
     spec = recipe(name)
     work = work or work_dir(name)
     work.mkdir(parents=True, exist_ok=True)
@@ -169,32 +168,19 @@ def train(name: str, steps: int | None = None, work: Path | None = None, corpus:
     # has native bf16. (Training runs on the CPU: the corpus lives in its memory.)
     autocast = bf16_is_fast(torch.device("cpu"))
     config = DistillConfig(steps=steps or spec.steps, lr=spec.lr, autocast_bf16=autocast)
-    log = (work / "train.log").open("a")
-    bar = tqdm(total=config.steps, desc=f"zoo train {name}", unit="step")
-    started = time.monotonic()
-
-    def on_step(step: int, loss: float) -> None:
-        if bar.n == 0:
-            bar.update(step - 1)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}")
-        log.write(json.dumps({"step": step, "loss": round(loss, 5), "elapsed_s": round(time.monotonic() - started, 1)}) + "\n")
-        log.flush()
+    log = TrainLog(work, config.steps, f"zoo train {name}")
 
     loss = _loss(spec, model, head_weight, autocast)
     held_out = [zoo_corpus.collate([zoo_corpus.training_row(s, spec.seq_len) for s in validation[i:i + spec.batch]])
                 for i in range(0, len(validation), spec.batch)]
 
     def on_validate(step: int, value: float, best: bool) -> None:
-        bar.write(f"step {step}: validation KL {value:.4f}{' (best so far)' if best else ''}")
-        log.write(json.dumps({"step": step, "validation": round(value, 5), "best": best,
-                              "elapsed_s": round(time.monotonic() - started, 1)}) + "\n")
-        log.flush()
+        log.bar.write(f"step {step}: validation KL {value:.4f}{' (best so far)' if best else ''}")
+        log.write({"step": step, "validation": round(value, 5), "best": best})
 
     train_loop(model, loss, zoo_corpus.batch_stream(sequences, spec.seq_len, batch or spec.batch), config,
-               work / "checkpoint.pt", on_step=on_step, on_validate=on_validate,
+               work / "checkpoint.pt", on_step=log.on_step, on_validate=on_validate,
                validate=(lambda: sum(float(loss(b)) for b in held_out) / len(held_out)) if held_out else None)
-    bar.close()
     log.close()
     return work
 
