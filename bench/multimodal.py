@@ -32,10 +32,10 @@ question: which shapes appear in order, or which way the shape moves; ``data/syn
 
 Sparrow's rows (``--frames``): prompts showing 1 to 64 pictures ("frames", 64 image tokens each)
 and a question about the last (``--frame-category``; by default "describe", whose answers run to
-~45 tokens, as Sparrow measures captions and descriptions), answered target-only and drafted by the VLM's hidden-state-reuse
-head (``smollm2-vlm-hsr``) with full attention and with Sparrow's text-anchored window
-(``HSRDraft(windowed=True)``), and by the head trained with IVSB (``smollm2-vlm-sparrow``,
-windowed): tokens/s and the speedup over target-only end to end and while decoding, the draft's
+~45 tokens, as Sparrow measures captions and descriptions), answered target-only and drafted by
+the VLM's hidden-state-reuse head (``smollm2-vlm-hsr``) with full attention and with Sparrow's
+text-anchored window (``HSRDraft(windowed=True)``), and by the head trained with IVSB
+(``smollm2-vlm-sparrow``, windowed): tokens/s and the speedup over target-only end to end and while decoding, the draft's
 milliseconds per drafted token (its catch-up on the prompt included), α and τ. Aims
 (``frame_aims``): the windowed draft's speedup does not fall as frames grow, its cost stays flat,
 and IVSB raises τ at the fewest frames.
@@ -156,9 +156,7 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
                 bar.update()
     bar.close()
     rows = []
-    for (row, category), cell in totals.items():
-        if not config.pictures:
-            break
+    for (row, category), cell in totals.items() if config.pictures else ():
         rows.append({"view": row, "category": category, "tokens_per_s": round(cell["tokens"] / cell["seconds"], 2),
                      "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
     for row in rows_run if config.pictures else ():   # the mix: every category's tokens over its seconds

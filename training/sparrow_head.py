@@ -112,16 +112,6 @@ def states_corpus(corpus: list[dict], work: Path, progress: bool = True) -> list
     return merged
 
 
-def head_tokens(corpus: list[dict]) -> list[int]:
-    """``BASE_HEAD``'s head tokens and every token of the VLM's answers."""
-    from transformers import AutoConfig
-
-    from specserve.replicas.model_store import resolve_model_path
-
-    base = AutoConfig.from_pretrained(resolve_model_path(BASE_HEAD), local_files_only=True)
-    return sorted(set(base.head_token_ids) | {t for row in corpus for t in row["answer"]})
-
-
 def build_head(head_token_ids: list[int], ivsb: bool) -> HSRHead:
     """``BASE_HEAD``'s weights under a head over ``head_token_ids`` (the target's output rows,
     frozen like the embeddings); ``visual_anchor_layer`` set when trained with IVSB."""
@@ -176,7 +166,7 @@ def train(ivsb: bool = True, pictures: int = 3072, steps: int = 1500, batch: int
     held_out, rows = vlm_draft.split(corpus)
     head_file = work / "head_token_ids.json"
     if not head_file.exists():   # a resumed run keeps its head
-        head_file.write_text(json.dumps(head_tokens(corpus)))
+        head_file.write_text(json.dumps(vlm_draft.head_tokens(corpus, BASE_HEAD)))
     head = build_head(json.loads(head_file.read_text()), ivsb)
     head_weight = head.lm_head.weight.detach().clone()
     autocast = bf16_is_fast(torch.device("cpu"))

@@ -126,13 +126,13 @@ def answer_corpus(pictures: int, work: Path | None = None, progress: bool = True
     return [row for n in range(len(chunks)) for row in torch.load(folder / f"chunk-{n:05d}.pt", weights_only=False)]
 
 
-def head_tokens(corpus: list[dict]) -> list[int]:
-    """``BASE_DRAFT``'s head tokens and every token of the VLM's answers."""
+def head_tokens(corpus: list[dict], base: str = BASE_DRAFT) -> list[int]:
+    """The zoo draft ``base``'s head tokens and every token of the VLM's answers."""
     from transformers import AutoConfig
 
     from specserve.replicas.model_store import resolve_model_path
 
-    base = AutoConfig.from_pretrained(resolve_model_path(BASE_DRAFT), local_files_only=True)
+    base = AutoConfig.from_pretrained(resolve_model_path(base), local_files_only=True)
     return sorted(set(base.head_token_ids) | {t for row in corpus for t in row["answer"]})
 
 
