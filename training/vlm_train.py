@@ -67,7 +67,7 @@ FINE_TUNE = VLMRecipe(steps=400, batch=16, lr=1.5e-4, warmup_steps=20, eval_ever
 # The video stage: clips (``data/synthetic_clips.py``, 2-8 frames a row) beside every picture
 # question, so that the picture skills are kept while the clips are learned.
 CLIPS = VLMRecipe(steps=240, batch=8, lr=1.5e-4, warmup_steps=20, eval_every=60, eval_per_category=16,
-                  categories=(*CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES, *CLIP_CATEGORIES))
+                  categories=(*CATEGORIES, *CLIP_CATEGORIES * 4))
 # Greedy tokens an answer may take when scored: a description runs to ~45.
 ANSWER_TOKENS = {"caption": 20, "describe": 64, "sequence": 24}
 # What learns (and what a checkpoint and an export hold): the tower and the projector.
@@ -84,6 +84,15 @@ def prompt_ids(tokenizer, config, question: str, pictures: int = 1) -> list[int]
     return expand_image_tokens(tokenizer(text, add_special_tokens=False)["input_ids"], config)
 
 
+def shown(seed: int, category: str) -> tuple:
+    """The example of ``seed`` in ``category`` (a picture's, or a clip's) and the pictures it shows."""
+    if category in CLIP_CATEGORIES:
+        clip = clip_example(seed, category)
+        return clip, list(clip.frames)
+    ex = example(seed, category)
+    return ex, [ex.image]
+
+
 class PictureStream(IterableDataset):
     """Training rows ``(input_ids, labels, pixel_values)`` from seed ``start`` up; DataLoader workers
     take every n-th seed, so the stream is the same however many there are."""
@@ -95,9 +104,7 @@ class PictureStream(IterableDataset):
 
     def row(self, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
         """A row's ids, labels and its pictures' pixels [pictures, 3, h, w] (a clip: its frames)."""
-        category = self.categories[seed % len(self.categories)]
-        ex = clip_example(seed, category) if category in CLIP_CATEGORIES else example(seed, category)
-        pictures = list(ex.frames) if category in CLIP_CATEGORIES else [ex.image]
+        ex, pictures = shown(seed, self.categories[seed % len(self.categories)])
         prompt = prompt_ids(self.tokenizer, self.config, ex.question, len(pictures))
         answer = self.tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + self.end_ids
         pixels = self.processor(pictures, return_tensors="pt")["pixel_values"]
@@ -134,19 +141,16 @@ def evaluate(model, tokenizer, per_category: int, first_seed: int = TEST_SEED, b
     accuracy = {}
     for category in categories:
         c = (CATEGORIES + CLIP_CATEGORIES).index(category)
-        clips = category in CLIP_CATEGORIES
-        examples = [(clip_example if clips else example)(first_seed + c * 100_000 + i, category)
-                    for i in range(per_category)]
+        examples = [shown(first_seed + c * 100_000 + i, category) for i in range(per_category)]
         right = 0
         # A batch holds prompts of one length: clips of one frame count (no padding to get wrong).
         by_length: dict[int, list] = {}
-        for e in examples:
-            by_length.setdefault(len(e.frames) if clips else 1, []).append(e)
+        for e, pictures in examples:
+            by_length.setdefault(len(pictures), []).append((e, pictures))
         chunks = [group[at:at + batch] for group in by_length.values() for at in range(0, len(group), batch)]
-        for chunk in chunks:
-            pictures = [list(e.frames) if clips else [e.image] for e in chunk]
-            ids = torch.tensor([prompt_ids(tokenizer, config, e.question, len(p)) for e, p in zip(chunk, pictures)],
-                               device=device)
+        for pairs in chunks:
+            chunk, pictures = [e for e, _ in pairs], [p for _, p in pairs]
+            ids = torch.tensor([prompt_ids(tokenizer, config, e.question, len(p)) for e, p in pairs], device=device)
             pixels = processor([p for ps in pictures for p in ps], return_tensors="pt")["pixel_values"].to(device, model.dtype)
             out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
                                  max_new_tokens=ANSWER_TOKENS.get(category, 8), do_sample=False, pad_token_id=tokenizer.pad_token_id)

@@ -15,4 +15,4 @@ def draft_from_model(name: str, model, windowed: bool = False) -> Draft:
     positions read states the target does not send); any other causal LM drafts from tokens alone."""
     if not isinstance(model, HSRHead):
         return DraftLM(name, model)
-    return HSRDraft(name, model, windowed or getattr(model.config, "visual_anchor_layer", None) is not None)
+    return HSRDraft(name, model, windowed or model.config.visual_anchor_layer is not None)
