@@ -9,13 +9,16 @@ the same pictures, their steps taking turns (``run_side_by_side``):
 - ``chain``: the draft at a fixed window; ``static-tree``: a fixed tree (EAGLE-2's N nodes);
 - ``adt-tree`` (Horizontal Repeat), ``adt-tree-vertical``, ``adt-tree-random``: ADT-Tree's three
   initialisations, then its bisectional adaptation; ``eagle2-depth`` and ``sage``: the other tree
-  rules, all starting from the static tree.
+  rules, all starting from the static tree;
+- ``lantern`` and ``adt-tree-lantern``: EAGLE-2's and ADT-Tree's trees under LANTERN's relaxed
+  acceptance (``replicas/lantern.py``; lossy, the paper's LANTERN rows), δ and k as configured.
 
 Pictures are decoded ``at_once`` at a time (default 1: the paper measures one picture's latency),
 after one untimed picture per row.
 Per row and temperature: tokens/s, the speedup over target-only, τ (tokens per step), τ on smooth
-and on busy backgrounds, and at temperature 0 the pictures whose tokens equal target-only's (they
-must all). τ by grid position: each step's tokens counted at the position its first token fills,
+and on busy backgrounds, and at temperature 0 the pictures whose tokens equal target-only's (every
+exact row's must), the share of tokens that do, and the mean pixel difference from target-only's
+pictures (0-255: what relaxed acceptance costs a picture). τ by grid position: each step's tokens counted at the position its first token fills,
 averaged over pictures: the paper's observation (smooth regions τ > 3, textured τ ≤ 2) measured
 here. JSON and a plot: the τ maps and the speedups.
 """
@@ -34,14 +37,16 @@ from specserve.data.synthetic_images import COLOURS, SHAPES
 from specserve.policies.registry import build_policy
 from specserve.replicas.engine import in_process_server, run_side_by_side
 from specserve.replicas.image_engine import GENERATOR_DRAFT, ImageEngine
+from specserve.replicas.lantern import DEFAULT_DELTA, Lantern, default_k
 from specserve.replicas.request import NO_DRAFT
 from specserve.replicas.step import TreeShape
-from specserve.replicas.target import Target
 
 BASELINE = "target-only"
 # Rows: (draft used, policy name or None for pinned, window, tree).
 TREE_POLICIES = ("adt-tree", "adt-tree-vertical", "adt-tree-random", "eagle2-depth", "sage")
-ROWS = (BASELINE, "chain", "static-tree", *TREE_POLICIES)
+# Relaxed rows: the tree rule each runs under LANTERN's acceptance.
+RELAXED = {"lantern": "eagle2-depth", "adt-tree-lantern": "adt-tree"}
+ROWS = (BASELINE, "chain", "static-tree", *TREE_POLICIES, *RELAXED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +63,8 @@ class ImagegenBenchConfig:
     draft: Path | None = None          # default: its zoo draft
     device: str | None = None          # default: the CPU
     seed: int = 0
+    lantern_delta: float = DEFAULT_DELTA
+    lantern_k: int | None = None       # default: an eighth of the codebook (``lantern.default_k``)
 
     def __post_init__(self) -> None:
         if self.pictures < 2:
@@ -69,6 +76,7 @@ class ImagegenBenchConfig:
             raise ValueError(f"unknown row(s) {', '.join(sorted(unknown))}; choose from {', '.join(ROWS)}")
         if any(t < 0 for t in self.temperatures):
             raise ValueError("temperatures must be >= 0")
+        Lantern(self.lantern_delta, self.lantern_k or 1)   # checks δ and k
 
 
 def picture_labels(n: int) -> list[int]:
@@ -82,6 +90,8 @@ def picture_labels(n: int) -> list[int]:
 def _requests(engine: ImageEngine, row: str, labels: list[int], temperature: float, config: ImagegenBenchConfig):
     drafted = row != BASELINE and engine.drafts
     kwargs = dict(draft=GENERATOR_DRAFT if drafted else NO_DRAFT, temperature=temperature)
+    if row in RELAXED:
+        kwargs.update(lantern=Lantern(config.lantern_delta, config.lantern_k or default_k(engine.settings.codebook_size)))
     if drafted and row == "chain":
         kwargs.update(window=config.window)
     elif drafted:
@@ -108,9 +118,10 @@ def run_imagegen_bench(config: ImagegenBenchConfig, progress: bool = True) -> di
         # kernels' first calls) that would weigh on a short run.
         def runs_of(pictures: list[int]) -> list[tuple]:   # each row's requests, with a fresh policy of its own
             return [(_requests(engine, row, pictures, temperature, config),
-                     None if row in (BASELINE, "chain", "static-tree") else build_policy(row)) for row in config.rows]
+                     None if row in (BASELINE, "chain", "static-tree") else build_policy(RELAXED.get(row, row)))
+                    for row in config.rows]
 
-        run_side_by_side([Target(engine.model, slots=2) for _ in config.rows], servers, runs_of(labels[:1]),
+        run_side_by_side([engine.target(slots=2) for _ in config.rows], servers, runs_of(labels[:1]),
                          max_running=2)
         runs = runs_of(labels)
         steps: list[list[list[int]]] = [[[] for _ in labels] for _ in config.rows]   # run -> picture -> tokens per step
@@ -121,7 +132,7 @@ def run_imagegen_bench(config: ImagegenBenchConfig, progress: bool = True) -> di
                 bar.update(len(tokens))
 
         at_once = min(config.at_once, len(labels))
-        targets = [Target(engine.model, slots=2 * at_once) for _ in config.rows]   # two rows a picture (guidance)
+        targets = [engine.target(slots=2 * at_once) for _ in config.rows]   # two rows a picture (guidance)
         results = run_side_by_side(targets, servers, runs, max_running=2 * at_once, on_tokens=record)
         baseline = config.rows.index(BASELINE) if BASELINE in config.rows else None
         base_speed = None
@@ -149,8 +160,7 @@ def run_imagegen_bench(config: ImagegenBenchConfig, progress: bool = True) -> di
                 "trees": [g.stats.summary().get("trees") for g in gens][:1],
             }
             if temperature == 0 and baseline is not None:
-                reference = [g.token_ids for g in results[baseline][0]]
-                out["matches_target_only"] = sum(g.token_ids == ref for g, ref in zip(gens, reference))
+                out.update(_against(engine, gens, results[baseline][0]))
             rows_out.append(out)
         for out in rows_out:
             if out["temperature"] == temperature and base_speed:
@@ -160,12 +170,26 @@ def run_imagegen_bench(config: ImagegenBenchConfig, progress: bool = True) -> di
                        "cfg_scale": engine.settings.cfg_scale, "top_k": engine.settings.top_k,
                        "window": config.window, "device": str(engine.model.device),
                        "tree": [config.tree.depth, config.tree.top_k, config.tree.budget],
+                       "lantern": {"delta": config.lantern_delta,
+                                   "k": config.lantern_k or default_k(engine.settings.codebook_size)},
                        "machine": machine_info()},
               "rows": rows_out, "tau_maps": maps}
     bar.close()
     config.json_path.write_text(json.dumps(report, indent=1))
     plot(report, config.plot_path)
     return report
+
+
+def _against(engine: ImageEngine, gens: list, reference: list) -> dict:
+    """How a row's greedy pictures compare with target-only's: pictures equal token for token,
+    the share of equal tokens, and the mean absolute pixel difference (0-255) of the decoded
+    pictures."""
+    equal = sum(g.token_ids == ref.token_ids for g, ref in zip(gens, reference))
+    same = np.mean([np.mean(np.array(g.token_ids) == np.array(ref.token_ids)) for g, ref in zip(gens, reference)])
+    ours, theirs = engine.pictures(gens), engine.pictures(reference)
+    pixels = np.mean([np.abs(np.asarray(a, dtype=float) - np.asarray(b, dtype=float)).mean()
+                      for a, b in zip(ours, theirs)])
+    return {"matches_target_only": equal, "token_agreement": round(float(same), 4), "pixel_error": round(float(pixels), 3)}
 
 
 def plot(report: dict, path: Path) -> None:

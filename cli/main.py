@@ -431,9 +431,13 @@ def bench_imagegen(
     draft: Optional[Path] = typer.Option(None, help="Its draft's folder (default: the zoo's)."),
     device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cpu)."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
+    lantern_delta: float = typer.Option(0.4, help="The LANTERN rows' δ (probability moved onto a drafted code)."),
+    lantern_k: Optional[int] = typer.Option(None, help="The LANTERN rows' k nearest codes (default: an eighth of "
+                                            "the codebook)."),
 ) -> None:
     """Image generation side by side: target-only, a chain, a static tree and the tree rules
-    (ADT-Tree's three initialisations among them) on the reference generator, τ by grid position."""
+    (ADT-Tree's three initialisations among them), and EAGLE-2's and ADT-Tree's trees under
+    LANTERN's relaxed acceptance, on the reference generator, τ by grid position."""
     from specserve.bench.imagegen import ROWS, ImagegenBenchConfig, run_imagegen_bench
     from specserve.replicas.step import TreeShape
 
@@ -442,7 +446,8 @@ def bench_imagegen(
         run_imagegen_bench(ImagegenBenchConfig(
             json_path=json_path, plot_path=json_path.with_suffix(".png"), pictures=pictures, at_once=at_once,
             temperatures=tuple(float(t) for t in temperatures.split(",") if t.strip()), window=window,
-            tree=TreeShape.parse(tree), rows=_names(rows) or ROWS, generator=generator, draft=draft, device=device))
+            tree=TreeShape.parse(tree), rows=_names(rows) or ROWS, generator=generator, draft=draft, device=device,
+            lantern_delta=lantern_delta, lantern_k=lantern_k))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
     typer.echo(f"wrote {json_path} and {json_path.with_suffix('.png')}")

@@ -114,6 +114,7 @@ def from_pb(request: pb.CompletionRequest, model_id: str) -> CompletionRequest |
             spec["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "budget": tree.budget}
         if request.spec.policy:
             spec["policy"] = request.spec.policy
+        spec.update(_relaxation(request.spec))
         body["spec"] = spec
     for name in ("n", "best_of"):
         if request.HasField(name):
@@ -142,6 +143,16 @@ def from_pb(request: pb.CompletionRequest, model_id: str) -> CompletionRequest |
         raise OpenAIError(message, param=param) from err
 
 
+def _relaxation(spec: pb.SpecOptions) -> dict:
+    """SpecOptions' acceptance fields as the HTTP body's (none set: none)."""
+    out: dict = {}
+    if spec.acceptance:
+        out["acceptance"] = spec.acceptance
+    if spec.HasField("lantern"):
+        out["lantern"] = {name: getattr(spec.lantern, name) for name in ("delta", "k") if spec.lantern.HasField(name)}
+    return out
+
+
 def image_request_from_pb(request: pb.ImageRequest) -> ImageGenerationRequest:
     """The gRPC ImageRequest as the HTTP body, checked by the same schema."""
     body: dict = {"prompt": request.prompt}
@@ -159,6 +170,7 @@ def image_request_from_pb(request: pb.ImageRequest) -> ImageGenerationRequest:
         if request.spec.HasField("tree"):
             tree = request.spec.tree
             spec["tree"] = {"depth": tree.depth, "top_k": tree.top_k, "budget": tree.budget}
+        spec.update(_relaxation(request.spec))
         body["spec"] = {k: v for k, v in spec.items() if v is not None}
     try:
         return ImageGenerationRequest.model_validate(body)
@@ -188,10 +200,11 @@ def spec_pb(spec: dict | None) -> pb.SpecSummary:
     decision = None if router is None else pb.RouterDecision(
         choice=router["choice"], reason=router["reason"], predicted_alpha=router.get("predicted_alpha", {}),
         switched_to=[s["to"] for s in router.get("switches", ())])
+    relaxed = spec.get("acceptance")
     return pb.SpecSummary(draft=spec.get("draft", ""), steps=spec.get("steps", 0),
                           mean_accepted_len=spec.get("mean_accepted_len", 0.0),
                           acceptance_rate=spec.get("acceptance_rate", 0.0), windows=spec.get("windows", []),
-                          router=decision)
+                          router=decision, acceptance=relaxed and pb.Relaxation(**relaxed))
 
 
 def grpc_abort(grpc_context, err: OpenAIError) -> None:

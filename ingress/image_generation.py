@@ -11,7 +11,9 @@ ingress, off the target's model thread.
 
 Fields: OpenAI's ``prompt``, ``n``, ``size`` (the generator's one size), ``response_format``
 (``b64_json``; ``url`` would need storage this server does not keep), and specserve's ``seed``
-(picture i draws from seed + i), ``temperature`` (0: greedy), ``top_k``, ``cfg_scale`` and ``spec``.
+(picture i draws from seed + i), ``temperature`` (0: greedy), ``top_k``, ``cfg_scale`` and ``spec``,
+whose ``acceptance: "lantern"`` asks for LANTERN's relaxed, lossy acceptance (``replicas/lantern.py``),
+named in each picture's ``spec``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from specserve.data.scenes import label_prompt, prompt_label
 from specserve.ingress.choices import answers
 from specserve.ingress.config import IngressConfig
-from specserve.ingress.openai_api import Name, OpenAIError, SpecOptions
+from specserve.ingress.openai_api import LanternOptions, Name, OpenAIError, SpecOptions
 from specserve.ingress.prepare import Prepared, check_model, speculation
 from specserve.replicas.imagegen import generator_settings, load_tokenizer, to_pictures
+from specserve.replicas.lantern import DEFAULT_DELTA, Lantern, default_k
 from specserve.replicas.request import AUTO_DRAFT, MAX_GUIDANCE_SCALE, Guidance, SpecRequest
 from specserve.replicas.sampling import SamplingParams
 
@@ -90,6 +93,7 @@ class PictureFace:
         if spec is not None and spec.grammar_draft is not None:
             raise OpenAIError("grammar_draft is for structured text output", param="spec.grammar_draft")
         draft, window, tree, policy = speculation(spec, config, config.default_draft)
+        lantern = self._relaxation(spec)
         draft = config.default_draft if draft == AUTO_DRAFT else draft   # no router reads pictures' prompts
         guidance = Guidance((s.layout.unconditional,), s.cfg_scale if req.cfg_scale is None else req.cfg_scale,
                             s.codebook_size)
@@ -99,7 +103,20 @@ class PictureFace:
                                            seed=None if req.seed is None else (req.seed + i) % 2**63),
                             draft, window, tree, f"{base}-{i}",
                             pinned=bool(spec and (spec.window is not None or spec.tree is not None)), policy=policy,
-                            guidance=guidance, grid=s.grid) for i in range(req.n)]
+                            guidance=guidance, grid=s.grid, lantern=lantern) for i in range(req.n)]
+
+    def _relaxation(self, spec: SpecOptions | None) -> Lantern | None:
+        """The request's LANTERN relaxation (``spec.acceptance: lantern``), or None: exact."""
+        if spec is None or spec.acceptance in (None, "exact"):
+            if spec is not None and spec.lantern is not None:
+                raise OpenAIError("spec.lantern is read with spec.acceptance 'lantern' only", param="spec.lantern")
+            return None
+        given = spec.lantern or LanternOptions()
+        k = default_k(self.settings.codebook_size) if given.k is None else given.k
+        if k >= self.settings.codebook_size:
+            raise OpenAIError(f"spec.lantern.k must be below the codebook's {self.settings.codebook_size} codes",
+                              param="spec.lantern.k")
+        return Lantern(DEFAULT_DELTA if given.delta is None else given.delta, k)
 
     async def render(self, req: ImageGenerationRequest) -> tuple[list[bytes], str, list[dict | None]]:
         """(each picture's PNG, the scene the generator was conditioned on, each one's spec)."""

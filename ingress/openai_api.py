@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from specserve.replicas.lantern import MAX_K as LANTERN_MAX_K
 from specserve.replicas.logprobs import MAX_TOP_LOGPROBS
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT   # spec.draft: "auto", the router decides; "none", no speculation
 
@@ -106,6 +107,16 @@ class TreeOptions(BaseModel):
     budget: int = Field(ge=1, le=MAX_TREE_BUDGET, description="Nodes in all.")
 
 
+class LanternOptions(BaseModel):
+    """LANTERN's relaxation of an image token's acceptance (``replicas/lantern.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    delta: float | None = Field(None, gt=0.0, lt=1.0, description="Probability moved onto a drafted code from its "
+                                "nearest codes (default 0.4).")
+    k: int | None = Field(None, ge=1, le=LANTERN_MAX_K, description="Nearest codes considered (default: an eighth "
+                          "of the codebook).")
+
+
 class SpecOptions(BaseModel):
     """How to speculate for this request (specserve's extension of the OpenAI body)."""
 
@@ -117,6 +128,10 @@ class SpecOptions(BaseModel):
                                "the deployment's policy: a name from GET /v1/models' `policies`.")
     grammar_draft: bool | None = Field(None, description="Structured output: the tokens the grammar forces are the "
                                        "step's draft (default: the deployment's grammar_draft).")
+    acceptance: Literal["exact", "lantern"] | None = Field(
+        None, description="'exact' (lossless, the default) or 'lantern': LANTERN's relaxed acceptance of image "
+        "tokens, lossy, for image generation only; the response's spec names it.")
+    lantern: LanternOptions | None = None
 
 
 class StreamOptions(BaseModel):

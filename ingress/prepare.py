@@ -143,6 +143,9 @@ class Preparer:
         # "auto" goes to the target replica as it is: its draft router chooses after the prefill
         # (or, with the router off, the configured default draft).
         draft, window, tree, policy = speculation(spec, self.config, AUTO_DRAFT)
+        if spec is not None and (spec.acceptance == "lantern" or spec.lantern is not None):
+            raise OpenAIError("relaxed acceptance (lantern) is for image tokens: text is accepted exactly, so its "
+                              "output is the target's own", param="spec.acceptance")
         params = self._sampling(req, max_tokens or 16)
         grammar = request_grammar(req)
         tool_calls = is_chat and req.tool_mode != "none"

@@ -14,6 +14,7 @@ import torch
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.engine import Generation, in_process_server, run_batch
 from specserve.replicas.imagegen import load_generator, to_pictures
+from specserve.replicas.lantern import Lantern
 from specserve.replicas.model_store import targets_dir, zoo_dir
 from specserve.replicas.request import NO_DRAFT, Guidance, SpecRequest
 from specserve.replicas.sampling import SamplingParams
@@ -38,6 +39,7 @@ class ImageEngine:
         folder = Path(generator) if generator is not None else reference_generator()
         self.model, self.settings, self.tokenizer = load_generator(folder, device or "cpu")
         self.slots = slots
+        self.codes = self.tokenizer.codes().detach()
         draft_folder = Path(draft) if draft is not None else zoo_dir() / GENERATOR_DRAFT
         self.drafts: dict[str, DraftLM] = {}
         if draft is not None or (draft_folder / "config.json").is_file():
@@ -47,21 +49,27 @@ class ImageEngine:
     def request(self, label: int, request_id: str, draft: str = NO_DRAFT, window: int = 0,
                 tree: TreeShape | None = None, temperature: float = 1.0, top_k: int | None = None,
                 seed: int | None = None, cfg_scale: float | None = None, pinned: bool = True,
-                policy: str | None = None) -> SpecRequest:
+                policy: str | None = None, lantern: Lantern | None = None) -> SpecRequest:
         """One picture of class ``label``: guided at ``cfg_scale`` (default: the generator's),
-        drawn at ``temperature`` with ``top_k`` (default: the generator's; temperature 0: greedy)."""
+        drawn at ``temperature`` with ``top_k`` (default: the generator's; temperature 0: greedy);
+        ``lantern``: LANTERN's relaxed (lossy) acceptance."""
         s = self.settings
         params = SamplingParams(temperature=temperature, top_k=s.top_k if top_k is None else top_k, seed=seed)
         guidance = Guidance((s.layout.unconditional,), s.cfg_scale if cfg_scale is None else cfg_scale, s.codebook_size)
         return SpecRequest([s.layout.class_token(label)], s.tokens, params, draft, window, tree, request_id,
-                           pinned=pinned, policy=policy, guidance=guidance, grid=s.grid)
+                           pinned=pinned, policy=policy, guidance=guidance, grid=s.grid, lantern=lantern)
+
+    def target(self, slots: int | None = None) -> Target:
+        """A target over the generator with ``slots`` KV slots (default: the engine's), its
+        codebook at hand for relaxed requests."""
+        return Target(self.model, slots=slots or self.slots, codes=self.codes)
 
     def generate(self, requests: list[SpecRequest], policy=None,
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Generation]:
         """Every request through one batched scheduler (a guided picture takes two slots)."""
         servers = {name: in_process_server(name, draft) for name, draft in self.drafts.items()
                    if any(r.draft == name for r in requests)}
-        return run_batch(Target(self.model, slots=self.slots), servers, requests, policy=policy, on_tokens=on_tokens)
+        return run_batch(self.target(), servers, requests, policy=policy, on_tokens=on_tokens)
 
     def pictures(self, generations: list[Generation]):
         """The PIL pictures of finished generations."""

@@ -45,7 +45,7 @@ def verify(
     return _verify_point_masses(target_logits, proposal, params, generator)
 
 
-def _children(proposal: Proposal) -> list[list[int]]:
+def child_lists(proposal: Proposal) -> list[list[int]]:
     """children[0] are the root's children, children[i + 1] those of node i, in proposal order."""
     children: list[list[int]] = [[] for _ in range(len(proposal) + 1)]
     for node, parent in enumerate(proposal.parents):
@@ -65,7 +65,7 @@ def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal) -> tuple[lis
         choice = target_logits.argmax(-1).tolist()
         if target_logits[torch.arange(len(choice)), choice].isnan().any():
             raise NonFiniteScores("the target's logits are not finite")
-    children = _children(proposal)
+    children = child_lists(proposal)
     path: list[int] = []
     row = 0
     while True:
@@ -82,7 +82,7 @@ def _verify_point_masses(
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
-    children = _children(proposal)
+    children = child_lists(proposal)
     path: list[int] = []
     row = 0
     while True:

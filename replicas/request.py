@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from specserve.replicas.grammar import GrammarState
+from specserve.replicas.lantern import Lantern
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import MAX_TOP_LOGPROBS, joined
 from specserve.replicas.sampling import SamplingParams
@@ -113,6 +114,9 @@ class SpecRequest:
     # An image generator's request: its picture's tokens per row (tree rules read a token's grid
     # neighbours, ``policies/adt_tree.py``); 0: text.
     grid: int = 0
+    # LANTERN's relaxed acceptance of its image tokens (``lantern.py``): lossy, asked for by the
+    # request and named in its summary; None: the exact rules.
+    lantern: Lantern | None = None
     # The prompt's task topic (``routing/topics.TopicBasis.topic``), part of the task bucket its
     # statistics are counted and warm-started under; None: the replica has no topics.
     topic: int | None = None
@@ -126,6 +130,8 @@ class SpecRequest:
             raise ValueError(f"window must be >= 0, got {self.window}")
         if self.grid < 0:
             raise ValueError(f"grid must be >= 0, got {self.grid}")
+        if self.lantern is not None and self.grid == 0:
+            raise ValueError("relaxed acceptance is for an image generator's tokens (a request with a grid)")
         if self.topic is not None and self.topic < 0:
             raise ValueError(f"topic must be >= 0, got {self.topic}")
         if self.stream_interval < 1:
@@ -212,7 +218,7 @@ class RequestState:
         self.prompt_logprobs_sent = False
         self.logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         self.grammar: GrammarState | None = None   # set by the scheduler for a request with a grammar
-        self.stats = SpecStats(draft=request.draft)
+        self.stats = SpecStats(draft=request.draft, acceptance=request.lantern and request.lantern.summary())
         self.slot: int | None = None
         self.guide_slot: int | None = None   # the unconditional row's KV slot (``request.guidance``)
         self.prefilled = False

@@ -397,7 +397,7 @@ class Scheduler:
         live = [s for s in plan.decode if not s.done]
         forced = self._grammar_drafts(live, proposals)
         items = [VerifyItem(s.slot, s.context, proposals.get(s.id, Proposal.empty()), s.request.params, s.generator,
-                            s.processors, s.request.logprobs, s.grammar, self._guide(s)) for s in live]
+                            s.processors, s.request.logprobs, s.grammar, self._guide(s), s.request.lantern) for s in live]
         forward_tokens = 0
         results = self.target.verify(items) if items else []
         t2 = self._clock()

@@ -244,6 +244,9 @@ class SpecStats:
     # where the target agreed; not the draft's, so not in ``accepted``.
     forced: int = 0
     forced_accepted: int = 0
+    # A relaxed (lossy) acceptance rule the request asked for (``lantern.Lantern.summary``);
+    # None: the exact rules.
+    acceptance: dict | None = None
 
     def record(self, result: StepResult) -> None:
         self.steps += 1
@@ -273,4 +276,5 @@ class SpecStats:
             **({"proposal_errors": self.proposal_errors} if self.proposal_errors else {}),
             **({"forced": self.forced, "forced_accepted": self.forced_accepted} if self.forced else {}),
             **({"trees": [list(t) for t in self.trees]} if self.trees else {}),
+            **({"acceptance": dict(self.acceptance)} if self.acceptance else {}),
         }

@@ -25,6 +25,7 @@ from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.imagegen import guided_logits
 from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.lantern import Lantern, NoCodebook, latent_neighbours, verify_relaxed
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
 from specserve.replicas.mrope import MRope
@@ -139,6 +140,7 @@ class VerifyItem:
     logprobs: int | None = None   # the emitted tokens' log-probabilities with this many alternatives; None: none
     grammar: GrammarState | None = None   # the grammar the request's output follows (structured output)
     guide: GuideRow | None = None   # classifier-free guidance: the unconditional row verified beside it
+    lantern: Lantern | None = None   # LANTERN's relaxed acceptance of image tokens (lossy, asked for)
 
 
 class _Features:
@@ -181,12 +183,15 @@ DEFAULT_FEATURE_LAYERS = (-2,)
 
 class Target:
     def __init__(self, model, slots: int = 1, max_len: int | None = None,
-                 feature_layers: tuple[int, ...] = DEFAULT_FEATURE_LAYERS, images=None):
+                 feature_layers: tuple[int, ...] = DEFAULT_FEATURE_LAYERS, images=None,
+                 codes: torch.Tensor | None = None):
         """``feature_layers``: hidden states (indices into transformers' ``hidden_states``) kept
         for hidden-state-reuse drafts from the first forward; ``tap_features`` adds more.
         ``images``: a VLM's ``image_tokens.ImageStore`` (``model`` is then its language model),
-        which prompts' image tokens are registered with and embedded from."""
+        which prompts' image tokens are registered with and embedded from. ``codes``: an image
+        generator's VQ codebook [K, D], whose nearest codes LANTERN's relaxed acceptance reads."""
         self.model = model
+        self.neighbours = None if codes is None else latent_neighbours(codes).to(model.device)
         self.kv = BatchKV(model, slots, max_len=max_len)
         self.images = self.kv.images = images
         if images is not None:   # Qwen2-VL: positions from the pictures' grids (mrope.py)
@@ -367,10 +372,16 @@ class Target:
                         rows = item.grammar.mask(rows)
                     if item.processors is not None:
                         rows = item.processors.apply(rows, item.context, proposal)
-                    path, bonus = verify(rows, proposal, item.params, item.generator)
+                    if item.lantern is None:
+                        path, bonus = verify(rows, proposal, item.params, item.generator)
+                    elif self.neighbours is None:
+                        raise NoCodebook("relaxed acceptance needs an image generator's codebook; this target has none")
+                    else:
+                        path, bonus = verify_relaxed(rows, proposal, item.params, item.generator, self.neighbours,
+                                                     item.lantern)
                     if item.grammar is not None:
                         item.grammar.advance([proposal.tokens[i] for i in path] + [bonus])
-            except (NonFiniteScores, GrammarError) as err:   # this request's own rows: it fails alone, the step goes on
+            except (NonFiniteScores, GrammarError, NoCodebook) as err:   # this request's own rows: it fails alone, the step goes on
                 path, bonus, failure = [], None, f"{type(err).__name__}: {err}"
             accepted = [proposal.tokens[i] for i in path]
             tail = len(feed.tokens) - len(proposal)

@@ -167,9 +167,10 @@ class TargetDeployment:
                             "wrap it in policies.per_request.PolicyByRequest")
         # An image generator's folder (``imagegen.py``) serves picture requests: token ids in and
         # out, no tokenizer (the ingress decodes its image tokens).
-        self.generator = None
+        self.generator, codes = None, None
         if is_generator_folder(config.model):
-            model, self.generator, _ = load_generator(config.model, dtype=resolve_dtype(config.dtype, default_device()))
+            model, self.generator, vq = load_generator(config.model, dtype=resolve_dtype(config.dtype, default_device()))
+            codes = vq.codes().detach()   # LANTERN's relaxed acceptance reads the codebook's nearest codes
             self.loaded = LoadedModel(Path(config.model).name, model, None)
         else:
             self.loaded = (load_vlm(config.model, dtype=config.dtype) if is_vlm_folder(config.model)
@@ -211,7 +212,8 @@ class TargetDeployment:
                            "max_batch + kv_sessions_idle = %d: %d run at once", config.model, self.kv_sizing.slots,
                            self.kv_sizing.max_model_len, text_model.device, config.gpu_memory_utilization,
                            config.max_batch + config.kv_sessions_idle, self.kv_sizing.max_running)
-        target = Target(text_model, slots=self.kv_sizing.slots, max_len=self.kv_sizing.max_model_len, images=self.images)
+        target = Target(text_model, slots=self.kv_sizing.slots, max_len=self.kv_sizing.max_model_len, images=self.images,
+                        codes=codes)
         if self.kv_sizing.max_model_len is not None:
             target.kv.reserve()
             # On CUDA every bucket's graph now, before any request: a first step then waits on no capture.

@@ -65,11 +65,15 @@ def test_http_pictures_are_the_plain_guided_decoders(served, expected):
     assert model["output_modalities"] == ["image"]
 
 
-def test_grpc_generate_image_gives_the_same_picture(served, expected):
+def test_grpc_generate_image_gives_the_same_picture_and_names_a_relaxed_one(served, expected):
     with grpc.insecure_channel(served.grpc_address) as channel:
         reply = specserve_pb2_grpc.SpecServeStub(channel).GenerateImage(
             pb.ImageRequest(prompt=PROMPT, temperature=0), timeout=300)
+        relaxed = specserve_pb2_grpc.SpecServeStub(channel).GenerateImage(
+            pb.ImageRequest(prompt=PROMPT, temperature=0, spec=pb.SpecOptions(acceptance="lantern")), timeout=300)
     assert [pixels(p.png) for p in reply.pictures] == [expected]
+    assert not reply.pictures[0].spec.HasField("acceptance")
+    assert relaxed.pictures[0].spec.acceptance.rule == "lantern" and len(pixels(relaxed.pictures[0].png)) == len(expected)
 
 
 def test_bad_requests_are_answered_and_the_replica_serves_on(served, expected):

@@ -91,12 +91,38 @@ def test_seeded_pictures_repeat(face):
     ({"prompt": "a red circle on a plain background", "top_k": 33}, "top_k"),
     ({"prompt": "a red circle on a plain background", "spec": {"draft": "nope"}}, "spec.draft"),
     ({"prompt": "a red circle on a plain background", "spec": {"policy": "nope"}}, "spec.policy"),
+    ({"prompt": "a red circle on a plain background", "spec": {"acceptance": "lantern", "lantern": {"k": 32}}},
+     "spec.lantern.k"),                                                        # the tiny codebook has 32 codes
+    ({"prompt": "a red circle on a plain background", "spec": {"lantern": {"delta": 0.3}}}, "spec.lantern"),
 ])
 def test_bad_fields_are_400s_naming_the_field(face, fields, param):
     pictures, _ = face
     with pytest.raises(OpenAIError) as caught:
         asyncio.run(pictures.generate(ImageGenerationRequest(**fields)))
     assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_relaxed_acceptance_is_asked_for_and_named_in_each_pictures_spec(face):
+    from scripted_target import GrpcContext
+    from specserve.ingress import specserve_pb2 as pb
+    from specserve.ingress.auth import ApiKeys
+    from specserve.ingress.grpc_api import GrpcFace
+
+    pictures, _ = face
+    prompt = "a red circle on a striped background"
+    body = asyncio.run(pictures.generate(ImageGenerationRequest(
+        prompt=prompt, n=2, temperature=0, spec={"acceptance": "lantern", "tree": {"depth": 3, "top_k": 2, "budget": 6}})))
+    assert len(body["data"]) == 2
+    # The defaults: the ADT-Tree paper's δ, an eighth of the 32 codes.
+    assert all(spec["acceptance"] == {"rule": "lantern", "delta": 0.4, "k": 4} for spec in body["spec"])
+    exact = asyncio.run(pictures.generate(ImageGenerationRequest(prompt=prompt, temperature=0, spec={"acceptance": "exact"})))
+    assert "acceptance" not in exact["spec"][0]
+    rpc = GrpcFace("scenes", ApiKeys(), None, pictures.streams, pictures)
+    got = asyncio.run(rpc.generate_image(pb.ImageRequest(
+        prompt=prompt, temperature=0, spec=pb.SpecOptions(acceptance="lantern", lantern=pb.Relaxation(delta=0.2, k=3))),
+        GrpcContext()))
+    assert (got.pictures[0].spec.acceptance.rule, got.pictures[0].spec.acceptance.k) == ("lantern", 3)
+    assert abs(got.pictures[0].spec.acceptance.delta - 0.2) < 1e-9
 
 
 def test_another_model_is_a_404_and_the_body_is_checked_by_its_schema(face):

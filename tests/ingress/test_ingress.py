@@ -318,6 +318,14 @@ def test_a_requests_tokenizing_runs_off_the_event_loop():
     assert tokenizer.threads and loop_thread not in tokenizer.threads
 
 
+def test_relaxed_acceptance_on_text_is_a_400():
+    prep = preparer(Tokenizer())
+    for spec in ({"acceptance": "lantern"}, {"lantern": {"delta": 0.2}}):
+        with pytest.raises(OpenAIError) as caught:
+            asyncio.run(prep.prepare(CompletionRequest.model_validate({"model": "m", "prompt": "hi", "spec": spec})))
+        assert caught.value.status == 400 and caught.value.param == "spec.acceptance"
+
+
 def test_a_request_under_a_tree_policy_gets_an_unpinned_default_tree_unless_it_names_its_speculation():
     prep = preparer(Tokenizer())
 
