@@ -228,7 +228,7 @@ def test_the_policy_hands_every_request_the_table_of_all_requests_steps():
 
 def test_online_b_interpolates_measured_sizes():
     # Verify ms of SmolLM2-135M (float32) for 1 / 4 / 8 draft tokens after a 200-token prefix, as
-    # measured on a 2-core CPU (docs/design.md §8).
+    # measured on a 2-core CPU (docs/benchmarks.md §13).
     costs = ((2, 39.0), (5, 62.0), (9, 65.0))
     assert verify_ms_at(costs, 5) == 62.0
     assert verify_ms_at(costs, 7) == pytest.approx(63.5)
