@@ -10,8 +10,8 @@ LANTERN weighs a drafted code x against the target's mass on x and on its latent
     A(x)     the longest prefix of B_k(x) whose probability under p totals at most δ
     p̃(x)     p(x) + p(A(x))
 
-Moving A(x)'s mass onto x moves p by at most δ in total variation, LANTERN's bound. The rules,
-relaxed from ``rejection_sampler``'s:
+Moving A(x)'s mass onto x moves p by at most δ in total variation, LANTERN's bound.
+``rejection_sampler`` runs its rules with this mass (``LatentRelaxation``):
 
 * greedy: follow the first child x that is the argmax once its probability is p̃(x); the bonus
   token is the target's argmax (p is the softmax of the guided logits, as LANTERN's greedy test);
@@ -30,9 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.replicas.rejection_sampler import child_lists
-from specserve.replicas.sampling import NonFiniteScores, SamplingParams, logits_to_probs, sample, uniform
-from specserve.replicas.step import Proposal
 
 # The ADT-Tree paper's LANTERN setting (its Figure 7): δ = 0.4, k = 1000 of Anole's 8,192 codes.
 DEFAULT_DELTA = 0.4
@@ -81,93 +78,20 @@ def latent_neighbours(codes: torch.Tensor, k: int = MAX_K, chunk: int = 1024) ->
     return out
 
 
-def _relaxed(p: torch.Tensor, x: int, near: torch.Tensor, delta: float) -> tuple[float, torch.Tensor]:
-    """(p̃(x), A(x)): near is x's neighbours, nearest first ([k]; empty for a token outside the
-    codebook)."""
-    if len(near) == 0:
-        return float(p[x]), near
-    near = near.long()
-    mass = p[near].cumsum(0)
-    kept = int(torch.searchsorted(mass, torch.tensor([delta], dtype=mass.dtype, device=mass.device),
-                                  right=True).item())
-    taken = near[:kept]
-    return float(p[x]) + (float(mass[kept - 1]) if kept else 0.0), taken
+class LatentRelaxation:
+    """LANTERN's ``rejection_sampler.Relaxation`` for one request: ``mass(p, x)`` is ``(p̃(x), A(x))``.
+    neighbours: [K, ≥ k] (``latent_neighbours``), K the codebook's size; a token outside the
+    codebook has no neighbours."""
 
+    def __init__(self, neighbours: torch.Tensor, lantern: Lantern):
+        self.near = neighbours[:, :lantern.k]
+        self.delta = lantern.delta
 
-def verify_relaxed(
-    target_logits: torch.Tensor,
-    proposal: Proposal,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    neighbours: torch.Tensor,
-    lantern: Lantern,
-) -> tuple[list[int], int]:
-    """``rejection_sampler.verify`` under LANTERN's relaxation: ``(accepted_path, bonus_token)``.
-    neighbours: [K, ≥ k] (``latent_neighbours``), K the codebook's size (ids below K are codes)."""
-    near = neighbours[:, :lantern.k]
-
-    def of(x: int) -> torch.Tensor:
-        return near[x] if 0 <= x < len(near) else near[:0, 0]
-
-    if not bool(torch.isfinite(target_logits.float().amax(-1)).all()):
-        raise NonFiniteScores("the target's logits are not finite")
-    if params.greedy:
-        return _greedy(target_logits, proposal, of, lantern.delta)
-    if proposal.draft_probs is not None:
-        return _sampled_chain(target_logits, proposal, params, generator, of, lantern.delta)
-    return _point_masses(target_logits, proposal, params, generator, of, lantern.delta)
-
-
-def _greedy(target_logits, proposal, of, delta) -> tuple[list[int], int]:
-    children = child_lists(proposal)
-    path: list[int] = []
-    row = 0
-    while True:
-        p = target_logits[row].float().softmax(-1)
-        top, first = (float(v) for v in p.max(-1))
-        first = int(first)
-        nxt = None
-        for child in children[row]:   # x wins where it is the argmax, or its p̃(x) reaches the argmax's p
-            x = proposal.tokens[child]
-            if x == first or _relaxed(p, x, of(x), delta)[0] >= top:
-                nxt = child
-                break
-        if nxt is None:
-            return path, first
-        path.append(nxt)
-        row = nxt + 1
-
-
-def _point_masses(target_logits, proposal, params, generator, of, delta) -> tuple[list[int], int]:
-    children = child_lists(proposal)
-    path: list[int] = []
-    row = 0
-    while True:
-        p = logits_to_probs(target_logits[row], params)
-        for child in children[row]:
-            x = proposal.tokens[child]
-            relaxed, taken = _relaxed(p, x, of(x), delta)
-            if uniform(generator) < relaxed:
-                path.append(child)
-                row = child + 1
-                break
-            left = p.clone()
-            left[x] = 0.0
-            left[taken] = 0.0
-            if float(left.sum()) > 0.0:   # nothing left only when x and A(x) held all of p
-                p = left / left.sum()
-        else:
-            return path, sample(p, generator)
-
-
-def _sampled_chain(target_logits, proposal, params, generator, of, delta) -> tuple[list[int], int]:
-    q = proposal.draft_probs
-    p = logits_to_probs(target_logits, params)          # [γ + 1, V]
-    for i, x in enumerate(proposal.tokens):
-        relaxed, _ = _relaxed(p[i], x, of(x), delta)
-        if uniform(generator) * q[i, x].item() < relaxed:
-            continue
-        residual = torch.clamp(p[i] - q[i], min=0.0)
-        total = residual.sum()
-        return list(range(i)), sample(residual / total if total > 0 else p[i], generator)
-    return list(range(len(proposal))), sample(p[len(proposal)], generator)
+    def mass(self, p: torch.Tensor, x: int) -> tuple[float, torch.Tensor]:
+        if not 0 <= x < len(self.near):
+            return float(p[x]), self.near[:0, 0].long()
+        near = self.near[x].long()
+        cumulative = p[near].cumsum(0)
+        kept = int(torch.searchsorted(cumulative, torch.tensor([self.delta], dtype=cumulative.dtype,
+                                                                device=cumulative.device), right=True).item())
+        return float(p[x]) + (float(cumulative[kept - 1]) if kept else 0.0), near[:kept]

@@ -15,9 +15,16 @@ if the target had sampled them one by one):
   ``p`` by elimination, so the output distribution is exactly ``p`` (the multi-candidate case of
   SpecInfer's recursive rejection sampling with point-mass drafts). Under greedy ``p`` is one-hot
   and the rule reduces to "follow the child equal to the target's argmax".
+
+A request that asked for a relaxed rule (``Relaxation``: LANTERN's for image tokens,
+``lantern.py``) runs the same rules with x's mass raised to ``relaxation.mass(p, x)`` and the
+tokens it took leaving ``p`` with x on rejection; under greedy it follows the first child whose
+raised mass reaches the argmax's. Those rules are lossy, and only such a request runs them.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -26,26 +33,36 @@ from specserve.replicas.sampling import NonFiniteScores, SamplingParams, logits_
 from specserve.replicas.step import Proposal
 
 
+class Relaxation(Protocol):
+    """A relaxed (lossy) acceptance rule: the mass a drafted token x is accepted against."""
+
+    def mass(self, p: torch.Tensor, x: int) -> tuple[float, torch.Tensor]:
+        """(x's raised mass under ``p`` [V], the other token ids whose mass it took)."""
+
+
 def verify(
     target_logits: torch.Tensor,
     proposal: Proposal,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    relaxation: Relaxation | None = None,
 ) -> tuple[list[int], int]:
     """Returns ``(accepted_path, bonus_token)``; ``accepted_path`` indexes ``proposal.tokens``.
     Raises ``NonFiniteScores`` when a row it reads is not a distribution (the caller fails that
-    request alone).
+    request alone). ``relaxation``: a relaxed rule the request asked for; None: exact.
 
     target_logits: [len(proposal) + 1, V]
     """
     if params.greedy:
+        if relaxation is not None:
+            return _verify_greedy_relaxed(target_logits, proposal, relaxation)
         return _verify_greedy(target_logits, proposal)
     if proposal.draft_probs is not None:
-        return _verify_sampled_chain(target_logits, proposal, params, generator)
-    return _verify_point_masses(target_logits, proposal, params, generator)
+        return _verify_sampled_chain(target_logits, proposal, params, generator, relaxation)
+    return _verify_point_masses(target_logits, proposal, params, generator, relaxation)
 
 
-def child_lists(proposal: Proposal) -> list[list[int]]:
+def _children(proposal: Proposal) -> list[list[int]]:
     """children[0] are the root's children, children[i + 1] those of node i, in proposal order."""
     children: list[list[int]] = [[] for _ in range(len(proposal) + 1)]
     for node, parent in enumerate(proposal.parents):
@@ -65,7 +82,7 @@ def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal) -> tuple[lis
         choice = target_logits.argmax(-1).tolist()
         if target_logits[torch.arange(len(choice)), choice].isnan().any():
             raise NonFiniteScores("the target's logits are not finite")
-    children = child_lists(proposal)
+    children = _children(proposal)
     path: list[int] = []
     row = 0
     while True:
@@ -76,25 +93,49 @@ def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal) -> tuple[lis
         row = nxt + 1
 
 
+def _verify_greedy_relaxed(target_logits: torch.Tensor, proposal: Proposal,
+                           relaxation: Relaxation) -> tuple[list[int], int]:
+    # p is the softmax of the row's logits: the argmax's mass is what a raised x must reach.
+    if not bool(torch.isfinite(target_logits.float().amax(-1)).all()):
+        raise NonFiniteScores("the target's logits are not finite")
+    children = _children(proposal)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = target_logits[row].float().softmax(-1)
+        top, first = p.max(-1)
+        first = int(first)
+        nxt = next((c for c in children[row] if proposal.tokens[c] == first
+                    or relaxation.mass(p, proposal.tokens[c])[0] >= float(top)), None)
+        if nxt is None:
+            return path, first
+        path.append(nxt)
+        row = nxt + 1
+
+
 def _verify_point_masses(
     target_logits: torch.Tensor,
     proposal: Proposal,
     params: SamplingParams,
     generator: torch.Generator | None,
+    relaxation: Relaxation | None = None,
 ) -> tuple[list[int], int]:
-    children = child_lists(proposal)
+    children = _children(proposal)
     path: list[int] = []
     row = 0
     while True:
         p = logits_to_probs(target_logits[row], params)
         for child in children[row]:
             x = proposal.tokens[child]
+            mass, taken = (p[x].item(), None) if relaxation is None else relaxation.mass(p, x)
             u = uniform(generator)
-            if u < p[x].item():          # accept x with probability p(x)
+            if u < mass:                  # accept x with probability p(x) (relaxed: its raised mass)
                 path.append(child)
                 row = child + 1
                 break
-            p[x] = 0.0                    # rejected: p conditioned on "not x"
+            p[x] = 0.0                    # rejected: p conditioned on "not x" (nor what x took)
+            if taken is not None and float(p.sum() - p[taken].sum()) > 0.0:   # none left: only by round-off
+                p[taken] = 0.0
             p = p / p.sum()
         else:
             return path, sample(p, generator)
@@ -105,14 +146,16 @@ def _verify_sampled_chain(
     proposal: Proposal,
     params: SamplingParams,
     generator: torch.Generator | None,
+    relaxation: Relaxation | None = None,
 ) -> tuple[list[int], int]:
     assert proposal.is_chain, "draft_probs are only defined for a chain proposal"
     q = proposal.draft_probs
     p = logits_to_probs(target_logits, params)          # [γ + 1, V]
     for i, x in enumerate(proposal.tokens):
         u = uniform(generator)
+        mass = p[i, x].item() if relaxation is None else relaxation.mass(p[i], x)[0]
         # q(x) > 0 because x was drawn from q; p(x) >= q(x): always accept.
-        if u * q[i, x].item() < p[i, x].item():
+        if u * q[i, x].item() < mass:
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)
         total = residual.sum()

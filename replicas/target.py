@@ -25,7 +25,7 @@ from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.imagegen import guided_logits
 from specserve.replicas.kv_session import common_prefix_len
-from specserve.replicas.lantern import Lantern, NoCodebook, latent_neighbours, verify_relaxed
+from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook, latent_neighbours
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
 from specserve.replicas.mrope import MRope
@@ -377,8 +377,8 @@ class Target:
                     elif self.neighbours is None:
                         raise NoCodebook("relaxed acceptance needs an image generator's codebook; this target has none")
                     else:
-                        path, bonus = verify_relaxed(rows, proposal, item.params, item.generator, self.neighbours,
-                                                     item.lantern)
+                        path, bonus = verify(rows, proposal, item.params, item.generator,
+                                             LatentRelaxation(self.neighbours, item.lantern))
                     if item.grammar is not None:
                         item.grammar.advance([proposal.tokens[i] for i in path] + [bonus])
             except (NonFiniteScores, GrammarError, NoCodebook) as err:   # this request's own rows: it fails alone, the step goes on

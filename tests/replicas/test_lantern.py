@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from specserve.replicas.image_engine import GENERATOR_DRAFT, ImageEngine
-from specserve.replicas.lantern import Lantern, latent_neighbours, verify_relaxed
+from specserve.replicas.lantern import Lantern, LatentRelaxation, latent_neighbours
 from specserve.replicas.rejection_sampler import verify
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
@@ -31,6 +31,10 @@ def test_neighbours_are_the_other_codes_nearest_first_a_chunk_at_a_time():
     assert not (near == torch.arange(40)[:, None]).any()        # never itself
     first = torch.cdist(codes, codes).fill_diagonal_(9).argmin(-1)
     assert torch.equal(near[:, 0].long(), first)
+
+
+def verify_relaxed(rows, proposal, params, generator, near, lantern):
+    return verify(rows, proposal, params, generator, LatentRelaxation(near, lantern))
 
 
 def logits(p: list[float]) -> torch.Tensor:
