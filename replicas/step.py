@@ -155,6 +155,9 @@ class ProposeRequest:
     ``cache_salt`` is the request's tenant: a draft that learns from other requests' outputs
     drafts only from those of the same salt. ``image_placeholder``: a VLM request's context holds
     image tokens (``image_tokens``); a draft that cannot read them reads this token in their place.
+    ``carried``: the cluster's sums of what the draft's finished sessions left (a TABED ensemble's
+    hits, ``drafts/ensemble_carry.py``), sent with a request's first ask of its draft only; a draft
+    that keeps none ignores them.
     """
 
     session_id: str
@@ -167,6 +170,7 @@ class ProposeRequest:
     features_start: int = 0
     cache_salt: str | None = None
     image_placeholder: int | None = None
+    carried: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ the target's exactly. Every drafted token is fed to every view.
 Weights: at each block, ``w* = argmin_j Σ_{t'} D(p_{t'}, q^j_{t'})`` over the candidates
 ``w_j`` (the simplex grid with step 1/``grid``, for two views the paper's
 ``[1 − j/n, j/n]``, n = 10), summed over the last ``history`` verified positions (all of the
-request's by default, the paper's choice); before any, the replica's prior (below). ``D``:
+request's by default, the paper's choice); before any, the prior (below). ``D``:
 
 - ``kl`` / ``tvd`` against the target's distribution at t', taken as one-hot on the token it
   verified: exact under greedy decoding (the target's distribution there is that one-hot; KL =
@@ -41,12 +41,17 @@ request's by default, the paper's choice); before any, the replica's prior (belo
 Only positions the draft predicted from a correct prefix score: those up to and including a
 block's first rejected token. ``static`` weights keep the equal mix (the paper's MT).
 
-The replica's prior (a deviation: the paper starts every request from the same weights): every
-candidate's scores over the last ``PRIOR_POSITIONS`` positions verified for any of the replica's
-requests. A request's first block drafts with the prior's best mix instead of the equal one, and
-afterwards the prior orders the candidates the request's own positions leave tied (a thousandth
-of a hard match). Answers of a few tokens have one or two blocks: with the equal mix there, the
-view the others outvote is diluted exactly where the request has nothing of its own to go on.
+The prior (a deviation: the paper starts every request from the same weights): every candidate's
+scores over the last ``PRIOR_POSITIONS`` positions verified for any of the replica's requests,
+pooled with the cluster's: the hit rates that every replica's finished requests of the request's
+draft and task bucket left through Redis (``ensemble_carry``; ``matches`` only), which the request
+brings with its first ask. The cluster's weigh as ``PRIOR_POSITIONS`` positions at most, so that
+neither the replica's recent positions nor the cluster's breadth drowns the other; on a replica
+that has verified nothing yet they are the prior alone. A request's first block drafts with the
+prior's best mix instead of the equal one, and afterwards the prior orders the candidates the
+request's own positions leave tied (a thousandth of a hard match). Answers of a few tokens have
+one or two blocks: with the equal mix there, the view the others outvote is diluted exactly where
+the request has nothing of its own to go on.
 
 Per drafted position a session keeps, per view, the probabilities of the union of the views' top
 ``TOP`` tokens and the rest's mass (a token outside them gets its view's residual mass spread
@@ -66,6 +71,7 @@ import torch
 from specserve.replicas.batch_kv import Feed
 from specserve.replicas.captions import caption_view
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
+from specserve.replicas.drafts.ensemble_carry import MAX_CANDIDATES, hit_rates, prefix, session_counts
 from specserve.replicas.image_tokens import draft_view, pooled_view
 from specserve.replicas.sampling import logits_to_probs, sample
 from specserve.replicas.step import Proposal, ProposeRequest
@@ -82,7 +88,8 @@ MAX_HISTORY = 1024
 # Sessions whose weights are kept; far more than a replica serves at once.
 MAX_SESSIONS = 4096
 # The replica's prior: every candidate's scores over the last PRIOR_POSITIONS positions verified
-# for any of its requests; it picks a request's first block, and breaks its ties after.
+# for any of its requests; it picks a request's first block, and breaks its ties after. The
+# cluster's hit rates weigh as at most as many positions beside it.
 PRIOR_POSITIONS = 512
 # The prior's weight beside a request's own scores: below one hard match, so it only orders
 # candidates the request's own positions leave tied.
@@ -157,6 +164,10 @@ class _Session(_Scores):
         self.turn_start = 0          # last-turn view: where the last user turn starts
         self.searched = 0            # the context length searched for it so far
         self.pending: tuple[int, int, list[_Drafted]] | None = None   # (block start, root token, positions)
+        self.scored = 0                       # positions scored over the whole request, not only ``history``
+        self.hits = torch.zeros(candidates)   # of those, each candidate's hard matches: what it leaves (matches)
+        # The cluster's prior: each candidate's mean score [J] and the positions it weighs as.
+        self.cluster: tuple[torch.Tensor, float] | None = None
 
 
 class EnsembleDraftLM(BatchedDraftLM):
@@ -179,6 +190,10 @@ class EnsembleDraftLM(BatchedDraftLM):
         self.history = min(history or MAX_HISTORY, MAX_HISTORY)
         self.candidates = weight_grid(len(views), grid)   # [J, m], the equal mix first
         self.prior = _Scores(len(self.candidates), PRIOR_POSITIONS)
+        # The names of what a finished request leaves to the cluster (``ensemble_carry``), for an
+        # adaptive ``matches`` mix of two views or more over a bounded grid; None: it leaves nothing.
+        carries = self.adaptive and distance == "matches" and len(views) > 1 and len(self.candidates) <= MAX_CANDIDATES
+        self.carried_prefix = prefix([VIEWS.index(v) for v in self.views], grid) if carries else None
         self.sessions: dict[str, _Session] = {}
 
     @property
@@ -194,23 +209,44 @@ class EnsembleDraftLM(BatchedDraftLM):
             session = self.sessions[session_id] = _Session(len(self.candidates), self.history)
         return session
 
-    def release(self, session_id: str) -> None:
+    def release(self, session_id: str) -> dict[str, int]:
+        """Frees the session; returns what its request leaves to the cluster (``ensemble_carry``;
+        {}: nothing, as when it scored no position). Its last block, not yet verified, is not counted."""
         for view in self.views:
             super().release(f"{session_id}/{view}")
-        self.sessions.pop(session_id, None)
+        session = self.sessions.pop(session_id, None)
+        if session is None or self.carried_prefix is None:
+            return {}
+        return session_counts(self.carried_prefix, session.scored, [round(n) for n in session.hits.tolist()])
 
     def weights_for(self, session_id: str) -> torch.Tensor:
         """w*: the candidate with the least summed distance over the session's verified positions,
-        ties broken by the replica's prior; before the session has any, the prior's best (the
-        equal mix when the replica has verified nothing yet, and on ties)."""
+        ties broken by the prior (the replica's and the cluster's pooled); before the session has
+        any, the prior's best (the equal mix when there is no prior, and on ties)."""
         if not self.adaptive:
             return self.candidates[0]
         session = self.sessions.get(session_id)
         own = session.total if session is not None and session.scores else None
-        if not self.prior.scores:
+        total, weight = self.prior.total, float(len(self.prior.scores))
+        if session is not None and session.cluster is not None:
+            mean, positions = session.cluster
+            total, weight = total + positions * mean, weight + positions
+        if weight <= 0:
             return self.candidates[0 if own is None else int(torch.argmin(own))]
-        prior = PRIOR_TIE_BREAK * self.prior.total / len(self.prior.scores)
+        prior = PRIOR_TIE_BREAK * total / weight
         return self.candidates[int(torch.argmin(prior if own is None else own + prior))]
+
+    def cluster_prior(self, sums) -> tuple[torch.Tensor, float] | None:
+        """The cluster's carried sums (``ProposeRequest.carried``) as a prior: each candidate's mean
+        score [J] (a hit scores −1, as in ``_score``) and the positions it weighs as, at most
+        ``PRIOR_POSITIONS``; None when this ensemble carries nothing or the sums hold no usable set
+        of its candidates (``ensemble_carry.hit_rates``)."""
+        if self.carried_prefix is None:
+            return None
+        rates = hit_rates(sums, self.carried_prefix, len(self.candidates))
+        if rates is None:
+            return None
+        return -torch.tensor(rates[0]), min(rates[1], float(PRIOR_POSITIONS))
 
     @property
     def reads_images(self) -> bool:
@@ -254,6 +290,8 @@ class EnsembleDraftLM(BatchedDraftLM):
             verified = context[start + i]
             score = self._score(position, verified)
             session.add(score)
+            session.scored += 1
+            session.hits -= score   # a hard match scores −1 (``matches``); read only when it carries
             self.prior.add(score)
             if position.token != verified:
                 break   # later positions were drafted after a wrong token
@@ -299,6 +337,8 @@ class EnsembleDraftLM(BatchedDraftLM):
         lengths: list[list[int]] = []
         for ask in asks:
             session = self._session(ask.session_id)
+            if ask.carried is not None and session.cluster is None:
+                session.cluster = self.cluster_prior(ask.carried)
             self._learn(session, ask.context)
             row = []
             lengths.append([])

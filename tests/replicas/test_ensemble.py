@@ -2,6 +2,8 @@
 chosen from verified tokens, greedy output equal to the target's, and the draft server built
 from a config. (The sampled distribution through the mixed q: test_sampling_distribution.py.)"""
 
+import math
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from equality import assert_greedy_equal
 from specserve.cluster.config import DraftSpec
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.drafts.ensemble import (
+    PRIOR_POSITIONS,
     EnsembleDraftLM,
     _Drafted,
     last_turn_start,
@@ -18,6 +21,7 @@ from specserve.replicas.drafts.ensemble import (
 from specserve.replicas.engine import in_process_server, run_batch
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import ProposeRequest
 from specserve.replicas.target import Target
 from tiny_models import ARCHITECTURES, VOCAB, perturbed, pruned_copy, tiny_model
 
@@ -102,6 +106,83 @@ def test_a_new_request_starts_from_the_replicas_prior_and_its_own_positions_deci
         draft.prior.add(torch.zeros(len(draft.candidates)))
     assert len(draft.prior.scores) == ensemble.PRIOR_POSITIONS and not bool(draft.prior.total.any())
     assert draft.weights_for("c").tolist() == [0.5, 0.5]   # an even prior: the equal mix
+
+
+def learned_from(draft, session_id, probs, tokens):
+    """``draft``'s session scores a block of ``tokens`` that the target verified as drafted, each
+    position's views ``probs`` [tokens, views] over (the token, 50)."""
+    session = draft._session(session_id)
+    session.pending = (4, 2, [_Drafted(torch.tensor([t, 50]), probs, torch.zeros(2), t) for t in tokens])
+    draft._learn(session, [1, 1, 1, 2, *tokens])
+
+
+FULL_RIGHT = torch.tensor([[0.6, 0.0], [0.4, 1.0]])   # the full view put 0.6 on the verified token
+LAST_RIGHT = torch.tensor([[0.0, 0.6], [1.0, 0.4]])
+
+
+def candidate(draft, full_weight: float) -> int:
+    return next(j for j, w in enumerate(draft.candidates.tolist()) if abs(w[0] - full_weight) < 1e-6)
+
+
+def test_a_finished_session_leaves_each_candidates_hits_and_its_positions():
+    draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER)
+    # Token 5 under a mix is 0.6 w_full against 1 − 0.6 w_full for token 50: only w_full > 5/6
+    # (0.9 and 1.0 on the grid) drafts it, at both positions.
+    learned_from(draft, "a", FULL_RIGHT, (5, 11))
+    prefix = "tabed_01_g10_"
+    assert draft.release("a") == {f"{prefix}positions": 2, f"{prefix}hits_{candidate(draft, 0.9)}": 2,
+                                  f"{prefix}hits_{candidate(draft, 1.0)}": 2}
+    assert draft.release("a") == {} and len(draft.prior.scores) == 2   # released once; the replica keeps its prior
+    # Only an adaptive matches ensemble of two views or more carries.
+    for settings in ({"distance": "kl"}, {"weights": "static"}):
+        other = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER, **settings)
+        learned_from(other, "a", FULL_RIGHT, (5, 11))
+        assert other.carried_prefix is None and other.release("a") == {}, settings
+    assert EnsembleDraftLM("e", tiny_model("llama", seed=1), views=("full",)).carried_prefix is None
+
+
+def ask(session_id, carried=None):
+    return ProposeRequest(session_id, [1, 2, 3, 4], 1, None, SamplingParams(), carried=carried)
+
+
+def test_a_fresh_request_on_a_replica_that_verified_nothing_starts_from_the_clusters_best_mix():
+    draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER)
+    # What other replicas' requests left, decayed: the full-view-heavy mixes hit 7 of 8 positions.
+    sums = {"tabed_01_g10_positions": 8.0, f"tabed_01_g10_hits_{candidate(draft, 1.0)}": 7.0,
+            f"tabed_01_g10_hits_{candidate(draft, 0.9)}": 6.0, "tabed_02_g10_positions": 50.0}
+    draft.propose_chains([ask("new", sums)], [None])
+    assert not draft.prior.scores and draft.weights_for("new").tolist() == [1.0, 0.0]
+    # Beside the replica's prior: two positions where the last-turn view was right weigh less than
+    # the cluster's eight, and more than the cluster's one.
+    learned_from(draft, "b", LAST_RIGHT, (7, 8))
+    draft.release("b")
+    assert draft.weights_for("new")[0] > 5 / 6
+    draft.propose_chains([ask("few", {**sums, "tabed_01_g10_positions": 1.0,
+                                      f"tabed_01_g10_hits_{candidate(draft, 1.0)}": 1.0,
+                                      f"tabed_01_g10_hits_{candidate(draft, 0.9)}": 1.0})], [None])
+    assert draft.weights_for("few")[1] > 5 / 6
+    # The cluster weighs as PRIOR_POSITIONS positions at most, beside the replica's own.
+    assert draft.cluster_prior({"tabed_01_g10_positions": 1e6})[1] == PRIOR_POSITIONS
+    # Sums a session's later asks bring are not read again: the first ask's stand.
+    draft.propose_chains([ask("new", {"tabed_01_g10_positions": 8.0})], [None])
+    assert draft.weights_for("new")[0] > 5 / 6
+
+
+@pytest.mark.parametrize("sums", [
+    {"tabed_01_g10_positions": 8.0, "tabed_01_g10_hits_9": math.nan},
+    {"tabed_01_g10_positions": 8.0, "tabed_01_g10_hits_9": -3.0},
+    {"tabed_01_g10_positions": -8.0, "tabed_01_g10_hits_9": 3.0},
+    {"tabed_01_g10_positions": 8.0, "tabed_01_g10_hits_9": 3.0, "tabed_01_g10_hits_40": 3.0},   # 41+ candidates
+    {"tabed_02_g10_positions": 8.0, "tabed_02_g10_hits_9": 3.0},      # another ensemble's views
+    {"tabed_01_g5_positions": 8.0, "tabed_01_g5_hits_4": 3.0},        # another grid
+    {"adt_requests": 3.0}, {}, {"tabed_01_g10_positions": "many"},
+], ids=["nan", "negative hits", "negative positions", "candidate count", "views", "grid", "no ensemble",
+        "empty", "a string"])
+def test_bad_cluster_sums_are_ignored_and_never_raise(sums):
+    draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER)
+    proposal, = draft.propose_chains([ask("new", sums)], [None])
+    assert len(proposal.tokens) == 1 and draft.sessions["new"].cluster is None
+    assert draft.weights_for("new").tolist() == [0.5, 0.5]
 
 
 def test_a_server_rebuilt_without_its_caches_keeps_the_ensembles_prior():
