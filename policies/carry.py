@@ -30,13 +30,16 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from specserve.policies.stats import request_bucket
+from specserve.replicas.drafts import ensemble_carry
 from specserve.replicas.request import SpecRequest
 
 # The counts a carrying rule may write, one pattern each (``redis_schema.COUNTER_NAME`` admits
-# exactly these): Q-table visits and visit-weighted values (milli-reward), and the end states of
-# the tree rules.
+# exactly these): Q-table visits and visit-weighted values (milli-reward), the end states of the
+# tree rules, and a TABED ensemble's per-candidate hits, which its draft keeps (not a rule: the
+# target hands them from the draft's release to the statistics, ``ReplicaLearning.carry_draft``).
 LEARNED_COUNTERS = (r"q_(n|mq)_([0-9]|1[0-6])_([0-9]|1[0-6])",
-                    r"sage_(requests|max_depth)", r"adt_(requests|depth|top_k)", r"eagle2_(requests|depth)")
+                    r"sage_(requests|max_depth)", r"adt_(requests|depth|top_k)", r"eagle2_(requests|depth)",
+                    ensemble_carry.COUNTERS)
 LEARNED = re.compile("|".join(LEARNED_COUNTERS))   # fullmatch: a carried sum's name
 
 

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specserve.policies.carry import LEARNED_COUNTERS
 from specserve.policies.stats import LOAD_BUCKETS
+from specserve.replicas.drafts.ensemble_carry import MAX_CANDIDATES as MAX_ENSEMBLE_CANDIDATES
 
 logger = logging.getLogger("ray.serve")
 
@@ -205,9 +206,10 @@ class LoadCosts(Strict):
 
 
 # A carried sum's name (``carry.LEARNED_COUNTERS``), and how many a prior holds at most: a full
-# Q-table's two counts per entry and the tree rules' few.
+# Q-table's two counts per entry, the tree rules' few, and two TABED ensembles' candidate sets (a
+# changed config's counts beside the new one's until they age out).
 LearnedName = Annotated[str, Field(pattern="^(" + "|".join(LEARNED_COUNTERS) + ")$")]
-MAX_LEARNED = 2 * (MAX_WINDOW + 1) ** 2 + 16
+MAX_LEARNED = 2 * (MAX_WINDOW + 1) ** 2 + 16 + 2 * (MAX_ENSEMBLE_CANDIDATES + 1)
 
 
 class BestTree(Strict):

@@ -6,7 +6,7 @@ target's other replicas (the suffix draft's cluster index, ``output_exchange``).
 Built by the application (``cluster/app.py``) as a factory and called inside each target replica
 with the target's name, so that the replica (``replicas/``) needs nothing from this layer but
 these calls: ``observers``, ``start``, ``finish``, ``share_output``, ``receive_outputs``,
-``background``, ``carry`` and the factory itself.
+``background``, ``carry``, ``carry_draft`` and the factory itself.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
 
+from specserve.policies.carry import LEARNED
 from specserve.policies.output_exchange import OutputExchange
 from specserve.policies.priors import warm_start
 from specserve.policies.redis_schema import MAX_TOP_K, MAX_TREE_DEPTH
@@ -115,6 +116,16 @@ class ReplicaLearning:
     def carry(self, draft: str, bucket: str, counts: dict[str, int]) -> None:
         """A finished request's carried rule state (``carry.py``), counted for Redis with its statistics."""
         self.collector.carry(draft, bucket, counts)
+
+    def carry_draft(self, draft: str, request: SpecRequest, counts: dict[str, int]) -> None:
+        """What ``request``'s session of ``draft`` left when it was released (a TABED ensemble's
+        hits, ``replicas/drafts/ensemble_carry.py``), counted under that draft and the request's
+        task bucket like the rules' carried state. Only carried names and positive integers are
+        kept (the step loop checked them already; the statistics are written to Redis)."""
+        kept = {name: n for name, n in counts.items()
+                if isinstance(name, str) and LEARNED.fullmatch(name) and type(n) is int and n > 0}
+        if kept:
+            self.carry(draft, request_bucket(request), kept)
 
     def finish(self, request_id: str) -> None:
         self.collector.finish(request_id)

@@ -249,3 +249,36 @@ def test_a_topic_keeps_its_length_buckets_best_tree_unless_it_measured_that_shap
     assert best["p256"] == (2, 2)
     assert best["p256-t1"] == (2, 2)      # its one shape beat nothing: the length bucket's best stands
     assert best["p256-t2"] == (6, 6)      # it measured 2x2 too, and 6x2 beat it there
+
+
+def test_an_ensembles_hits_on_one_replica_steer_the_first_block_of_a_request_on_another():
+    """Replica A's request finds the full view right; its draft's release leaves the hits, which go
+    through A's statistics and the policy service's snapshot to a request on replica B, whose draft
+    has verified nothing: B's first block drafts with the full-view-heavy mix, not the equal one."""
+    from types import SimpleNamespace
+
+    from specserve.replicas.drafts.ensemble import EnsembleDraftLM, _Drafted
+    from specserve.replicas.drafts.ensemble_carry import cluster_sums
+    from specserve.replicas.step import ProposeRequest
+    from tiny_models import tiny_model
+
+    def replica():
+        return ReplicaLearning("t"), EnsembleDraftLM("tabed", tiny_model("llama", seed=1), turn_marker=[7, 3])
+
+    (learning_a, draft_a), (learning_b, draft_b) = replica(), replica()
+    # The full view put 0.6 on both verified tokens, the last-turn view all on token 50: only the
+    # mixes with w_full > 5/6 drafted them.
+    session = draft_a._session("a")
+    full_right = torch.tensor([[0.6, 0.0], [0.4, 1.0]])   # [tokens, views]
+    session.pending = (4, 2, [_Drafted(torch.tensor([t, 50]), full_right, torch.zeros(2), t) for t in (5, 11)])
+    draft_a._learn(session, [1, 1, 1, 2, 5, 11])
+    learning_a.carry_draft("tabed", request("a", draft="tabed", prompt=tuple(range(100))), draft_a.release("a"))
+    (key, counted), = learning_a.collector.drain().items()
+    snapshot = compute_snapshot({key: counts(600, 200, window=4) + counted}, now=0.0) | {"version": 2, "published_at": 0.0}
+    PolicySnapshot.model_validate(snapshot)                   # what replica B reads back parses
+    learning_b.snapshots = SimpleNamespace(current=lambda: snapshot)
+    started, _ = learning_b.start(request("b", draft="tabed", prompt=tuple(range(100))))
+    assert draft_b.weights_for("b").tolist() == [0.5, 0.5]   # B alone: nothing verified, the equal mix
+    ask = ProposeRequest("b", [1, 2, 3, 4], 2, None, SamplingParams(), carried=cluster_sums(started.prior_learned))
+    draft_b.propose_chains([ask], [None])
+    assert not draft_b.prior.scores and draft_b.weights_for("b")[0] > 5 / 6

@@ -4,6 +4,7 @@ default), counts it on the rejection metric, raises nothing, and the policy serv
 publishing."""
 
 import json
+import re
 import time
 from collections import Counter
 
@@ -375,3 +376,26 @@ def test_stream_entries_with_a_field_over_the_bound_are_left_on_the_server(serve
     assert raw.info("stats")["total_net_output_bytes"] - sent_before < 64 * 1024   # the server sent neither
     assert rejected[("router_outcome", "size")] == 1 and rejected[("output", "size")] == 1
     assert MAX_OUTCOME_BYTES < 4 << 20
+
+
+def test_a_prior_carries_an_ensembles_hits_and_refuses_their_names_out_of_bounds():
+    # Names say the views (indexes in VIEWS) and the grid; j below the 300 candidates carried.
+    from pydantic import ValidationError
+
+    prior = compute_snapshot({StatsKey("t", "pl", "p64", 0): good_counts()}, now=0.0)["priors"][0]
+    good = {"tabed_01_g10_positions": 8.0, "tabed_01_g10_hits_0": 3.0, "tabed_0123_g10_hits_285": 1.0}
+    assert redis_schema.Prior.model_validate({**prior, "learned": good}).learned == good
+    counter = re.compile(redis_schema.COUNTER_NAME)
+    assert all(counter.match(name) for name in good)
+    for name in ("tabed_01_g10_hits_300", "tabed_01_g0_positions", "tabed_01_g300_positions", "tabed_6_g10_positions",
+                 "tabed_0123456_g10_positions", "tabed_01_g10_hits_01", "tabed_01_g10_misses_3", "tabed_positions"):
+        assert not counter.match(name), name
+        with pytest.raises(ValidationError):
+            redis_schema.Prior.model_validate({**prior, "learned": {name: 1.0}})
+    with pytest.raises(ValidationError):
+        redis_schema.Prior.model_validate({**prior, "learned": {"tabed_01_g10_positions": -1.0}})
+    # A full Q-table and two ensembles' largest candidate sets fit in one prior.
+    full = {f"q_{k}_{s}_{a}": 1.0 for k in ("n", "mq") for s in range(17) for a in range(17)}
+    for views in ("0123", "0124"):
+        full.update({f"tabed_{views}_g10_hits_{j}": 1.0 for j in range(300)} | {f"tabed_{views}_g10_positions": 9.0})
+    assert len(redis_schema.Prior.model_validate({**prior, "learned": full}).learned) == len(full)

@@ -55,3 +55,15 @@ def test_the_observers_count_the_replicas_requests():
     learning.finish("r")
     (counted,) = learning.collector.drain().values()
     assert counted["requests"] == 1 and counted["accepted_tokens"] == 2 and isinstance(counted, Counter)
+
+
+def test_what_a_drafts_session_left_is_counted_under_that_draft_and_the_requests_bucket():
+    learning = ReplicaLearning("t")
+    left = {"tabed_01_g10_positions": 6, "tabed_01_g10_hits_3": 5}
+    # A request that switched away from the ensemble leaves its counts under the draft it left.
+    learning.carry_draft("tabed", request(draft="pl"), {**left, "q_n_99_0": 1, "tabed_01_g10_hits_4": -2,
+                                                         "tabed_01_g10_hits_5": 1.5, 7: 1})
+    (key, counted), = learning.collector.drain().items()
+    assert (key.draft, key.bucket) == ("tabed", "p64") and counted == Counter(left)
+    learning.carry_draft("tabed", request(), {"q_n_99_0": 1})   # nothing carried: nothing counted
+    assert learning.collector.drain() == {}
