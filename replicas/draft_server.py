@@ -262,18 +262,28 @@ class DraftServer:
             self._generators[ask.session_id] = generator
         return generator
 
-    async def release(self, session_ids: list[str]) -> None:
-        """The sessions ended: their caches become idle prefix caches."""
+    async def release(self, session_ids: list[str]) -> dict[str, dict[str, int]]:
+        """The sessions ended: their caches become idle prefix caches. Returns, by session, what a
+        TABED ensemble's session leaves to the cluster (``ensemble_carry``; sessions that leave
+        nothing are absent): the target checks it (``ensemble_carry.released_counts``) and counts
+        it with its statistics."""
         for session_id in session_ids:
             self._generators.pop(session_id, None)
-        if self.pool is not None:   # on the model thread, which owns the caches
-            await self._worker.run(self._release_caches, session_ids)
+        if self.pool is None:
+            return {}
+        return await self._worker.run(self._release_caches, session_ids)   # on the model thread, which owns the caches
 
-    def _release_caches(self, session_ids: list[str]) -> None:
+    def _release_caches(self, session_ids: list[str]) -> dict[str, dict[str, int]]:
+        left = {}
         for session_id in session_ids:
             self.pool.release(session_id)
-            if self._batched is not None:
+            if isinstance(self._batched, EnsembleDraftLM):
+                counts = self._batched.release(session_id)
+                if counts:
+                    left[session_id] = counts
+            elif self._batched is not None:
                 self._batched.release(session_id)
+        return left
 
     def check_health(self) -> None:
         self._worker.check()

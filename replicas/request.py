@@ -227,6 +227,7 @@ class RequestState:
         self.generator = None if params.greedy else params.generator(device)
         self.draft_seed = draft_seed(params.seed)
         self.features_sent = 0     # target states already sent to a remote draft for this request
+        self.carried_sent = False  # its draft has the cluster's carried sums (``ProposeRequest.carried``)
         self.emit = emit
         # The target's negative log-likelihood of the prompt's last tokens, from the prefill
         # (``PERPLEXITY_ROWS`` per chunk): the draft router's perplexity feature.

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from specserve.replicas.drafts.ensemble_carry import cluster_sums
 from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.request import (AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StepError,
@@ -96,9 +97,9 @@ class Scheduler:
         self.observers = [*([] if router is None else [router.observe]), *observers]
         self.default_draft = default_draft
         self.on_draft = list(on_draft)
-        # (draft, request id) whose draft sessions the step loop should free: the draft a request
+        # (draft, request) whose draft sessions the step loop should free: the draft a request
         # switched away from keeps no KV cache.
-        self.released: list[tuple[str, str]] = []
+        self.released: list[tuple[str, RequestState]] = []
         self.grammar_tokenizer = grammar_tokenizer
         self.grammar_draft = grammar_draft
 
@@ -149,8 +150,9 @@ class Scheduler:
         state.stats.draft = draft
         state.speculating = not state.request.speculation.plain
         state.features_sent = 0
+        state.carried_sent = False
         if old not in (NO_DRAFT, AUTO_DRAFT):
-            self.released.append((old, state.id))
+            self.released.append((old, state))
         self._caption(state)
         for hook in self.on_draft if not state.request.internal else ():   # statistics count clients' requests
             hook(state, None if old == AUTO_DRAFT else old)
@@ -323,15 +325,17 @@ class Scheduler:
     def propose_request(self, state: RequestState, spec: Speculation, features_from: int | None = None,
                         feature_layers=DEFAULT_FEATURE_LAYERS) -> ProposeRequest:
         """The ask for ``state``'s draft; a hidden-state-reuse draft also gets the target states
-        of ``feature_layers`` (its config's, side by side) from ``features_from`` (None: no states)."""
+        of ``feature_layers`` (its config's, side by side) from ``features_from`` (None: no states),
+        and until the draft has answered one, an ensemble the cluster's carried sums."""
         features = None
         start = 0
         if features_from is not None:
             start = features_from
             features = self.target.features(state.context, start, state.slot, feature_layers)
+        carried = None if state.carried_sent else cluster_sums(state.request.prior_learned)
         return ProposeRequest(state.id, state.context, spec.window, spec.tree, state.request.params,
                               state.draft_seed, features, start, state.request.cache_salt,
-                              state.request.image_placeholder)
+                              state.request.image_placeholder, carried)
 
     # ---- model work ---------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from specserve.replicas.drafts.base import NeedFeatures, vocabulary_error
+from specserve.replicas.drafts.ensemble_carry import released_counts
 from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest, StepError, StreamItem
 from specserve.replicas.scheduler import Scheduler, StepPlan
@@ -110,12 +111,15 @@ CALL_HISTORY = 32
 class StepLoop:
     def __init__(self, scheduler: Scheduler, drafts: dict, worker, clock: Callable[[], float] = time.perf_counter,
                  on_idle: Callable[[], Awaitable[None]] | None = None, draft_ahead: bool = True,
-                 on_draft_costs: Callable[[str, float, float], None] | None = None):
+                 on_draft_costs: Callable[[str, float, float], None] | None = None,
+                 on_carried: Callable[[str, SpecRequest, dict[str, int]], None] | None = None):
         """``drafts``: ``DraftServer`` or ``RemoteDraft`` by name. ``on_idle``: awaited each time
         the work runs out (the served replica gives freed memory back). ``draft_ahead``: drafts
         that run apart from ``worker`` draft the next step while the target verifies.
         ``on_draft_costs(name, ms per drafted position, round trip ms)``: a draft deployment's
-        costs, once it first answers: its own start-up probe, and the handle call measured from here."""
+        costs, once it first answers: its own start-up probe, and the handle call measured from here.
+        ``on_carried(draft, request, counts)``: what a finished request's draft session left to the
+        cluster (a TABED ensemble's counts, checked), for the replica's statistics."""
         self.scheduler = scheduler
         self.drafts = dict(drafts)
         self.worker = worker
@@ -137,6 +141,7 @@ class StepLoop:
         self._last_verify_s = 0.0
         self._chores: set[asyncio.Task] = set()   # releases waiting for a draft ahead to answer
         self.on_draft_costs = on_draft_costs
+        self.on_carried = on_carried
         self._inflight: dict[str, asyncio.Task] = {}   # draft -> its step's call that came too late, still running
         self.late: dict[str, int] = {}   # draft -> request steps that went plain waiting for it
         self._call_s: dict[str, deque[float]] = {}   # draft -> its recent calls' seconds
@@ -250,6 +255,7 @@ class StepLoop:
                         continue
                     if ask.features is not None:
                         state.features_sent = ask.features_start + len(ask.features)
+                    state.carried_sent = True   # the draft has the sums, or never needed them
                     out[state.id] = reply
                 pending = retry
                 if not pending:
@@ -382,21 +388,33 @@ class StepLoop:
             self.ahead.used_after_rejection += not ahead.guesses_bonus
         return used
 
-    async def _release(self, sessions: list[tuple[str, str]]) -> None:
-        """Free the draft sessions of (draft, request id) pairs, and those the request drafted
-        ahead from rejections in."""
+    async def _release(self, sessions: list[tuple[str, RequestState]]) -> None:
+        """Free the draft sessions of (draft, request) pairs, and those the request drafted ahead
+        from rejections in. What a request's own session leaves (a TABED ensemble's counts) comes
+        back with the release, is checked (``ensemble_carry.released_counts``: another deployment's
+        reply is input) and goes to ``on_carried``; a release that fails or is late costs only that."""
         by_draft: dict[str, list[str]] = {}
-        for draft, request_id in sessions:
+        leaving: dict[str, dict[str, RequestState]] = {}   # draft -> its requests' sessions, by id
+        for draft, state in sessions:
             if draft in self.drafts and draft not in self._disabled:
-                by_draft.setdefault(draft, []).append(request_id)
-            for name, session in self._outcome_sessions.pop(request_id, ()):
+                by_draft.setdefault(draft, []).append(state.id)
+                leaving.setdefault(draft, {})[state.id] = state
+            for name, session in self._outcome_sessions.pop(state.id, ()):
                 if name in self.drafts and name not in self._disabled:
                     by_draft.setdefault(name, []).append(session)
         for name, ids in by_draft.items():
             try:
-                await self.drafts[name].release(ids)
+                reply = await self.drafts[name].release(ids)
             except Exception as err:  # noqa: BLE001 - releasing only frees a cache
                 logger.info("draft %s: release failed (%s)", name, err)
+                continue
+            if self.on_carried is None or name not in leaving:
+                continue
+            for session_id, counts in released_counts(reply, list(leaving[name])).items():
+                try:
+                    self.on_carried(name, leaving[name][session_id].request, counts)
+                except Exception:  # noqa: BLE001 - counting what a request left never fails a step
+                    logger.exception("draft %s: the counts a finished request left were not taken", name)
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -441,7 +459,7 @@ class StepLoop:
         record = await work
         self._last_verify_s = self._clock() - t_verify
         # Sessions of finished requests, and of drafts a request switched away from.
-        sessions = [(s.request.draft, s.id) for s in plan.decode if s.done] + self.scheduler.released
+        sessions = [(s.request.draft, s) for s in plan.decode if s.done] + self.scheduler.released
         self.scheduler.released = []
         if sessions:
             await self._release_after_ahead(sessions)
@@ -481,22 +499,22 @@ class StepLoop:
                 self._draft_ms[name] = 1e3 * limits[name]
         return proposals
 
-    async def _release_after_ahead(self, sessions: list[tuple[str, str]]) -> None:
+    async def _release_after_ahead(self, sessions: list[tuple[str, RequestState]]) -> None:
         """Free sessions now, or, where a draft ahead for the session is still running, once it
         answers (released first, the session would be made again by the late call)."""
         now, later = [], []
-        for draft, request_id in sessions:
-            running = [a.task for a in self._ahead.get(request_id, ()) if not a.task.done()]
-            (later if running else now).append((draft, request_id))
+        for draft, state in sessions:
+            running = [a.task for a in self._ahead.get(state.id, ()) if not a.task.done()]
+            (later if running else now).append((draft, state))
         if now:
             await self._release(now)
         if later:
-            tasks = {a.task for _, request_id in later for a in self._ahead[request_id] if not a.task.done()}
+            tasks = {a.task for _, state in later for a in self._ahead[state.id] if not a.task.done()}
             chore = asyncio.get_running_loop().create_task(self._release_when(tasks, later))
             self._chores.add(chore)
             chore.add_done_callback(self._chores.discard)
 
-    async def _release_when(self, tasks: set[asyncio.Task], sessions: list[tuple[str, str]]) -> None:
+    async def _release_when(self, tasks: set[asyncio.Task], sessions: list[tuple[str, RequestState]]) -> None:
         await asyncio.wait(tasks)
         await self._release(sessions)
 

@@ -238,7 +238,8 @@ class TargetDeployment:
         if make_grammar_tokenizer is not None:
             threading.Thread(target=warm_up, args=(make_grammar_tokenizer,), name="grammar-warm-up", daemon=True).start()
         self.loop = StepLoop(self.scheduler, resolved, self._worker, on_idle=self._release_free_memory,
-                             draft_ahead=config.draft_ahead, on_draft_costs=self._price_separate)
+                             draft_ahead=config.draft_ahead, on_draft_costs=self._price_separate,
+                             on_carried=None if self.learning is None else self.learning.carry_draft)
         self._released_at = -math.inf
         self._task: asyncio.Task | None = None
         self._probe()   # the model runs before the replica reports healthy (and a reserved cache is allocated)

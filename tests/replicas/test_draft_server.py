@@ -148,3 +148,87 @@ def test_a_served_head_asked_for_the_windowed_attention_skips_a_vlm_requests_ima
         assert len(proposal.tokens) == 3
         with server.pool.using("s", placeholder_view) as draft:
             assert draft.session.cached == cached, windowed
+
+
+# ---- what a finished request's session leaves ------------------------------------------------
+
+CLUSTER = {"tabed_01_g10_positions": 8.0, "tabed_01_g10_hits_5": 6.0}
+
+
+def test_an_ensembles_session_gets_the_clusters_sums_with_its_first_ask_and_leaves_its_counts_at_release():
+    from specserve.replicas.drafts.draft_lm import DraftLM
+    from specserve.replicas.engine import in_process_server
+    from tiny_models import perturbed
+
+    target = tiny_model("llama", seed=0)
+    server = in_process_server("tabed", DraftLM("tabed", perturbed(target, seed=1)), ensemble={"turn_marker": [7, 3]})
+    asked, left = [], []
+    propose = server.propose_batch
+
+    async def recording(asks):
+        asked.extend(asks)
+        return await propose(asks)
+
+    server.propose_batch = recording
+    loop = StepLoop(Scheduler(Target(target, slots=2), StaticPolicy()), {"tabed": server}, InlineWorker(),
+                    on_carried=lambda *args: left.append(args))
+    learned = {"version": 4, "sums": {**CLUSTER, "adt_requests": 3.0}}
+    state = loop.add(SpecRequest(PROMPT, 24, GREEDY, "tabed", 3, None, "r", prior_learned=learned))
+    asyncio.run(loop.run_until_idle())
+    # The ensemble's part of the sums, on the first ask only.
+    assert asked[0].carried == CLUSTER and len(asked) > 1 and all(a.carried is None for a in asked[1:])
+    (draft, request, counts), = left
+    assert draft == "tabed" and request.request_id == "r" and state.done
+    assert 0 < counts["tabed_01_g10_positions"] <= len(state.out) and set(counts) <= {
+        "tabed_01_g10_positions", *(f"tabed_01_g10_hits_{j}" for j in range(11))}
+    assert server._batched.sessions == {}
+
+
+class Releasing:
+    """A draft deployment stand-in that proposes nothing and answers a release with ``reply``."""
+
+    def __init__(self, reply):
+        self.reply = reply
+
+    async def info(self):
+        return {"needs_features": False, "vocab_size": None}
+
+    async def propose_batch(self, asks):
+        return [Proposal.empty() for _ in asks]
+
+    async def release(self, session_ids):
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        return self.reply
+
+
+GOOD = {"tabed_01_g10_positions": 4, "tabed_01_g10_hits_2": 3}
+
+
+@pytest.mark.parametrize("reply, expected", [
+    ({"a": GOOD, "b": {**GOOD, "tabed_01_g10_hits_2": 9}, "x": GOOD}, ["a"]),   # b: more hits than positions; x: not asked
+    ({"a": {**GOOD, "tabed_01_g10_hits_2": -1}}, []),
+    ({"a": {"q_n_1_1": 5}}, []),
+    ("garbage", []), (None, []),
+    (RuntimeError("draft replica gone"), []),
+], ids=["one good", "negative", "another name", "a string", "none", "release failed"])
+def test_only_valid_counts_of_the_requests_asked_reach_the_replica_and_no_release_fails_a_request(reply, expected):
+    target = tiny_model("llama", seed=0)
+    left = []
+    loop = StepLoop(Scheduler(Target(target, slots=2), StaticPolicy()), {"remote": Releasing(reply)}, InlineWorker(),
+                    on_carried=lambda draft, request, counts: left.append((request.request_id, counts)))
+    states = [loop.add(SpecRequest(PROMPT, 3, GREEDY, "remote", 2, None, rid)) for rid in ("a", "b")]
+    asyncio.run(loop.run_until_idle())
+    assert all(s.done and s.finish_reason == "length" for s in states)
+    assert left == [(rid, GOOD) for rid in expected]
+
+
+def test_a_sink_that_fails_costs_only_the_counts():
+    def broken(*args):
+        raise ValueError("statistics closed")
+
+    loop = StepLoop(Scheduler(Target(tiny_model("llama", seed=0), slots=2), StaticPolicy()),
+                    {"remote": Releasing({"a": GOOD})}, InlineWorker(), on_carried=broken)
+    state = loop.add(SpecRequest(PROMPT, 3, GREEDY, "remote", 2, None, "a"))
+    asyncio.run(loop.run_until_idle())
+    assert state.done and state.finish_reason == "length"
