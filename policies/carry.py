@@ -15,6 +15,11 @@ target, draft and task bucket, and come back in the snapshot's prior for the req
 them once they were flushed, and those made in between reach the next one (a delay of one
 publication, never a count twice for longer than that).
 
+A TABED ensemble's draft carries too, though it is no rule: its session's per-candidate hits come
+back from the draft when the target releases the session (``replicas/drafts/ensemble_carry.py``)
+and go to the statistics alone (``ReplicaLearning.carry_draft``), since the draft's own prior holds
+the replica's recent positions; a request brings the cluster's sums to its draft with its first ask.
+
 What comes back from Redis is input: the snapshot's schema (``redis_schema.Prior.learned``) admits
 only the counter names below, finite and non-negative, and each rule brings what it derives within
 its own bounds (a window in 0..γ_max, a tree within the rule's limits), so a bad sum costs a poor
