@@ -157,7 +157,9 @@ class ProposeRequest:
     image tokens (``image_tokens``); a draft that cannot read them reads this token in their place.
     ``carried``: the cluster's sums of what the draft's finished sessions left (a TABED ensemble's
     hits, ``drafts/ensemble_carry.py``), sent with a request's first ask of its draft only; a draft
-    that keeps none ignores them.
+    that keeps none ignores them. ``ahead``: the ask drafts ahead of a verify (``step_loop``), so
+    the context's tail holds drafted tokens the target has not verified: a draft that learns from
+    verified tokens (a TABED ensemble's weights) learns nothing from it.
     """
 
     session_id: str
@@ -171,6 +173,7 @@ class ProposeRequest:
     cache_salt: str | None = None
     image_placeholder: int | None = None
     carried: dict[str, float] | None = None
+    ahead: bool = False
 
 
 @dataclass(frozen=True)

@@ -315,7 +315,8 @@ class StepLoop:
                 if budget < spec.window + 1:
                     break
                 budget -= spec.window + 1
-                asks.append((state, replace(base, context=base.context + proposal.tokens, window=spec.window + 1),
+                asks.append((state, replace(base, context=base.context + proposal.tokens, window=spec.window + 1,
+                                            ahead=True),
                              _Ahead(name, state.id, len(base.context), tuple(proposal.tokens), True)))
             few = len(entries) <= AHEAD_REJECTION_REQUESTS
             for i in range(AHEAD_REJECTIONS if few else 0):   # a rejection at position i, the likelier first
@@ -328,7 +329,7 @@ class StepLoop:
                     budget -= spec.window
                     tail = list(proposal.tokens[:i]) + [alternatives[i]]
                     session = outcome_session(state.id, i)
-                    asks.append((state, replace(base, session_id=session, context=base.context + tail),
+                    asks.append((state, replace(base, session_id=session, context=base.context + tail, ahead=True),
                                  _Ahead(name, session, len(base.context), tuple(tail), False)))
                     self._outcome_sessions.setdefault(state.id, set()).add((name, session))
             if asks:

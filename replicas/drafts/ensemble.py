@@ -39,7 +39,9 @@ request's by default, the paper's choice); before any, the prior (below). ``D``:
   which accepts more on held-out later turns (figures: docs/benchmarks.md §6.0d).
 
 Only positions the draft predicted from a correct prefix score: those up to and including a
-block's first rejected token. ``static`` weights keep the equal mix (the paper's MT).
+block's first rejected token. ``static`` weights keep the equal mix (the paper's MT). An ask that
+drafts ahead of a verify (``ProposeRequest.ahead``) neither scores nor is scored: its context's
+tail is the draft's own guess, which would teach the mix already in use.
 
 The prior (a deviation: the paper starts every request from the same weights): every candidate's
 scores over the last ``PRIOR_POSITIONS`` positions verified for any of the replica's requests,
@@ -339,7 +341,8 @@ class EnsembleDraftLM(BatchedDraftLM):
             session = self._session(ask.session_id)
             if ask.carried is not None and session.cluster is None:
                 session.cluster = self.cluster_prior(ask.carried)
-            self._learn(session, ask.context)
+            if not ask.ahead:   # an ask ahead of a verify: its context's tail is guessed, not verified
+                self._learn(session, ask.context)
             row = []
             lengths.append([])
             for view in self.views:
@@ -389,7 +392,7 @@ class EnsembleDraftLM(BatchedDraftLM):
         for ask, row, length, positions in zip(asks, slots, lengths, kept):
             for slot, n in zip(row, length):   # drafted tokens are not part of the sequence
                 self.kv.crop(slot, n)
-            if self.adaptive:
+            if self.adaptive and not ask.ahead:
                 self.sessions[ask.session_id].pending = (len(ask.context), ask.context[-1], positions)
         return [Proposal.chain(tokens, torch.stack(q) if q else None, probs)
                 for tokens, q, probs in zip(drafted, chosen_q, token_probs)]

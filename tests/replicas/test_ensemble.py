@@ -124,6 +124,20 @@ def candidate(draft, full_weight: float) -> int:
     return next(j for j, w in enumerate(draft.candidates.tolist()) if abs(w[0] - full_weight) < 1e-6)
 
 
+def test_an_ask_ahead_of_a_verify_neither_scores_nor_is_scored():
+    # Drafting ahead asks with the draft's own chain as if the target had accepted it: scoring
+    # that guess would teach the mix in use. The block drafted before stays the one to score.
+    draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER)
+    session = draft._session("s")
+    block = (4, 2, [_Drafted(torch.tensor([t, 50]), FULL_RIGHT, torch.zeros(2), t) for t in (5, 11)])
+    session.pending = block
+    ahead = ProposeRequest("s", [1, 1, 1, 2, 5, 11], 2, None, SamplingParams(), ahead=True)
+    draft.propose_chains([ahead], [None])
+    assert session.pending is block and not session.scores and not draft.prior.scores
+    draft.propose_chains([ProposeRequest("s", [1, 1, 1, 2, 5, 11], 2, None, SamplingParams())], [None])
+    assert len(session.scores) == 2 and session.pending is not block
+
+
 def test_a_finished_session_leaves_each_candidates_hits_and_its_positions():
     draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER)
     # Token 5 under a mix is 0.6 w_full against 1 − 0.6 w_full for token 50: only w_full > 5/6
