@@ -1,7 +1,5 @@
 """`specserve policy`'s table, from a snapshot the policy service computes from real counters."""
 
-import pytest
-
 from specserve.cli.policy_view import format_policy
 from specserve.policies.priors import compute_snapshot
 from specserve.policies.stats import StatsKey
@@ -22,15 +20,13 @@ def test_no_snapshot_and_a_redis_outage_are_said_plainly():
     assert "Redis unreachable (ConnectionError: refused)" in text and "no snapshot yet" in text
 
 
-@pytest.mark.slow
 def test_the_cli_says_what_to_do_when_nothing_is_up(tmp_path):
-    import os
-    import subprocess
-    import sys
+    from typer.testing import CliRunner
 
-    result = subprocess.run([sys.executable, "-m", "specserve.cli.main", "policy"], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "SPECSERVE_HOME": str(tmp_path)})
-    assert result.returncode == 2 and "specserve up" in result.stderr and "--server" in result.stderr
+    from specserve.cli.main import app
+
+    result = CliRunner().invoke(app, ["policy"], env={"SPECSERVE_HOME": str(tmp_path)})
+    assert result.exit_code == 2 and "specserve up" in result.stderr and "--server" in result.stderr
 
 
 def test_an_application_without_redis_is_said_to_learn_alone():
