@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.bench.turns import in_turn
 from specserve.data.prompts import CATEGORIES, load_prompts
 from specserve.replicas.model_store import INT8_SUFFIX, quantized_name, zoo_dir
 from specserve.replicas.step import SpecStats, TreeShape
@@ -186,8 +187,7 @@ def measure(
     samples: list[Sample] = []
     with tqdm(total=len(prompts) * len(configs), desc="bench engine", unit="gen") as bar:
         for i, (category, prompt_ids) in enumerate(prompts):
-            shift = i % len(configs)
-            for config in configs[shift:] + configs[:shift]:
+            for config in in_turn(configs, i):
                 bar.set_postfix_str(f"{category} {config.name}")
                 token_ids, stats, seconds = generate_once(engine, config, prompt_ids, max_tokens)
                 samples.append(Sample(config.name, category, i, token_ids, seconds, stats))

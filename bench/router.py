@@ -52,6 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specserve.bench.engine import machine_info
+from specserve.bench.turns import in_turn
 from specserve.bench.policies import quiet_draft_servers
 from specserve.data.prompts import CATEGORIES, check_categories, load_prompts, topic_corpus
 from specserve.routing.acceptance import LinearAcceptance
@@ -273,8 +274,7 @@ class Bench:
         rows = [*self.candidates, AUTO]
         out = []
         for i, (category, ids) in enumerate(prompts):
-            shift = i % len(rows)
-            for draft in rows[shift:] + rows[:shift]:
+            for draft in in_turn(rows, i):
                 out.append(self.run(phase, i, category, ids, draft))
                 bar.update(1)
         return out

@@ -63,6 +63,7 @@ from pathlib import Path
 import httpx
 
 from specserve.bench.engine import machine_info
+from specserve.bench.turns import in_turn
 from specserve.cluster.config import PROMPT_LOOKUP, SUFFIX
 from specserve.data.prompts import CATEGORIES, check_categories, load_prompts
 from specserve.ingress.auth import client_headers
@@ -600,7 +601,7 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
             turn: dict[str, list[RequestRecord]] = {c.name: [] for c in configs}
             busy_s = {c.name: 0.0 for c in configs}
             for i in tqdm(range(len(prompts)), desc="concurrency 1", unit="prompt"):
-                order = [configs[(i + k) % len(configs)] for k in range(len(configs))]
+                order = in_turn(configs, i)
                 order.sort(key=lambda c: c.name != first)   # stable: the others keep their turn
                 for row_config in order:
                     t0 = time.perf_counter()
@@ -616,7 +617,7 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
             for rate in config.rates:
                 got: dict[str, list[tuple[list[RequestRecord], float]]] = {c.name: [] for c in loaded}
                 for r in range(repeats):
-                    order = [loaded[(r + k) % len(loaded)] for k in range(len(loaded))]
+                    order = in_turn(loaded, r)
                     order.sort(key=lambda c: c.name != first)
                     for row_config in order:
                         print(f"{row_config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"

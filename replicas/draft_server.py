@@ -27,7 +27,7 @@ import torch
 
 from specserve.data.answers import answer_outputs
 from specserve.replicas.cost_probe import draft_ms_per_position
-from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, propose
+from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, needs_features, propose
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.ensemble import EnsembleDraftLM, user_turn_marker
 from specserve.replicas.drafts.factory import draft_from_model
@@ -93,7 +93,7 @@ class DraftServer:
         self.suffix: SuffixDraft | None = None
         if make_draft is not None:
             probe = make_draft()
-            self._needs_features = bool(getattr(probe, "needs_features", False))
+            self._needs_features = needs_features(probe)
             if self._needs_features and draft_model(probe) is not None:
                 self._reads(draft_model(probe))
             self._adopt(draft_model(probe))

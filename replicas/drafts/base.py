@@ -27,8 +27,23 @@ class NeedFeatures:
     have: int
 
 
+@dataclass(frozen=True)
+class DraftInputs:
+    """What a draft reads besides the context, declared by its class (``Draft.inputs``): its
+    ``propose`` and ``propose_tree`` then take the matching keyword arguments, and ``propose``
+    below passes them from the ask."""
+
+    features: bool = False          # the target's hidden states: ``features``, ``features_start``
+    cache_salt: bool = False        # the request's tenant (it reads other requests' outputs): ``cache_salt``
+    image_positions: bool = False   # a VLM request's image token as drafts read it: ``image_placeholder``
+
+
+CONTEXT_ONLY = DraftInputs()
+
+
 class Draft(Protocol):
     name: str
+    inputs: DraftInputs   # what it reads besides the context; CONTEXT_ONLY: the tokens alone
 
     def propose(
         self,
@@ -36,12 +51,14 @@ class Draft(Protocol):
         window: int,
         params: SamplingParams,
         generator: torch.Generator | None,
+        **inputs,
     ) -> Proposal:
         """A chain of at most ``window`` tokens. A draft that samples from its own ``q`` returns
-        ``draft_probs``; a deterministic one (greedy, lookup) returns none."""
+        ``draft_probs``; a deterministic one (greedy, lookup) returns none. ``inputs``: the keyword
+        arguments its ``inputs`` declares, no others."""
         ...
 
-    def propose_tree(self, context: list[int], shape: TreeShape) -> Proposal:
+    def propose_tree(self, context: list[int], shape: TreeShape, **inputs) -> Proposal:
         """A token tree of at most ``shape.depth`` levels and ``shape.budget`` nodes."""
         ...
 
@@ -116,18 +133,19 @@ def vocabulary_error(name: str, draft_vocab: int | None, target_vocab: int) -> s
     return f"draft {name!r} has a vocabulary of {draft_vocab} ids, the target {target_vocab}: a draft must share the target's tokenizer"
 
 
-def needs_features(draft) -> bool:
+def needs_features(draft: Draft) -> bool:
     """Whether ``draft`` reads the target's hidden states (a hidden-state-reuse head)."""
-    return bool(getattr(draft, "needs_features", False))
+    return draft.inputs.features
 
 
 def propose(draft: Draft, ask: ProposeRequest, generator: torch.Generator | None) -> Proposal:
-    """The proposal ``ask`` wants of ``draft``: a tree, or a chain of ``ask.window`` tokens. A
-    draft that reads other requests' outputs (``by_cache_salt``) is told the request's tenant."""
-    extra = {"features": ask.features, "features_start": ask.features_start} if needs_features(draft) else {}
-    if getattr(draft, "by_cache_salt", False):
+    """The proposal ``ask`` wants of ``draft``: a tree, or a chain of ``ask.window`` tokens, with
+    the inputs the draft declares (``DraftInputs``)."""
+    inputs = draft.inputs
+    extra = {"features": ask.features, "features_start": ask.features_start} if inputs.features else {}
+    if inputs.cache_salt:
         extra["cache_salt"] = ask.cache_salt
-    if getattr(draft, "reads_image_positions", False):
+    if inputs.image_positions:
         extra["image_placeholder"] = ask.image_placeholder
     if ask.tree is not None:
         return draft.propose_tree(ask.context, ask.tree, **extra)

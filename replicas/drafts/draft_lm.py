@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.replicas.drafts.base import draft_chain
+from specserve.replicas.drafts.base import CONTEXT_ONLY, draft_chain
 from specserve.replicas.drafts.tree_growth import TreeGrowth
 from specserve.replicas.kv_session import KVSession
 from specserve.replicas.sampling import SamplingParams
@@ -12,6 +12,8 @@ from specserve.replicas.step import Proposal, TreeShape
 
 
 class DraftLM:
+    inputs = CONTEXT_ONLY
+
     def __init__(self, name: str, model):
         self.name = name
         self.session = KVSession(model)

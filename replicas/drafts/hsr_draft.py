@@ -29,7 +29,7 @@ import bisect
 
 import torch
 
-from specserve.replicas.drafts.base import draft_chain
+from specserve.replicas.drafts.base import DraftInputs, draft_chain
 from specserve.replicas.drafts.tree_growth import TreeGrowth
 from specserve.replicas.kv_session import common_prefix_len
 from specserve.replicas.sampling import SamplingParams
@@ -130,8 +130,8 @@ class HSRSession:
 
 
 class HSRDraft:
-    needs_features = True
-    reads_image_positions = True   # told a VLM request's placeholder (``windowed`` skips those positions)
+    # The target's states; a VLM request's placeholder (``windowed`` skips those positions).
+    inputs = DraftInputs(features=True, image_positions=True)
 
     def __init__(self, name: str, head, windowed: bool = False):
         self.name = name

@@ -22,12 +22,14 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from specserve.replicas.drafts.base import CONTEXT_ONLY
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal, TreeShape
 
 
 class PromptLookupDraft:
     name = "prompt-lookup"
+    inputs = CONTEXT_ONLY
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from specserve.replicas.drafts.base import DraftInputs
 from specserve.replicas.drafts.suffix_array import SuffixArray, SuffixArrays
 from specserve.replicas.drafts.suffix_index import Speculation, SuffixIndex
 from specserve.replicas.sampling import SamplingParams
@@ -77,7 +78,7 @@ CHAIN_TOP_K = 3
 
 class SuffixDraft:
     name = "suffix"
-    by_cache_salt = True
+    inputs = DraftInputs(cache_salt=True)   # it drafts from other requests' outputs, per tenant
 
     def __init__(self, depth: int = 24, max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
                  remembered_tokens: int = 1 << 18, requests: int = 32, salts: int = 64,

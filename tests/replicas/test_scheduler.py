@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from specserve.replicas.drafts.base import CONTEXT_ONLY
 from specserve.replicas.request import StaticPolicy
 from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.sampling import SamplingParams
@@ -72,6 +73,7 @@ class BadDraft:
     draft_probs of the wrong vocabulary."""
 
     name = "bad"
+    inputs = CONTEXT_ONLY
 
     def __init__(self):
         self.calls = 0
@@ -310,6 +312,7 @@ class MalformedProbsDraft:
     NaN, out of [0, 1], rows not summing to 1, or no mass on a proposed token."""
 
     name = "malformed-q"
+    inputs = CONTEXT_ONLY
 
     def __init__(self):
         self.calls = 0
