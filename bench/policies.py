@@ -27,7 +27,7 @@ alike. Four sections:
   start policy (``adt-tree`` unless ``--tree-start-policy``) from the start tree, or from the tree
   shape and the rule's carried state the snapshot's prior gives it, a fresh policy per request.
   Warm starts look the prior up under the prompt's task topic (the topic basis a replica's router
-  fits, ``routing/topics.py``); ``warm-by-length`` and ``warm-tree-by-length``: the same from the
+  fits, ``router/topics.py``); ``warm-by-length`` and ``warm-tree-by-length``: the same from the
   prompt's length bucket alone, as before topics, side by side.
   ``warm`` rows need ``--snapshot``, or ``--learn-snapshot N``: one learned in-process from N
   other prompts (``learn_snapshot``; with ``warm-tree``, decoded as trees too).
@@ -70,7 +70,7 @@ from specserve.bench.engine import ALL, ZOO_TREE, machine_info
 from specserve.cluster.config import AppConfig
 from specserve.data.prompts import CATEGORIES, check_categories, load_prompts, topic_corpus
 from specserve.policies.stats import request_bucket, task_bucket
-from specserve.routing.router_factory import RouterFactory, topic_basis
+from specserve.router.router_factory import RouterFactory, topic_basis
 from specserve.replicas.step import TreeShape
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
 

@@ -55,11 +55,11 @@ from specserve.bench.engine import machine_info
 from specserve.bench.turns import in_turn
 from specserve.bench.policies import quiet_draft_servers
 from specserve.data.prompts import CATEGORIES, check_categories, load_prompts, topic_corpus
-from specserve.routing.acceptance import LinearAcceptance
-from specserve.routing.draft_router import LearnedDraftRouter
+from specserve.router.acceptance import LinearAcceptance
+from specserve.router.draft_router import LearnedDraftRouter
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
-from specserve.routing.features import PromptFeatures
-from specserve.routing.router_factory import topic_basis
+from specserve.router.features import PromptFeatures
+from specserve.router.router_factory import topic_basis
 
 ORACLE, ROUTER, BEST_SINGLE, RANDOM, LEAST_SQUARES = "oracle", "router", "best-single", "random", "least-squares"
 ORACLE_IN_SAMPLE = "oracle-in-sample"

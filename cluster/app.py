@@ -26,8 +26,8 @@ from specserve.replicas.draft_deployment import DraftDeployment
 from specserve.replicas.target_deployment import TargetConfig, TargetDeployment
 from specserve.ingress.deployment import Ingress
 from specserve.ingress.prefix_affinity import ROUTER_CLASS as PREFIX_AFFINITY_ROUTER
-from specserve.routing.retrain import retrain
-from specserve.routing.router_factory import RouterFactory
+from specserve.router.retrain import retrain
+from specserve.router.router_factory import RouterFactory
 
 # A target replica's draft calls (each for all of its step's requests) should reach the draft
 # replica that holds those sessions' KV caches: hash on the target replica's id.

@@ -241,7 +241,7 @@ def load_prompts(category: str, n: int, offset: int = 0) -> list[str]:
     return prompts
 
 
-# Per category, for the draft router's TF-IDF topics (routing/topics.py): enough to find the
+# Per category, for the draft router's TF-IDF topics (router/topics.py): enough to find the
 # directions that tell code from prose, few enough to fit in seconds on a replica's first start.
 TOPIC_CORPUS_PER_CATEGORY = 300
 

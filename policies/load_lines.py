@@ -1,5 +1,5 @@
 """A verify forward's cost line per load bucket, from recent steps: what the load-aware policy
-(``goodput.py``) and the draft router's costs (``routing/costs.py``) price a step with.
+(``goodput.py``) and the draft router's costs (``router/costs.py``) price a step with.
 
     verify_ms ≈ a + b · forward_tokens
 

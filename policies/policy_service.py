@@ -30,7 +30,7 @@ class PolicyService:
                  half_life_s: float = 3600.0, horizon_s: float = 24 * 3600.0, min_steps: int = 20,
                  router_retrain: Callable[[list[dict]], dict] | None = None):
         """``router_retrain``: turns the routing outcomes stream into the draft router's weights
-        (``routing/retrain.py``, handed in by the application: this layer does not import the
+        (``router/retrain.py``, handed in by the application: this layer does not import the
         router's); None: no router weights are published."""
         self.store = RedisStats(redis_url, prefix)
         self.router_retrain = router_retrain

@@ -265,7 +265,7 @@ class RedisStats:
     def read_routes(self, count: int | None = None) -> list[dict]:
         """The stream's outcomes, oldest first: the newest ``count``, at most ``MAX_ROUTES``.
         Entries that are not a bounded JSON object of finite numbers are skipped and counted;
-        what an outcome's fields mean the router checks (``routing/retrain.py``)."""
+        what an outcome's fields mean the router checks (``router/retrain.py``)."""
         count = MAX_ROUTES if count is None else max(0, min(count, MAX_ROUTES))
         try:
             entries = list(reversed(stream_range(self.client, self.routes_key, count, MAX_OUTCOME_BYTES, newest=True)))

@@ -52,7 +52,7 @@ from specserve.replicas.step import StepRecord
 
 # Prompt-length buckets (tokens): acceptance differs by task, and length is what every replica
 # knows before the first step; with the router's topics a bucket is split by task topic too
-# (``SpecRequest.topic``). The draft router (``routing/``) goes further: it predicts α from the
+# (``SpecRequest.topic``). The draft router (``router/``) goes further: it predicts α from the
 # prompt's own features.
 BUCKET_EDGES = (64, 256, 1024)
 

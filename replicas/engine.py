@@ -166,7 +166,7 @@ def speculative_generate(
 class SpecEngine:
     def __init__(self, target: LoadedModel, drafts: dict[str, Draft], slots: int = 16,
                  router: DraftRouter | None = None, ensembles: dict[str, dict] | None = None):
-        """``router``: the draft router of ``spec.draft`` "auto" requests (``routing/draft_router.py``);
+        """``router``: the draft router of ``spec.draft`` "auto" requests (``router/draft_router.py``);
         a benchmark may swap it between runs. ``ensembles``: the drafts (draft LMs) whose chains
         are TABED ensembles, with their settings (``EnsembleDraftLM``'s keywords)."""
         self.loaded = target
@@ -279,7 +279,7 @@ class SpecEngine:
 
     def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:
         if request.draft == AUTO_DRAFT and self.router is None:
-            raise ValueError("draft 'auto' needs a draft router: give SpecEngine one (specserve.routing.draft_router)")
+            raise ValueError("draft 'auto' needs a draft router: give SpecEngine one (specserve.router.draft_router)")
         if request.draft not in (NO_DRAFT, AUTO_DRAFT) and request.draft not in self.drafts:
             raise ValueError(f"unknown draft {request.draft!r}; available: {', '.join(self.draft_names)}")
         if self.max_context and len(prompt_ids) + request.max_tokens > self.max_context:

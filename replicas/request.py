@@ -3,7 +3,7 @@ steps, what the replica streams back for it (``StreamItem``), and the two seams 
 each step (``Policy``: each request's speculation; ``DraftRouter``: the draft of an ``AUTO_DRAFT``
 request).
 
-Window and tree rules (``specserve.policies``), the learned draft router (``specserve.routing``),
+Window and tree rules (``specserve.policies``), the learned draft router (``specserve.router``),
 the ingress and the in-process engine import these, not the scheduler: they need the request's
 shape, not the target, the KV layout or the C kernels.
 """
@@ -27,7 +27,7 @@ from specserve.replicas.step import PLAIN, Speculation, SpecStats, StepRecord, S
 NO_DRAFT = "none"
 # Guidance scales a request may ask (LlamaGen's class-conditional models are served at 1.5-7.5).
 MAX_GUIDANCE_SCALE = 50.0
-# The draft is chosen by the replica's draft router (``routing/``) when the request's prefill is
+# The draft is chosen by the replica's draft router (``router/``) when the request's prefill is
 # done: the features it reads include the target's perplexity on the prompt.
 AUTO_DRAFT = "auto"
 
@@ -117,7 +117,7 @@ class SpecRequest:
     # LANTERN's relaxed acceptance of its image tokens (``lantern.py``): lossy, asked for by the
     # request and named in its summary; None: the exact rules.
     lantern: Lantern | None = None
-    # The prompt's task topic (``routing/topics.TopicBasis.topic``), part of the task bucket its
+    # The prompt's task topic (``router/topics.TopicBasis.topic``), part of the task bucket its
     # statistics are counted and warm-started under; None: the replica has no topics.
     topic: int | None = None
 
@@ -304,7 +304,7 @@ class RequestState:
 
 
 class DraftRouter(Protocol):
-    """Chooses the draft of each ``AUTO_DRAFT`` request (``specserve.routing``): once the prefill is
+    """Chooses the draft of each ``AUTO_DRAFT`` request (``specserve.router``): once the prefill is
     done (``route``), then again every step (``revisit``: a draft name to switch to, or None to
     keep it); ``finish`` sees the request end. Every answer is a configured draft or NO_DRAFT."""
 

@@ -158,7 +158,7 @@ class TargetDeployment:
         ``learning``: called with the stats name, what the replica learns with: the statistics,
         metrics and warm starts (``policies.replica_learning``); None: nothing. ``router``: called
         with the stats name, the draft names and the tokenizer, the draft router of ``auto``
-        requests with its background tasks (``routing/router_factory.py``); None: they get
+        requests with its background tasks (``router/router_factory.py``); None: they get
         ``config.default_draft``."""
         drafts = drafts or {}
         if not isinstance(policy, ServedPolicy):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Top to bottom, as in the README.
-LAYERS = ("cli", "bench", "cluster", "ingress", "routing", "policies", "training", "replicas", "data")
+LAYERS = ("cli", "bench", "cluster", "ingress", "router", "policies", "training", "replicas", "data")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

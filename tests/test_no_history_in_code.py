@@ -29,7 +29,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("cli", "cluster", "data", "ingress", "policies", "replicas", "routing", "training", "bench")
+FOLDERS = ("cli", "cluster", "data", "ingress", "policies", "replicas", "router", "training", "bench")
 
 _AVX = r"AVX[-_ ]?512[\w-]*|AVX-?2|AVX-NE-CONVERT"
 _MACHINE = r"(?:CPU|machine|host|box|chip|server|node|VM|instance)s?"

@@ -3,6 +3,6 @@ loop (``distill``), the unrolled hidden-state-reuse head loss (``hsr_train``), a
 recipes, export and evaluation (``zoo``).
 
 Training imports serving code (the draft model classes in ``replicas/drafts/``, model loading in
-``replicas/model_store.py``), never the reverse: ``replicas/`` and ``routing/`` serve what an
+``replicas/model_store.py``), never the reverse: ``replicas/`` and ``router/`` serve what an
 export wrote and must not import this package. The CLI (``specserve zoo ...``) imports it lazily.
 """

@@ -343,7 +343,7 @@ def test_a_tree_rules_state_flows_through_redis_to_every_replica(served, engine)
     from specserve.policies.redis_stats import RedisStats
     from specserve.data.prompts import topic_corpus
     from specserve.policies.stats import StatsKey, task_bucket
-    from specserve.routing.router_factory import RouterFactory, topic_basis
+    from specserve.router.router_factory import RouterFactory, topic_basis
 
     client, spec = openai_client(served), {"draft": "prompt-lookup", "policy": "adt-tree"}
 
@@ -808,8 +808,8 @@ def test_the_router_explores_and_every_replica_routes_with_what_the_cluster_lear
 
     from specserve.cluster.redis_server import RedisServer, ping
     from specserve.policies.redis_stats import RedisStats
-    from specserve.routing.acceptance import LinearAcceptance
-    from specserve.routing.retrain import WeightsDocument, weights_for
+    from specserve.router.acceptance import LinearAcceptance
+    from specserve.router.retrain import WeightsDocument, weights_for
 
     novel = [
         "Name three rivers in Africa and the countries they flow through.",

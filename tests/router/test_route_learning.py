@@ -14,10 +14,10 @@ from specserve.policies.redis_stats import RedisStats
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import RequestState, SpecRequest
 from specserve.replicas.step import RequestStep, Speculation, StepRecord
-from specserve.routing.draft_router import LearnedDraftRouter
-from specserve.routing.retrain import retrain, weights_for
-from specserve.routing.route_learning import RouteLearning
-from specserve.routing.router_factory import RouterFactory
+from specserve.router.draft_router import LearnedDraftRouter
+from specserve.router.retrain import retrain, weights_for
+from specserve.router.route_learning import RouteLearning
+from specserve.router.router_factory import RouterFactory
 
 from conftest import wait_until
 

@@ -12,7 +12,7 @@ from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
 from specserve.replicas.target import Target
-from specserve.routing.draft_router import NO_GAIN, PINNED, PREDICTED, LearnedDraftRouter
+from specserve.router.draft_router import NO_GAIN, PINNED, PREDICTED, LearnedDraftRouter
 from specserve.replicas.engine import run_batch, speculative_generate
 from tiny_servers import servers
 from tiny_models import tiny_model
@@ -287,7 +287,7 @@ def test_a_failing_router_costs_the_choice_not_the_request():
 
 def test_route_metrics_take_an_outcome():
     """Built as a replica builds them (Ray's metric names and descriptions must be ASCII)."""
-    from specserve.routing.route_metrics import RouteMetrics
+    from specserve.router.route_metrics import RouteMetrics
 
     router = LearnedDraftRouter(["lookup"], log=False)
     router.on_outcome.append(RouteMetrics("t").observe)

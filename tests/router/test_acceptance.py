@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from specserve.routing.acceptance import LinearAcceptance
+from specserve.router.acceptance import LinearAcceptance
 
 
 def test_online_updates_equal_the_least_squares_fit_of_everything_seen():

@@ -6,7 +6,7 @@
   kept and retried, newer outcomes wait, the oldest drop when the buffer is full (an outage costs
   learning, never memory or requests).
 - **In**: the policy service retrains the acceptance models from the stream
-  (``routing/retrain.py``) and publishes them; a background task reads them every few seconds and,
+  (``router/retrain.py``) and publishes them; a background task reads them every few seconds and,
   on a new version, the router takes the models for its target and topic basis. A replica that
   cannot reach Redis keeps the weights it has; so does one that reads a document failing
   ``retrain.WeightsDocument`` (garbage, dims beyond bounds: checked before any matrix is
@@ -28,9 +28,9 @@ from specserve.policies.redis_schema import reject
 from specserve.policies.redis_stats import RedisStats
 from specserve.policies.stats_exporter import BatchFlusher
 from specserve.policies.snapshot_cache import SnapshotCache
-from specserve.routing.draft_router import LearnedDraftRouter
-from specserve.routing.acceptance import LinearAcceptance
-from specserve.routing.retrain import WeightsDocument, weights_for
+from specserve.router.draft_router import LearnedDraftRouter
+from specserve.router.acceptance import LinearAcceptance
+from specserve.router.retrain import WeightsDocument, weights_for
 
 logger = logging.getLogger("ray.serve")
 

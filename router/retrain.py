@@ -3,7 +3,7 @@
 The policy service calls ``retrain`` with the capped Redis stream of finished requests (each with
 its features, the topic basis they were computed on, and the realised α of every draft segment it
 ran) and publishes the result as the ``router`` document; replicas load it
-(``routing/route_learning.py``). Ridge over all observations is exactly what each replica's online
+(``router/route_learning.py``). Ridge over all observations is exactly what each replica's online
 model would hold had it seen them all, so a replica starts from the whole cluster's experience.
 Weights are grouped by (target, basis, number of features): features of one topic basis mean
 nothing on another, and a replica takes only models of its own feature count.
@@ -23,7 +23,7 @@ from typing import Annotated
 from pydantic import Field, ValidationError, model_validator
 
 from specserve.policies.redis_schema import MAX_COUNT, Name, Rate, Strict, Time, Version, reject
-from specserve.routing.acceptance import MAX_FEATURES, ROUTER_PRIOR_ALPHA, LinearAcceptance
+from specserve.router.acceptance import MAX_FEATURES, ROUTER_PRIOR_ALPHA, LinearAcceptance
 
 WEIGHTS_FORMAT = 1
 # A feature is scaled to about [-2, 2] (``features.py``); far beyond is not one of ours.

@@ -15,11 +15,11 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 
 from specserve.policies.redis_stats import RedisStats
-from specserve.routing.draft_router import LearnedDraftRouter
-from specserve.routing.route_learning import RouteLearning
-from specserve.routing.route_metrics import RouteMetrics
+from specserve.router.draft_router import LearnedDraftRouter
+from specserve.router.route_learning import RouteLearning
+from specserve.router.route_metrics import RouteMetrics
 from specserve.replicas.prompt_ids import encode_chat
-from specserve.routing.topics import TopicBasis, cached_basis, fit_texts
+from specserve.router.topics import TopicBasis, cached_basis, fit_texts
 
 logger = logging.getLogger("ray.serve")
 

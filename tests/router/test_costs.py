@@ -4,7 +4,7 @@ Adaptation of Speculative Decoding in Large Language Models" (Eq. 1) at the best
 import pytest
 
 from specserve.replicas.step import PLAIN, RequestStep, Speculation, StepRecord
-from specserve.routing.costs import StepCosts
+from specserve.router.costs import StepCosts
 
 
 def record(forward_tokens, verify_ms, steps=(), draft_ms_by=()):

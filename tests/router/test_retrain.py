@@ -16,10 +16,10 @@ from specserve.cluster.redis_server import RedisServer
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.redis_schema import REJECTED
 from specserve.policies.redis_stats import RedisStats
-from specserve.routing.acceptance import LinearAcceptance
-from specserve.routing.draft_router import LearnedDraftRouter
-from specserve.routing.retrain import retrain, weights_for
-from specserve.routing.route_learning import RouteLearning
+from specserve.router.acceptance import LinearAcceptance
+from specserve.router.draft_router import LearnedDraftRouter
+from specserve.router.retrain import retrain, weights_for
+from specserve.router.route_learning import RouteLearning
 
 Service = PolicyService.func_or_class
 DIMS = 14   # the router's features without a topic basis: 6 + 8 topic dimensions
@@ -189,7 +189,7 @@ def test_a_published_model_round_trips():
 
 def test_outcomes_naming_ever_more_models_are_held_to_the_budget_most_observed_first():
     # Each outcome names its own draft: untrusted names must not say how much is allocated.
-    from specserve.routing.retrain import MAX_MODEL_FLOATS, MAX_MODELS
+    from specserve.router.retrain import MAX_MODEL_FLOATS, MAX_MODELS
 
     many = [{**outcome(), "observations": [{"draft": f"d{i}", "alpha": 0.5}]} for i in range(MAX_MODELS + 50)]
     popular = [{**outcome(), "observations": [{"draft": "popular", "alpha": 0.8}]}] * 3

@@ -16,9 +16,9 @@ from specserve.policies.redis_stats import RedisStats
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, RequestState, SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import RequestStep, Speculation, StepRecord
-from specserve.routing.draft_router import EXPLORE, NO_GAIN, PREDICTED, LearnedDraftRouter
-from specserve.routing.retrain import retrain, weights_for
-from specserve.routing.route_learning import RouteLearning
+from specserve.router.draft_router import EXPLORE, NO_GAIN, PREDICTED, LearnedDraftRouter
+from specserve.router.retrain import retrain, weights_for
+from specserve.router.route_learning import RouteLearning
 
 TARGET = "t"
 VARIED = list(range(100, 140))   # nothing repeats: the prompt itself favours no draft

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from specserve.routing.topics import TopicBasis
+from specserve.router.topics import TopicBasis
 
 # A prompt whose perplexity the prefill did not measure (its prefix was cached) gets the log-
 # perplexity of a typical prompt, and the indicator says it was missing.

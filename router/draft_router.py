@@ -1,10 +1,10 @@
 """The learned draft router: which draft (or none) serves a request fastest, decided where the
 prefill happens (the target replica's scheduler) and revisited as the request runs.
 
-At admission, from the request's features x (``routing/features.py``: length, the target's
+At admission, from the request's features x (``router/features.py``: length, the target's
 perplexity on the prompt from its own prefill, repetition, TF-IDF topics):
 
-    α̂_d = θ_dᵀx                    each draft's acceptance model (``routing/acceptance.py``)
+    α̂_d = θ_dᵀx                    each draft's acceptance model (``router/acceptance.py``)
     w_d  = sqrt(xᵀA_d⁻¹x)           LinUCB's width: how unlike the prompts seen so far x is
     G_d  = max_γ E(α̂_d + β·w_d, γ) / (γ·a_d + b(γ))     the objective (Eq. 1), measured costs
     G_none = 1 / b(0)                 plain decoding, no uncertainty
@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from specserve.policies.window import estimate_alpha
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, RequestState
 from specserve.replicas.step import StepRecord
-from specserve.routing.acceptance import ROUTER_PRIOR_ALPHA, LinearAcceptance
-from specserve.routing.costs import StepCosts
-from specserve.routing.features import PromptFeatures, prompt_features
-from specserve.routing.topics import TopicBasis
+from specserve.router.acceptance import ROUTER_PRIOR_ALPHA, LinearAcceptance
+from specserve.router.costs import StepCosts
+from specserve.router.features import PromptFeatures, prompt_features
+from specserve.router.topics import TopicBasis
 
 logger = logging.getLogger("ray.serve")
 

@@ -5,8 +5,8 @@ import pytest
 
 from specserve.data.prompts import load_prompts, training_prompts
 from specserve.replicas.model_store import load_tokenizer_and_config
-from specserve.routing.router_factory import encode_user
-from specserve.routing.topics import TopicBasis, cached_basis
+from specserve.router.router_factory import encode_user
+from specserve.router.topics import TopicBasis, cached_basis
 
 
 def synthetic(seed, n=40):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve.replicas.target import Target
-from specserve.routing.features import PromptFeatures, perplexity_from_nll, prompt_features, repeat_rate
+from specserve.router.features import PromptFeatures, perplexity_from_nll, prompt_features, repeat_rate
 from tiny_models import tiny_model
 
 
