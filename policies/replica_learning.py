@@ -24,6 +24,7 @@ from specserve.policies.snapshot_cache import SnapshotCache
 from specserve.policies.spec_metrics import SpecMetrics
 from specserve.policies.stats import StatsCollector, request_bucket
 from specserve.policies.stats_exporter import RedisExporter
+from specserve.replicas.drafts.ensemble_carry import cluster_sums
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.step import StepRecord, TreeShape
 
@@ -91,7 +92,8 @@ class ReplicaLearning:
         load of ``batch_size`` running requests) unless the client pinned its window or tree or
         asked for no speculation: a chain's window, a tree's shape (its node budget stays the
         request's), the draft's α and the rules' carried sums; returns the request to run and the
-        prior it started from (None: cold). With cluster learning on, a ``tree_explore`` share of
+        prior it started from (None: cold). A pinned request keeps what it asked and starts cold,
+        with only its draft's own carried sums (a TABED ensemble's) from the cluster. With cluster learning on, a ``tree_explore`` share of
         tree requests starts one move away from that shape (``explored_tree`` in the prior)."""
         start = None
         snapshot = None if self.snapshots is None else self.snapshots.current()
@@ -110,6 +112,14 @@ class ReplicaLearning:
                 depth, top_k = self.rng.choice(shapes)
                 request = replace(request, tree=replace(request.tree, depth=depth, top_k=top_k))
                 start = {**(start or {"version": snapshot.get("version")}), "explored_tree": (depth, top_k)}
+        elif snapshot is not None and not request.speculation.plain:
+            # A pinned window or tree stays as asked, but the draft's own carried state (a TABED
+            # ensemble's hits, ``ensemble_carry``) is the draft's, not the policy's: it still
+            # starts from the cluster's.
+            pinned = warm_start(snapshot, self.target, request.draft, request_bucket(request), batch_size)
+            sums = None if pinned is None else cluster_sums({"sums": pinned.get("learned")})
+            if sums:
+                request = replace(request, prior_learned={"version": pinned["version"], "sums": sums})
         self.collector.start(request.request_id, request.draft, request_bucket(request))
         return request, start
 

@@ -3,6 +3,7 @@ from them, on one replica and through the cluster's snapshot (``policies/carry.p
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -282,3 +283,8 @@ def test_an_ensembles_hits_on_one_replica_steer_the_first_block_of_a_request_on_
     ask = ProposeRequest("b", [1, 2, 3, 4], 2, None, SamplingParams(), carried=cluster_sums(started.prior_learned))
     draft_b.propose_chains([ask], [None])
     assert not draft_b.prior.scores and draft_b.weights_for("b")[0] > 5 / 6
+    # A request that pins its window keeps it and starts cold, but its draft's own sums come along.
+    pinned = replace(request("p", draft="tabed", prompt=tuple(range(100)), window=3), pinned=True)
+    kept, prior = learning_b.start(pinned)
+    assert prior is None and kept.window == 3 and kept.prior_alpha is None
+    assert kept.prior_learned["sums"] == cluster_sums(started.prior_learned)
