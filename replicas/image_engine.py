@@ -14,7 +14,7 @@ import torch
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.engine import Generation, in_process_server, run_batch
 from specserve.replicas.imagegen import load_generator, to_pictures
-from specserve.replicas.lantern import Lantern
+from specserve.replicas.lantern import Lantern, latent_neighbours
 from specserve.replicas.model_store import targets_dir, zoo_dir
 from specserve.replicas.request import NO_DRAFT, Guidance, SpecRequest
 from specserve.replicas.sampling import SamplingParams
@@ -39,7 +39,7 @@ class ImageEngine:
         folder = Path(generator) if generator is not None else reference_generator()
         self.model, self.settings, self.tokenizer = load_generator(folder, device or "cpu")
         self.slots = slots
-        self.codes = self.tokenizer.codes().detach()
+        self.neighbours = latent_neighbours(self.tokenizer.codes().detach())   # once, for every target
         draft_folder = Path(draft) if draft is not None else zoo_dir() / GENERATOR_DRAFT
         self.drafts: dict[str, DraftLM] = {}
         if draft is not None or (draft_folder / "config.json").is_file():
@@ -62,7 +62,7 @@ class ImageEngine:
     def target(self, slots: int | None = None) -> Target:
         """A target over the generator with ``slots`` KV slots (default: the engine's), its
         codebook at hand for relaxed requests."""
-        return Target(self.model, slots=slots or self.slots, codes=self.codes)
+        return Target(self.model, slots=slots or self.slots, neighbours=self.neighbours)
 
     def generate(self, requests: list[SpecRequest], policy=None,
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Generation]:

@@ -25,7 +25,7 @@ from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.imagegen import guided_logits
 from specserve.replicas.kv_session import common_prefix_len
-from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook, latent_neighbours
+from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
 from specserve.replicas.mrope import MRope
@@ -184,14 +184,15 @@ DEFAULT_FEATURE_LAYERS = (-2,)
 class Target:
     def __init__(self, model, slots: int = 1, max_len: int | None = None,
                  feature_layers: tuple[int, ...] = DEFAULT_FEATURE_LAYERS, images=None,
-                 codes: torch.Tensor | None = None):
+                 neighbours: torch.Tensor | None = None):
         """``feature_layers``: hidden states (indices into transformers' ``hidden_states``) kept
         for hidden-state-reuse drafts from the first forward; ``tap_features`` adds more.
         ``images``: a VLM's ``image_tokens.ImageStore`` (``model`` is then its language model),
-        which prompts' image tokens are registered with and embedded from. ``codes``: an image
-        generator's VQ codebook [K, D], whose nearest codes LANTERN's relaxed acceptance reads."""
+        which prompts' image tokens are registered with and embedded from. ``neighbours``: an image
+        generator's nearest-code table (``lantern.latent_neighbours`` of its VQ codebook), which
+        LANTERN's relaxed acceptance reads."""
         self.model = model
-        self.neighbours = None if codes is None else latent_neighbours(codes).to(model.device)
+        self.neighbours = None if neighbours is None else neighbours.to(model.device)
         self.kv = BatchKV(model, slots, max_len=max_len)
         self.images = self.kv.images = images
         if images is not None:   # Qwen2-VL: positions from the pictures' grids (mrope.py)

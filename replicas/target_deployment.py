@@ -46,6 +46,7 @@ from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.grammar import grammar_tokenizer, warm_up
 from specserve.replicas.kv_memory import check_utilization, choose_slots, model_bytes
 from specserve.replicas.imagegen import is_generator_folder, load_generator
+from specserve.replicas.lantern import latent_neighbours
 from specserve.replicas.model_store import LoadedModel, default_device, load_causal_lm, resolve_dtype
 from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
 from specserve.replicas.model_worker import ModelWorker
@@ -167,10 +168,10 @@ class TargetDeployment:
                             "wrap it in policies.per_request.PolicyByRequest")
         # An image generator's folder (``imagegen.py``) serves picture requests: token ids in and
         # out, no tokenizer (the ingress decodes its image tokens).
-        self.generator, codes = None, None
+        self.generator, neighbours = None, None
         if is_generator_folder(config.model):
             model, self.generator, vq = load_generator(config.model, dtype=resolve_dtype(config.dtype, default_device()))
-            codes = vq.codes().detach()   # LANTERN's relaxed acceptance reads the codebook's nearest codes
+            neighbours = latent_neighbours(vq.codes().detach())   # what LANTERN's relaxed acceptance reads
             self.loaded = LoadedModel(Path(config.model).name, model, None)
         else:
             self.loaded = (load_vlm(config.model, dtype=config.dtype) if is_vlm_folder(config.model)
@@ -213,7 +214,7 @@ class TargetDeployment:
                            self.kv_sizing.max_model_len, text_model.device, config.gpu_memory_utilization,
                            config.max_batch + config.kv_sessions_idle, self.kv_sizing.max_running)
         target = Target(text_model, slots=self.kv_sizing.slots, max_len=self.kv_sizing.max_model_len, images=self.images,
-                        codes=codes)
+                        neighbours=neighbours)
         if self.kv_sizing.max_model_len is not None:
             target.kv.reserve()
             # On CUDA every bucket's graph now, before any request: a first step then waits on no capture.
