@@ -33,8 +33,7 @@ from specserve.replicas.prompt_ids import encode_chat, encode_text
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
-from specserve.replicas.vlm import (TargetText, image_prompt_ids, image_token_id, picture_markers, pixel_preparer,
-                                    tokens_per_image)
+from specserve.replicas.vlm import TargetText, image_prompt_ids, image_token_id, picture_grid, picture_preparer
 
 
 @dataclass
@@ -95,10 +94,9 @@ class Preparer:
         # (``image_tokens``): the prefix-affinity router and the replicas' caches key on them.
         self.image_placeholder = None
         if self.processor is not None:
-            self.prepare_pixels = pixel_preparer(self.processor.image_processor)
-            self.tokens_per_image = tokens_per_image(text.config, self.processor.image_processor)
+            self.prepare_picture = picture_preparer(self.processor)
+            self.picture_grid = picture_grid(text.config, self.processor.image_processor)
             self.image_placeholder = image_token_id(text.config)
-            self.picture_markers = picture_markers(self.processor)
         self.max_context = getattr(text.text_config, "max_position_embeddings", None)
         if config.max_model_len is not None:
             self.max_context = min(self.max_context or config.max_model_len, config.max_model_len)
@@ -124,8 +122,9 @@ class Preparer:
         (a class with temporal patches, Qwen2-VL's, sees them as pictures too)."""
         decoded = decode_media(media, self.config.images, deadline=deadline) if media else []
         frames = {id(part): len(pictures) for part, pictures in zip(media, decoded)}
-        pixels = [self.prepare_pixels(p) for pictures in decoded for p in pictures]
-        prompt_ids = self._prompt_ids(req, pixels, lambda part: frames[id(part)])
+        pictures = [self.prepare_picture(p) for shown in decoded for p in shown]
+        prompt_ids = self._prompt_ids(req, pictures, lambda part: frames[id(part)])
+        units = tuple(unit for picture in pictures for unit in picture.units)
         is_chat = isinstance(req, ChatCompletionRequest)
         max_tokens = req.token_limit if is_chat else req.max_tokens
         if self.max_context:
@@ -167,8 +166,8 @@ class Preparer:
             spec_request=SpecRequest(prompt_ids, max_tokens or 16, params, draft, window, tree, request_id=request_id,
                                      pinned=bool(spec and (spec.window is not None or spec.tree is not None)),
                                      policy=policy, stream_interval=self.config.stream_interval,
-                                     cache_salt=req.cache_salt, images=tuple(pixels),
-                                     image_placeholder=self.image_placeholder if pixels else None,
+                                     cache_salt=req.cache_salt, images=units,
+                                     image_placeholder=self.image_placeholder if units else None,
                                      logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
                                      grammar=grammar, grammar_draft=spec.grammar_draft if spec else None),
             stop=req.stop,
@@ -223,24 +222,24 @@ class Preparer:
                 f"{text_bytes} bytes make at least {at_least} tokens. Shorten the prompt.",
                 param=param, code="context_length_exceeded")
 
-    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pixels: list, frames) -> list[int]:
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pictures: list, frames) -> list[int]:
         """``frames(part)``: how many pictures a clip part became (its sampled frames)."""
         if isinstance(req, ChatCompletionRequest):
             self._check_text_size(sum(len(m.text().encode("utf-8")) for m in req.messages), "messages")
         elif isinstance(req.prompt, str):
             self._check_text_size(len(req.prompt.encode("utf-8")), "prompt")
         if isinstance(req, ChatCompletionRequest):
-            if not pixels and not any(m.text().strip() for m in req.messages):
+            if not pictures and not any(m.text().strip() for m in req.messages):
                 raise OpenAIError("messages: every message is empty; give some text", param="messages")
-            if not pixels:
+            if not pictures:
                 return encode_chat(self.tokenizer, *template_messages(req, self.teaches_tools))
             messages, tools = template_messages(req, self.teaches_tools,
                                                 content=lambda m: m.template_content(frames))
             text = self.processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             try:
-                return image_prompt_ids(ids, pixels, lambda p: picture_ids(p, self.tokens_per_image),
-                                        self.image_placeholder, self.picture_markers)
+                return image_prompt_ids(ids, pictures, lambda p: p.ids(lambda u: picture_ids(u, self.picture_grid(u))),
+                                        self.image_placeholder)
             except ValueError as err:
                 raise OpenAIError(str(err), param="messages") from err
         if isinstance(req.prompt, str):

@@ -26,7 +26,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
-from specserve.replicas.image_tokens import POOLED_BASE, VIRTUAL_BASE
+from specserve.replicas.image_tokens import cell, is_picture_token, starts_picture
 from specserve.replicas.request import SpecRequest, StreamItem
 
 logger = logging.getLogger("ray.serve")
@@ -44,11 +44,10 @@ class Captions:
     picture goes, its image tokens between the processor's ``markers`` (``vlm.caption_writer``)."""
 
     def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], prompt: list[int],
-                 placeholder: int, tokens_per_image: int, capacity: int = 512,
-                 markers: tuple[list[int], list[int]] = ([], [])):
+                 placeholder: int, capacity: int = 512, markers: tuple[list[int], list[int]] = ([], [])):
         if prompt.count(placeholder) != 1:
             raise ValueError("the caption prompt must show exactly one picture")
-        self.encode, self.decode, self.tokens_per_image, self.capacity = encode, decode, tokens_per_image, capacity
+        self.encode, self.decode, self.capacity = encode, decode, capacity
         at = prompt.index(placeholder)
         self._before, self._after = [*prompt[:at], *markers[0]], [*markers[1], *prompt[at + 1:]]
         # The drafts with a caption view: only their requests have pictures captioned (captions
@@ -64,22 +63,17 @@ class Captions:
 
     def digests(self, prompt_ids: list[int]) -> list[int]:
         """The pictures a prompt shows, in order (a picture shown twice, once)."""
-        seen: dict[int, None] = {}
-        for t in prompt_ids:
-            if VIRTUAL_BASE <= t < POOLED_BASE and (t - VIRTUAL_BASE) % self.tokens_per_image == 0:
-                seen[(t - VIRTUAL_BASE) // self.tokens_per_image] = None
-        return list(seen)
+        return list(dict.fromkeys(cell(t)[0] for t in prompt_ids if starts_picture(t)))
 
     def requests(self, prompt_ids: list[int]) -> list[tuple[SpecRequest, Callable[[StreamItem], None]]]:
         """The caption requests to queue beside a request with ``prompt_ids``, each with the sink
         its tokens go to: one per picture neither captioned nor being captioned."""
         out = []
-        for digest in self.digests(prompt_ids):
+        for digest, picture in pictures(prompt_ids).items():
             if digest in self._written or digest in self._writing:
                 continue
             self._writing.add(digest)
-            first = VIRTUAL_BASE + digest * self.tokens_per_image
-            ids = [*self._before, *range(first, first + self.tokens_per_image), *self._after]
+            ids = [*self._before, *picture, *self._after]
             request = SpecRequest(ids, CAPTION_TOKENS, request_id=f"caption-{digest:010x}", internal=True)
             out.append((request, self._sink(digest)))
         return out
@@ -115,12 +109,29 @@ def caption_view(ids: list[int], captions: Captions, placeholder: int) -> list[i
     """``ids`` with each picture's image tokens as its caption's ids, or, while it has none, as
     the placeholder (the text-only view's reading)."""
     out: list[int] = []
-    per = captions.tokens_per_image
+    caption = None
     for t in ids:
-        if VIRTUAL_BASE <= t < POOLED_BASE:
-            if (t - VIRTUAL_BASE) % per == 0:   # a picture's first token stands for the picture
-                caption = captions.get((t - VIRTUAL_BASE) // per)
-                out.extend(caption if caption is not None else [placeholder] * per)
-            continue
-        out.append(t)
+        if not is_picture_token(t):
+            out.append(t)
+        elif starts_picture(t):   # a picture's first token stands for the picture
+            caption = captions.get(cell(t)[0])
+            out.extend(caption if caption is not None else (placeholder,))
+        elif caption is None:
+            out.append(placeholder)
+    return out
+
+
+def pictures(prompt_ids: list[int]) -> dict[int, list[int]]:
+    """Each picture a prompt shows (digest -> its image tokens), in order; a picture shown twice,
+    once."""
+    out: dict[int, list[int]] = {}
+    current = None   # the tokens of the picture being read, where it is shown for the first time
+    for t in prompt_ids:
+        if not is_picture_token(t):
+            current = None
+        elif starts_picture(t):
+            digest = cell(t)[0]
+            current = None if digest in out else out.setdefault(digest, [])
+        if current is not None:
+            current.append(t)
     return out

@@ -275,7 +275,7 @@ class SpecEngine:
             raise ValueError(f"{self.loaded.name} reads text only: images need a vision-language target")
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder, self.images.markers)
+        return image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder)
 
     def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:
         if request.draft == AUTO_DRAFT and self.router is None:

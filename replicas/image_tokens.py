@@ -1,65 +1,125 @@
 """Image tokens as ids: a picture's image tokens travel through the engine as virtual token ids.
 
-A VLM prompt holds ``tokens_per_image`` image tokens per picture, whose embeddings come from the
-vision tower and projector, not the embedding table. Here each such token is an id at or above
-``VIRTUAL_BASE`` (far above any vocabulary) that names the picture's content and the token's
-place in it:
+A VLM prompt holds a run of image tokens per picture, whose embeddings come from the vision tower
+and projector, not the embedding table. Here each such token is an id at or above ``VIRTUAL_BASE``
+(far above any vocabulary) that names the picture's content and the token's cell on the
+picture's grid of image tokens:
 
-    id = VIRTUAL_BASE + digest(pixels) · tokens_per_image + j,     j = 0 .. tokens_per_image − 1
+    id = VIRTUAL_BASE + digest(pixels) · 2^20 + row · 2^10 + column
 
 so everything that keys on token ids keys on the picture's content for free: the slot caches'
 prefix reuse (two prompts share a cached prefix only where they show the same picture), the
-prefix-affinity router, the scheduler's bookkeeping. The only places that must know are the ones
-that embed ids: the target's forward asks ``ImageStore.rows`` for a virtual id's embedding (the
-vision tower runs then, inside the prefill forward that first needs the picture, batched over
-every picture that forward needs), and drafts, which see the VLM's placeholder token instead
-(``draft_view``): their text-only view of the prompt.
+prefix-affinity router, the scheduler's bookkeeping. A picture's grid is its own (``Grid``: a
+Qwen2-VL picture at its native resolution, an any-res picture's rows of tiles), and the ids
+carry it, so that positions that depend on it (M-RoPE, ``mrope.py``) are read off the tokens.
+The only places that must know are the ones that embed ids: the target's forward asks
+``ImageStore.rows`` for a virtual id's embedding (the vision tower runs then, inside the prefill
+forward that first needs the picture, batched over every picture that forward needs), and
+drafts, which see the VLM's placeholder token instead (``draft_view``): their text-only view of
+the prompt.
 
-The digest is 40 bits of BLAKE2b over the preprocessed pixels (the same picture sent as PNG or
-as JPEG that decodes to the same pixels is one picture).
+The digest is 40 bits of BLAKE2b over the prepared pixels and their shape (the same picture sent
+as PNG or as JPEG that decodes to the same pixels is one picture).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections import OrderedDict
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 VIRTUAL_BASE = 1 << 32
+CELL_BITS = 10                     # a grid is at most 1024 cells a side
 _DIGEST_BYTES = 5
+_PICTURE_BITS = 2 * CELL_BITS
+_CELL_MASK = (1 << CELL_BITS) - 1
 # Pooled image tokens (a drafting view, ``pooled_view``) live in a namespace of their own above
 # the pictures' ids: POOLED_BASE + digest · pooled tokens + j.
-POOLED_BASE = VIRTUAL_BASE + (1 << 52)
+POOLED_BASE = VIRTUAL_BASE + (1 << (8 * _DIGEST_BYTES + _PICTURE_BITS))
 POOLED_TOKENS = 4
+
+
+class Grid(NamedTuple):
+    """Where a picture's ``count`` image tokens sit: row-major, ``columns`` a row (the last row
+    may be short where the tokens are not a rectangle)."""
+
+    count: int
+    columns: int
+
+    @property
+    def rows(self) -> int:
+        return -(-self.count // self.columns)
+
+    @property
+    def full(self) -> bool:
+        return self.rows * self.columns == self.count
+
+    @classmethod
+    def of(cls, count: int, columns: int | None = None) -> "Grid":
+        """``count`` tokens on ``columns`` a row; unnamed, a square where ``count`` is one, else rows
+        of the widest a grid allows."""
+        if columns is None:
+            side = round(count ** 0.5)
+            columns = side if side * side == count else min(count, 1 << CELL_BITS)
+        grid = cls(count, columns)
+        if not 0 < columns <= 1 << CELL_BITS or grid.rows > 1 << CELL_BITS:
+            raise ValueError(f"a picture's {count} image tokens on {columns} a row exceed the "
+                             f"{1 << CELL_BITS} x {1 << CELL_BITS} grid image token ids can name")
+        return grid
 
 
 def is_virtual(token: int) -> bool:
     return token >= VIRTUAL_BASE
 
 
-def picture_ids(pixels: torch.Tensor, tokens_per_image: int) -> list[int]:
+def is_picture_token(token: int) -> bool:
+    """An image token of a picture (not a pooled view's)."""
+    return VIRTUAL_BASE <= token < POOLED_BASE
+
+
+def cell(token: int) -> tuple[int, int, int]:
+    """A picture token's (digest, row, column)."""
+    offset = token - VIRTUAL_BASE
+    return offset >> _PICTURE_BITS, (offset >> CELL_BITS) & _CELL_MASK, offset & _CELL_MASK
+
+
+def starts_picture(token: int) -> bool:
+    """Whether ``token`` is a picture's first image token (it stands for the picture)."""
+    return is_picture_token(token) and (token - VIRTUAL_BASE) & ((1 << _PICTURE_BITS) - 1) == 0
+
+
+def picture_digest(pixels: torch.Tensor) -> int:
+    pixels = pixels.contiguous().cpu()
+    hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    hasher.update(repr(tuple(pixels.shape)).encode())
+    hasher.update(pixels.numpy().tobytes())
+    return int.from_bytes(hasher.digest(), "little")
+
+
+def grid_ids(digest: int, grid: Grid) -> list[int]:
+    base = VIRTUAL_BASE + (digest << _PICTURE_BITS)
+    return [base + ((k // grid.columns) << CELL_BITS) + k % grid.columns for k in range(grid.count)]
+
+
+def picture_ids(pixels: torch.Tensor, grid: Grid) -> list[int]:
     """The ids of the image tokens of a prepared picture (its pixels as the store's ``prepare``
-    gives them)."""
-    digest = int.from_bytes(hashlib.blake2b(pixels.contiguous().cpu().numpy().tobytes(),
-                                            digest_size=_DIGEST_BYTES).digest(), "little")
-    base = VIRTUAL_BASE + digest * tokens_per_image
-    return list(range(base, base + tokens_per_image))
+    gives them, its ``grid`` as the store's ``grid`` reads it from them)."""
+    return grid_ids(picture_digest(pixels), grid)
 
 
-def pooled_view(ids: list[int], tokens_per_image: int, pooled: int) -> list[int]:
-    """``ids`` with each picture's image tokens as ``pooled`` tokens (its grid of patches averaged
-    in blocks: 64 tokens on an 8 x 8 grid, pooled 4, as 2 x 2 blocks of 4 x 4): TABED's pooled
+def pooled_view(ids: list[int], pooled: int) -> list[int]:
+    """``ids`` with each picture's image tokens as ``pooled`` tokens (its grid of image tokens
+    averaged in blocks: an 8 x 8 grid pooled to 4 as 2 x 2 blocks of 4 x 4): TABED's pooled
     view, whose embeddings ``ImageStore.rows`` computes."""
     out: list[int] = []
     for t in ids:
-        if VIRTUAL_BASE <= t < POOLED_BASE:
-            offset = t - VIRTUAL_BASE
-            if offset % tokens_per_image == 0:   # a picture's first token stands for the picture
-                digest = offset // tokens_per_image
+        if is_picture_token(t):
+            if starts_picture(t):
+                digest = cell(t)[0]
                 out.extend(range(POOLED_BASE + digest * pooled, POOLED_BASE + (digest + 1) * pooled))
             continue
         out.append(t)
@@ -71,42 +131,70 @@ def draft_view(ids: list[int], placeholder: int) -> list[int]:
     return [placeholder if t >= VIRTUAL_BASE else t for t in ids]
 
 
+@dataclass(frozen=True)
+class PreparedPicture:
+    """A picture as its VLM's processor prepares it: the ``units`` the vision tower encodes, each
+    a picture of the store (the whole picture; or Idefics3's tiles and its global image), and the
+    picture's ``tokens`` in a prompt: the processor's text ids around them (markers, a tile's
+    row and column) with None where a unit's image tokens go, in order."""
+
+    units: tuple
+    tokens: tuple
+
+    def ids(self, unit_ids: Callable[[torch.Tensor], list[int]]) -> list[int]:
+        """The picture's ids in a prompt, ``unit_ids(pixels)`` naming each unit's image tokens."""
+        units = iter(self.units)
+        out: list[int] = []
+        for t in self.tokens:
+            out.extend(unit_ids(next(units)) if t is None else (t,))
+        return out
+
+
 class ImageStore:
     """The pictures one target has been shown: ids for each, embeddings on demand.
 
-    ``prepare(image) -> pixels`` (the VLM's image processor: [3, h, w], or Qwen2-VL's patches
-    [patches, dim]); ``encode(pixels [n, ...]) -> [n, tokens_per_image, hidden]`` (vision tower
-    + projector); ``placeholder``: the VLM's image token, which drafts read in place of image
-    tokens. Pictures are kept, least recently used first out, up to ``capacity``: a prompt may
-    not need a picture evicted before its prefill reached it (``rows`` raises), so ``capacity``
-    must exceed the pictures of the requests in flight."""
+    ``prepare(image) -> pixels`` (the VLM's image processor, one picture); ``grid(pixels) ->
+    Grid`` (where its image tokens sit); ``encode([pixels, ...]) -> [[count, hidden], ...]``
+    (vision tower + projector, one row per image token, in grid order); ``placeholder``: the
+    VLM's image token, which drafts read in place of image tokens. Pictures are kept, least
+    recently used first out, up to ``capacity``: a prompt may not need a picture evicted before
+    its prefill reached it (``rows`` raises), so ``capacity`` must exceed the pictures of the
+    requests in flight."""
 
-    def __init__(self, prepare: Callable, encode: Callable[[torch.Tensor], torch.Tensor], tokens_per_image: int,
-                 placeholder: int, capacity: int = 512):
-        self.prepare, self.encode, self.tokens_per_image, self.capacity = prepare, encode, tokens_per_image, capacity
+    def __init__(self, prepare: Callable, encode: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                 grid: Callable[[torch.Tensor], Grid], placeholder: int, capacity: int = 512):
+        self.prepare, self.encode, self.grid, self.capacity = prepare, encode, grid, capacity
         self.placeholder = placeholder
         self.pooled = POOLED_TOKENS   # the pooled view's tokens per picture
-        self._pixels: OrderedDict[int, torch.Tensor] = OrderedDict()   # digest -> prepared pixels
-        self._rows: OrderedDict[int, torch.Tensor] = OrderedDict()     # digest -> [tokens_per_image, hidden]
+        self._pixels: OrderedDict[int, tuple[torch.Tensor, Grid]] = OrderedDict()   # digest -> prepared pixels
+        self._rows: OrderedDict[int, tuple[torch.Tensor, Grid]] = OrderedDict()     # digest -> [count, hidden]
         self.encoded_images = 0   # vision-tower runs, per picture (tests, metrics)
         self.captions = None      # the pictures' captions (``captions.Captions``) where a caption view reads them
-        # Tokens the VLM's processor puts before and after a picture's image tokens (``vlm.picture_markers``).
+        # Tokens the VLM's processor puts before and after one picture's image tokens (``vlm.picture_markers``).
         self.markers: tuple[list[int], list[int]] = ([], [])
+        # ``image -> PreparedPicture`` as the VLM's processor expands a picture (``vlm.picture_preparer``);
+        # None: the picture whole, between ``markers``.
+        self.picture: Callable | None = None
+
+    def prepared(self, image) -> PreparedPicture:
+        if self.picture is not None:
+            return self.picture(image)
+        return PreparedPicture((self.prepare(image),), (*self.markers[0], None, *self.markers[1]))
 
     def register(self, image) -> list[int]:
-        """The ids of ``image``'s image tokens (preparing it now; encoding waits for a forward)."""
-        return self.add(self.prepare(image))
+        """The ids ``image`` stands for in a prompt: its units' image tokens among the processor's
+        markers (preparing it now; encoding waits for a forward)."""
+        return self.prepared(image).ids(self.add)
 
     def add(self, pixels: torch.Tensor) -> list[int]:
         """``register`` for a picture prepared elsewhere (the ingress sends pixels with a request)."""
-        ids = picture_ids(pixels, self.tokens_per_image)
-        digest = (ids[0] - VIRTUAL_BASE) // self.tokens_per_image
-        self._remember(self._pixels, digest, pixels)
+        grid, digest = self.grid(pixels), picture_digest(pixels)
+        self._remember(self._pixels, digest, (pixels, grid))
         if digest in self._rows:
             self._rows.move_to_end(digest)
-        return ids
+        return grid_ids(digest, grid)
 
-    def _remember(self, store: OrderedDict, digest: int, value: torch.Tensor) -> None:
+    def _remember(self, store: OrderedDict, digest: int, value) -> None:
         store[digest] = value
         store.move_to_end(digest)
         while len(store) > self.capacity:
@@ -123,35 +211,50 @@ class ImageStore:
             if not bool(pooled.all()):
                 out[~pooled] = self.rows(ids[~pooled]).to(out.dtype)
             return out
-        offsets = (ids - VIRTUAL_BASE).tolist()
-        digests = [o // self.tokens_per_image for o in offsets]
-        pending = sorted({d for d in digests if d not in self._rows})
+        cells = [cell(t) for t in ids.tolist()]
+        pending = sorted({d for d, _, _ in cells if d not in self._rows})
         if pending:
             missing = [d for d in pending if d not in self._pixels]
             if missing:
                 raise KeyError(f"{len(missing)} picture(s) of this prompt left the image store before its prefill "
                                f"(capacity {self.capacity}): raise the capacity above the pictures in flight")
             with torch.no_grad():
-                encoded = self.encode(torch.stack([self._pixels[d] for d in pending]))   # [p, T, hidden]
+                encoded = self.encode([self._pixels[d][0] for d in pending])
             self.encoded_images += len(pending)
             for d, rows in zip(pending, encoded):
-                self._remember(self._rows, d, rows)
-        return torch.stack([self._rows[d][o % self.tokens_per_image] for d, o in zip(digests, offsets)])
+                self._remember(self._rows, d, (rows, self._pixels[d][1]))
+        out = []
+        for d, row, column in cells:
+            rows, grid = self._rows[d]
+            out.append(rows[row * grid.columns + column])
+        return torch.stack(out)
 
     def _pooled_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Pooled tokens' rows: the mean of each block of the picture's square patch grid."""
-        side, blocks = math.isqrt(self.tokens_per_image), math.isqrt(self.pooled)
-        block = side // blocks
+        """Pooled tokens' rows: the means of the picture's grid in ``pooled`` blocks (2 x 2 on a
+        rectangle; a grid with a short last row, in runs along its tokens)."""
         means: dict[int, torch.Tensor] = {}   # digest -> [pooled, hidden]
-        rows = []
+        out = []
         for t in ids.tolist():
             digest, j = divmod(t - POOLED_BASE, self.pooled)
             if digest not in means:
-                base = VIRTUAL_BASE + digest * self.tokens_per_image
-                grid = self.rows(torch.arange(base, base + self.tokens_per_image)).view(side, side, -1)
-                means[digest] = grid.view(blocks, block, blocks, block, -1).mean(dim=(1, 3)).reshape(self.pooled, -1)
-            rows.append(means[digest][j])
-        return torch.stack(rows)
+                if digest not in self._rows:
+                    if digest not in self._pixels:
+                        raise KeyError("a pooled picture left the image store before its prefill "
+                                       f"(capacity {self.capacity}): raise the capacity above the pictures in flight")
+                    self.rows(torch.tensor(grid_ids(digest, self._pixels[digest][1])))
+                rows, grid = self._rows[digest]
+                means[digest] = block_means(rows, grid, self.pooled)
+            out.append(means[digest][j])
+        return torch.stack(out)
+
+
+def block_means(rows: torch.Tensor, grid: Grid, pooled: int) -> torch.Tensor:
+    """[pooled, hidden]: ``rows`` [count, hidden] on ``grid`` averaged in ``pooled`` blocks."""
+    side = round(pooled ** 0.5)
+    if grid.full and side * side == pooled:
+        plane = rows.view(grid.rows, grid.columns, -1).permute(2, 0, 1).float()
+        return F.adaptive_avg_pool2d(plane, side).flatten(1).T.to(rows.dtype)
+    return F.adaptive_avg_pool1d(rows.T[None].float(), pooled)[0].T.to(rows.dtype)
 
 
 def placeholder_for(images: ImageStore | None, prompt_ids: list[int]) -> int | None:

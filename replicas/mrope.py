@@ -2,24 +2,23 @@
 
 Qwen2-VL rotates each query and key by three positions, (t, h, w), each over its own section of
 the rotary frequencies (``mrope_section``, e.g. 16, 24, 24 of 64). A text token has t = h = w = p,
-which is ordinary 1-D RoPE at p. A picture of ``side x side`` image tokens (after the merger)
-starting where the text would be at p0 has, for its token j, t = p0, h = p0 + j // side,
-w = p0 + j % side, and the text after it resumes at p0 + side, not p0 + side²: each picture
-shifts every later position by ``side - side²``.
+which is ordinary 1-D RoPE at p. A picture of ``rows x columns`` image tokens (after the merger)
+starting where the text would be at p0 has, for its token in row r and column c, t = p0,
+h = p0 + r, w = p0 + c, and the text after it resumes at p0 + max(rows, columns), not
+p0 + rows · columns.
 
 Here a token's (t, h, w) is ``(p, p + dh, p + dw)``: ``positions`` gives p, dh and dw for the
 tokens a feed appends to a slot, from the slot's cached tokens and the feed's own (image tokens are
-virtual ids, ``image_tokens``, whose offset in their picture is j). The forward takes rows of the
-ordinary rotary table at p, p + dh and p + dw and keeps each from its section (``LlamaForward``).
+virtual ids that carry their cell on the picture's grid, ``image_tokens``). The forward takes rows
+of the ordinary rotary table at p, p + dh and p + dw and keeps each from its section
+(``LlamaForward``).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from specserve.replicas.image_tokens import POOLED_BASE, VIRTUAL_BASE
+from specserve.replicas.image_tokens import cell, is_picture_token
 
 
 def section_dims(sections: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,16 +31,41 @@ def section_dims(sections: list[int], head_dim: int) -> tuple[torch.Tensor, torc
     return which == 1, which == 2
 
 
+class _Walk:
+    """Positions along a slot's tokens: the next text token's position, and the picture whose
+    tokens are being read (its first position, its extent so far)."""
+
+    def __init__(self):
+        self.next = 0
+        self.picture: tuple[int, int, int, int] | None = None   # (digest, p0, rows, columns)
+
+    def close(self) -> int:
+        """The next text token's position (a picture being read ends here)."""
+        if self.picture is not None:
+            _, p0, rows, columns = self.picture
+            self.next, self.picture = p0 + max(rows, columns), None
+        return self.next
+
+    def take(self, token: int) -> tuple[int, int, int]:
+        if not is_picture_token(token):
+            p = self.close()
+            self.next += 1
+            return p, 0, 0
+        digest, row, column = cell(token)
+        if self.picture is None or self.picture[0] != digest or row == column == 0:
+            self.close()
+            self.picture = (digest, self.next, 0, 0)
+        _, p0, rows, columns = self.picture
+        self.picture = (digest, p0, max(rows, row + 1), max(columns, column + 1))
+        return p0, row, column
+
+
 class MRope:
-    def __init__(self, sections: list[int], head_dim: int, tokens_per_image: int):
-        side = math.isqrt(tokens_per_image)
-        if side * side != tokens_per_image:
-            raise ValueError(f"a picture's image tokens must form a square grid; got {tokens_per_image}")
-        self.side, self.tokens_per_image = side, tokens_per_image
+    def __init__(self, sections: list[int], head_dim: int):
         section_dims(sections, head_dim)   # checked here, at load, rather than in a forward
 
     @classmethod
-    def of(cls, model, tokens_per_image: int) -> "MRope | None":
+    def of(cls, model) -> "MRope | None":
         """The model's M-RoPE, or None for 1-D rotary."""
         rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
         sections = getattr(rotary, "mrope_section", None)
@@ -49,29 +73,18 @@ class MRope:
             return None
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(list(sections), head_dim, tokens_per_image)
+        return cls(list(sections), head_dim)
 
     def positions(self, cached: list[int], tokens: list[int], depths: list[int]) -> tuple[list[int], list[int], list[int]]:
         """(p, dh, dw) of ``tokens`` appended after ``cached``, token i at depth ``depths[i]``
-        (a chain: 1, 2, ...; a tree's nodes share depths)."""
-        per, side = self.tokens_per_image, self.side
-        shift = side - per
-        # Pictures completed in the cache (their last image token cached) shift every later position.
-        delta = shift * sum(1 for t in cached if VIRTUAL_BASE <= t < POOLED_BASE and (t - VIRTUAL_BASE) % per == per - 1)
-        base = len(cached) - 1
-        p, dh, dw = [], [], []
-        for t, d in zip(tokens, depths):
-            column = base + d
-            if VIRTUAL_BASE <= t < POOLED_BASE:
-                j = (t - VIRTUAL_BASE) % per
-                row, col = divmod(j, side)
-                p.append(column - j + delta)   # the picture's first token's position
-                dh.append(row)
-                dw.append(col)
-                if j == per - 1:
-                    delta += shift
-            else:
-                p.append(column + delta)
-                dh.append(0)
-                dw.append(0)
-        return p, dh, dw
+        (a chain: 1, 2, ...; a tree's nodes share depths, and a tree holds text only)."""
+        walk = _Walk()
+        for t in cached:
+            walk.take(t)
+        if not any(is_picture_token(t) for t in tokens):
+            first = walk.close()
+            return [first + d - 1 for d in depths], [0] * len(tokens), [0] * len(tokens)
+        if depths != list(range(1, len(tokens) + 1)):
+            raise ValueError("a feed with image tokens must be a chain")
+        p, dh, dw = zip(*(walk.take(t) for t in tokens))
+        return list(p), list(dh), list(dw)

@@ -196,7 +196,7 @@ class Target:
         self.kv = BatchKV(model, slots, max_len=max_len)
         self.images = self.kv.images = images
         if images is not None:   # Qwen2-VL: positions from the pictures' grids (mrope.py)
-            self.kv.mrope = MRope.of(model, images.tokens_per_image)
+            self.kv.mrope = MRope.of(model)
         self.vocab = vocab_size(model)
         self._tap = feature_tap(model)
         # Per slot, per tapped decoder layer: its rows. Layers apart, so that one added later

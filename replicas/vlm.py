@@ -2,19 +2,20 @@
 
 A VLM here is a Hugging Face image-text-to-text model of the LLaVA, Idefics3 (SmolVLM) or Qwen2-VL
 class, loaded by the class its folder's config names: a vision tower turns a picture into
-``tokens_per_image`` vectors, a projector (Idefics3: a pixel shuffle and a linear map) maps them
+a grid of vectors (its image tokens), a projector (Idefics3: a pixel shuffle and a linear map) maps them
 into the language model's embedding space, and they take the places of as many placeholder
 tokens in the prompt. After prefill the language model decodes text
 as any target does. Idefics3's processor may split a large picture into tiles, each behind marker
-tokens, beside the whole picture resized (its "global image"); here a picture is that global
-image alone (the processor's ``do_image_splitting=False``), its image tokens between the markers
-the processor puts there (``picture_markers``). A tiled picture's detail is not served.
-Qwen2-VL's class reads a picture at its own resolution as flattened patches merged 2 x 2, and
-places its image tokens with multimodal rotary positions (``mrope.py``); here every picture is
-resized to one square (``QWEN2_VL_PICTURE``), so that its image tokens are a fixed grid like
-every other class's (the aspect ratio is not kept). A clip reaches every class as its sampled
-frames, pictures one after another (``ingress/images.py``); Qwen2-VL's temporal patches (two
-frames a patch) are not used.
+tokens, beside the whole picture resized (its "global image"); a picture is then its tiles and
+global image, each a picture of the store, among the markers of the processor's own expansion
+(``picture_preparer``).
+Qwen2-VL's class (and Qwen2.5-VL's) reads a picture at its native resolution (its processor's
+resize to whole merged patches within its pixel bounds) as flattened patches merged 2 x 2, and
+places its image tokens with multimodal rotary positions (``mrope.py``): each picture has its
+own grid of image tokens, which its ids carry (``image_tokens.Grid``). Without torchvision its
+processor is built without the video processor it names (``ImageOnlyQwen2VLProcessor``). A clip
+reaches every class as its sampled frames, pictures one after another (``ingress/images.py``);
+Qwen2-VL's temporal patches (two frames a patch) are not used.
 
 The reference VLM (``smollm2-vlm`` in the zoo) is LLaVA-class: a SigLIP vision tower (96 px, 12 px
 patches: 64 image tokens) and LLaVA's two-layer projector, trained from scratch on pictures drawn
@@ -35,13 +36,16 @@ from pathlib import Path
 
 import torch
 from PIL import Image
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, LlavaConfig,
-                          LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config, SiglipVisionConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
+                          LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2_5_VLProcessor, Qwen2Config,
+                          Qwen2VLProcessor, SiglipVisionConfig)
 from transformers import logging as transformers_logging
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.utils import is_torchvision_available
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from specserve.replicas.captions import CAPTION_PROMPT, Captions
-from specserve.replicas.image_tokens import ImageStore
+from specserve.replicas.image_tokens import Grid, ImageStore, PreparedPicture
 from specserve.replicas.model_store import (LoadedModel, default_device, load_causal_lm, load_tokenizer_and_config,
                                             resolve_dtype, resolve_model_path)
 
@@ -50,10 +54,8 @@ REFERENCE_VLM = "smollm2-vlm"
 # The reference VLM taught clips as well (``zoo vlm --clips``): a target of its own, so that the
 # drafts trained on ``REFERENCE_VLM``'s answers stay matched to it.
 REFERENCE_VIDEO_VLM = "smollm2-vlm-video"
-# Qwen2-VL reads a picture at its own resolution; here every picture is resized to this square
-# (pixels a side, within the processor's bounds: ``picture_side``), 256 image tokens at 14 px
-# patches merged 2 x 2, so that a picture's image tokens are a fixed grid like every other class's.
-QWEN2_VL_PICTURE = 448
+# The classes whose pictures have a grid of their own (native resolution; M-RoPE).
+QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 # ChatML as the reference target's own template writes it (its default system turn included), with
 # a content list's image parts as the placeholder, each on a line of its own.
@@ -85,30 +87,25 @@ def _is_qwen2_vl_processor(image_processor) -> bool:
     return hasattr(image_processor, "merge_size") and hasattr(image_processor, "temporal_patch_size")
 
 
-def picture_side(image_processor) -> int:
-    """Qwen2-VL: the square (pixels a side) every picture is resized to, so that every picture has
-    the same image tokens: ``QWEN2_VL_PICTURE`` within the processor's pixel bounds, a multiple
-    of its patch times its merge."""
-    factor = image_processor.patch_size * image_processor.merge_size
-    size = image_processor.size
-    low, high = (getattr(size, key, None) or size[key] for key in ("shortest_edge", "longest_edge"))
-    area = min(max(QWEN2_VL_PICTURE ** 2, low), high)
-    return max(factor, math.isqrt(area) // factor * factor)
-
-
-def tokens_per_image(config, image_processor=None) -> int:
-    """Image tokens per picture: LLaVA's ``image_seq_length``; Idefics3's patches over its pixel
-    shuffle's ``scale_factor`` squared (one tile: no image splitting); Qwen2-VL's from the
-    square its pictures are resized to (``picture_side``), in patches merged ``merge_size``
-    squared."""
+def tokens_per_image(config) -> int:
+    """Image tokens per picture of a class whose pictures all have one grid: LLaVA's
+    ``image_seq_length``; Idefics3's patches over its pixel shuffle's ``scale_factor`` squared
+    (one tile: no image splitting)."""
     length = getattr(config, "image_seq_length", None)
     if length is not None:
         return int(length)
-    if image_processor is not None and _is_qwen2_vl_processor(image_processor):
-        grid = picture_side(image_processor) // image_processor.patch_size // image_processor.merge_size
-        return grid * grid
     vision = config.vision_config
     return int((vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2)
+
+
+def picture_grid(config, image_processor):
+    """``pixels -> Grid``: where a prepared picture's image tokens sit (``pixel_preparer``'s
+    pixels). Qwen2-VL's grid is the picture's own, its merged patches' rows and columns; every
+    other class's is one square."""
+    if _is_qwen2_vl_processor(image_processor):
+        return lambda pixels: Grid(pixels.shape[0] * pixels.shape[1], pixels.shape[1])
+    fixed = Grid.of(tokens_per_image(config))
+    return lambda pixels: fixed
 
 
 def image_token_id(config) -> int:
@@ -185,7 +182,7 @@ def load_vlm(name_or_path: str = REFERENCE_VLM, dtype: str = "auto",
         text = load_causal_lm(text_from, dtype=dtype, device="cpu")
         attach_text(model, text)
         model.generation_config = text.model.generation_config   # its end-of-turn tokens
-    processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    processor = load_processor(path)
     return LoadedModel(name=Path(name_or_path).name, model=model.to(device).eval(), tokenizer=processor)
 
 
@@ -205,8 +202,38 @@ def is_vlm_config(config) -> bool:
 
 
 def load_processor(name_or_path: str):
-    """A local VLM's processor (its tokenizer, image processor and chat template)."""
-    return AutoProcessor.from_pretrained(resolve_model_path(name_or_path), local_files_only=True)
+    """A local VLM's processor (its tokenizer, image processor and chat template); a Qwen2-VL
+    folder's without torchvision, which its video processor needs: ``ImageOnlyQwen2VLProcessor``."""
+    path = resolve_model_path(name_or_path)
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type in QWEN2_VL_TYPES and not is_torchvision_available():
+        return image_only_qwen2_vl_processor(path, model_type)
+    return AutoProcessor.from_pretrained(path, local_files_only=True)
+
+
+class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2-VL's processor without the video processor (torchvision's): text and pictures as
+    its own processor reads them; clips reach the model as frames."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
+    """Qwen2.5-VL's processor without the video processor, as ``ImageOnlyQwen2VLProcessor``."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+def image_only_qwen2_vl_processor(path: Path, model_type: str = "qwen2_vl"):
+    """A Qwen2-VL or Qwen2.5-VL folder's processor from its parts on disk (the image processor's
+    settings, the tokenizer, the chat template), without a video processor."""
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    template = path / "chat_template.jinja"
+    chat_template = template.read_text() if template.exists() else getattr(tokenizer, "chat_template", None)
+    cls = ImageOnlyQwen2_5_VLProcessor if model_type == "qwen2_5_vl" else ImageOnlyQwen2VLProcessor
+    return cls(Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True), tokenizer, chat_template=chat_template)
 
 
 @dataclass(frozen=True)
@@ -246,7 +273,7 @@ def language_model(vlm) -> torch.nn.Module:
     """A causal LM over the VLM's language model and output layer (shared, not copied): what the
     target's forward runs once the image tokens are embedded."""
     config = vlm.config.text_config
-    if type(config).__name__ == "Qwen2VLTextConfig":
+    if type(config).__name__ in ("Qwen2VLTextConfig", "Qwen2_5_VLTextConfig"):
         # No causal-LM class of its own: Qwen2's has the same layers and output layer, and the
         # body below is the VLM's own (its M-RoPE rotary included).
         config = Qwen2Config(**{k: v for k, v in config.to_dict().items() if k != "model_type"})
@@ -259,20 +286,21 @@ def language_model(vlm) -> torch.nn.Module:
 
 def _one_tile(image_processor) -> dict:
     """Keywords that make an Idefics3-class processor keep a picture whole (its global image, no
-    tiles: what ``ImageStore`` holds per picture)."""
+    tiles): one unit of the store (a splitting processor's tiles: ``picture_preparer``)."""
     return {"do_image_splitting": False} if hasattr(image_processor, "do_image_splitting") else {}
 
 
 def pixel_preparer(image_processor):
-    """``image -> [3, h, w]`` pixels, as the VLM's processor prepares a picture (one tile);
-    Qwen2-VL's: the picture resized to ``picture_side`` square, as its processor's flattened
-    patches [patches, 3 · temporal · patch²]."""
+    """``image -> pixels``, as the VLM's processor prepares a picture: [3, h, w] (one tile);
+    Qwen2-VL's: its flattened patches at the picture's native resolution, grouped by merged
+    token on the token grid [rows, columns, merge² · 3 · temporal · patch²]."""
     if _is_qwen2_vl_processor(image_processor):
-        side = picture_side(image_processor)
+        merge = image_processor.merge_size
 
         def prepare_patches(image) -> torch.Tensor:
-            square = image.convert("RGB").resize((side, side), Image.Resampling.BICUBIC)
-            return image_processor(square, return_tensors="pt")["pixel_values"]
+            out = image_processor(image.convert("RGB"), return_tensors="pt")
+            _, height, width = out["image_grid_thw"][0].tolist()
+            return out["pixel_values"].reshape(height // merge, width // merge, -1)
         return prepare_patches
 
     def prepare(image) -> torch.Tensor:
@@ -299,11 +327,40 @@ def picture_markers(processor) -> tuple[list[int], list[int]]:
     return ids[:first], ids[last + 1:]
 
 
+def picture_preparer(processor):
+    """``image -> PreparedPicture`` as the VLM's processor expands a picture in a prompt: its pixels
+    between the processor's markers (``picture_markers``); an Idefics3-class processor that splits
+    pictures (``do_image_splitting``): its tiles and global image, each behind its markers, read
+    off the processor's own expansion of the picture."""
+    prepare, (before, after) = pixel_preparer(processor.image_processor), picture_markers(processor)
+    if not getattr(processor.image_processor, "do_image_splitting", False):
+        return lambda image: PreparedPicture((prepare(image),), (*before, None, *after))
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+
+    def tiled(image) -> PreparedPicture:
+        out = processor(text=processor.image_token, images=[image.convert("RGB")], add_special_tokens=False,
+                        return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        tokens: list[int | None] = []   # each run of image tokens as one None
+        for i, t in enumerate(ids):
+            if t != image_id:
+                tokens.append(t)
+            elif i == 0 or ids[i - 1] != image_id:
+                tokens.append(None)
+        units = tuple(out["pixel_values"][0])   # [tiles + 1, 3, h, w]: the tiles, then the global image
+        if tokens.count(None) != len(units):
+            raise ValueError(f"the processor expanded a picture into {tokens.count(None)} runs of image tokens "
+                             f"for {len(units)} tiles")
+        return PreparedPicture(units, tuple(tokens))
+    return tiled
+
+
 def target_image_store(vlm, processor, capacity: int = 512) -> ImageStore:
     """A served VLM's ``ImageStore``: its processor's pixels and markers around each picture, and
     the captions the caption view reads."""
     store = image_store(vlm, processor.image_processor, capacity)
     store.markers = picture_markers(processor)
+    store.picture = picture_preparer(processor)
     store.captions = caption_writer(processor, store)
     return store
 
@@ -312,31 +369,30 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     """The pictures' ``ImageStore``: ``image_processor`` (the processor's) prepares them, the
     vision tower and projector encode them (``get_image_features``: the rows the model's own
     forward scatters into its image tokens; Qwen2-VL's given each picture's patch grid)."""
-    prepare = pixel_preparer(image_processor)
-    idefics = getattr(vlm.model, "vision_model", None) is not None   # Idefics3: pictures per prompt, 5-D
-    count = tokens_per_image(vlm.config, image_processor)
+    prepare, grid = pixel_preparer(image_processor), picture_grid(vlm.config, image_processor)
     if getattr(vlm.model, "visual", None) is not None:   # Qwen2-VL: flattened patches and each picture's grid
-        grid = picture_side(image_processor) // image_processor.patch_size
+        merge = image_processor.merge_size
 
-        def encode_patches(pixels: torch.Tensor) -> torch.Tensor:   # [p, patches, dim] -> [p, T, hidden]
-            visual = vlm.model.visual
-            weight = next(visual.parameters())
-            thw = torch.tensor([[1, grid, grid]] * len(pixels), device=weight.device)
-            out = vlm.model.get_image_features(pixel_values=pixels.flatten(0, 1).to(weight.device, weight.dtype),
-                                               image_grid_thw=thw)
-            return torch.stack(list(getattr(out, "pooler_output", out)))
+        def encode_patches(pictures: list[torch.Tensor]) -> list[torch.Tensor]:
+            weight = next(vlm.model.visual.parameters())
+            thw = torch.tensor([[1, p.shape[0] * merge, p.shape[1] * merge] for p in pictures], device=weight.device)
+            patches = torch.cat([p.reshape(-1, p.shape[-1] // merge ** 2) for p in pictures])
+            out = vlm.model.get_image_features(pixel_values=patches.to(weight.device, weight.dtype), image_grid_thw=thw)
+            return list(getattr(out, "pooler_output", out))
 
-        return ImageStore(prepare, encode_patches, count, image_token_id(vlm.config), capacity)
+        return ImageStore(prepare, encode_patches, grid, image_token_id(vlm.config), capacity)
 
-    def encode(pixels: torch.Tensor) -> torch.Tensor:
+    idefics = getattr(vlm.model, "vision_model", None) is not None   # Idefics3: pictures per prompt, 5-D
+
+    def encode(pictures: list[torch.Tensor]) -> list[torch.Tensor]:
         tower = vlm.model.vision_model if idefics else vlm.model.vision_tower
         weight = next(tower.parameters())
-        pixels = pixels.to(weight.device, weight.dtype)
+        pixels = torch.stack(pictures).to(weight.device, weight.dtype)
         out = vlm.model.get_image_features(pixel_values=pixels[:, None] if idefics else pixels)
         features = getattr(out, "pooler_output", out)   # transformers 5: an output object
-        return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
+        return list(features)
 
-    return ImageStore(prepare, encode, count, image_token_id(vlm.config), capacity)
+    return ImageStore(prepare, encode, grid, image_token_id(vlm.config), capacity)
 
 
 def caption_writer(processor, store: ImageStore) -> Captions:
@@ -349,20 +405,18 @@ def caption_writer(processor, store: ImageStore) -> Captions:
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     return Captions(lambda t: tokenizer(t, add_special_tokens=False)["input_ids"],
                     lambda ids: tokenizer.decode(ids, skip_special_tokens=True), prompt, store.placeholder,
-                    store.tokens_per_image, store.capacity, store.markers)
+                    store.capacity, store.markers)
 
 
-def image_prompt_ids(text_ids: list[int], images: list, register, placeholder: int,
-                     markers: tuple[list[int], list[int]] = ([], [])) -> list[int]:
-    """``text_ids`` (one ``placeholder`` per picture, in order) with each placeholder as its
-    picture's image tokens (``register(picture) -> ids``: ``ImageStore.register``, or
-    ``image_tokens.picture_ids`` of prepared pixels where no store is) between the processor's
-    ``markers`` (``picture_markers``)."""
+def image_prompt_ids(text_ids: list[int], images: list, register, placeholder: int) -> list[int]:
+    """``text_ids`` (one ``placeholder`` per picture, in order) with each placeholder as the ids its
+    picture stands for (``register(picture) -> ids``: ``ImageStore.register``, or
+    ``PreparedPicture.ids`` of prepared pictures where no store is)."""
     if text_ids.count(placeholder) != len(images):
         raise ValueError(f"the prompt has {text_ids.count(placeholder)} image placeholder(s) for {len(images)} image(s): "
                          "images go in image content parts, not as the placeholder token in text")
     pictures = iter(images)
     out: list[int] = []
     for t in text_ids:
-        out.extend((*markers[0], *register(next(pictures)), *markers[1]) if t == placeholder else (t,))
+        out.extend(register(next(pictures)) if t == placeholder else (t,))
     return out

@@ -106,7 +106,7 @@ def tiny_idefics3(seed: int, scale: float = 8.0):
     return model.to(DEVICE).eval()
 
 
-VLM_FOLDER_KINDS = ("llava", "idefics3")
+VLM_FOLDER_KINDS = ("llava", "idefics3", "idefics3-tiles", "qwen2-vl", "qwen2.5-vl")
 
 
 def tiny_vlm_folder(kind: str, folder, seed: int = 0):
@@ -130,9 +130,12 @@ def tiny_vlm_folder(kind: str, folder, seed: int = 0):
         config = reference_vlm_config(text, image_size=TINY_IMAGE_SIZE, patch_size=8, hidden_size=32, layers=1,
                                       heads=2, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER))
         processor, model = build_processor(tokenizer, config), LlavaForConditionalGeneration(config)
-    elif kind == "idefics3":
-        # SmolVLM's processor: a 32 px picture (no tiles), 16 patches shuffled by 2 into 4 image tokens.
-        processor = Idefics3Processor(Idefics3ImageProcessorPil(size={"longest_edge": TINY_IMAGE_SIZE},
+    elif kind in ("idefics3", "idefics3-tiles"):
+        # SmolVLM's processor: 32 px tiles, 16 patches shuffled by 2 into 4 image tokens each; a
+        # picture resized to 32 px (one tile: the global image alone) or, with tiles, to 64 px
+        # (up to 2 x 2 tiles beside the global image).
+        longest = 2 * TINY_IMAGE_SIZE if kind == "idefics3-tiles" else TINY_IMAGE_SIZE
+        processor = Idefics3Processor(Idefics3ImageProcessorPil(size={"longest_edge": longest},
                                                                 max_image_size={"longest_edge": TINY_IMAGE_SIZE}),
                                       tokenizer, image_seq_len=4,
                                       chat_template=CHAT_TEMPLATE.replace(IMAGE_PLACEHOLDER, "<image>"))
@@ -143,18 +146,77 @@ def tiny_vlm_folder(kind: str, folder, seed: int = 0):
         config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
                                 image_token_id=processor.tokenizer.convert_tokens_to_ids("<image>"))
         model = Idefics3ForConditionalGeneration(config)
+    elif kind in ("qwen2-vl", "qwen2.5-vl"):
+        processor, model = _tiny_qwen2_vl_folder_parts(tokenizer, kind)
     else:
         raise ValueError(f"unknown VLM class {kind!r}; choose from {VLM_FOLDER_KINDS}")
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)   # a peaked output, so that greedy ties are rare
         for name, param in model.named_parameters():   # pictures loud enough to change the answer
-            if ("projector" in name or "connector" in name) and name.endswith("weight"):
+            if any(part in name for part in ("projector", "connector", "merger")) and name.endswith("weight"):
                 param.mul_(30.0)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     folder = Path(folder)
     model.to(torch.float32).save_pretrained(folder)
     processor.save_pretrained(folder)
+    if kind.startswith("qwen"):   # as the class's own processor names itself in a folder
+        _rename_processor(folder, "Qwen2_5_VLProcessor" if kind == "qwen2.5-vl" else "Qwen2VLProcessor")
     return folder
+
+
+def _tiny_qwen2_vl_folder_parts(tokenizer, kind: str):
+    """A Qwen2-VL (or Qwen2.5-VL) class VLM over the reference tokenizer with Qwen's picture
+    tokens added, and its processor (``vlm.ImageOnlyQwen2VLProcessor``: no torchvision here):
+    pictures at their native resolution within 16-48 px a side, 4 px patches merged 2 x 2."""
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from specserve.replicas.vlm import (CHAT_TEMPLATE, IMAGE_PLACEHOLDER, ImageOnlyQwen2_5_VLProcessor,
+                                       ImageOnlyQwen2VLProcessor)
+
+    start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+    tokenizer.add_special_tokens({"additional_special_tokens": [start, pad, end]})
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=48 * 48, patch_size=4, merge_size=2,
+                                               temporal_patch_size=2)
+    processor_class = ImageOnlyQwen2_5_VLProcessor if kind == "qwen2.5-vl" else ImageOnlyQwen2VLProcessor
+    processor = processor_class(image_processor, tokenizer,
+                                chat_template=CHAT_TEMPLATE.replace(IMAGE_PLACEHOLDER, start + pad + end))
+    text = tiny_config("qwen2").to_dict()
+    text.update(vocab_size=len(tokenizer),
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 4,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3}
+    if kind == "qwen2.5-vl":
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3, "out_hidden_size": text["hidden_size"],
+                  "window_size": 16, "fullatt_block_indexes": [1]}
+    config_class, model_class = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if kind == "qwen2.5-vl"
+                                 else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
+    config = config_class(text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids(pad),
+                          vision_start_token_id=tokenizer.convert_tokens_to_ids(start),
+                          vision_end_token_id=tokenizer.convert_tokens_to_ids(end))
+    model = model_class(config)
+    with torch.no_grad():   # positions matter to the output (at the initial scale they barely do)
+        for name, param in model.model.language_model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(10)
+    return processor, model
+
+
+def _rename_processor(folder, processor_class: str) -> None:
+    import json
+    from pathlib import Path
+
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = Path(folder) / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            if "processor_class" in config:
+                config["processor_class"] = processor_class
+            if "image_processor_type" in config:
+                config["image_processor_type"] = "Qwen2VLImageProcessor"
+            path.write_text(json.dumps(config, indent=2))
 
 
 VISION_START, VISION_END = 10, 11   # the tiny Qwen2-VL's markers around a picture's image tokens

@@ -89,7 +89,7 @@ def _chunk(vlm, tokenizer, seeds: list[int]) -> list[dict]:
             full[i, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
         # Right padding under a causal mask leaves every real position as it is.
         final = model.model(input_ids=full, pixel_values=pixels).last_hidden_state
-        rows = encode(pixels)   # [pictures, T, hidden]: the rows a served request's image tokens take
+        rows = encode(list(pixels))   # per picture [T, hidden]: the rows a served request's image tokens take
         for i, (e, answer) in enumerate(zip(examples, answers)):
             at = len(prompt) - 1   # the positions that predict the answer's tokens
             out.append({"seed": e.seed, "category": category, "prompt": prompt, "answer": answer,

@@ -264,7 +264,7 @@ class EnsembleDraftLM(BatchedDraftLM):
                 return context
             if view == "pooled":
                 images = self.kv.images
-                return pooled_view(context, images.tokens_per_image, images.pooled)
+                return pooled_view(context, images.pooled)
             if view == "caption":
                 return caption_view(context, self.kv.images.captions, placeholder)
             context = draft_view(context, placeholder)

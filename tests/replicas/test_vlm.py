@@ -16,7 +16,7 @@ from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
-from specserve.replicas.vlm import image_prompt_ids, image_store, language_model
+from specserve.replicas.vlm import image_prompt_ids, image_store, language_model, tokens_per_image
 from tiny_models import IMAGE_TOKEN, TINY_IMAGE_SIZE, perturbed, tiny_llava
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
@@ -39,7 +39,7 @@ def picture(seed: int):
 
 def hf_greedy(model, store, text_ids: list[int], image) -> list[int]:
     """The VLM's own greedy continuation: placeholders expanded, pixels through its forward."""
-    expanded = [t for i in text_ids for t in ([i] * store.tokens_per_image if i == IMAGE_TOKEN else [i])]
+    expanded = [t for i in text_ids for t in ([i] * tokens_per_image(model.config) if i == IMAGE_TOKEN else [i])]
     ids = torch.tensor([expanded], device=model.device)
     pixels = store.prepare(image)[None].to(model.device)
     out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
@@ -50,7 +50,7 @@ def hf_greedy(model, store, text_ids: list[int], image) -> list[int]:
 def test_image_tokens_are_virtual_ids_named_by_the_picture(vlm):
     _, _, store = vlm
     a, b = store.register(picture(1)), store.register(picture(2))
-    assert len(a) == store.tokens_per_image and all(t >= VIRTUAL_BASE for t in a)
+    assert len(a) == tokens_per_image(vlm[0].config) and all(t >= VIRTUAL_BASE for t in a)
     assert a == store.register(picture(1)) and a != b   # the content names the ids
     prompt = image_prompt_ids([5, IMAGE_TOKEN, 6], [picture(1)], store.register, IMAGE_TOKEN)
     assert prompt == [5, *a, 6]
@@ -148,7 +148,7 @@ def test_the_prefix_cache_keys_on_the_picture(vlm):
     got = run(other)
     assert target.kv.tokens[0][:len(other)] == other and got.token_ids == hf_greedy(model, store, TEXT, picture(6))
     assert store.encoded_images == encoded + 1
-    assert not set(first[before:before + store.tokens_per_image]) & set(target.kv.tokens[0])   # picture 5's are gone
+    assert not set(first[before:before + tokens_per_image(model.config)]) & set(target.kv.tokens[0])   # picture 5's are gone
     again = run(other)
     assert again.token_ids == got.token_ids and store.encoded_images == encoded + 1
 
@@ -180,7 +180,7 @@ def test_tabed_views_and_their_ensembles_equal_plain(vlm, views, weights):
 def test_the_pooled_view_averages_blocks_of_the_patch_grid(vlm):
     model, lm, store = vlm
     prompt = image_prompt_ids([5, IMAGE_TOKEN, 6], [picture(7)], store.register, IMAGE_TOKEN)
-    pooled = pooled_view(prompt, store.tokens_per_image, store.pooled)
+    pooled = pooled_view(prompt, store.pooled)
     assert len(pooled) == 2 + store.pooled and pooled[0] == 5 and pooled[-1] == 6
     rows = store.rows(torch.tensor(prompt[1:-1])).view(4, 4, -1)   # the tiny tower's 4 x 4 grid
     means = store.rows(torch.tensor(pooled[1:-1]))
@@ -195,8 +195,7 @@ def captioned(vlm):
     model, lm, _ = vlm
     store = image_store(model, SiglipImageProcessorPil(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE}))
     store.captions = Captions(lambda text: [int(w) for w in text.split() if w.isdigit()],
-                              lambda ids: " ".join(map(str, ids)), [5, IMAGE_TOKEN, 9], IMAGE_TOKEN,
-                              store.tokens_per_image)
+                              lambda ids: " ".join(map(str, ids)), [5, IMAGE_TOKEN, 9], IMAGE_TOKEN)
     return model, lm, store
 
 
@@ -340,7 +339,7 @@ def test_an_idefics3_class_vlm_decodes_as_its_own_generate_and_speculates_lossle
     for seed in (1, 2):
         prompt = image_prompt_ids(TEXT, [picture(seed)], store.register, IMAGE_TOKEN)
         expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
-        expanded = [t for i in TEXT for t in ([i] * store.tokens_per_image if i == IMAGE_TOKEN else [i])]
+        expanded = [t for i in TEXT for t in ([i] * tokens_per_image(model.config) if i == IMAGE_TOKEN else [i])]
         ids = torch.tensor([expanded], device=model.device)
         hf = model.generate(input_ids=ids, pixel_values=store.prepare(picture(seed))[None, None].to(model.device),
                             attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -360,7 +359,7 @@ def test_an_idefics3_processors_prompt_and_pixels_are_followed():
     tokens sit between the markers the processor puts around its global image, and its pixels are
     the processor's, so the prompt is the processor's own with the image tokens as picture ids."""
     from PIL import Image
-    from specserve.replicas.image_tokens import picture_ids
+    from specserve.replicas.image_tokens import Grid, picture_ids
     from specserve.replicas.model_store import load_tokenizer_and_config
     from specserve.replicas.vlm import picture_markers, pixel_preparer
     from transformers import Idefics3ImageProcessor, Idefics3Processor
@@ -379,16 +378,18 @@ def test_an_idefics3_processors_prompt_and_pixels_are_followed():
     for mine, expected in zip(pixels, theirs["pixel_values"][0]):
         assert torch.equal(mine, expected)
     ours = image_prompt_ids(tokenizer(text, add_special_tokens=False)["input_ids"], pixels,
-                            lambda p: picture_ids(p, 4), image_id, (before, after))
+                            lambda p: [*before, *picture_ids(p, Grid.of(4)), *after], image_id)
     assert [image_id if t >= VIRTUAL_BASE else t for t in ours] == theirs["input_ids"][0].tolist()
 
 
 def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_losslessly():
-    """Qwen2-VL's class: flattened patches, a merger, and M-RoPE positions (a picture's tokens at
-    (t, h, w) of its grid, the text after it shifted by side - side²). Plain decoding equals its
+    """Qwen2-VL's class: pictures at their native resolution (grids of their own), flattened
+    patches, a merger, and M-RoPE positions (a picture's tokens at (t, h, w) of its grid, the text
+    after it resumed at the grid's longer side). Plain decoding equals its
     generate with the pixels and grids, through our forward's flat and padded layouts and through
     the model's own; drafts, chains and trees equal plain; an image request batched with a text
     request equals each alone."""
+    from specserve.replicas.image_tokens import Grid
     from tiny_models import VISION_END, VISION_START, tiny_qwen2_vl, tiny_qwen2_vl_processor
 
     from PIL import Image
@@ -396,23 +397,31 @@ def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_lossles
     model = tiny_qwen2_vl(seed=0)
     processor = tiny_qwen2_vl_processor()
     store = image_store(model, processor)
-    assert store.tokens_per_image == 16
-    odd = Image.new("RGB", (40, 24), (200, 10, 10))   # resized to the 32 px square first, then the processor's
-    assert torch.equal(store.prepare(odd), processor(odd.resize((32, 32), Image.Resampling.BICUBIC),
-                                                     return_tensors="pt")["pixel_values"])
+    odd = Image.new("RGB", (40, 24), (200, 10, 10))   # native resolution: whole merged patches within the bounds
+    theirs = processor(odd, return_tensors="pt")
+    _, height, width = theirs["image_grid_thw"][0].tolist()
+    mine = store.prepare(odd)
+    assert mine.shape[:2] == (height // 2, width // 2) and height != width
+    assert torch.equal(mine.reshape(theirs["pixel_values"].shape), theirs["pixel_values"])
+    assert store.grid(mine) == Grid(height * width // 4, width // 2)
     lm = language_model(model)
     near = perturbed(lm, seed=1)
     around = [VISION_START, IMAGE_TOKEN, VISION_END]
-    cases = {"two pictures": ([5, 6, *around, 7, 8, 5, 6, *around, 9], (1, 2)),
-             "a prefill past the flat layout": ([5, *around * 5, 7, 5, 6], (3, 4, 5, 6, 7))}
-    for case, (text, seeds) in cases.items():
-        pictures = [picture(seed) for seed in seeds]
+    wide, tall = (48, 24), (16, 40)   # 2 x 5 and 5 x 2 image tokens at their native resolution
+    cases = {"two pictures": ([5, 6, *around, 7, 8, 5, 6, *around, 9], (picture(1), picture(2).resize(wide))),
+             "a prefill past the flat layout": ([5, *around * 5, 7, 5, 6],
+                                                (picture(3), picture(4).resize(tall), picture(5).resize(wide),
+                                                 picture(6), picture(7).resize(tall)))}
+    for case, (text, pictures) in cases.items():
         prompt = image_prompt_ids(text, pictures, store.register, IMAGE_TOKEN)
         expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
-        ids = torch.tensor([[t for i in text for t in ([i] * store.tokens_per_image if i == IMAGE_TOKEN else [i])]],
+        prepared = [store.prepare(p) for p in pictures]
+        counts = iter([p.shape[0] * p.shape[1] for p in prepared])
+        ids = torch.tensor([[t for i in text for t in ([i] * next(counts) if i == IMAGE_TOKEN else [i])]],
                            device=model.device)
-        grid = torch.tensor([[1, 8, 8]] * len(pictures), device=model.device)
-        hf = model.generate(input_ids=ids, pixel_values=torch.cat([store.prepare(p) for p in pictures]).to(model.device),
+        grid = torch.tensor([[1, p.shape[0] * 2, p.shape[1] * 2] for p in prepared], device=model.device)
+        pixels = torch.cat([p.reshape(-1, p.shape[-1] // 4) for p in prepared])
+        hf = model.generate(input_ids=ids, pixel_values=pixels.to(model.device),
                             image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
                             attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
         assert expected == hf[0, ids.shape[1]:].tolist(), case
