@@ -33,7 +33,7 @@ from specserve.replicas.prompt_ids import encode_chat, encode_text
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
-from specserve.replicas.vlm import TargetText, image_prompt_ids, image_token_id, picture_grid, picture_preparer
+from specserve.replicas.vlm import TargetText, image_prompt_ids, image_token_id, picture_preparer
 
 
 @dataclass
@@ -94,8 +94,7 @@ class Preparer:
         # (``image_tokens``): the prefix-affinity router and the replicas' caches key on them.
         self.image_placeholder = None
         if self.processor is not None:
-            self.prepare_picture = picture_preparer(self.processor)
-            self.picture_grid = picture_grid(text.config, self.processor.image_processor)
+            self.prepare_picture = picture_preparer(self.processor, text.config)
             self.image_placeholder = image_token_id(text.config)
         self.max_context = getattr(text.text_config, "max_position_embeddings", None)
         if config.max_model_len is not None:
@@ -238,7 +237,7 @@ class Preparer:
             text = self.processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             try:
-                return image_prompt_ids(ids, pictures, lambda p: p.ids(lambda u: picture_ids(u, self.picture_grid(u))),
+                return image_prompt_ids(ids, pictures, lambda p: p.ids(picture_ids),
                                         self.image_placeholder)
             except ValueError as err:
                 raise OpenAIError(str(err), param="messages") from err

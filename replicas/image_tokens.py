@@ -18,8 +18,8 @@ forward that first needs the picture, batched over every picture that forward ne
 drafts, which see the VLM's placeholder token instead (``draft_view``): their text-only view of
 the prompt.
 
-The digest is 40 bits of BLAKE2b over the prepared pixels and their shape (the same picture sent
-as PNG or as JPEG that decodes to the same pixels is one picture).
+The digest is 40 bits of BLAKE2b over the prepared unit (pixels, shape, grid, size: the same
+picture sent as PNG or as JPEG that decodes to the same pixels is one picture).
 """
 
 from __future__ import annotations
@@ -92,10 +92,21 @@ def starts_picture(token: int) -> bool:
     return is_picture_token(token) and (token - VIRTUAL_BASE) & ((1 << _PICTURE_BITS) - 1) == 0
 
 
-def picture_digest(pixels: torch.Tensor) -> int:
-    pixels = pixels.contiguous().cpu()
+@dataclass(frozen=True, eq=False)
+class PictureUnit:
+    """What the vision tower encodes at once, as the VLM's processor prepared it: ``pixels``, the
+    ``grid`` its image tokens sit on, and the picture's own height and width where the encoder
+    needs them (``size``: an any-res picture's unpadding)."""
+
+    pixels: torch.Tensor
+    grid: Grid
+    size: tuple[int, int] | None = None
+
+
+def picture_digest(unit: PictureUnit) -> int:
+    pixels = unit.pixels.contiguous().cpu()
     hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    hasher.update(repr(tuple(pixels.shape)).encode())
+    hasher.update(repr((tuple(pixels.shape), unit.grid, unit.size)).encode())
     hasher.update(pixels.numpy().tobytes())
     return int.from_bytes(hasher.digest(), "little")
 
@@ -105,10 +116,9 @@ def grid_ids(digest: int, grid: Grid) -> list[int]:
     return [base + ((k // grid.columns) << CELL_BITS) + k % grid.columns for k in range(grid.count)]
 
 
-def picture_ids(pixels: torch.Tensor, grid: Grid) -> list[int]:
-    """The ids of the image tokens of a prepared picture (its pixels as the store's ``prepare``
-    gives them, its ``grid`` as the store's ``grid`` reads it from them)."""
-    return grid_ids(picture_digest(pixels), grid)
+def picture_ids(unit: PictureUnit) -> list[int]:
+    """The ids of a prepared unit's image tokens."""
+    return grid_ids(picture_digest(unit), unit.grid)
 
 
 def pooled_view(ids: list[int], pooled: int) -> list[int]:
@@ -138,11 +148,11 @@ class PreparedPicture:
     picture's ``tokens`` in a prompt: the processor's text ids around them (markers, a tile's
     row and column) with None where a unit's image tokens go, in order."""
 
-    units: tuple
+    units: tuple[PictureUnit, ...]
     tokens: tuple
 
-    def ids(self, unit_ids: Callable[[torch.Tensor], list[int]]) -> list[int]:
-        """The picture's ids in a prompt, ``unit_ids(pixels)`` naming each unit's image tokens."""
+    def ids(self, unit_ids: Callable[[PictureUnit], list[int]]) -> list[int]:
+        """The picture's ids in a prompt, ``unit_ids(unit)`` naming each unit's image tokens."""
         units = iter(self.units)
         out: list[int] = []
         for t in self.tokens:
@@ -153,22 +163,21 @@ class PreparedPicture:
 class ImageStore:
     """The pictures one target has been shown: ids for each, embeddings on demand.
 
-    ``prepare(image) -> pixels`` (the VLM's image processor, one picture); ``grid(pixels) ->
-    Grid`` (where its image tokens sit); ``encode([pixels, ...]) -> [[count, hidden], ...]``
-    (vision tower + projector, one row per image token, in grid order); ``placeholder``: the
-    VLM's image token, which drafts read in place of image tokens. Pictures are kept, least
-    recently used first out, up to ``capacity``: a prompt may not need a picture evicted before
-    its prefill reached it (``rows`` raises), so ``capacity`` must exceed the pictures of the
-    requests in flight."""
+    ``prepare(image) -> PictureUnit`` (the VLM's image processor, a picture whole);
+    ``encode([unit, ...]) -> [[count, hidden], ...]`` (vision tower + projector, one row per
+    image token, in grid order); ``placeholder``: the VLM's image token, which drafts read in
+    place of image tokens. Units are kept, least recently used first out, up to ``capacity``: a
+    prompt may not need a unit evicted before its prefill reached it (``rows`` raises), so
+    ``capacity`` must exceed the units of the requests in flight."""
 
-    def __init__(self, prepare: Callable, encode: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-                 grid: Callable[[torch.Tensor], Grid], placeholder: int, capacity: int = 512):
-        self.prepare, self.encode, self.grid, self.capacity = prepare, encode, grid, capacity
+    def __init__(self, prepare: Callable, encode: Callable[[list[PictureUnit]], list[torch.Tensor]],
+                 placeholder: int, capacity: int = 512):
+        self.prepare, self.encode, self.capacity = prepare, encode, capacity
         self.placeholder = placeholder
         self.pooled = POOLED_TOKENS   # the pooled view's tokens per picture
-        self._pixels: OrderedDict[int, tuple[torch.Tensor, Grid]] = OrderedDict()   # digest -> prepared pixels
+        self._units: OrderedDict[int, PictureUnit] = OrderedDict()                  # digest -> prepared unit
         self._rows: OrderedDict[int, tuple[torch.Tensor, Grid]] = OrderedDict()     # digest -> [count, hidden]
-        self.encoded_images = 0   # vision-tower runs, per picture (tests, metrics)
+        self.encoded_images = 0   # vision-tower runs, per unit (tests, metrics)
         self.captions = None      # the pictures' captions (``captions.Captions``) where a caption view reads them
         # Tokens the VLM's processor puts before and after one picture's image tokens (``vlm.picture_markers``).
         self.markers: tuple[list[int], list[int]] = ([], [])
@@ -186,13 +195,16 @@ class ImageStore:
         markers (preparing it now; encoding waits for a forward)."""
         return self.prepared(image).ids(self.add)
 
-    def add(self, pixels: torch.Tensor) -> list[int]:
-        """``register`` for a picture prepared elsewhere (the ingress sends pixels with a request)."""
-        grid, digest = self.grid(pixels), picture_digest(pixels)
-        self._remember(self._pixels, digest, (pixels, grid))
+    def add(self, unit: PictureUnit) -> list[int]:
+        """The ids of a prepared unit's image tokens (the ingress sends units with a request)."""
+        if not isinstance(unit, PictureUnit) or not isinstance(unit.pixels, torch.Tensor):
+            raise ValueError(f"a picture must come prepared as a PictureUnit, not {type(unit).__name__}")
+        Grid.of(unit.grid.count, unit.grid.columns)   # within the grid ids can name
+        digest = picture_digest(unit)
+        self._remember(self._units, digest, unit)
         if digest in self._rows:
             self._rows.move_to_end(digest)
-        return grid_ids(digest, grid)
+        return grid_ids(digest, unit.grid)
 
     def _remember(self, store: OrderedDict, digest: int, value) -> None:
         store[digest] = value
@@ -214,15 +226,18 @@ class ImageStore:
         cells = [cell(t) for t in ids.tolist()]
         pending = sorted({d for d, _, _ in cells if d not in self._rows})
         if pending:
-            missing = [d for d in pending if d not in self._pixels]
+            missing = [d for d in pending if d not in self._units]
             if missing:
                 raise KeyError(f"{len(missing)} picture(s) of this prompt left the image store before its prefill "
                                f"(capacity {self.capacity}): raise the capacity above the pictures in flight")
             with torch.no_grad():
-                encoded = self.encode([self._pixels[d][0] for d in pending])
+                encoded = self.encode([self._units[d] for d in pending])
             self.encoded_images += len(pending)
             for d, rows in zip(pending, encoded):
-                self._remember(self._rows, d, (rows, self._pixels[d][1]))
+                grid = self._units[d].grid
+                if rows.shape[0] != grid.count:
+                    raise ValueError(f"the vision tower gave {rows.shape[0]} rows for a picture of {grid.count} image tokens")
+                self._remember(self._rows, d, (rows, grid))
         out = []
         for d, row, column in cells:
             rows, grid = self._rows[d]
@@ -238,10 +253,10 @@ class ImageStore:
             digest, j = divmod(t - POOLED_BASE, self.pooled)
             if digest not in means:
                 if digest not in self._rows:
-                    if digest not in self._pixels:
+                    if digest not in self._units:
                         raise KeyError("a pooled picture left the image store before its prefill "
                                        f"(capacity {self.capacity}): raise the capacity above the pictures in flight")
-                    self.rows(torch.tensor(grid_ids(digest, self._pixels[digest][1])))
+                    self.rows(torch.tensor(grid_ids(digest, self._units[digest].grid)))
                 rows, grid = self._rows[digest]
                 means[digest] = block_means(rows, grid, self.pooled)
             out.append(means[digest][j])

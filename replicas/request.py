@@ -91,9 +91,10 @@ class SpecRequest:
     # A VLM request: its image tokens are virtual ids (``image_tokens``), and drafts see this
     # token (the VLM's image placeholder) in their place. None: a text request.
     image_placeholder: int | None = None
-    # The prompt's pictures as the ingress prepared them (``vlm.pixel_preparer``'s tensors): the
-    # replica adds them to its ImageStore, whose ids (from the pixels) the prompt already holds.
-    images: tuple = field(default=(), compare=False)   # tensors: equal requests are equal by their ids
+    # The prompt's pictures as the ingress prepared them (``image_tokens.PictureUnit``s, a tile
+    # each where the processor splits pictures): the replica adds them to its ImageStore, whose
+    # ids (from the units) the prompt already holds.
+    images: tuple = field(default=(), compare=False)   # units: equal requests are equal by their ids
     # Written by the replica for itself (a picture's caption, ``captions.py``): the router neither
     # routes it nor learns from it.
     internal: bool = False

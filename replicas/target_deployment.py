@@ -355,8 +355,8 @@ class TargetDeployment:
         if request.images:
             if self.images is None:
                 raise ValueError(f"{self.stats_name} reads text only: a request with images needs a VLM target")
-            for pixels in request.images:   # the prompt's image ids name these very pixels
-                self.images.add(pixels)
+            for unit in request.images:   # the prompt's image ids name these very units
+                self.images.add(unit)
         prior = None
         basis = None if self.routing is None else self.routing.router.basis
         if basis is not None and request.topic is None:   # priors are kept per task topic

@@ -1,21 +1,25 @@
 """Vision-language targets: a language model that reads image tokens, and the reference VLM.
 
-A VLM here is a Hugging Face image-text-to-text model of the LLaVA, Idefics3 (SmolVLM) or Qwen2-VL
-class, loaded by the class its folder's config names: a vision tower turns a picture into
-a grid of vectors (its image tokens), a projector (Idefics3: a pixel shuffle and a linear map) maps them
-into the language model's embedding space, and they take the places of as many placeholder
-tokens in the prompt. After prefill the language model decodes text
-as any target does. Idefics3's processor may split a large picture into tiles, each behind marker
-tokens, beside the whole picture resized (its "global image"); a picture is then its tiles and
-global image, each a picture of the store, among the markers of the processor's own expansion
-(``picture_preparer``).
-Qwen2-VL's class (and Qwen2.5-VL's) reads a picture at its native resolution (its processor's
-resize to whole merged patches within its pixel bounds) as flattened patches merged 2 x 2, and
-places its image tokens with multimodal rotary positions (``mrope.py``): each picture has its
-own grid of image tokens, which its ids carry (``image_tokens.Grid``). Without torchvision its
-processor is built without the video processor it names (``ImageOnlyQwen2VLProcessor``). A clip
-reaches every class as its sampled frames, pictures one after another (``ingress/images.py``);
-Qwen2-VL's temporal patches (two frames a patch) are not used.
+A VLM here is a Hugging Face image-text-to-text model of the LLaVA (with LLaVA-NeXT's and
+LLaVA-OneVision's any-res), Idefics3 (SmolVLM) or Qwen2-VL (Qwen2.5-VL) class, loaded by the
+class its folder's config names: a vision tower turns a picture into a grid of vectors (its
+image tokens), a projector (Idefics3: a pixel shuffle and a linear map) maps them into the
+language model's embedding space, and they take the places of as many placeholder tokens in
+the prompt. After prefill the language model decodes text as any target does.
+
+A picture is read as its folder's processor reads it (``picture_preparer``): Idefics3's
+processor may split a large picture into tiles, each behind marker tokens, beside the whole
+picture resized (its "global image"), each tile a unit of the store among the markers of the
+processor's own expansion; an any-res picture is its tiles on the best of the processor's
+grids beside the whole picture, unpadded to its aspect ratio with a row end after each row,
+one unit of as many image tokens as its processor counts. Qwen2-VL's class reads a picture at
+its native resolution (its processor's resize to whole merged patches within its pixel bounds)
+as flattened patches merged 2 x 2, and places its image tokens with multimodal rotary
+positions (``mrope.py``): each picture has its own grid of image tokens, which its ids carry
+(``image_tokens.Grid``). Without torchvision, a processor that names a video processor is
+built without it (``image_only_processor``). A clip reaches every class as its sampled frames,
+pictures one after another (``ingress/images.py``); Qwen2-VL's temporal patches (two frames a
+patch) are not used.
 
 The reference VLM (``smollm2-vlm`` in the zoo) is LLaVA-class: a SigLIP vision tower (96 px, 12 px
 patches: 64 image tokens) and LLaVA's two-layer projector, trained from scratch on pictures drawn
@@ -37,15 +41,16 @@ from pathlib import Path
 import torch
 from PIL import Image
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
-                          LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, Qwen2_5_VLProcessor, Qwen2Config,
-                          Qwen2VLProcessor, SiglipVisionConfig)
+                          LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionProcessor, LlavaProcessor,
+                          Qwen2_5_VLProcessor, Qwen2Config, Qwen2VLProcessor, SiglipVisionConfig)
 from transformers import logging as transformers_logging
+from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.utils import is_torchvision_available
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from specserve.replicas.captions import CAPTION_PROMPT, Captions
-from specserve.replicas.image_tokens import Grid, ImageStore, PreparedPicture
+from specserve.replicas.image_tokens import Grid, ImageStore, PictureUnit, PreparedPicture
 from specserve.replicas.model_store import (LoadedModel, default_device, load_causal_lm, load_tokenizer_and_config,
                                             resolve_dtype, resolve_model_path)
 
@@ -54,8 +59,8 @@ REFERENCE_VLM = "smollm2-vlm"
 # The reference VLM taught clips as well (``zoo vlm --clips``): a target of its own, so that the
 # drafts trained on ``REFERENCE_VLM``'s answers stay matched to it.
 REFERENCE_VIDEO_VLM = "smollm2-vlm-video"
-# The classes whose pictures have a grid of their own (native resolution; M-RoPE).
-QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# The classes whose processors hold a video processor (torchvision's).
+VIDEO_PROCESSOR_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 
 # ChatML as the reference target's own template writes it (its default system turn included), with
 # a content list's image parts as the placeholder, each on a line of its own.
@@ -96,16 +101,6 @@ def tokens_per_image(config) -> int:
         return int(length)
     vision = config.vision_config
     return int((vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2)
-
-
-def picture_grid(config, image_processor):
-    """``pixels -> Grid``: where a prepared picture's image tokens sit (``pixel_preparer``'s
-    pixels). Qwen2-VL's grid is the picture's own, its merged patches' rows and columns; every
-    other class's is one square."""
-    if _is_qwen2_vl_processor(image_processor):
-        return lambda pixels: Grid(pixels.shape[0] * pixels.shape[1], pixels.shape[1])
-    fixed = Grid.of(tokens_per_image(config))
-    return lambda pixels: fixed
 
 
 def image_token_id(config) -> int:
@@ -202,12 +197,13 @@ def is_vlm_config(config) -> bool:
 
 
 def load_processor(name_or_path: str):
-    """A local VLM's processor (its tokenizer, image processor and chat template); a Qwen2-VL
-    folder's without torchvision, which its video processor needs: ``ImageOnlyQwen2VLProcessor``."""
+    """A local VLM's processor (its tokenizer, image processor and chat template); a Qwen2-VL or
+    LLaVA-OneVision folder's without torchvision, which its video processor needs: its
+    processor less the video part (``image_only_processor``)."""
     path = resolve_model_path(name_or_path)
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type in QWEN2_VL_TYPES and not is_torchvision_available():
-        return image_only_qwen2_vl_processor(path, model_type)
+    if model_type in VIDEO_PROCESSOR_TYPES and not is_torchvision_available():
+        return image_only_processor(path, model_type)
     return AutoProcessor.from_pretrained(path, local_files_only=True)
 
 
@@ -226,12 +222,29 @@ class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
-def image_only_qwen2_vl_processor(path: Path, model_type: str = "qwen2_vl"):
-    """A Qwen2-VL or Qwen2.5-VL folder's processor from its parts on disk (the image processor's
-    settings, the tokenizer, the chat template), without a video processor."""
+class ImageOnlyLlavaOnevisionProcessor(LlavaOnevisionProcessor):
+    """LLaVA-OneVision's processor without the video processor, as ``ImageOnlyQwen2VLProcessor``."""
+
+    def __init__(self, image_processor=None, tokenizer=None, num_image_tokens=None, vision_feature_select_strategy=None,
+                 chat_template=None, image_token="<image>", video_token="<video>", vision_aspect_ratio="anyres_max_9",
+                 **kwargs):
+        super().__init__(image_processor, tokenizer, None, num_image_tokens, vision_feature_select_strategy,
+                         chat_template, image_token, video_token, vision_aspect_ratio, **kwargs)
+
+
+def image_only_processor(path: Path, model_type: str):
+    """A folder's processor from its parts on disk (the image processor's settings, the tokenizer,
+    the chat template, the processor's own settings), without a video processor."""
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     template = path / "chat_template.jinja"
     chat_template = template.read_text() if template.exists() else getattr(tokenizer, "chat_template", None)
+    settings_file = path / "processor_config.json"
+    settings = json.loads(settings_file.read_text()) if settings_file.exists() else {}
+    if model_type == "llava_onevision":
+        keep = ("num_image_tokens", "vision_feature_select_strategy", "image_token", "vision_aspect_ratio")
+        return ImageOnlyLlavaOnevisionProcessor(
+            LlavaOnevisionImageProcessorPil.from_pretrained(path, local_files_only=True), tokenizer,
+            chat_template=chat_template, **{k: settings[k] for k in keep if k in settings})
     cls = ImageOnlyQwen2_5_VLProcessor if model_type == "qwen2_5_vl" else ImageOnlyQwen2VLProcessor
     return cls(Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True), tokenizer, chat_template=chat_template)
 
@@ -290,24 +303,37 @@ def _one_tile(image_processor) -> dict:
     return {"do_image_splitting": False} if hasattr(image_processor, "do_image_splitting") else {}
 
 
-def pixel_preparer(image_processor):
-    """``image -> pixels``, as the VLM's processor prepares a picture: [3, h, w] (one tile);
-    Qwen2-VL's: its flattened patches at the picture's native resolution, grouped by merged
-    token on the token grid [rows, columns, merge² · 3 · temporal · patch²]."""
+def _is_any_res(image_processor) -> bool:
+    return getattr(image_processor, "image_grid_pinpoints", None) is not None
+
+
+def pixel_preparer(config, image_processor):
+    """``image -> PictureUnit``, as the VLM's processor prepares a picture whole: [3, h, w] on the
+    class's one square grid; Qwen2-VL's: its flattened patches at the picture's native
+    resolution, grouped by merged token on the picture's own grid [rows, columns, merge² · 3 ·
+    temporal · patch²]. An any-res picture needs its processor's expansion (``picture_preparer``)."""
+    if _is_any_res(image_processor):
+        def counted_by_the_processor(image) -> PictureUnit:
+            raise ValueError("an any-res picture's image tokens are counted by its processor: prepare it with "
+                             "picture_preparer (a store from target_image_store does)")
+        return counted_by_the_processor
     if _is_qwen2_vl_processor(image_processor):
         merge = image_processor.merge_size
 
-        def prepare_patches(image) -> torch.Tensor:
+        def prepare_patches(image) -> PictureUnit:
             out = image_processor(image.convert("RGB"), return_tensors="pt")
             _, height, width = out["image_grid_thw"][0].tolist()
-            return out["pixel_values"].reshape(height // merge, width // merge, -1)
+            rows, columns = height // merge, width // merge
+            return PictureUnit(out["pixel_values"].reshape(rows, columns, -1), Grid.of(rows * columns, columns))
         return prepare_patches
 
-    def prepare(image) -> torch.Tensor:
+    grid = Grid.of(tokens_per_image(config))
+
+    def prepare(image) -> PictureUnit:
         pixels = image_processor(image.convert("RGB"), return_tensors="pt", **_one_tile(image_processor))["pixel_values"]
         while pixels.dim() > 3:   # Idefics3: [batch, pictures, 3, h, w]
             pixels = pixels[0]
-        return pixels
+        return PictureUnit(pixels, grid)
     return prepare
 
 
@@ -327,32 +353,44 @@ def picture_markers(processor) -> tuple[list[int], list[int]]:
     return ids[:first], ids[last + 1:]
 
 
-def picture_preparer(processor):
-    """``image -> PreparedPicture`` as the VLM's processor expands a picture in a prompt: its pixels
-    between the processor's markers (``picture_markers``); an Idefics3-class processor that splits
-    pictures (``do_image_splitting``): its tiles and global image, each behind its markers, read
-    off the processor's own expansion of the picture."""
-    prepare, (before, after) = pixel_preparer(processor.image_processor), picture_markers(processor)
-    if not getattr(processor.image_processor, "do_image_splitting", False):
+def picture_preparer(processor, config):
+    """``image -> PreparedPicture`` as the VLM's processor expands a picture in a prompt: the
+    picture whole between the processor's markers (``picture_markers``); read off the
+    processor's own expansion of the picture where it splits pictures (Idefics3's
+    ``do_image_splitting``: its tiles and global image, each behind its markers) or counts a
+    picture's image tokens by its size (any-res: LLaVA-NeXT's and LLaVA-OneVision's unpadded
+    tiles and row ends)."""
+    image_processor = processor.image_processor
+    any_res = _is_any_res(image_processor)
+    if not any_res and not getattr(image_processor, "do_image_splitting", False):
+        prepare, (before, after) = pixel_preparer(config, image_processor), picture_markers(processor)
         return lambda image: PreparedPicture((prepare(image),), (*before, None, *after))
     image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
 
-    def tiled(image) -> PreparedPicture:
+    def expanded(image) -> PreparedPicture:
         out = processor(text=processor.image_token, images=[image.convert("RGB")], add_special_tokens=False,
                         return_tensors="pt")
         ids = out["input_ids"][0].tolist()
         tokens: list[int | None] = []   # each run of image tokens as one None
+        runs: list[int] = []
         for i, t in enumerate(ids):
             if t != image_id:
                 tokens.append(t)
             elif i == 0 or ids[i - 1] != image_id:
                 tokens.append(None)
-        units = tuple(out["pixel_values"][0])   # [tiles + 1, 3, h, w]: the tiles, then the global image
-        if tokens.count(None) != len(units):
-            raise ValueError(f"the processor expanded a picture into {tokens.count(None)} runs of image tokens "
-                             f"for {len(units)} tiles")
+                runs.append(1)
+            else:
+                runs[-1] += 1
+        if any_res:   # one unit: the picture's tiles, encoded together and unpadded by its size
+            size = tuple(out["image_sizes"][0].tolist())
+            units = (PictureUnit(out["pixel_values"][0], Grid.of(runs[0]), size),)
+        else:         # [tiles + 1, 3, h, w]: the tiles, then the global image
+            units = tuple(PictureUnit(pixels, Grid.of(run)) for pixels, run in zip(out["pixel_values"][0], runs))
+        if len(runs) != len(units):
+            raise ValueError(f"the processor expanded a picture into {len(runs)} runs of image tokens for "
+                             f"{len(units)} units")
         return PreparedPicture(units, tuple(tokens))
-    return tiled
+    return expanded
 
 
 def target_image_store(vlm, processor, capacity: int = 512) -> ImageStore:
@@ -360,7 +398,7 @@ def target_image_store(vlm, processor, capacity: int = 512) -> ImageStore:
     the captions the caption view reads."""
     store = image_store(vlm, processor.image_processor, capacity)
     store.markers = picture_markers(processor)
-    store.picture = picture_preparer(processor)
+    store.picture = picture_preparer(processor, vlm.config)
     store.captions = caption_writer(processor, store)
     return store
 
@@ -368,31 +406,41 @@ def target_image_store(vlm, processor, capacity: int = 512) -> ImageStore:
 def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     """The pictures' ``ImageStore``: ``image_processor`` (the processor's) prepares them, the
     vision tower and projector encode them (``get_image_features``: the rows the model's own
-    forward scatters into its image tokens; Qwen2-VL's given each picture's patch grid)."""
-    prepare, grid = pixel_preparer(image_processor), picture_grid(vlm.config, image_processor)
+    forward scatters into its image tokens; Qwen2-VL's given each picture's patch grid, any-res
+    classes each picture's size)."""
+    prepare = pixel_preparer(vlm.config, image_processor)
+    placeholder = image_token_id(vlm.config)
     if getattr(vlm.model, "visual", None) is not None:   # Qwen2-VL: flattened patches and each picture's grid
         merge = image_processor.merge_size
 
-        def encode_patches(pictures: list[torch.Tensor]) -> list[torch.Tensor]:
+        def encode_patches(units: list[PictureUnit]) -> list[torch.Tensor]:
             weight = next(vlm.model.visual.parameters())
-            thw = torch.tensor([[1, p.shape[0] * merge, p.shape[1] * merge] for p in pictures], device=weight.device)
-            patches = torch.cat([p.reshape(-1, p.shape[-1] // merge ** 2) for p in pictures])
+            thw = torch.tensor([[1, u.pixels.shape[0] * merge, u.pixels.shape[1] * merge] for u in units],
+                               device=weight.device)
+            patches = torch.cat([u.pixels.reshape(-1, u.pixels.shape[-1] // merge ** 2) for u in units])
             out = vlm.model.get_image_features(pixel_values=patches.to(weight.device, weight.dtype), image_grid_thw=thw)
             return list(getattr(out, "pooler_output", out))
 
-        return ImageStore(prepare, encode_patches, grid, image_token_id(vlm.config), capacity)
+        return ImageStore(prepare, encode_patches, placeholder, capacity)
 
     idefics = getattr(vlm.model, "vision_model", None) is not None   # Idefics3: pictures per prompt, 5-D
 
-    def encode(pictures: list[torch.Tensor]) -> list[torch.Tensor]:
+    def encode(units: list[PictureUnit]) -> list[torch.Tensor]:
         tower = vlm.model.vision_model if idefics else vlm.model.vision_tower
         weight = next(tower.parameters())
-        pixels = torch.stack(pictures).to(weight.device, weight.dtype)
+        if units[0].size is not None:   # any-res: each picture's tiles with its size
+            rows = []
+            for u in units:
+                out = vlm.model.get_image_features(pixel_values=u.pixels[None].to(weight.device, weight.dtype),
+                                                   image_sizes=torch.tensor([u.size], device=weight.device))
+                rows.append(list(getattr(out, "pooler_output", out))[0])
+            return rows
+        pixels = torch.stack([u.pixels for u in units]).to(weight.device, weight.dtype)
         out = vlm.model.get_image_features(pixel_values=pixels[:, None] if idefics else pixels)
         features = getattr(out, "pooler_output", out)   # transformers 5: an output object
         return list(features)
 
-    return ImageStore(prepare, encode, grid, image_token_id(vlm.config), capacity)
+    return ImageStore(prepare, encode, placeholder, capacity)
 
 
 def caption_writer(processor, store: ImageStore) -> Captions:

@@ -106,7 +106,7 @@ def tiny_idefics3(seed: int, scale: float = 8.0):
     return model.to(DEVICE).eval()
 
 
-VLM_FOLDER_KINDS = ("llava", "idefics3", "idefics3-tiles", "qwen2-vl", "qwen2.5-vl")
+VLM_FOLDER_KINDS = ("llava", "llava-next", "llava-onevision", "idefics3", "idefics3-tiles", "qwen2-vl", "qwen2.5-vl")
 
 
 def tiny_vlm_folder(kind: str, folder, seed: int = 0):
@@ -148,6 +148,8 @@ def tiny_vlm_folder(kind: str, folder, seed: int = 0):
         model = Idefics3ForConditionalGeneration(config)
     elif kind in ("qwen2-vl", "qwen2.5-vl"):
         processor, model = _tiny_qwen2_vl_folder_parts(tokenizer, kind)
+    elif kind in ("llava-next", "llava-onevision"):
+        processor, model = _tiny_any_res_folder_parts(tokenizer, kind)
     else:
         raise ValueError(f"unknown VLM class {kind!r}; choose from {VLM_FOLDER_KINDS}")
     with torch.no_grad():
@@ -160,8 +162,48 @@ def tiny_vlm_folder(kind: str, folder, seed: int = 0):
     model.to(torch.float32).save_pretrained(folder)
     processor.save_pretrained(folder)
     if kind.startswith("qwen"):   # as the class's own processor names itself in a folder
-        _rename_processor(folder, "Qwen2_5_VLProcessor" if kind == "qwen2.5-vl" else "Qwen2VLProcessor")
+        _rename_processor(folder, "Qwen2_5_VLProcessor" if kind == "qwen2.5-vl" else "Qwen2VLProcessor",
+                          "Qwen2VLImageProcessor")
+    elif kind == "llava-onevision":
+        _rename_processor(folder, "LlavaOnevisionProcessor", "LlavaOnevisionImageProcessor")
     return folder
+
+
+def _tiny_any_res_folder_parts(tokenizer, kind: str):
+    """A LLaVA-NeXT or LLaVA-OneVision class VLM (any-res: a picture as 32 px tiles on the best of a
+    few grids, plus the whole picture; its features unpadded to the picture's aspect ratio, a
+    newline row end after each row) over a one-layer SigLIP tower (8 px patches: 16 tokens a
+    tile) and the reference tokenizer, and its processor (OneVision's without its video part)."""
+    from transformers import (LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor,
+                              LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, SiglipVisionConfig)
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import (
+        LlavaOnevisionImageProcessorPil)
+
+    from specserve.replicas.vlm import CHAT_TEMPLATE, IMAGE_PLACEHOLDER, ImageOnlyLlavaOnevisionProcessor
+
+    pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    text = tiny_config("llama")
+    text.vocab_size = len(tokenizer)
+    vision = SiglipVisionConfig(image_size=TINY_IMAGE_SIZE, patch_size=8, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=1, num_attention_heads=2, vision_use_head=False)
+    image_id = tokenizer.convert_tokens_to_ids(IMAGE_PLACEHOLDER)
+    common = dict(vision_config=vision, text_config=text, image_token_index=image_id, image_grid_pinpoints=pinpoints,
+                  vision_feature_select_strategy="full", vision_feature_layer=-1,
+                  tie_word_embeddings=text.tie_word_embeddings)
+    if kind == "llava-next":
+        image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": TINY_IMAGE_SIZE},
+                                                     crop_size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE},
+                                                     image_grid_pinpoints=pinpoints)
+        processor = LlavaNextProcessor(image_processor, tokenizer, patch_size=8, vision_feature_select_strategy="full",
+                                       chat_template=CHAT_TEMPLATE, image_token=IMAGE_PLACEHOLDER)
+        return processor, LlavaNextForConditionalGeneration(LlavaNextConfig(**common))
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": TINY_IMAGE_SIZE, "width": TINY_IMAGE_SIZE},
+                                                      image_grid_pinpoints=pinpoints)
+    processor = ImageOnlyLlavaOnevisionProcessor(image_processor, tokenizer, num_image_tokens=16,
+                                                 vision_feature_select_strategy="full", chat_template=CHAT_TEMPLATE,
+                                                 image_token=IMAGE_PLACEHOLDER)
+    return processor, LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(**common))
 
 
 def _tiny_qwen2_vl_folder_parts(tokenizer, kind: str):
@@ -204,7 +246,7 @@ def _tiny_qwen2_vl_folder_parts(tokenizer, kind: str):
     return processor, model
 
 
-def _rename_processor(folder, processor_class: str) -> None:
+def _rename_processor(folder, processor_class: str, image_processor_type: str) -> None:
     import json
     from pathlib import Path
 
@@ -215,7 +257,7 @@ def _rename_processor(folder, processor_class: str) -> None:
             if "processor_class" in config:
                 config["processor_class"] = processor_class
             if "image_processor_type" in config:
-                config["image_processor_type"] = "Qwen2VLImageProcessor"
+                config["image_processor_type"] = image_processor_type
             path.write_text(json.dumps(config, indent=2))
 
 

@@ -64,11 +64,12 @@ def _category(seed: int) -> str:
 def _chunk(vlm, tokenizer, seeds: list[int]) -> list[dict]:
     """The rows of one chunk of pictures: ``{seed, category, prompt, answer, final, rows}``."""
     from specserve.training.vlm_train import prompt_ids
-    from specserve.replicas.vlm import image_processor, image_store
+    from specserve.replicas.image_tokens import Grid, PictureUnit
+    from specserve.replicas.vlm import image_processor, image_store, tokens_per_image
 
     model, config = vlm.model, vlm.model.config
     processor = image_processor(config)
-    encode = image_store(model, processor).encode
+    store, grid = image_store(model, processor), Grid.of(tokens_per_image(config))
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])
     out = []
@@ -89,7 +90,7 @@ def _chunk(vlm, tokenizer, seeds: list[int]) -> list[dict]:
             full[i, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
         # Right padding under a causal mask leaves every real position as it is.
         final = model.model(input_ids=full, pixel_values=pixels).last_hidden_state
-        rows = encode(list(pixels))   # per picture [T, hidden]: the rows a served request's image tokens take
+        rows = store.encode([PictureUnit(p, grid) for p in pixels])   # per picture: a served request's image rows
         for i, (e, answer) in enumerate(zip(examples, answers)):
             at = len(prompt) - 1   # the positions that predict the answer's tokens
             out.append({"seed": e.seed, "category": category, "prompt": prompt, "answer": answer,

@@ -41,7 +41,7 @@ def hf_greedy(model, store, text_ids: list[int], image) -> list[int]:
     """The VLM's own greedy continuation: placeholders expanded, pixels through its forward."""
     expanded = [t for i in text_ids for t in ([i] * tokens_per_image(model.config) if i == IMAGE_TOKEN else [i])]
     ids = torch.tensor([expanded], device=model.device)
-    pixels = store.prepare(image)[None].to(model.device)
+    pixels = store.prepare(image).pixels[None].to(model.device)
     out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
                          max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, ids.shape[1]:].tolist()
@@ -341,7 +341,7 @@ def test_an_idefics3_class_vlm_decodes_as_its_own_generate_and_speculates_lossle
         expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
         expanded = [t for i in TEXT for t in ([i] * tokens_per_image(model.config) if i == IMAGE_TOKEN else [i])]
         ids = torch.tensor([expanded], device=model.device)
-        hf = model.generate(input_ids=ids, pixel_values=store.prepare(picture(seed))[None, None].to(model.device),
+        hf = model.generate(input_ids=ids, pixel_values=store.prepare(picture(seed)).pixels[None, None].to(model.device),
                             attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
         assert expected == hf[0, ids.shape[1]:].tolist(), f"picture {seed}"
         for draft, speculation in ((PromptLookupDraft(), {"window": 3}), (PromptLookupDraft(), {"tree": TreeShape(3, 2, 6)}),
@@ -359,9 +359,11 @@ def test_an_idefics3_processors_prompt_and_pixels_are_followed():
     tokens sit between the markers the processor puts around its global image, and its pixels are
     the processor's, so the prompt is the processor's own with the image tokens as picture ids."""
     from PIL import Image
-    from specserve.replicas.image_tokens import Grid, picture_ids
+    from types import SimpleNamespace
+
+    from specserve.replicas.image_tokens import picture_ids
     from specserve.replicas.model_store import load_tokenizer_and_config
-    from specserve.replicas.vlm import picture_markers, pixel_preparer
+    from specserve.replicas.vlm import picture_markers, picture_preparer, pixel_preparer
     from transformers import Idefics3ImageProcessor, Idefics3Processor
 
     tokenizer, _ = load_tokenizer_and_config()
@@ -373,13 +375,23 @@ def test_an_idefics3_processors_prompt_and_pixels_are_followed():
     text = f"Look: {processor.image_token} and {processor.image_token} - which is red?"
     images = [Image.new("RGB", (40, 30), (200, 10, 10)), Image.new("RGB", (20, 36), (10, 10, 200))]
     theirs = processor(text=text, images=images, add_special_tokens=False, do_image_splitting=False, return_tensors="pt")
-    prepare = pixel_preparer(processor.image_processor)
+    prepare = pixel_preparer(SimpleNamespace(image_seq_length=4), processor.image_processor)
     pixels = [prepare(image) for image in images]
     for mine, expected in zip(pixels, theirs["pixel_values"][0]):
-        assert torch.equal(mine, expected)
-    ours = image_prompt_ids(tokenizer(text, add_special_tokens=False)["input_ids"], pixels,
-                            lambda p: [*before, *picture_ids(p, Grid.of(4)), *after], image_id)
+        assert torch.equal(mine.pixels, expected)
+    text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ours = image_prompt_ids(text_ids, pixels, lambda p: [*before, *picture_ids(p), *after], image_id)
     assert [image_id if t >= VIRTUAL_BASE else t for t in ours] == theirs["input_ids"][0].tolist()
+
+    # The processor's own setting splits pictures: each is its tiles and global image among the
+    # markers the processor writes (rows and columns), token for token.
+    tiled = processor(text=text, images=images, add_special_tokens=False, return_tensors="pt")
+    prepared = [picture_preparer(processor, SimpleNamespace(image_seq_length=4))(image) for image in images]
+    assert all(len(p.units) > 1 for p in prepared)
+    units = [u.pixels for p in prepared for u in p.units]
+    assert torch.equal(torch.stack(units), tiled["pixel_values"][0])
+    ours = image_prompt_ids(text_ids, prepared, lambda p: p.ids(picture_ids), image_id)
+    assert [image_id if t >= VIRTUAL_BASE else t for t in ours] == tiled["input_ids"][0].tolist()
 
 
 def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_losslessly():
@@ -401,9 +413,9 @@ def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_lossles
     theirs = processor(odd, return_tensors="pt")
     _, height, width = theirs["image_grid_thw"][0].tolist()
     mine = store.prepare(odd)
-    assert mine.shape[:2] == (height // 2, width // 2) and height != width
-    assert torch.equal(mine.reshape(theirs["pixel_values"].shape), theirs["pixel_values"])
-    assert store.grid(mine) == Grid(height * width // 4, width // 2)
+    assert mine.pixels.shape[:2] == (height // 2, width // 2) and height != width
+    assert torch.equal(mine.pixels.reshape(theirs["pixel_values"].shape), theirs["pixel_values"])
+    assert mine.grid == Grid(height * width // 4, width // 2)
     lm = language_model(model)
     near = perturbed(lm, seed=1)
     around = [VISION_START, IMAGE_TOKEN, VISION_END]
@@ -415,7 +427,7 @@ def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_lossles
     for case, (text, pictures) in cases.items():
         prompt = image_prompt_ids(text, pictures, store.register, IMAGE_TOKEN)
         expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
-        prepared = [store.prepare(p) for p in pictures]
+        prepared = [store.prepare(p).pixels for p in pictures]
         counts = iter([p.shape[0] * p.shape[1] for p in prepared])
         ids = torch.tensor([[t for i in text for t in ([i] * next(counts) if i == IMAGE_TOKEN else [i])]],
                            device=model.device)
