@@ -42,7 +42,7 @@ import torch
 
 from specserve.bench.engine import BASELINE, WARMUP_TOKENS, RowConfig, generate_once, machine_info
 from specserve.data.prompts import load_prompts
-from specserve.replicas.batch_kv import Feed
+from specserve.replicas.model.batch_kv import Feed
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
 from specserve.replicas.model_store import (REFERENCE_TARGET, LoadedModel, load_causal_lm, model_cache_dir,
                                             resolve_dtype, zoo_dir)

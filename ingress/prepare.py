@@ -28,7 +28,7 @@ from specserve.ingress.openai_api import (AUTO_DRAFT, NO_DRAFT, ChatCompletionRe
 from specserve.ingress.structured import request_grammar
 from specserve.ingress.tools import template_messages, template_teaches_tools, tool_grammar
 from specserve.policies.registry import POLICIES, TREE_POLICY_NAMES
-from specserve.replicas.image_tokens import picture_ids
+from specserve.replicas.model.image_tokens import picture_ids
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams

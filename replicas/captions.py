@@ -26,7 +26,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
-from specserve.replicas.image_tokens import cell, is_picture_token, starts_picture
+from specserve.replicas.model.image_tokens import cell, is_picture_token, starts_picture
 from specserve.replicas.request import SpecRequest, StreamItem
 
 logger = logging.getLogger("ray.serve")

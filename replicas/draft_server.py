@@ -35,10 +35,10 @@ from specserve.replicas.drafts.hsr_draft import MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead, feature_layers
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
-from specserve.replicas.image_tokens import draft_view
+from specserve.replicas.model.image_tokens import draft_view
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
-from specserve.replicas.session_pool import SessionPool
+from specserve.replicas.model.session_pool import SessionPool
 from specserve.replicas.step import Proposal, ProposeRequest
 
 # Served, it logs through Ray Serve's replica logger (the Serve log of its deployment).

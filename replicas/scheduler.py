@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from specserve.replicas.drafts.ensemble_carry import cluster_sums
 from specserve.replicas.grammar import GrammarError, GrammarState
-from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.model.kv_session import common_prefix_len
 from specserve.replicas.request import (AUTO_DRAFT, NO_DRAFT, DraftRouter, Policy, RequestState, SpecRequest, StepError,
                                         StreamItem)
 from specserve.replicas.step import PLAIN, Proposal, ProposeRequest, RequestStep, Speculation, StepRecord

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.replicas.sampling import SamplingParams  # noqa: F401  (ProposeRequest's field type)
-from specserve.replicas.tree_attention import node_depths
+from specserve.replicas.model.tree_attention import node_depths
 
 
 @dataclass(frozen=True)

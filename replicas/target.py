@@ -20,15 +20,15 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.model.batch_kv import BatchKV, Feed
 from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.imagegen import guided_logits
-from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.model.kv_session import common_prefix_len
 from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
-from specserve.replicas.mrope import MRope
+from specserve.replicas.model.mrope import MRope
 from specserve.replicas.rejection_sampler import verify
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams
 from specserve.replicas.step import Proposal, StepResult, TokenLogprob

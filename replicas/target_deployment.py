@@ -38,19 +38,19 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from specserve.replicas import cuda_graphs
+from specserve.replicas.model import cuda_graphs
 from specserve.replicas.cost_probe import (LOADED_BATCH, PRICED_WINDOW, ProbedCosts, draft_ms_per_position,
                                            loaded_verify_points, verify_points)
 from specserve.replicas.core_share import CoreShare
 from specserve.replicas.draft_server import DraftServer
 from specserve.replicas.grammar import grammar_tokenizer, warm_up
-from specserve.replicas.kv_memory import check_utilization, choose_slots, model_bytes
+from specserve.replicas.model.kv_memory import check_utilization, choose_slots, model_bytes
 from specserve.replicas.imagegen import is_generator_folder, load_generator
 from specserve.replicas.lantern import latent_neighbours
 from specserve.replicas.model_store import LoadedModel, default_device, load_causal_lm, resolve_dtype
 from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
 from specserve.replicas.model_worker import ModelWorker
-from specserve.replicas.native_memory import release_free_memory
+from specserve.replicas.model.native_memory import release_free_memory
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, Policy, RequestState, SpecRequest, StreamItem
 from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.remote_draft import RemoteDraft

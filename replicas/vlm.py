@@ -50,7 +50,7 @@ from transformers.utils import is_torchvision_available
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from specserve.replicas.captions import CAPTION_PROMPT, Captions
-from specserve.replicas.image_tokens import Grid, ImageStore, PictureUnit, PreparedPicture
+from specserve.replicas.model.image_tokens import Grid, ImageStore, PictureUnit, PreparedPicture
 from specserve.replicas.model_store import (LoadedModel, default_device, load_causal_lm, load_tokenizer_and_config,
                                             resolve_dtype, resolve_model_path)
 

@@ -39,3 +39,17 @@ def test_no_module_imports_a_layer_above_its_own():
               for own in LAYERS for path in sorted((ROOT / own).rglob("*.py"))
               for line, layer in _imports(path) if layer in rank and rank[layer] < rank[own]]
     assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_the_model_room_imports_nothing_else_of_replicas():
+    """``replicas/model/`` (the forward, the caches, the kernels) sits below the step, the
+    scheduler, the drafts and the deployments: it imports only itself from ``replicas``."""
+    room = ROOT / "replicas" / "model"
+    upward = []
+    for path in sorted(room.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            upward += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names
+                       if name.startswith("specserve.replicas") and not name.startswith("specserve.replicas.model")]
+    assert not upward, "imports out of the model room:\n" + "\n".join(upward)

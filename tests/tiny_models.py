@@ -59,7 +59,7 @@ def perturbed(model, seed: int, noise: float = 0.5):
 def rounded_to_int8_rows(model) -> None:
     """Every linear's weight replaced, in place, by the int8 rows ``quantization: int8`` multiplies
     with (``int8_linear.quantize_rows``): the module path then computes what the int8 path does."""
-    from specserve.replicas.int8_linear import quantize_rows
+    from specserve.replicas.model.int8_linear import quantize_rows
 
     with torch.no_grad():
         for module in model.modules():

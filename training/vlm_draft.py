@@ -64,7 +64,7 @@ def _category(seed: int) -> str:
 def _chunk(vlm, tokenizer, seeds: list[int]) -> list[dict]:
     """The rows of one chunk of pictures: ``{seed, category, prompt, answer, final, rows}``."""
     from specserve.training.vlm_train import prompt_ids
-    from specserve.replicas.image_tokens import Grid, PictureUnit
+    from specserve.replicas.model.image_tokens import Grid, PictureUnit
     from specserve.replicas.vlm import image_processor, image_store, tokens_per_image
 
     model, config = vlm.model, vlm.model.config

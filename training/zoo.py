@@ -227,7 +227,7 @@ def export(name: str, work: Path | None = None, out: Path | None = None, corpus:
 
 def forward_ms(model, context: list[int], reps: int = 20) -> float:
     """Median time of one cached decode forward after ``context``: the unit of the latency ratio c."""
-    from specserve.replicas.kv_session import KVSession
+    from specserve.replicas.model.kv_session import KVSession
 
     session = KVSession(model)
     session.extend(context, logits_rows=1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.model.batch_kv import BatchKV, Feed
 from specserve.replicas.drafts.base import ChainBuilder
 from specserve.replicas.step import Proposal, ProposeRequest
 

@@ -6,7 +6,7 @@ import torch
 
 from specserve.replicas.drafts.base import CONTEXT_ONLY, draft_chain
 from specserve.replicas.drafts.tree_growth import TreeGrowth
-from specserve.replicas.kv_session import KVSession
+from specserve.replicas.model.kv_session import KVSession
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal, TreeShape
 

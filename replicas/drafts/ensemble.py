@@ -70,11 +70,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.replicas.batch_kv import Feed
+from specserve.replicas.model.batch_kv import Feed
 from specserve.replicas.captions import caption_view
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.ensemble_carry import MAX_CANDIDATES, hit_rates, prefix, session_counts
-from specserve.replicas.image_tokens import draft_view, pooled_view
+from specserve.replicas.model.image_tokens import draft_view, pooled_view
 from specserve.replicas.sampling import logits_to_probs, sample
 from specserve.replicas.step import Proposal, ProposeRequest
 

@@ -31,10 +31,10 @@ import torch
 
 from specserve.replicas.drafts.base import DraftInputs, draft_chain
 from specserve.replicas.drafts.tree_growth import TreeGrowth
-from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.model.kv_session import common_prefix_len
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal, TreeShape
-from specserve.replicas.tree_attention import node_depths
+from specserve.replicas.model.tree_attention import node_depths
 
 
 class MissingFeatures(Exception):

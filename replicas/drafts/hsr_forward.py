@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import cpu_row_ops, small_gemm
-from specserve.replicas.int8_linear import Int8Linear
-from specserve.replicas.llama_forward import Linear, packable, quantization
+from specserve.replicas.model import cpu_row_ops, small_gemm
+from specserve.replicas.model.int8_linear import Int8Linear
+from specserve.replicas.model.llama_forward import Linear, packable, quantization
 
 
 def for_head(head) -> "HSRForward | None":

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from specserve.replicas import native_kernels
+from specserve.replicas.model import native_kernels
 from specserve.replicas.drafts.suffix_index import Speculation, grow
 
 SEPARATOR = -1

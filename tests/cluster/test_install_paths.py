@@ -83,7 +83,7 @@ def test_the_expected_files_name_every_package_and_its_data():
         assert f"{package.replace('.', '/')}/__init__.py" in expected
     # The checks below would pass vacuously without these: the zoo drafts and the C kernel sources.
     assert any(name.startswith("specserve/replicas/drafts/zoo/") for name in expected)
-    assert any(name.startswith("specserve/replicas/kernels/") and name.endswith(".c") for name in expected)
+    assert any(name.startswith("specserve/replicas/model/kernels/") and name.endswith(".c") for name in expected)
 
 
 # ---- building and checking a wheel ----------------------------------------------------------

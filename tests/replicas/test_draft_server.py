@@ -132,7 +132,7 @@ def test_a_served_head_asked_for_the_windowed_attention_skips_a_vlm_requests_ima
     """``windowed`` from the config reaches every session's head: on an ask whose context holds
     image tokens (ids past the vocabulary, the placeholder 3 in their stead), the session caches
     text positions only."""
-    from specserve.replicas.image_tokens import VIRTUAL_BASE
+    from specserve.replicas.model.image_tokens import VIRTUAL_BASE
 
     target_model, head_dir = pair
     picture = list(range(VIRTUAL_BASE, VIRTUAL_BASE + 8))

@@ -5,11 +5,11 @@ weights)."""
 import pytest
 import torch
 
-from specserve.replicas import int8_linear
+from specserve.replicas.model import int8_linear
 from specserve.replicas.drafts import hsr_forward
 from specserve.replicas.drafts.hsr_draft import HSRDraft
 from specserve.replicas.drafts.hsr_head import build_hsr_head
-from specserve.replicas.llama_forward import QUANTIZATION
+from specserve.replicas.model.llama_forward import QUANTIZATION
 from specserve.replicas.sampling import SamplingParams
 from tiny_models import VOCAB, rounded_to_int8_rows, tiny_model
 

@@ -9,8 +9,8 @@ from specserve.replicas.model_store import (
     resolve_dtype,
     resolve_model_path,
 )
-from specserve.replicas import int8_linear, llama_forward
-from specserve.replicas.llama_forward import quantization
+from specserve.replicas.model import int8_linear, llama_forward
+from specserve.replicas.model.llama_forward import quantization
 from tiny_models import tiny_model
 
 

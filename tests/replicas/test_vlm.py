@@ -9,9 +9,9 @@ from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.engine import in_process_server, run_batch, speculative_generate
-from specserve.replicas import image_tokens
+from specserve.replicas.model import image_tokens
 from specserve.replicas.captions import CAPTION_TOKENS, Captions, caption_view
-from specserve.replicas.image_tokens import VIRTUAL_BASE, draft_view, placeholder_for, pooled_view
+from specserve.replicas.model.image_tokens import VIRTUAL_BASE, draft_view, placeholder_for, pooled_view
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
@@ -361,7 +361,7 @@ def test_an_idefics3_processors_prompt_and_pixels_are_followed():
     from PIL import Image
     from types import SimpleNamespace
 
-    from specserve.replicas.image_tokens import picture_ids
+    from specserve.replicas.model.image_tokens import picture_ids
     from specserve.replicas.model_store import load_tokenizer_and_config
     from specserve.replicas.vlm import picture_markers, picture_preparer, pixel_preparer
     from transformers import Idefics3ImageProcessor, Idefics3Processor
@@ -401,7 +401,7 @@ def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_lossles
     generate with the pixels and grids, through our forward's flat and padded layouts and through
     the model's own; drafts, chains and trees equal plain; an image request batched with a text
     request equals each alone."""
-    from specserve.replicas.image_tokens import Grid
+    from specserve.replicas.model.image_tokens import Grid
     from tiny_models import VISION_END, VISION_START, tiny_qwen2_vl, tiny_qwen2_vl_processor
 
     from PIL import Image

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specserve.replicas.model_store import bf16_is_fast
-from specserve.replicas.native_memory import release_free_memory
+from specserve.replicas.model.native_memory import release_free_memory
 
 BLOCK = 64 * 1024      # below glibc's mmap threshold: served from the heap, kept there when freed
 BLOCKS = 3000

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 from manual_clock import ManualClock
 
-from specserve.replicas.session_pool import SessionPool
+from specserve.replicas.model.session_pool import SessionPool
 
 
 @dataclass

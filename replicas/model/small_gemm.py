@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import native_kernels
+from specserve.replicas.model import native_kernels
 
 # Rows above this go to torch's BLAS, whose blocking wins there (a prefill chunk, a large batch).
 MAX_ROWS = 24

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import cpu_attention, cpu_row_ops, image_tokens, mrope, small_gemm
-from specserve.replicas.int8_linear import Int8Linear
+from specserve.replicas.model import cpu_attention, cpu_row_ops, image_tokens, mrope, small_gemm
+from specserve.replicas.model.int8_linear import Int8Linear
 
 
 # The zoo's pruned-head draft LM (``drafts/pruned_head.py``) is a Llama with its own model type.

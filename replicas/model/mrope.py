@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.replicas.image_tokens import cell, is_picture_token
+from specserve.replicas.model.image_tokens import cell, is_picture_token
 
 
 def section_dims(sections: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import int8_linear, llama_forward
-from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.model import int8_linear, llama_forward
+from specserve.replicas.model.batch_kv import BatchKV, Feed
 from specserve.replicas.target import feature_tap
 from tiny_models import rounded_to_int8_rows, tiny_model
 

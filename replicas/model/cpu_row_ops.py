@@ -21,7 +21,7 @@ import ctypes
 
 import torch
 
-from specserve.replicas import native_kernels
+from specserve.replicas.model import native_kernels
 
 MAX_HIDDEN = 16384   # kernels/row_ops.c's per-row buffer
 

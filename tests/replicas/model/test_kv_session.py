@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from specserve.replicas.kv_session import TREE_NODE, KVSession
+from specserve.replicas.model.kv_session import TREE_NODE, KVSession
 from tiny_models import ARCHITECTURES, tiny_config, tiny_model
 
 PROMPT = [3, 17, 42, 8, 8, 61, 5]
@@ -71,7 +71,7 @@ def test_crop_to_zero_resets():
 
 
 def test_preallocated_cache_grows_past_its_capacity():
-    from specserve.replicas.kv_cache import preallocated_cache
+    from specserve.replicas.model.kv_cache import preallocated_cache
 
     model = tiny_model("llama", seed=0)
     session = KVSession(model)

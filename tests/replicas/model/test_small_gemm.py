@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import small_gemm
+from specserve.replicas.model import small_gemm
 
 pytestmark = pytest.mark.skipif(small_gemm.library() is None, reason="no C compiler: F.linear serves")
 

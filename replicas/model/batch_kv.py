@@ -38,10 +38,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specserve.replicas import cpu_attention, cuda_graphs, llama_forward
-from specserve.replicas.image_tokens import VIRTUAL_BASE, embed
-from specserve.replicas.kv_session import TREE_NODE, common_prefix_len
-from specserve.replicas.tree_attention import ancestor_matrix, node_depths
+from specserve.replicas.model import cpu_attention, cuda_graphs, llama_forward
+from specserve.replicas.model.image_tokens import VIRTUAL_BASE, embed
+from specserve.replicas.model.kv_session import TREE_NODE, common_prefix_len
+from specserve.replicas.model.tree_attention import ancestor_matrix, node_depths
 
 
 @dataclass(frozen=True)

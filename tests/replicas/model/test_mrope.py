@@ -3,8 +3,8 @@ at the grid's longer side, whatever the chunks the prompt arrives in."""
 
 import pytest
 
-from specserve.replicas.image_tokens import Grid, grid_ids
-from specserve.replicas.mrope import MRope, section_dims
+from specserve.replicas.model.image_tokens import Grid, grid_ids
+from specserve.replicas.model.mrope import MRope, section_dims
 
 
 def picture(digest: int, rows: int = 2, columns: int = 2) -> list[int]:

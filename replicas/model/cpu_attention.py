@@ -24,7 +24,7 @@ import ctypes
 
 import torch
 
-from specserve.replicas import native_kernels
+from specserve.replicas.model import native_kernels
 
 MAX_HEAD_DIM = 256     # the kernel's per-thread buffers (kernels/decode_attention.c)
 MAX_ROWS = 256         # query rows per kv head: (query heads per kv head) x new tokens

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import int8_linear
-from specserve.replicas.int8_linear import Int8Linear, quantize_rows
+from specserve.replicas.model import int8_linear
+from specserve.replicas.model.int8_linear import Int8Linear, quantize_rows
 
 pytestmark = pytest.mark.skipif(int8_linear.library() is None, reason="no C compiler: int8 drafts stay float32")
 

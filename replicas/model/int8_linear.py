@@ -19,7 +19,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas import native_kernels
+from specserve.replicas.model import native_kernels
 
 MAX_ROWS = 24
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p

@@ -8,7 +8,7 @@ import torch
 
 from conftest import run_without_a_compiler
 
-from specserve.replicas import cpu_attention
+from specserve.replicas.model import cpu_attention
 
 pytestmark = pytest.mark.skipif(cpu_attention.library() is None, reason="no C compiler to build the kernel")
 
@@ -94,7 +94,7 @@ def test_the_forward_uses_it_only_for_cpu_verify_steps():
 
 
 def test_without_a_compiler_torchs_path_is_kept(tmp_path):
-    code = ("import torch; from specserve.replicas import cpu_attention as c; torch.set_grad_enabled(False); "
+    code = ("import torch; from specserve.replicas.model import cpu_attention as c; torch.set_grad_enabled(False); "
             "print(c.library() is None, c.usable(torch.device('cpu'), torch.float32, 1, 9, 3, 64))")
     assert run_without_a_compiler(code, tmp_path) == ["True", "False"]
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from specserve.replicas.kv_session import common_prefix_len
+from specserve.replicas.model.kv_session import common_prefix_len
 
 Holder = TypeVar("Holder")   # anything with a ``.session`` (a KVSession)
 

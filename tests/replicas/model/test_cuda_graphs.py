@@ -7,8 +7,8 @@ the same tests replay real graphs (``SPECSERVE_TEST_DEVICE=cuda``); off CUDA gra
 import pytest
 import torch
 
-from specserve.replicas import cuda_graphs, llama_forward
-from specserve.replicas.batch_kv import BatchKV, Feed
+from specserve.replicas.model import cuda_graphs, llama_forward
+from specserve.replicas.model.batch_kv import BatchKV, Feed
 from specserve.replicas.target import feature_tap
 from tiny_models import tiny_model
 

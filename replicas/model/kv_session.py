@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
-from specserve.replicas.kv_cache import PreallocatedLayer, preallocated_cache
-from specserve.replicas.tree_attention import tree_attention_mask, tree_position_ids
+from specserve.replicas.model.kv_cache import PreallocatedLayer, preallocated_cache
+from specserve.replicas.model.tree_attention import tree_attention_mask, tree_position_ids
 
 
 TREE_NODE = -1  # placeholder in KVSession.tokens for a cached tree node

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from specserve.replicas.kv_memory import (SIZED_BY_CONFIG, SIZED_BY_DEVICE, KVBudget, KVSlots, check_utilization,
+from specserve.replicas.model.kv_memory import (SIZED_BY_CONFIG, SIZED_BY_DEVICE, KVBudget, KVSlots, check_utilization,
                                           choose_slots, kv_budget, kv_bytes_per_token)
 
 # 2 layers, 2 KV heads of 64 / 4 = 16 dimensions: 2 (K, V) x 2 x 2 x 16 = 128 elements a position.

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import run_without_a_compiler
 
-from specserve.replicas import cpu_row_ops
+from specserve.replicas.model import cpu_row_ops
 from specserve.replicas.rejection_sampler import verify
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal
@@ -94,6 +94,6 @@ def test_greedy_verification_follows_the_kernels_argmax():
 
 
 def test_without_a_compiler_torchs_ops_are_kept(tmp_path):
-    code = ("import torch; from specserve.replicas import cpu_row_ops as c; "
+    code = ("import torch; from specserve.replicas.model import cpu_row_ops as c; "
             "print(c.library() is None, c.usable(torch.zeros(2, 4)))")
     assert run_without_a_compiler(code, tmp_path) == ["True", "False"]

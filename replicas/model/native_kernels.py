@@ -1,4 +1,4 @@
-"""Small C kernels (``replicas/kernels/*.c``), compiled once per machine and loaded with ctypes.
+"""Small C kernels (``replicas/model/kernels/*.c``), compiled once per machine and loaded with ctypes.
 
 Each source is built with the C compiler found on PATH (``cc``, or ``$CC``) as
 ``cc -O3 -march=native -fopenmp`` into ``~/.cache/specserve/kernels`` (``SPECSERVE_KERNEL_CACHE``

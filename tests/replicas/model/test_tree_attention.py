@@ -1,6 +1,6 @@
 import torch
 
-from specserve.replicas.tree_attention import node_depths, tree_attention_mask, tree_position_ids
+from specserve.replicas.model.tree_attention import node_depths, tree_attention_mask, tree_position_ids
 
 #      root(-1)
 #      /     \
