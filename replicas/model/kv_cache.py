@@ -2,7 +2,7 @@
 
 transformers' DynamicLayer grows by ``torch.cat`` every step, O(context) per step, where an
 in-place copy costs the same at every length. Speculation also rolls back after every rejection,
-which here is O(1). Logits are identical to DynamicCache (tests/replicas/test_kv_session.py).
+which here is O(1). Logits are identical to DynamicCache (tests/replicas/model/test_kv_session.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Nodes are laid out after ``past_len`` cached tokens, in index order, parents bef
 A node may attend to every cached token, to its ancestors and to itself; it sits at position
 ``past_len + depth - 1`` so that each node sees exactly the positions its path would have had if
 decoded sequentially. transformers takes a 4D float mask, 0 where attention is allowed and the
-dtype's minimum elsewhere (checked against sequential decoding in tests/replicas/test_kv_session.py).
+dtype's minimum elsewhere (checked against sequential decoding in tests/replicas/model/test_kv_session.py).
 """
 
 from __future__ import annotations
