@@ -51,11 +51,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+from sklearn.linear_model import Ridge
+
 from specserve.bench.engine import machine_info
 from specserve.bench.turns import in_turn
 from specserve.bench.policies import quiet_draft_servers
 from specserve.data.prompts import CATEGORIES, check_categories, load_prompts, topic_corpus
-from specserve.router.acceptance import LinearAcceptance
 from specserve.router.draft_router import LearnedDraftRouter
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
 from specserve.router.features import PromptFeatures
@@ -232,6 +234,20 @@ def ablation(generations: Sequence[Generation], choose, dims: int) -> list[dict]
 # --- the run --------------------------------------------------------------------------------
 
 
+class LeastSquares:
+    """The drop-in paper's §5 estimate of one draft's α from a fixed set of (features, α): its
+    ordinary least squares, as scikit-learn's ridge with a vanishing penalty (so that collinear
+    features, a topic dimension that is always 0, stay solvable), clipped to a rate."""
+
+    def __init__(self, xs: Sequence[Sequence[float]], alphas: Sequence[float], ridge: float = 1e-3,
+                 alpha_max: float = 0.95):
+        self.fit = Ridge(alpha=ridge, fit_intercept=False).fit(np.asarray(xs, dtype=float), np.asarray(alphas, dtype=float))
+        self.alpha_max, self.observations = alpha_max, len(xs)
+
+    def predict(self, x: Sequence[float]) -> float:
+        return float(np.clip(self.fit.predict(np.asarray([x], dtype=float))[0], 0.0, self.alpha_max))
+
+
 class Bench:
     def __init__(self, engine: SpecEngine, candidates: list[str], max_tokens: int, explore: float, basis,
                  repeats: int = 1, switches: int = 1):
@@ -280,7 +296,7 @@ class Bench:
         return out
 
     @staticmethod
-    def least_squares(generations: Sequence[Generation], drop: Sequence[int] = ()) -> dict[str, LinearAcceptance]:
+    def least_squares(generations: Sequence[Generation], drop: Sequence[int] = ()) -> dict[str, "LeastSquares"]:
         """The drop-in paper's estimate per draft from the warm-up's pinned runs (``drop``: feature
         columns left out, for the ablation)."""
         data: dict[str, tuple[list, list]] = {}
@@ -289,9 +305,9 @@ class Bench:
                 xs, alphas = data.setdefault(g.draft, ([], []))
                 xs.append(without(g.features, drop))
                 alphas.append(g.realised_alpha)
-        return {d: LinearAcceptance.fit(xs, a) for d, (xs, a) in data.items()}
+        return {d: LeastSquares(xs, a) for d, (xs, a) in data.items()}
 
-    def ls_choice(self, models: dict[str, LinearAcceptance], features: list[float]) -> str:
+    def ls_choice(self, models: dict[str, "LeastSquares"], features: list[float]) -> str:
         scores = {d: self.recorder.costs.best(m.predict(features), d, 1)[0] for d, m in models.items()}
         scores[NO_DRAFT] = self.recorder.costs.plain(1)
         return max(scores, key=scores.get)

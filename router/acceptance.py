@@ -8,16 +8,15 @@ One class serves both models:
   statistics ``A = λI + Σ w·x·xᵀ`` and ``b = Σ w·α·x`` kept, so that the estimate is exactly the
   least-squares fit of everything seen so far, and LinUCB's confidence width ``sqrt(xᵀA⁻¹x)``
   comes for free (it shrinks as similar prompts are observed: exploration fades with confidence);
-- **least squares** (the paper's §5 baseline): the same fit over a fixed set of prompts, then
-  frozen (``LinearAcceptance.fit``); the paper's ordinary least squares is the limit λ → 0, kept
-  slightly positive so that collinear features (a topic dimension that is always 0) stay solvable.
+- **least squares** (the paper's §5 baseline, ``bench/router.py``): the same fit over a fixed set
+  of prompts, then frozen, by scikit-learn's ``Ridge``; kept here as the online model only, which
+  scikit-learn has no exact incremental form of (LinUCB needs A⁻¹).
 
 **The prior** (``prior_alpha``, α₀): the ridge pulls the fit towards α₀ instead of 0 (it regresses
 α − α₀), so a draft nothing has been observed for is predicted α₀. Pulled towards 0, a draft
 tried on a few unlucky prompts is predicted so low that LinUCB's bonus never brings it back, and
 the bandit keeps choosing another draft where this one is faster. The router's
-models start at ``ROUTER_PRIOR_ALPHA``; the least-squares baseline keeps the paper's α₀ = 0 (with
-its tiny ridge the prior does not matter once it has data).
+models start at ``ROUTER_PRIOR_ALPHA``.
 
 Two replicas' statistics add (``A₁ + A₂ − λI``, ``b₁ + b₂``), which is how the policy service
 merges the cluster's observations; they travel as JSON (never pickle).
@@ -85,17 +84,6 @@ class LinearAcceptance:
         """LinUCB's confidence width sqrt(xᵀA⁻¹x): large for prompts unlike any observed."""
         v = self._vector(x)
         return float(np.sqrt(max(0.0, v @ self.inverse @ v)))
-
-    @classmethod
-    def fit(cls, xs: Sequence[Sequence[float]], alphas: Sequence[float], ridge: float = 1e-3,
-            alpha_max: float = 0.95) -> "LinearAcceptance":
-        """Least squares over a fixed set of (features, α) (the paper's §5 estimate of Z)."""
-        if not xs:
-            raise ValueError("least squares needs at least one observed prompt")
-        model = cls(len(xs[0]), ridge, alpha_max)
-        for x, alpha in zip(xs, alphas):
-            model.update(x, alpha)
-        return model
 
     def merged(self, other: "LinearAcceptance") -> "LinearAcceptance":
         """The model of both observation sets (their sufficient statistics add; the ridge once)."""

@@ -1,6 +1,7 @@
 """TF-IDF over token ids, reduced to a few dimensions (latent semantic analysis): the router's
 "what kind of prompt is this" feature ("A Drop-in Solution for On-the-Fly Adaptation of
 Speculative Decoding in Large Language Models", §5, uses TF-IDF; it tried 4-16 dimensions).
+Fitted with scikit-learn (``TfidfVectorizer``, ``TruncatedSVD``, ``KMeans``):
 
     tf     1 + log(count) of each kept token id in the prompt (sublinear: a repeated identifier
            should not drown the rest)
@@ -12,7 +13,9 @@ and the first component then mostly separates long from short documents, which t
 feature already gives. Token ids, not words, so that the basis needs only the target's tokenizer.
 
 Only the ``vocab_size`` ids most documents contain are kept (the rest are rare, and mostly
-noise to a basis fitted on a few thousand prompts).
+noise to a basis fitted on a few thousand prompts); ties go to the lower id, so that a fit is the
+same on every machine (scikit-learn's ``max_features`` ranks by total count and breaks ties
+unstably).
 
     topics  ``clusters`` centroids of the corpus's projections (scikit-learn's k-means): a
             prompt's topic is its nearest centroid, the task key under which the policy service
@@ -20,14 +23,14 @@ noise to a basis fitted on a few thousand prompts).
             request does not start from the window or tree that chat requests favour
 
 The basis is data (tuples of numbers) with a JSON round trip: it travels inside Serve deployment
-arguments and a cache file, never pickled.
+arguments and a cache file, never pickled, so a served prompt is projected here over those
+numbers (one pass over its ids) rather than by the fitted scikit-learn objects.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 from collections import Counter
@@ -37,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 from sklearn.cluster import KMeans
+from sklearn.decomposition import TruncatedSVD
+from sklearn.feature_extraction.text import TfidfVectorizer
 
 from specserve.replicas.model_store import model_cache_dir
 
@@ -117,18 +122,19 @@ class TopicBasis:
         df = Counter(t for d in docs for t in set(d))
         # Most documents first; ties by id, so a fit is the same on every machine.
         vocab = tuple(sorted(df, key=lambda t: (-df[t], t))[:vocab_size])
-        n = len(docs)
-        idf = tuple(math.log((1 + n) / (1 + df[t])) + 1.0 for t in vocab)
-        unfitted = cls(vocab, idf, ((0.0,) * len(vocab),))
-        matrix = np.stack([unfitted.tfidf(d) for d in docs])
-        _, _, vt = np.linalg.svd(matrix, full_matrices=False)
-        components = vt[:dims]
+        if len(vocab) <= dims or len(docs) <= dims:
+            raise ValueError(f"fitting {dims} topic dimensions needs more than {dims} documents and kept ids, "
+                             f"got {len(docs)} and {len(vocab)}")
+        vectorizer = TfidfVectorizer(analyzer=list, lowercase=False, vocabulary=vocab, sublinear_tf=True, norm="l2")
+        matrix = vectorizer.fit_transform(docs)   # sparse [docs, vocab]
+        idf = tuple(float(x) for x in vectorizer.idf_)
+        components = TruncatedSVD(dims, algorithm="arpack", random_state=0).fit(matrix).components_
         # SVD signs are arbitrary: make each component's largest entry positive (deterministic).
         signs = np.sign(components[np.arange(len(components)), np.abs(components).argmax(axis=1)])
         components = np.round(components * signs[:, None], 6)
         centroids = ()
         if clusters:
-            projected = matrix @ components.T
+            projected = np.asarray(matrix @ components.T)
             if len(np.unique(projected, axis=0)) < clusters:
                 raise ValueError(f"{clusters} topics need at least {clusters} distinct documents")
             means = KMeans(clusters, n_init=10, random_state=0).fit(projected).cluster_centers_

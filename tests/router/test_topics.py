@@ -81,3 +81,15 @@ def test_topics_are_the_nearest_centroid_and_leave_the_projection_and_its_finger
     assert TopicBasis.fit(docs, dims=4, vocab_size=200, clusters=2) == clustered   # deterministic
     with pytest.raises(ValueError, match="distinct"):
         TopicBasis.fit([[1, 2]] * 5, dims=1, clusters=3)
+
+
+def test_the_basis_is_the_top_singular_directions_of_the_corpus_tfidf_matrix():
+    """scikit-learn's fit, checked against its definition: each component is one of the top
+    right-singular vectors (up to sign) of the corpus's TF-IDF rows as the basis computes them."""
+    docs = synthetic(0)
+    basis = TopicBasis.fit(docs, dims=4, vocab_size=200)
+    matrix = np.stack([basis.tfidf(d) for d in docs])
+    assert np.allclose(np.linalg.norm(matrix, axis=1), 1.0)
+    _, _, vt = np.linalg.svd(matrix, full_matrices=False)
+    for component, reference in zip(np.array(basis.components), vt[:4]):
+        assert abs(abs(component @ reference) - 1.0) < 1e-5
