@@ -792,3 +792,25 @@ def test_every_panel_of_the_grafana_dashboard_has_data_in_prometheus(served, cli
     rare = [name for name, query in queries.items() if query.endswith(RARE_EVENT)]
     # Only these two may answer with the fallback; every other query answered with real series.
     assert len(rare) == 2 and len(queries) - len(rare) >= 10
+
+
+def test_the_serving_benchmark_measures_every_row_against_a_running_deployment(served, tmp_path):
+    """``specserve bench serve --server URL``: the served rows and the in-process row on the same
+    prompts, in turn at concurrency 1 and together at 2, each row's figures and the served path's
+    overhead against the in-process engine written as JSON and a plot."""
+    import math
+
+    from specserve.bench.serve import ServeBenchConfig, run_serve_bench
+
+    config = ServeBenchConfig(json_path=tmp_path / "serve.json", plot_path=tmp_path / "serve.png",
+                              server=served.http_url, drafts=("prompt-lookup",), num_prompts=2, max_tokens=6,
+                              concurrency=(1, 2), rates=(math.inf,), repeats=1, no_prefix_reuse=True,
+                              categories=("code", "chat"), dtype="float32")
+    result = run_serve_bench(config)
+    assert json.loads(config.json_path.read_text()) == result and config.plot_path.stat().st_size > 0
+    rows = {(r["config"], r["concurrency"]) for r in result["runs"]}
+    served_rows = {"serve-target-only", "serve-default", "serve-spec[prompt-lookup]"}
+    assert rows == {(name, 1) for name in served_rows | {"in-process-spec[prompt-lookup]"}} | {(name, 2) for name in served_rows}
+    assert all(r["completed"] == 2 and r["failed"] == 0 for r in result["runs"]), result["runs"]
+    assert result["meta"]["prompt_categories"] == ["code", "chat"] and result["meta"]["no_prefix_reuse"]
+    assert set(result["overhead"]) == {"serve-spec[prompt-lookup]"}
