@@ -502,6 +502,146 @@ class ServeBenchConfig:
                              "give --in-process none")
 
 
+@dataclass
+class _Prompts:
+    """A run's prompts: ``labelled`` (category, text) in turn, the texts sent (asked for JSON when
+    structured, with each one's ``formats``), and the router's warm-up prompts (others)."""
+
+    labelled: list[tuple[str, str]]
+    texts: list[str]
+    formats: list[dict] | None
+    warmup: list[str]
+
+    @classmethod
+    def of(cls, config: ServeBenchConfig) -> "_Prompts":
+        categories = list(config.categories)
+        labelled = mixed_prompts(categories, config.num_prompts)
+        texts, formats = [p for _, p in labelled], None
+        if config.structured:   # the same prompts, asked for their category's JSON
+            texts = [f"{p}\n\nReply with a JSON object." for p in texts]
+            formats = [response_format(c) for c, _ in labelled]
+        warmup = [p for _, p in mixed_prompts(categories, config.router_warmup * len(categories),
+                                              -(-config.num_prompts // len(categories)))]
+        return cls(labelled, texts, formats, warmup)
+
+
+class _Rows:
+    """The rows of one run against a deployment, measured on the same prompts: each request's
+    record and each row's summary as they come."""
+
+    def __init__(self, config: ServeBenchConfig, prompts: _Prompts, configs: list[RowConfig], engine=None,
+                 prompt_ids: list[list[int]] | None = None):
+        self.config, self.prompts, self.configs = config, prompts, configs
+        self.engine, self.prompt_ids = engine, prompt_ids
+        # In every salt: a peer's prefix cache outlives a run, and the next run must not hit it.
+        self.run_id = uuid.uuid4().hex[:8]
+        self.records: list[RequestRecord] = []
+        self.runs: list[dict] = []
+        self.routed_warmup: dict = {}
+        # What the router knows of a prompt must come from other prompts: it goes first.
+        self.first = "serve-default" if prompts.warmup else None
+
+    def one(self, row_config: RowConfig, i: int, tokens: int) -> RequestRecord:
+        """Prompt ``i`` alone through one row."""
+        if row_config.backend == "in-process":
+            rec = RequestRecord(row_config.name, 1, math.inf, i)
+            in_process_request(self.engine, self.prompt_ids[i], row_config, tokens, rec)
+            return rec
+        salt = salt_for(self.run_id, row_config.name, 1, i) if self.config.no_prefix_reuse else None
+        formats = self.prompts.formats
+        rec = asyncio.run(load_run([self.prompts.texts[i]], row_config, 1, math.inf, tokens, cache_salt=salt,
+                                   formats=[formats[i]] if formats else None))[0][0]
+        rec.prompt_index = i
+        return rec
+
+    def warm_up(self) -> None:
+        """The first calls through Serve's handles and the first forwards are slow; the routers
+        learn from the warm-up prompts first."""
+        for row_config in self.configs:
+            self.one(row_config, 0, 8)
+        warmup = self.prompts.warmup
+        if warmup:
+            default = next(c for c in self.configs if c.name == "serve-default")
+            print(f"router warm-up: {len(warmup)} requests with no spec, 2 at a time", flush=True)
+            recs, _ = asyncio.run(load_run(warmup, replace(default, name="router-warmup"), 2, math.inf,
+                                           self.config.max_tokens))
+            self.routed_warmup = {"requests": len(recs), "failed": sum(not r.ok for r in recs),
+                                  "drafts": dict(Counter(r.draft for r in recs if r.ok))}
+
+    def _order(self, rows: list[RowConfig], turn: int) -> list[RowConfig]:
+        order = in_turn(rows, turn)
+        order.sort(key=lambda c: c.name != self.first)   # stable: the others keep their turn
+        return order
+
+    def alone(self) -> None:
+        """Concurrency 1: every request runs alone (so the arrival rate changes nothing), and the
+        rows take turns prompt by prompt (the first one rotating)."""
+        from tqdm import tqdm
+
+        turn: dict[str, list[RequestRecord]] = {c.name: [] for c in self.configs}
+        busy_s = {c.name: 0.0 for c in self.configs}
+        for i in tqdm(range(len(self.prompts.texts)), desc="concurrency 1", unit="prompt"):
+            for row_config in self._order(self.configs, i):
+                t0 = time.perf_counter()
+                turn[row_config.name].append(self.one(row_config, i, self.config.max_tokens))
+                busy_s[row_config.name] += time.perf_counter() - t0
+        for row_config in self.configs:
+            self.records += turn[row_config.name]
+            self.runs.append(row(row_config, 1, math.inf, summarise(turn[row_config.name], busy_s[row_config.name])))
+
+    def loaded(self, concurrency: int, rate: float) -> None:
+        """Every prompt at once up to ``concurrency`` in flight, arriving at ``rate``: the served
+        rows in turn, ``repeats`` rounds."""
+        config, texts = self.config, self.prompts.texts
+        rows = [c for c in self.configs if c.backend != "in-process"]
+        got: dict[str, list[tuple[list[RequestRecord], float]]] = {c.name: [] for c in rows}
+        for r in range(config.repeats):
+            for row_config in self._order(rows, r):
+                print(f"{row_config.name}: concurrency {concurrency}, rate {rate} req/s, {len(texts)} requests"
+                      + (f" (round {r + 1} of {config.repeats})" if config.repeats > 1 else ""), flush=True)
+                salt = salt_for(self.run_id, row_config.name, concurrency, rate, r) if config.no_prefix_reuse else None
+                recs, duration = asyncio.run(load_run(texts, row_config, concurrency, rate, config.max_tokens,
+                                                      cache_salt=salt, formats=self.prompts.formats))
+                self.records += recs
+                got[row_config.name].append((recs, duration))
+        for row_config in rows:
+            rounds = got[row_config.name]
+            summary = summarise([rec for recs, _ in rounds for rec in recs], sum(d for _, d in rounds))
+            if config.repeats > 1:
+                summary["output_tokens_per_s_rounds"] = [summarise(recs, d)["output_tokens_per_s"] for recs, d in rounds]
+            self.runs.append(row(row_config, concurrency, rate, summary))
+
+    def overhead(self) -> dict:
+        """The served path's extra ms per step against the in-process row, for the served rows
+        with its draft and window."""
+        inproc = next((c for c in self.configs if c.backend == "in-process"), None)
+        if inproc is None:
+            return {}
+        return {c.name: step_overhead(self.records, c.name, inproc.name) for c in self.configs
+                if c.backend == "serve" and c.window == inproc.window and c.draft == inproc.draft}
+
+
+def _check_in_process(draft: str | None) -> None:
+    if draft is None:
+        return
+    from specserve.replicas.model_store import zoo_drafts
+
+    runnable = [PROMPT_LOOKUP, SUFFIX, *zoo_drafts()]
+    if draft not in runnable:
+        raise ValueError(f"--in-process runs one of {', '.join(runnable)} (or none), got {draft!r}")
+
+
+def _in_process_engine(config: ServeBenchConfig, texts: list[str]):
+    """The in-process row's engine and the prompts as its ids."""
+    from specserve.replicas.engine import SpecEngine
+    from specserve.training.answers import ANSWERS_DIR
+
+    draft = config.in_process
+    engine = SpecEngine.load(dtype=config.dtype, draft_models=[] if draft in (PROMPT_LOOKUP, SUFFIX) else [draft],
+                             suffix_seed=ANSWERS_DIR if draft == SUFFIX else None)
+    return engine, [engine.encode(p) for p in texts]
+
+
 def run_serve_bench(config: ServeBenchConfig) -> dict:
     """Every row on the same prompts, at every concurrency and rate; write JSON and plot, print a
     table; return the JSON. ``repeats``: one run each of a few seconds on a shared machine differs
@@ -512,31 +652,15 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
     filled: the engines' throughput, not their caches (peers must know vLLM's ``cache_salt``).
     Without it the same prompts repeat, as a chat service's system prompts and follow-ups do, and
     prefix caches count. ``adaptive`` and ``router_warmup``: see the module's docstring."""
-    in_process, max_tokens = config.in_process, config.max_tokens
-    if in_process is not None:
-        from specserve.replicas.model_store import zoo_drafts
-
-        runnable = [PROMPT_LOOKUP, SUFFIX, *zoo_drafts()]
-        if in_process not in runnable:
-            raise ValueError(f"--in-process runs one of {', '.join(runnable)} (or none), got {in_process!r}")
-    categories = list(config.categories)
-    drafts = None if config.drafts is None else list(config.drafts)
-    labelled = mixed_prompts(categories, config.num_prompts)
-    prompts = [p for _, p in labelled]
-    formats = None
-    if config.structured:   # the same prompts, asked for their category's JSON
-        prompts = [f"{p}\n\nReply with a JSON object." for p in prompts]
-        formats = [response_format(c) for c, _ in labelled]
-    warmup = [p for _, p in mixed_prompts(categories, config.router_warmup * len(categories),
-                                          -(-config.num_prompts // len(categories)))]
+    _check_in_process(config.in_process)
+    prompts = _Prompts.of(config)
     # Ask the peers first: a peer that is not running should cost no stack start-up.
     peer_rows = [(name, url, served_model(url)["id"]) for name, url in config.peers]
 
     from specserve.cluster import local
     import torch
 
-    from specserve.replicas.engine import SpecEngine
-
+    drafts = None if config.drafts is None else list(config.drafts)
     started = config.server is None
     if started:
         serve_config = local_stack_config(config.dtype, drafts, config.stream_interval, config.only_drafts)
@@ -548,126 +672,60 @@ def run_serve_bench(config: ServeBenchConfig) -> dict:
         listed = served_model(server, client_headers())
         model = listed["id"]
         chosen = resolve_drafts(drafts, listed.get("drafts", []))
-        configs = configs_for(server, model, chosen, config.window, in_process, peer_rows, config.adaptive,
+        configs = configs_for(server, model, chosen, config.window, config.in_process, peer_rows, config.adaptive,
                               config.structured)
-        engine = None
-        in_process_threads = None
-        if in_process is not None:
-            from specserve.training.answers import ANSWERS_DIR
-
-            engine = SpecEngine.load(dtype=config.dtype, draft_models=[] if in_process in (PROMPT_LOOKUP, SUFFIX) else [in_process],
-                                     suffix_seed=ANSWERS_DIR if in_process == SUFFIX else None)
-            prompt_ids = [engine.encode(p) for p in prompts]
+        engine, prompt_ids, in_process_threads = None, None, None
+        if config.in_process is not None:
+            engine, prompt_ids = _in_process_engine(config, prompts.texts)
             if started:
                 # The same torch threads as a served target replica, so that the per-step
                 # comparison prices the serving path, not a second thread (it runs on this thread).
                 in_process_threads = serve_config["applications"][0]["args"]["torch_threads"]
                 torch.set_num_threads(in_process_threads)
         machine = machine_info()
-        # In every salt: a peer's prefix cache outlives a run, and the next run must not hit it.
-        run_id = uuid.uuid4().hex[:8]
-        records: list[RequestRecord] = []
-        runs: list[dict] = []
-
-        def measure_one(row_config: RowConfig, i: int, tokens: int) -> RequestRecord:
-            if row_config.backend == "in-process":
-                rec = RequestRecord(row_config.name, 1, math.inf, i)
-                in_process_request(engine, prompt_ids[i], row_config, tokens, rec)
-                return rec
-            salt = salt_for(run_id, row_config.name, 1, i) if config.no_prefix_reuse else None
-            rec = asyncio.run(load_run([prompts[i]], row_config, 1, math.inf, tokens, cache_salt=salt,
-                                       formats=[formats[i]] if formats else None))[0][0]
-            rec.prompt_index = i
-            return rec
-
-        # Warm-up: the first calls through Serve's handles and the first forwards are slow.
-        for row_config in configs:
-            measure_one(row_config, 0, 8)
-        routed_warmup = {}
-        if warmup:
-            default = next(c for c in configs if c.name == "serve-default")
-            print(f"router warm-up: {len(warmup)} requests with no spec, 2 at a time", flush=True)
-            recs, _ = asyncio.run(load_run(warmup, replace(default, name="router-warmup"), 2, math.inf, max_tokens))
-            routed_warmup = {"requests": len(recs), "failed": sum(not r.ok for r in recs),
-                             "drafts": dict(Counter(r.draft for r in recs if r.ok))}
-        # What the router knows of a prompt must come from other prompts: it goes first.
-        first = "serve-default" if warmup else None
-
-        # Concurrency 1: every request runs alone (so the arrival rate changes nothing), and the
-        # rows take turns prompt by prompt (the first one rotating).
+        rows = _Rows(config, prompts, configs, engine, prompt_ids)
+        rows.warm_up()
         if 1 in config.concurrency:
-            from tqdm import tqdm
-
-            turn: dict[str, list[RequestRecord]] = {c.name: [] for c in configs}
-            busy_s = {c.name: 0.0 for c in configs}
-            for i in tqdm(range(len(prompts)), desc="concurrency 1", unit="prompt"):
-                order = in_turn(configs, i)
-                order.sort(key=lambda c: c.name != first)   # stable: the others keep their turn
-                for row_config in order:
-                    t0 = time.perf_counter()
-                    turn[row_config.name].append(measure_one(row_config, i, max_tokens))
-                    busy_s[row_config.name] += time.perf_counter() - t0
-            for row_config in configs:
-                records += turn[row_config.name]
-                runs.append(row(row_config, 1, math.inf, summarise(turn[row_config.name], busy_s[row_config.name])))
-
-        loaded = [c for c in configs if c.backend != "in-process"]
-        repeats = config.repeats
+            rows.alone()
         for concurrency in [c for c in config.concurrency if c > 1]:
             for rate in config.rates:
-                got: dict[str, list[tuple[list[RequestRecord], float]]] = {c.name: [] for c in loaded}
-                for r in range(repeats):
-                    order = in_turn(loaded, r)
-                    order.sort(key=lambda c: c.name != first)
-                    for row_config in order:
-                        print(f"{row_config.name}: concurrency {concurrency}, rate {rate} req/s, {len(prompts)} requests"
-                              + (f" (round {r + 1} of {repeats})" if repeats > 1 else ""), flush=True)
-                        salt = salt_for(run_id, row_config.name, concurrency, rate, r) if config.no_prefix_reuse else None
-                        recs, duration = asyncio.run(load_run(prompts, row_config, concurrency, rate, max_tokens,
-                                                              cache_salt=salt, formats=formats))
-                        records += recs
-                        got[row_config.name].append((recs, duration))
-                for row_config in loaded:
-                    rounds = got[row_config.name]
-                    summary = summarise([rec for recs, _ in rounds for rec in recs], sum(d for _, d in rounds))
-                    if repeats > 1:
-                        summary["output_tokens_per_s_rounds"] = [summarise(recs, d)["output_tokens_per_s"] for recs, d in rounds]
-                    runs.append(row(row_config, concurrency, rate, summary))
+                rows.loaded(concurrency, rate)
     finally:
         if started:
             local.down()
 
-    inproc = next((c for c in configs if c.backend == "in-process"), None)
-    overhead = {}
-    if inproc is not None:   # served rows with the in-process row's draft and window
-        overhead = {c.name: step_overhead(records, c.name, inproc.name) for c in configs
-                    if c.backend == "serve" and c.window == inproc.window and c.draft == inproc.draft}
     result = {
         "meta": {"server": server, "model": model, "dtype": config.dtype, "prompts": config.num_prompts,
-                 "categories": categories, "prompt_categories": [c for c, _ in labelled], "adaptive": config.adaptive,
-                 "router_warmup": routed_warmup, "max_tokens": max_tokens, "window": config.window, "repeats": repeats,
+                 "categories": list(config.categories), "prompt_categories": [c for c, _ in prompts.labelled],
+                 "adaptive": config.adaptive, "router_warmup": rows.routed_warmup, "max_tokens": config.max_tokens,
+                 "window": config.window, "repeats": config.repeats,
                  "stream_interval": config.stream_interval, "no_prefix_reuse": config.no_prefix_reuse,
                  "structured": config.structured,
-                 "drafts": chosen, "placement": listed.get("placement", {}), "in_process": in_process,
+                 "drafts": chosen, "placement": listed.get("placement", {}), "in_process": config.in_process,
                  "in_process_threads": in_process_threads or torch.get_num_threads(),
                  "peers": {name: {"url": url, "model": m} for name, url, m in peer_rows},
                  "concurrencies": list(config.concurrency), "rates": [_rate(r) for r in config.rates],
                  "machine": machine, "load_avg_1m_after": machine_info()["load_avg_1m"]},
-        "overhead": overhead,
-        "runs": runs,
+        "overhead": rows.overhead(),
+        "runs": rows.runs,
     }
+    _report(result, config)
+    return result
+
+
+def _report(result: dict, config: ServeBenchConfig) -> None:
+    """Write the JSON and the plot, print the table and the served path's overhead."""
     json_path, plot_path = config.json_path, config.plot_path
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"{name}: {100 * o['step_overhead_vs_in_process']:+.1f}% per step vs in-process "
              f"({o['served_ms_per_step']} vs {o['in_process_ms_per_step']} ms/step, {o['prompts']} prompts)"
-             for name, o in overhead.items() if o]
-    plot(runs, result["meta"], plot_path)
-    print(format_table(runs))
+             for name, o in result["overhead"].items() if o]
+    plot(result["runs"], result["meta"], plot_path)
+    print(format_table(result["runs"]))
     if lines:
         print("\nconcurrency 1, served path against the in-process engine:\n  " + "\n  ".join(lines))
     print(f"\nwrote {json_path} and {plot_path}")
-    return result
 
 
 def _rate(rate: float) -> float | str:
