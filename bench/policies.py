@@ -750,19 +750,12 @@ class PoliciesBenchConfig:
             raise ValueError("--learn-snapshot takes a number of requests >= 1 and replaces --snapshot: give one of them")
 
 
-def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = None, progress: bool = True) -> dict:
-    """Run every row on the same prompts; write JSON and plot, print a table; return the JSON.
-    ``engine``: one already loaded (its dtype and drafts are used as they are); ``progress``: a
-    progress bar on stderr."""
+def _checked_names(config: PoliciesBenchConfig) -> tuple[str, str, tuple, tuple]:
+    """(start policy, tree policy to learn with, window policies, tree policies), every name
+    checked against the registry and the rows planned once, before anything is loaded."""
     from specserve.policies.registry import DEFAULT_POLICY
-    from tqdm import tqdm
 
-    # Check the names and load the prompts before the model, so that a mistake costs no waiting.
-    categories, learn_requests = list(config.categories), config.learn_snapshot_requests
     start_policy = config.start_policy or DEFAULT_POLICY
-    snapshot = None if config.snapshot is None else read_snapshot(config.snapshot)
-    learning = bool(learn_requests)
-    draft_name, draft_models = resolve_draft(config.draft)
     window_policies, tree_policies, registered = registered_policies()
     learn_tree_policy = config.learn_tree_policy or config.tree_start_policy
     for option, name in (("start policy", start_policy), ("tree start policy", config.tree_start_policy),
@@ -772,13 +765,58 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
     if config.learn_policy not in registered:
         raise ValueError(f"--learn-policy {config.learn_policy!r} is not registered; choose from "
                          f"{', '.join(sorted(registered))}")
-    plan_rows(config.policies, window_policies, tree_policies, True, snapshot is not None or learning,
-              start_policy, config.tree_start_policy)   # names, before the load
-    # Load prompts (the first per category are the single-stream requests; the load rows take the
-    # mix round robin, as many distinct prompts as they need).
-    per_category = max(config.prompts_per_category, -(-config.load_requests // len(categories)))
-    learn_per_category = -(-learn_requests // len(categories))
-    texts = {c: load_prompts(c, per_category + learn_per_category) for c in categories}
+    plan_rows(config.policies, window_policies, tree_policies, True,
+              config.snapshot is not None or bool(config.learn_snapshot_requests), start_policy,
+              config.tree_start_policy)
+    return start_policy, learn_tree_policy, window_policies, tree_policies
+
+
+@dataclass
+class _Prompts:
+    """The run's prompts as ids: the single-stream ones (category, ids; the first per category),
+    the load rows' mix (round robin, as many distinct prompts as they need) and the snapshot's
+    learning prompts (others)."""
+
+    single: list[tuple[str, list[int]]]
+    mix: list[list[int]]
+    learn: list[list[int]]
+
+    @staticmethod
+    def per_category(config: PoliciesBenchConfig) -> tuple[int, int]:
+        """(prompts per category the rows take, others per category the snapshot learns from)."""
+        n = len(config.categories)
+        return (max(config.prompts_per_category, -(-config.load_requests // n)),
+                -(-config.learn_snapshot_requests // n))
+
+    @classmethod
+    def texts(cls, config: PoliciesBenchConfig) -> dict[str, list[str]]:
+        """Loaded before the model, so that a missing dataset costs no waiting."""
+        return {c: load_prompts(c, sum(cls.per_category(config))) for c in config.categories}
+
+    @classmethod
+    def encoded(cls, config: PoliciesBenchConfig, engine: SpecEngine, texts: dict[str, list[str]]) -> "_Prompts":
+        categories = list(config.categories)
+        per_category, learn_per_category = cls.per_category(config)
+        encoded = {c: [engine.encode(t, chat=True) for t in ts] for c, ts in texts.items()}
+        single = [(c, encoded[c][i]) for c in categories for i in range(config.prompts_per_category)]
+        mix = [encoded[c][i] for i in range(per_category) for c in categories][:config.load_requests]
+        learn = [encoded[c][per_category + i] for i in range(learn_per_category)
+                 for c in categories][:config.learn_snapshot_requests]
+        return cls(single, mix, learn)
+
+
+def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = None, progress: bool = True) -> dict:
+    """Run every row on the same prompts; write JSON and plot, print a table; return the JSON.
+    ``engine``: one already loaded (its dtype and drafts are used as they are); ``progress``: a
+    progress bar on stderr."""
+    from tqdm import tqdm
+
+    # Check the names and load the prompts before the model, so that a mistake costs no waiting.
+    start_policy, learn_tree_policy, window_policies, tree_policies = _checked_names(config)
+    snapshot = None if config.snapshot is None else read_snapshot(config.snapshot)
+    learning = bool(config.learn_snapshot_requests)
+    draft_name, draft_models = resolve_draft(config.draft)
+    texts = _Prompts.texts(config)
 
     machine_before = machine_info()
     if engine is None:
@@ -788,34 +826,23 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
     trees_ok = callable(getattr(engine.drafts[draft_name], "propose_tree", None))
     rows_run, notes = plan_rows(config.policies, window_policies, tree_policies, trees_ok, snapshot is not None or learning,
                                 start_policy, config.tree_start_policy)
-    encoded = {c: [engine.encode(t, chat=True) for t in ts] for c, ts in texts.items()}
-    prompts = [(c, encoded[c][i]) for c in categories for i in range(config.prompts_per_category)]
-    mix = [encoded[c][i] for i in range(per_category) for c in categories][:config.load_requests]
+    prompts = _Prompts.encoded(config, engine, texts)
     basis = topic_basis(engine.loaded.name, engine.tokenizer, topic_corpus, RouterFactory.topic_dims)   # a replica's
+    trees_learned = learning and learns_trees(rows_run)
     if learning and any(r.name in WARM_ROWS for r in rows_run):
-        learn = [encoded[c][per_category + i] for i in range(learn_per_category) for c in categories]
-        learn = learn[:learn_requests]
-        if progress:
-            print(f"learning a snapshot from {len(learn)} other prompts ({LEARN_TOKENS} tokens, "
-                  f"{' and '.join(map(str, LEARN_LEVELS))} at once)...", flush=True)
-        with quiet_draft_servers():
-            snapshot = learn_snapshot(engine, draft_name, learn, config.learn_policy,
-                                      tree_policy=learn_tree_policy if learns_trees(rows_run) else None,
-                                      topics=[None if basis is None else basis.topic(ids) for ids in learn])
-        notes.append(f"warm: the snapshot was learned in-process from {len(learn)} other prompts of the categories "
-                     f"({LEARN_TOKENS} tokens, {', '.join(map(str, LEARN_LEVELS))} at once, {config.learn_policy}): "
-                     f"{len(snapshot['priors'])} priors")
+        snapshot = _learned_snapshot(config, engine, draft_name, prompts.learn, learn_tree_policy if trees_learned else None,
+                                     basis, notes, progress)
 
     run = Run(engine, draft_name, snapshot, basis=basis)
-    total = count_generations(rows_run, len(prompts), config.load_requests, config.concurrency, config.load_mode,
-                              config.load_rounds)
+    total = count_generations(rows_run, len(prompts.single), config.load_requests, config.concurrency,
+                              config.load_mode, config.load_rounds)
     with tqdm(total=total, desc="bench policies", unit="gen", disable=not progress) as bar, quiet_draft_servers():
-        samples = measure(run, rows_run, prompts, mix, config.max_tokens, config.concurrency, bar, config.load_mode,
-                          config.load_rounds)
+        samples = measure(run, rows_run, prompts.single, prompts.mix, config.max_tokens, config.concurrency, bar,
+                          config.load_mode, config.load_rounds)
     samples += oracle_samples(samples)
     order = [*dict.fromkeys(r.name for r in rows_run)]
     order.insert(order.index(static_name(8)) + 1 if static_name(8) in order else 0, ORACLE)
-    rows = aggregate(samples, order, categories)
+    rows = aggregate(samples, order, list(config.categories))
     if snapshot is not None:
         warm = [s for s in samples if s.policy == WARM]
         found = sum(bool(s.prior) for s in warm)
@@ -830,8 +857,8 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
         "max_tokens": config.max_tokens,
         "short_max_tokens": min(SHORT_TOKENS, config.max_tokens),
         "prompts_per_category": config.prompts_per_category,
-        "categories": categories,
-        "prompt_tokens": {c: [len(ids) for cat, ids in prompts if cat == c] for c in categories},
+        "categories": list(config.categories),
+        "prompt_tokens": {c: [len(ids) for cat, ids in prompts.single if cat == c] for c in config.categories},
         "concurrency": list(config.concurrency),
         "load_requests": config.load_requests,
         "load_mode": config.load_mode,
@@ -841,13 +868,13 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
         "static_trees": {tree_name(s): asdict(s) for s in STATIC_TREES},
         "start_policy": start_policy,
         "tree_start_policy": config.tree_start_policy,
-        "snapshot_trees_learned_with": learn_tree_policy if learning and learns_trees(rows_run) else None,
-        "prompt_topics": {c: [run.topic(ids) for cat, ids in prompts if cat == c] for c in categories},
+        "snapshot_trees_learned_with": learn_tree_policy if trees_learned else None,
+        "prompt_topics": {c: [run.topic(ids) for cat, ids in prompts.single if cat == c] for c in config.categories},
         "window_policies": list(window_policies),
         "tree_policies": list(tree_policies),
         "rows_run": order,
         "snapshot": None if snapshot is None else {k: snapshot.get(k) for k in ("format", "version", "computed_at")},
-        "snapshot_learned_from": learn_requests or None,
+        "snapshot_learned_from": config.learn_snapshot_requests or None,
         "snapshot_learned_with": config.learn_policy if learning else None,
         "machine": machine_before,
         "load_avg_1m_after": machine_info()["load_avg_1m"],
@@ -856,15 +883,35 @@ def run_policies_bench(config: PoliciesBenchConfig, engine: SpecEngine | None = 
               "requests": [asdict(s) for s in samples]}
     if learning:
         report["learned_snapshot"] = snapshot   # to start another run's warm rows from (--snapshot)
+    _report(report, config)
+    return report
+
+
+def _learned_snapshot(config: PoliciesBenchConfig, engine: SpecEngine, draft_name: str, learn: list[list[int]],
+                      tree_policy: str | None, basis, notes: list[str], progress: bool) -> dict:
+    """The warm rows' snapshot, learned in-process from other prompts of the categories."""
+    if progress:
+        print(f"learning a snapshot from {len(learn)} other prompts ({LEARN_TOKENS} tokens, "
+              f"{' and '.join(map(str, LEARN_LEVELS))} at once)...", flush=True)
+    with quiet_draft_servers():
+        snapshot = learn_snapshot(engine, draft_name, learn, config.learn_policy, tree_policy=tree_policy,
+                                  topics=[None if basis is None else basis.topic(ids) for ids in learn])
+    notes.append(f"warm: the snapshot was learned in-process from {len(learn)} other prompts of the categories "
+                 f"({LEARN_TOKENS} tokens, {', '.join(map(str, LEARN_LEVELS))} at once, {config.learn_policy}): "
+                 f"{len(snapshot['priors'])} priors")
+    return snapshot
+
+
+def _report(report: dict, config: PoliciesBenchConfig) -> None:
+    """Write the JSON and the plot; print the table, the notes and the aims."""
     json_path, plot_path = config.json_path, config.plot_path
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(report, indent=2) + "\n")
-    plot(rows, categories, meta, plot_path)
-    print(format_table(rows))
-    for note in notes:
+    plot(report["rows"], report["meta"]["categories"], report["meta"], plot_path)
+    print(format_table(report["rows"]))
+    for note in report["notes"]:
         print(f"note: {note}")
     for name, aim in report["aims"].items():
         if aim["value"] is not None:
             print(f"aim {name}: {aim['value']} ({aim['aim']}: {'met' if aim['met'] else 'not met'})")
     print(f"\nwrote {json_path} and {plot_path}")
-    return report
