@@ -421,7 +421,9 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
             out = vlm.model.get_image_features(pixel_values=patches.to(weight.device, weight.dtype), image_grid_thw=thw)
             return list(getattr(out, "pooler_output", out))
 
-        return ImageStore(prepare, encode_patches, placeholder, capacity)
+        store = ImageStore(prepare, encode_patches, placeholder, capacity)
+        store.check = unit_check(vlm.config, image_processor)
+        return store
 
     idefics = getattr(vlm.model, "vision_model", None) is not None   # Idefics3: pictures per prompt, 5-D
 
@@ -440,7 +442,39 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
         features = getattr(out, "pooler_output", out)   # transformers 5: an output object
         return list(features)
 
-    return ImageStore(prepare, encode, placeholder, capacity)
+    store = ImageStore(prepare, encode, placeholder, capacity)
+    store.check = unit_check(vlm.config, image_processor)
+    return store
+
+
+def unit_check(config, image_processor):
+    """``unit -> None``: raises ValueError where a prepared unit's pixels do not fit this VLM's
+    vision tower or its grid does not fit its pixels (a unit comes from the ingress: input)."""
+    vision = config.vision_config
+    if _is_qwen2_vl_processor(image_processor):
+        width = (image_processor.merge_size ** 2 * getattr(vision, "in_channels", getattr(vision, "in_chans", 3))
+                 * image_processor.temporal_patch_size * image_processor.patch_size ** 2)
+
+        def check_patches(unit: PictureUnit) -> None:
+            pixels = unit.pixels
+            if pixels.dim() != 3 or pixels.shape[2] != width or \
+                    unit.grid != Grid(pixels.shape[0] * pixels.shape[1], pixels.shape[1]):
+                raise ValueError(f"a picture of {tuple(pixels.shape)} patches on {unit.grid} does not fit this "
+                                 f"VLM's [rows, columns, {width}]")
+        return check_patches
+    side = vision.image_size
+    any_res = _is_any_res(image_processor)
+    fixed = None if any_res else Grid.of(tokens_per_image(config))
+
+    def check_tiles(unit: PictureUnit) -> None:
+        pixels = unit.pixels
+        tiles = pixels.dim() == 4 and any_res and unit.size is not None and len(unit.size) == 2 \
+            and all(isinstance(x, int) and x > 0 for x in unit.size)
+        whole = pixels.dim() == 3 and not any_res and unit.grid == fixed
+        if not (tiles or whole) or tuple(pixels.shape[-3:]) != (3, side, side):
+            raise ValueError(f"a picture of {tuple(pixels.shape)} pixels on {unit.grid} does not fit this VLM's "
+                             f"{side} px tiles")
+    return check_tiles
 
 
 def caption_writer(processor, store: ImageStore) -> Captions:

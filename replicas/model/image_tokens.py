@@ -184,6 +184,10 @@ class ImageStore:
         # ``image -> PreparedPicture`` as the VLM's processor expands a picture (``vlm.picture_preparer``);
         # None: the picture whole, between ``markers``.
         self.picture: Callable | None = None
+        # ``unit -> None``, raising ValueError for a unit this VLM's vision tower cannot encode as its
+        # grid says (``vlm.unit_check``): checked as a request arrives, so that it fails alone
+        # rather than the step that would encode it.
+        self.check: Callable[[PictureUnit], None] | None = None
 
     def prepared(self, image) -> PreparedPicture:
         if self.picture is not None:
@@ -197,9 +201,14 @@ class ImageStore:
 
     def add(self, unit: PictureUnit) -> list[int]:
         """The ids of a prepared unit's image tokens (the ingress sends units with a request)."""
-        if not isinstance(unit, PictureUnit) or not isinstance(unit.pixels, torch.Tensor):
+        if not isinstance(unit, PictureUnit) or not isinstance(unit.pixels, torch.Tensor) \
+                or not isinstance(unit.grid, Grid):
             raise ValueError(f"a picture must come prepared as a PictureUnit, not {type(unit).__name__}")
         Grid.of(unit.grid.count, unit.grid.columns)   # within the grid ids can name
+        if not unit.pixels.is_floating_point() or not bool(torch.isfinite(unit.pixels).all()):
+            raise ValueError("a picture's pixels must be finite floating-point numbers")
+        if self.check is not None:
+            self.check(unit)
         digest = picture_digest(unit)
         self._remember(self._units, digest, unit)
         if digest in self._rows:

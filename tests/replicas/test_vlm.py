@@ -452,3 +452,30 @@ def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_lossles
     for request, got in zip(requests, together):
         assert got.token_ids == run_batch(Target(lm, slots=1, images=store), drafts, [request])[0].token_ids
 
+
+
+def test_a_unit_that_does_not_fit_the_vision_tower_is_refused_as_it_arrives(vlm):
+    """Units come from the ingress: one whose grid or pixels do not fit this VLM is a ValueError
+    when added (its request fails alone), never a failed encode inside a shared step."""
+    from specserve.replicas.model.image_tokens import Grid, PictureUnit
+    from tiny_models import tiny_qwen2_vl, tiny_qwen2_vl_processor
+
+    _, _, store = vlm
+    good = store.prepare(picture(1))
+    assert store.add(good) == store.register(picture(1))
+    bad = [PictureUnit(good.pixels, Grid.of(good.grid.count + 1)),                 # another grid
+           PictureUnit(good.pixels[:, :8], good.grid),                             # another size
+           PictureUnit(good.pixels * float("nan"), good.grid),                     # not numbers
+           PictureUnit(good.pixels.to(torch.int32), good.grid),
+           PictureUnit(good.pixels[None].expand(2, -1, -1, -1), good.grid, (32, 32)),   # tiles for a whole-picture class
+           good.pixels]                                                            # not a unit
+    for unit in bad:
+        with pytest.raises(ValueError):
+            store.add(unit)
+    qwen = image_store(tiny_qwen2_vl(seed=0), tiny_qwen2_vl_processor())
+    patches = qwen.prepare(picture(2).resize((48, 24)))
+    assert patches.grid == Grid(10, 5)
+    qwen.add(patches)
+    for unit in (PictureUnit(patches.pixels, Grid(10, 2)), PictureUnit(patches.pixels[..., :-1], patches.grid)):
+        with pytest.raises(ValueError):
+            qwen.add(unit)
