@@ -29,11 +29,12 @@ from specserve.ingress.structured import request_grammar
 from specserve.ingress.tools import template_messages, template_teaches_tools, tool_grammar
 from specserve.policies.registry import POLICIES, TREE_POLICY_NAMES
 from specserve.replicas.model.image_tokens import picture_ids
+from specserve.replicas.pictures import image_prompt_ids, picture_preparer
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
-from specserve.replicas.vlm import TargetText, image_prompt_ids, image_token_id, picture_preparer
+from specserve.replicas.vlm import TargetText, image_token_id
 
 
 @dataclass

@@ -41,7 +41,7 @@ class Captions:
 
     ``encode(text) -> ids`` / ``decode(ids) -> text``: the VLM's tokenizer; ``prompt``: the chat
     prompt of one picture and ``CAPTION_PROMPT`` as text ids with the placeholder where the
-    picture goes, its image tokens between the processor's ``markers`` (``vlm.caption_writer``)."""
+    picture goes, its image tokens between the processor's ``markers`` (``pictures.caption_writer``)."""
 
     def __init__(self, encode: Callable[[str], list[int]], decode: Callable[[list[int]], str], prompt: list[int],
                  placeholder: int, capacity: int = 512, markers: tuple[list[int], list[int]] = ([], [])):

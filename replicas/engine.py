@@ -30,8 +30,8 @@ from specserve.replicas.step import SpecStats, TokenLogprob, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 from specserve.replicas.model.image_tokens import placeholder_for
-from specserve.replicas.vlm import (image_prompt_ids, is_vlm_folder, language_model, load_vlm, target_image_store,
-                                    target_text)
+from specserve.replicas.pictures import image_prompt_ids, target_image_store
+from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_text
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 
 

@@ -48,7 +48,8 @@ from specserve.replicas.model.kv_memory import check_utilization, choose_slots, 
 from specserve.replicas.imagegen import is_generator_folder, load_generator
 from specserve.replicas.lantern import latent_neighbours
 from specserve.replicas.model_store import LoadedModel, default_device, load_causal_lm, resolve_dtype
-from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_image_store, target_text
+from specserve.replicas.pictures import target_image_store
+from specserve.replicas.vlm import is_vlm_folder, language_model, load_vlm, target_text
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.model.native_memory import release_free_memory
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, Policy, RequestState, SpecRequest, StreamItem

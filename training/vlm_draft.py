@@ -65,7 +65,8 @@ def _chunk(vlm, tokenizer, seeds: list[int]) -> list[dict]:
     """The rows of one chunk of pictures: ``{seed, category, prompt, answer, final, rows}``."""
     from specserve.training.vlm_train import prompt_ids
     from specserve.replicas.model.image_tokens import Grid, PictureUnit
-    from specserve.replicas.vlm import image_processor, image_store, tokens_per_image
+    from specserve.replicas.pictures import image_store
+    from specserve.replicas.vlm import image_processor, tokens_per_image
 
     model, config = vlm.model, vlm.model.config
     processor = image_processor(config)

@@ -179,13 +179,13 @@ class ImageStore:
         self._rows: OrderedDict[int, tuple[torch.Tensor, Grid]] = OrderedDict()     # digest -> [count, hidden]
         self.encoded_images = 0   # vision-tower runs, per unit (tests, metrics)
         self.captions = None      # the pictures' captions (``captions.Captions``) where a caption view reads them
-        # Tokens the VLM's processor puts before and after one picture's image tokens (``vlm.picture_markers``).
+        # Tokens the VLM's processor puts before and after one picture's image tokens (``pictures.picture_markers``).
         self.markers: tuple[list[int], list[int]] = ([], [])
-        # ``image -> PreparedPicture`` as the VLM's processor expands a picture (``vlm.picture_preparer``);
+        # ``image -> PreparedPicture`` as the VLM's processor expands a picture (``pictures.picture_preparer``);
         # None: the picture whole, between ``markers``.
         self.picture: Callable | None = None
         # ``unit -> None``, raising ValueError for a unit this VLM's vision tower cannot encode as its
-        # grid says (``vlm.unit_check``): checked as a request arrives, so that it fails alone
+        # grid says (``pictures.unit_check``): checked as a request arrives, so that it fails alone
         # rather than the step that would encode it.
         self.check: Callable[[PictureUnit], None] | None = None
 

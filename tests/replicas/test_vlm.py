@@ -16,7 +16,8 @@ from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
-from specserve.replicas.vlm import image_prompt_ids, image_store, language_model, tokens_per_image
+from specserve.replicas.pictures import image_prompt_ids, image_store
+from specserve.replicas.vlm import language_model, tokens_per_image
 from tiny_models import IMAGE_TOKEN, TINY_IMAGE_SIZE, perturbed, tiny_llava
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
@@ -363,7 +364,7 @@ def test_an_idefics3_processors_prompt_and_pixels_are_followed():
 
     from specserve.replicas.model.image_tokens import picture_ids
     from specserve.replicas.model_store import load_tokenizer_and_config
-    from specserve.replicas.vlm import picture_markers, picture_preparer, pixel_preparer
+    from specserve.replicas.pictures import picture_markers, picture_preparer, pixel_preparer
     from transformers import Idefics3ImageProcessor, Idefics3Processor
 
     tokenizer, _ = load_tokenizer_and_config()

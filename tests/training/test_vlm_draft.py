@@ -8,7 +8,8 @@ import pytest
 import torch
 from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example
 from specserve.replicas.engine import GenerateRequest, SpecEngine
-from specserve.replicas.vlm import image_processor, image_store, load_vlm
+from specserve.replicas.pictures import image_store
+from specserve.replicas.vlm import image_processor, load_vlm
 from specserve.training import vlm_draft
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
