@@ -16,9 +16,10 @@ of the ordinary rotary table at p, p + dh and p + dw and keeps each from its sec
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from specserve.replicas.model.image_tokens import cell, is_picture_token
+from specserve.replicas.model.image_tokens import CELL_BITS, POOLED_BASE, VIRTUAL_BASE, cell, is_picture_token
 
 
 def section_dims(sections: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,6 +30,13 @@ def section_dims(sections: list[int], head_dim: int) -> tuple[torch.Tensor, torc
     which = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
     which = torch.cat([which, which])           # rotate_half's layout: the frequencies twice
     return which == 1, which == 2
+
+
+def _cells(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(digest, row, column) arrays of picture tokens (``image_tokens.cell``, vectorised)."""
+    offset = tokens - VIRTUAL_BASE
+    mask = (1 << CELL_BITS) - 1
+    return offset >> (2 * CELL_BITS), (offset >> CELL_BITS) & mask, offset & mask
 
 
 class _Walk:
@@ -45,6 +53,33 @@ class _Walk:
             _, p0, rows, columns = self.picture
             self.next, self.picture = p0 + max(rows, columns), None
         return self.next
+
+    @classmethod
+    def after(cls, cached: list[int]) -> "_Walk":
+        """The walk at the end of ``cached``, as ``take`` of each token leaves it, with the text
+        counted in bulk (numpy over the ids): a slot's cache is long, a step's feed short."""
+        walk = cls()
+        ids = np.fromiter(cached, dtype=np.int64, count=len(cached))
+        at = np.flatnonzero((ids >= VIRTUAL_BASE) & (ids < POOLED_BASE))   # picture tokens
+        if not len(at):
+            walk.next = len(cached)
+            return walk
+        digest, rows, columns = _cells(ids[at])
+        first = np.ones(len(at), dtype=bool)   # where a picture starts: after text, another digest, cell (0, 0)
+        first[1:] = (np.diff(at) != 1) | (digest[1:] != digest[:-1]) | ((rows[1:] == 0) & (columns[1:] == 0))
+        starts = np.flatnonzero(first)
+        lengths = np.diff(np.r_[starts, len(at)])
+        extent = np.maximum(np.maximum.reduceat(rows, starts), np.maximum.reduceat(columns, starts)) + 1
+        shift = extent - lengths                     # later positions move by this once a picture ends
+        before = np.r_[0, np.cumsum(shift)[:-1]]     # the shifts of the pictures before each one
+        p0 = at[starts] + before
+        if at[-1] == len(cached) - 1:   # the last picture is still being read
+            walk.next = int(p0[-1])
+            walk.picture = (int(digest[starts[-1]]), int(p0[-1]), int(rows[starts[-1]:].max()) + 1,
+                            int(columns[starts[-1]:].max()) + 1)
+        else:
+            walk.next = len(cached) + int(shift.sum())
+        return walk
 
     def take(self, token: int) -> tuple[int, int, int]:
         if not is_picture_token(token):
@@ -78,9 +113,7 @@ class MRope:
     def positions(self, cached: list[int], tokens: list[int], depths: list[int]) -> tuple[list[int], list[int], list[int]]:
         """(p, dh, dw) of ``tokens`` appended after ``cached``, token i at depth ``depths[i]``
         (a chain: 1, 2, ...; a tree's nodes share depths, and a tree holds text only)."""
-        walk = _Walk()
-        for t in cached:
-            walk.take(t)
+        walk = _Walk.after(cached)
         if not any(is_picture_token(t) for t in tokens):
             first = walk.close()
             return [first + d - 1 for d in depths], [0] * len(tokens), [0] * len(tokens)

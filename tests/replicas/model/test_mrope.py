@@ -51,3 +51,25 @@ def test_a_trees_nodes_share_the_position_of_their_depth():
 def test_sections_pick_the_h_and_w_dimensions_in_both_halves():
     h, w = section_dims([1, 1, 2], head_dim=8)
     assert h.tolist() == [False, True, False, False] * 2 and w.tolist() == [False, False, True, True] * 2
+
+
+def test_the_walk_over_a_slots_cache_counts_as_token_by_token():
+    """The cached prefix's walk (numpy over the ids) leaves the same state as taking each token:
+    random text and pictures of random grids, one shown twice in a row, cut anywhere."""
+    import random
+
+    from specserve.replicas.model.mrope import _Walk
+
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens: list[int] = []
+        for _ in range(rng.randint(0, 6)):
+            tokens += [rng.randint(1, 50) for _ in range(rng.randint(0, 4))]
+            shown = picture(rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4))
+            tokens += shown * rng.choice((1, 1, 2))
+        cut = rng.randint(0, len(tokens))
+        stepped = _Walk()
+        for t in tokens[:cut]:
+            stepped.take(t)
+        bulk = _Walk.after(tokens[:cut])
+        assert (bulk.next, bulk.picture) == (stepped.next, stepped.picture), tokens[:cut]
