@@ -69,7 +69,7 @@ class Captions:
         """The caption requests to queue beside a request with ``prompt_ids``, each with the sink
         its tokens go to: one per picture neither captioned nor being captioned."""
         out = []
-        for digest, picture in pictures(prompt_ids).items():
+        for digest, picture in shown_pictures(prompt_ids).items():
             if digest in self._written or digest in self._writing:
                 continue
             self._writing.add(digest)
@@ -121,7 +121,7 @@ def caption_view(ids: list[int], captions: Captions, placeholder: int) -> list[i
     return out
 
 
-def pictures(prompt_ids: list[int]) -> dict[int, list[int]]:
+def shown_pictures(prompt_ids: list[int]) -> dict[int, list[int]]:
     """Each picture a prompt shows (digest -> its image tokens), in order; a picture shown twice,
     once."""
     out: dict[int, list[int]] = {}

@@ -217,8 +217,11 @@ def image_only_processor(path: Path, model_type: str):
     """A folder's processor from its parts on disk (the image processor's settings, the tokenizer,
     the chat template, the processor's own settings), without a video processor."""
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    template = path / "chat_template.jinja"
-    chat_template = template.read_text() if template.exists() else getattr(tokenizer, "chat_template", None)
+    chat_template = getattr(tokenizer, "chat_template", None)
+    if (path / "chat_template.jinja").exists():
+        chat_template = (path / "chat_template.jinja").read_text()
+    elif (path / "chat_template.json").exists():   # as older processors saved it
+        chat_template = json.loads((path / "chat_template.json").read_text()).get("chat_template", chat_template)
     settings_file = path / "processor_config.json"
     settings = json.loads(settings_file.read_text()) if settings_file.exists() else {}
     if model_type == "llava_onevision":

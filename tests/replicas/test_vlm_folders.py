@@ -39,3 +39,16 @@ def test_a_saved_vlm_folder_serves_equal_to_its_own_generate(tmp_path, kind):
             assert ours["token_ids"] == theirs.tolist(), (kind, draft)
         answers.append(theirs.tolist())
     assert len(answers[0]) > 1 and answers[0] != answers[1], "the answer must depend on the picture"
+
+
+def test_a_folder_without_torchvision_keeps_its_chat_template_however_it_was_saved(tmp_path):
+    """A Qwen2-VL folder's processor, built without its video part, reads the chat template from
+    ``chat_template.jinja`` or, as older processors saved it, ``chat_template.json``."""
+    import json
+
+    folder = tiny_vlm_folder("qwen2-vl", tmp_path / "qwen2-vl")
+    template = (folder / "chat_template.jinja").read_text()
+    assert load_processor(folder).chat_template == template
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_processor(folder).chat_template == template
