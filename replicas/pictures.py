@@ -136,11 +136,16 @@ def target_image_store(vlm, processor, capacity: int = 512) -> ImageStore:
 
 def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     """The pictures' ``ImageStore``: ``image_processor`` (the processor's) prepares them, the
-    vision tower and projector encode them (``get_image_features``: the rows the model's own
-    forward scatters into its image tokens; Qwen2-VL's given each picture's patch grid, any-res
-    classes each picture's size)."""
-    prepare = pixel_preparer(vlm.config, image_processor)
-    placeholder = image_token_id(vlm.config)
+    vision tower and projector encode them (``encoder``), and each unit that arrives is checked
+    against them (``unit_check``)."""
+    return ImageStore(pixel_preparer(vlm.config, image_processor), encoder(vlm, image_processor),
+                      image_token_id(vlm.config), capacity, check=unit_check(vlm.config, image_processor))
+
+
+def encoder(vlm, image_processor):
+    """``[unit, ...] -> [[count, hidden], ...]`` through ``get_image_features``: the rows the
+    model's own forward scatters into its image tokens (Qwen2-VL's given each picture's patch
+    grid, any-res classes each picture's size)."""
     if getattr(vlm.model, "visual", None) is not None:   # Qwen2-VL: flattened patches and each picture's grid
         merge = image_processor.merge_size
 
@@ -151,10 +156,7 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
             patches = torch.cat([u.pixels.reshape(-1, u.pixels.shape[-1] // merge ** 2) for u in units])
             out = vlm.model.get_image_features(pixel_values=patches.to(weight.device, weight.dtype), image_grid_thw=thw)
             return list(getattr(out, "pooler_output", out))
-
-        store = ImageStore(prepare, encode_patches, placeholder, capacity)
-        store.check = unit_check(vlm.config, image_processor)
-        return store
+        return encode_patches
 
     idefics = getattr(vlm.model, "vision_model", None) is not None   # Idefics3: pictures per prompt, 5-D
 
@@ -172,10 +174,7 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
         out = vlm.model.get_image_features(pixel_values=pixels[:, None] if idefics else pixels)
         features = getattr(out, "pooler_output", out)   # transformers 5: an output object
         return list(features)
-
-    store = ImageStore(prepare, encode, placeholder, capacity)
-    store.check = unit_check(vlm.config, image_processor)
-    return store
+    return encode
 
 
 def unit_check(config, image_processor):

@@ -166,13 +166,16 @@ class ImageStore:
     ``prepare(image) -> PictureUnit`` (the VLM's image processor, a picture whole);
     ``encode([unit, ...]) -> [[count, hidden], ...]`` (vision tower + projector, one row per
     image token, in grid order); ``placeholder``: the VLM's image token, which drafts read in
-    place of image tokens. Units are kept, least recently used first out, up to ``capacity``: a
-    prompt may not need a unit evicted before its prefill reached it (``rows`` raises), so
-    ``capacity`` must exceed the units of the requests in flight."""
+    place of image tokens; ``check(unit)``: raises ValueError for a unit the vision tower cannot
+    encode as its grid says (``pictures.unit_check``), as a request arrives, so that the request
+    fails alone rather than the step that would encode it. Units are kept, least recently used
+    first out, up to ``capacity``: a prompt may not need a unit evicted before its prefill
+    reached it (``rows`` raises), so ``capacity`` must exceed the units of the requests in
+    flight."""
 
     def __init__(self, prepare: Callable, encode: Callable[[list[PictureUnit]], list[torch.Tensor]],
-                 placeholder: int, capacity: int = 512):
-        self.prepare, self.encode, self.capacity = prepare, encode, capacity
+                 placeholder: int, capacity: int = 512, check: Callable[[PictureUnit], None] | None = None):
+        self.prepare, self.encode, self.capacity, self.check = prepare, encode, capacity, check
         self.placeholder = placeholder
         self.pooled = POOLED_TOKENS   # the pooled view's tokens per picture
         self._units: OrderedDict[int, PictureUnit] = OrderedDict()                  # digest -> prepared unit
@@ -184,10 +187,6 @@ class ImageStore:
         # ``image -> PreparedPicture`` as the VLM's processor expands a picture (``pictures.picture_preparer``);
         # None: the picture whole, between ``markers``.
         self.picture: Callable | None = None
-        # ``unit -> None``, raising ValueError for a unit this VLM's vision tower cannot encode as its
-        # grid says (``pictures.unit_check``): checked as a request arrives, so that it fails alone
-        # rather than the step that would encode it.
-        self.check: Callable[[PictureUnit], None] | None = None
 
     def prepared(self, image) -> PreparedPicture:
         if self.picture is not None:
