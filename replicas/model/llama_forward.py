@@ -282,7 +282,8 @@ def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, gr
     nkv = keys.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(B, nkv, (nq // nkv) * S, D), keys, values,
                                          attn_mask=grouped_mask, scale=D ** -0.5)
-    return out.view(B, nq, S, D)
+    # The fused kernels may hand back heads and rows in another memory order: reshape, not view.
+    return out.reshape(B, nq, S, D)
 
 
 class LlamaForward:

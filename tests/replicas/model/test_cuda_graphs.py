@@ -135,3 +135,21 @@ def test_sdpa_attention_computes_the_grouped_eager_attention(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
     assert not llama_forward.uses_sdpa(torch.device("cpu")) and llama_forward.uses_sdpa(torch.device("cuda"))
+
+
+def test_sdpa_attention_takes_the_kernels_output_in_any_memory_order(monkeypatch):
+    """CUDA's fused kernels return [B, heads, rows, D] laid out as [B, rows, heads, D]; heads and
+    rows are then not one contiguous span, so the grouped rows are regrouped by copy, not view."""
+    torch.manual_seed(0)
+    B, nq, nkv, S, L, D = 1, 6, 2, 3, 9, 8
+    q = torch.randn(B, nq, S, D)
+    keys, values = torch.randn(B, nkv, L, D), torch.randn(B, nkv, L, D)
+    grouped = llama_forward.sdpa_mask(torch.zeros(B, 1, S, L), nq // nkv)
+    want = llama_forward.sdpa_attention(q, keys, values, grouped)
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def rows_major(*args, **kwargs):   # the same values, stored as the fused kernels store them
+        return fused(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(llama_forward.F, "scaled_dot_product_attention", rows_major)
+    torch.testing.assert_close(llama_forward.sdpa_attention(q, keys, values, grouped), want, rtol=0, atol=0)
