@@ -35,17 +35,17 @@ def lookup_friendly_prompt(model) -> list[int]:
     target's own likely tokens, so its acceptance path is exercised under sampling too."""
     seed = [4, 9]
     with torch.inference_mode():
-        out = model.generate(torch.tensor([seed]), max_new_tokens=4, do_sample=False)[0].tolist()
+        out = model.generate(torch.tensor([seed], device=model.device), max_new_tokens=4, do_sample=False)[0].tolist()
     return out + seed
 
 
 def exact_joint(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """[V, V]: P(t1) P(t2 | t1) under the target's warped distributions."""
+    """[V, V] on the CPU: P(t1) P(t2 | t1) under the target's warped distributions."""
     with torch.inference_mode():
-        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1], params)
-        batch = torch.tensor([prompt + [t] for t in range(VOCAB)])
+        first = logits_to_probs(model(torch.tensor([prompt], device=model.device)).logits[0, -1], params)
+        batch = torch.tensor([prompt + [t] for t in range(VOCAB)], device=model.device)
         second = logits_to_probs(model(batch).logits[:, -1], params)
-    return first[:, None] * second
+    return (first[:, None] * second).cpu()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specserve.replicas.model import int8_linear, llama_forward
 from specserve.replicas.model.batch_kv import BatchKV, Feed
 from specserve.replicas.target import feature_tap
-from tiny_models import rounded_to_int8_rows, tiny_model
+from tiny_models import DEVICE, rounded_to_int8_rows, tiny_model
 
 PREFIX = [5, 17, 3, 42, 8, 8, 61, 2, 30, 11]
 
@@ -97,9 +97,12 @@ def test_the_feature_tap_sees_what_the_hugging_face_hook_sees():
     hf_logits(model, PREFIX)
     hooked = {layer: out.clone() for layer, out in tap.last.items()}   # [1, S, hidden] each, from the module hooks
     assert sorted(hooked) == [0, 1]
-    BatchKV(model, slots=1).forward([Feed(0, PREFIX)])
+    kv = BatchKV(model, slots=1)
+    kv.forward([Feed(0, PREFIX)])
+    # The feed's own rows: a step replayed as a CUDA graph also taps its bucket's padding columns.
+    tolerance = 1e-5 if DEVICE.type == "cpu" else 1e-4   # fused attention sums in another order
     for layer, out in hooked.items():
-        torch.testing.assert_close(tap.last[layer], out, rtol=0, atol=1e-5)
+        torch.testing.assert_close(kv.fed_rows(tap.last[layer], 0), out[0], rtol=0, atol=tolerance)
 
 
 def test_a_pruned_head_draft_scatters_its_logits_to_the_full_vocabulary():
@@ -146,6 +149,7 @@ def test_a_cpu_onednn_cannot_pack_for_keeps_16_bit_weights_as_they_are(monkeypat
 
 
 @pytest.mark.skipif(int8_linear.library() is None, reason="no C compiler: int8 drafts stay float32")
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="int8 rows are a CPU kernel: on other devices the weights stay as loaded")
 def test_a_model_loaded_as_int8_computes_hugging_faces_maths_with_its_weights_rounded():
     """``quantization: int8`` rounds each product's weight to int8 rows: decode and prefill feeds
     give Hugging Face's logits for the same model with its weights so rounded."""
