@@ -30,6 +30,7 @@ import bisect
 import torch
 
 from specserve.replicas.drafts.base import DraftInputs, draft_chain
+from specserve.replicas.drafts.head_graphs import HeadGraphs
 from specserve.replicas.drafts.tree_growth import TreeGrowth
 from specserve.replicas.model.kv_session import common_prefix_len
 from specserve.replicas.sampling import SamplingParams
@@ -138,6 +139,8 @@ class HSRDraft:
         self.head = head
         self.windowed = windowed
         self.session = HSRSession(head, windowed)
+        # A chain's drafted tokens as graph replays where the head's device runs graphs (CUDA).
+        self.graphs: HeadGraphs | None = HeadGraphs.for_head(head)
 
     def propose(self, context: list[int], window: int, params: SamplingParams, generator: torch.Generator | None,
                 features: torch.Tensor | None = None, features_start: int = 0,
@@ -153,11 +156,15 @@ class HSRDraft:
             keys, values = self.session.keys, self.session.values
             position = len(context) - 1
             device = self.head.device
+            steps = None if self.graphs is None or window < 2 else self.graphs.chain(keys, values, window - 1)
 
             def next_logits(tok: int) -> torch.Tensor:
                 # Eq. 4: past the root, the head's own output stands in for the target's state.
                 nonlocal hidden, keys, values, position
                 position += 1
+                if steps is not None:   # one replay of the head's step (head_graphs)
+                    hidden, logits = steps.step(tok, hidden, position)
+                    return logits
                 z = self.head.inputs(torch.tensor([[tok]], device=device), hidden)
                 hidden, k, v = self.head.step(z, torch.tensor([position], device=device), keys, values)
                 keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
