@@ -9,9 +9,10 @@ one unit of as many image tokens as its processor counts. Qwen2-VL's class reads
 its native resolution (its processor's resize to whole merged patches within its pixel bounds)
 as flattened patches merged 2 x 2, and places its image tokens with multimodal rotary
 positions (``mrope.py``): each picture has its own grid of image tokens, which its ids carry
-(``image_tokens.Grid``). A clip reaches every class as its sampled frames,
-pictures one after another (``ingress/images.py``); Qwen2-VL's temporal patches (two frames a
-patch) are not used.
+(``image_tokens.Grid``). A clip reaches Qwen2-VL's class as its temporal patches
+(``clip_preparer``: two frames a patch, each patch a unit on the frames' grid, placed one time
+step apart by M-RoPE), and every other class as its sampled frames, pictures one after another
+(``ingress/images.py``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,39 @@ def pixel_preparer(config, image_processor):
             pixels = pixels[0]
         return PictureUnit(pixels, grid)
     return prepare
+
+
+def clip_preparer(config, image_processor):
+    """``frames -> PreparedPicture`` for a class that reads a clip as temporal patches (Qwen2-VL's:
+    ``temporal_patch_size`` frames a patch), else None. A frame is prepared as a picture (its
+    patches hold it ``temporal_patch_size`` times over, as the image processor writes a still
+    picture); a patch takes frame j's copy j, which is the video processor's layout (per merged
+    token: merge, merge, channel, time, patch, patch), and a clip whose frames do not fill its last
+    patch repeats its last frame, as the video processor does. Where this deviates from the video
+    processor: frames are resized within the image processor's pixel bounds, not the video
+    processor's own, which need torchvision to read. Every patch after the first continues the
+    clip (``PictureUnit.continues``)."""
+    if not _is_qwen2_vl_processor(image_processor):
+        return None
+    prepare, step = pixel_preparer(config, image_processor), image_processor.temporal_patch_size
+    area = image_processor.patch_size ** 2
+
+    def prepare_clip(frames) -> PreparedPicture:
+        frames = list(frames)
+        if not frames:
+            raise ValueError("a clip needs at least one frame")
+        frames += [frames[-1]] * (-len(frames) % step)
+        units = []
+        for first in range(0, len(frames), step):
+            shown = [prepare(frame) for frame in frames[first:first + step]]
+            rows, columns, width = shown[0].pixels.shape
+            if any(u.pixels.shape != shown[0].pixels.shape for u in shown):
+                raise ValueError("a clip's frames must share one size")
+            copies = [u.pixels.reshape(rows, columns, -1, step, area) for u in shown]   # [..., time, patch²]
+            pixels = torch.stack([c[..., j, :] for j, c in enumerate(copies)], dim=-2).reshape(rows, columns, width)
+            units.append(PictureUnit(pixels, shown[0].grid, continues=bool(units)))
+        return PreparedPicture(tuple(units), (None,) * len(units))
+    return prepare_clip
 
 
 def picture_markers(processor) -> tuple[list[int], list[int]]:
@@ -138,8 +172,10 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     """The pictures' ``ImageStore``: ``image_processor`` (the processor's) prepares them, the
     vision tower and projector encode them (``encoder``), and each unit that arrives is checked
     against them (``unit_check``)."""
-    return ImageStore(pixel_preparer(vlm.config, image_processor), encoder(vlm, image_processor),
-                      image_token_id(vlm.config), capacity, check=unit_check(vlm.config, image_processor))
+    store = ImageStore(pixel_preparer(vlm.config, image_processor), encoder(vlm, image_processor),
+                       image_token_id(vlm.config), capacity, check=unit_check(vlm.config, image_processor))
+    store.clip = clip_preparer(vlm.config, image_processor)
+    return store
 
 
 def encoder(vlm, image_processor):

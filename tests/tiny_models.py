@@ -262,6 +262,7 @@ def _rename_processor(folder, processor_class: str, image_processor_type: str) -
 
 
 VISION_START, VISION_END = 10, 11   # the tiny Qwen2-VL's markers around a picture's image tokens
+VIDEO_TOKEN = 12                     # its clip placeholder
 
 
 def tiny_qwen2_vl(seed: int, scale: float = 8.0):
@@ -276,7 +277,8 @@ def tiny_qwen2_vl(seed: int, scale: float = 8.0):
     vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 4,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3}
     config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
-                           vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+                           video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                           vision_end_token_id=VISION_END)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():

@@ -18,8 +18,11 @@ forward that first needs the picture, batched over every picture that forward ne
 drafts, which see the VLM's placeholder token instead (``draft_view``): their text-only view of
 the prompt.
 
-The digest is 40 bits of BLAKE2b over the prepared unit (pixels, shape, grid, size: the same
-picture sent as PNG or as JPEG that decodes to the same pixels is one picture).
+The digest is 39 bits of BLAKE2b over the prepared unit (pixels, shape, grid, size: the same
+picture sent as PNG or as JPEG that decodes to the same pixels is one picture). The digest field's
+top bit (``CLIP_FLAG``) marks a unit that continues the clip of the unit just before it: Qwen2-VL
+reads a clip as temporal patches (two frames a patch), each a unit on the same grid, whose tokens
+sit at the clip's first position plus their patch's index in time (``mrope.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ VIRTUAL_BASE = 1 << 32
 CELL_BITS = 10                     # a grid is at most 1024 cells a side
 _DIGEST_BYTES = 5
 _PICTURE_BITS = 2 * CELL_BITS
+CLIP_FLAG = 1 << (8 * _DIGEST_BYTES - 1)   # in the digest field: the next temporal patch of a clip
 _CELL_MASK = (1 << CELL_BITS) - 1
 # Pooled image tokens (a drafting view, ``pooled_view``) live in a namespace of their own above
 # the pictures' ids: POOLED_BASE + digest · pooled tokens + j.
@@ -87,6 +91,11 @@ def cell(token: int) -> tuple[int, int, int]:
     return offset >> _PICTURE_BITS, (offset >> CELL_BITS) & _CELL_MASK, offset & _CELL_MASK
 
 
+def continues_clip(token: int) -> bool:
+    """Whether a picture token's unit is a clip's next temporal patch (``PictureUnit.continues``)."""
+    return bool(cell(token)[0] & CLIP_FLAG)
+
+
 def starts_picture(token: int) -> bool:
     """Whether ``token`` is a picture's first image token (it stands for the picture)."""
     return is_picture_token(token) and (token - VIRTUAL_BASE) & ((1 << _PICTURE_BITS) - 1) == 0
@@ -101,14 +110,17 @@ class PictureUnit:
     pixels: torch.Tensor
     grid: Grid
     size: tuple[int, int] | None = None
+    continues: bool = False   # the next temporal patch of the clip whose unit comes just before it
 
 
 def picture_digest(unit: PictureUnit) -> int:
+    """The unit's digest field: its content's 39 bits, with ``CLIP_FLAG`` where it continues a clip."""
     pixels = unit.pixels.contiguous().cpu()
     hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     hasher.update(repr((tuple(pixels.shape), unit.grid, unit.size)).encode())
     hasher.update(pixels.numpy().tobytes())
-    return int.from_bytes(hasher.digest(), "little")
+    content = int.from_bytes(hasher.digest(), "little") & (CLIP_FLAG - 1)
+    return content | (CLIP_FLAG if unit.continues else 0)
 
 
 def grid_ids(digest: int, grid: Grid) -> list[int]:
@@ -187,6 +199,9 @@ class ImageStore:
         # ``image -> PreparedPicture`` as the VLM's processor expands a picture (``pictures.picture_preparer``);
         # None: the picture whole, between ``markers``.
         self.picture: Callable | None = None
+        # ``frames -> PreparedPicture``: a clip as temporal patches (``pictures.clip_preparer``);
+        # None: the class reads a clip's frames as pictures.
+        self.clip: Callable | None = None
 
     def prepared(self, image) -> PreparedPicture:
         if self.picture is not None:
@@ -197,6 +212,12 @@ class ImageStore:
         """The ids ``image`` stands for in a prompt: its units' image tokens among the processor's
         markers (preparing it now; encoding waits for a forward)."""
         return self.prepared(image).ids(self.add)
+
+    def register_clip(self, frames) -> list[int]:
+        """The ids a clip's ``frames`` stand for in a prompt, as its temporal patches (``clip``)."""
+        if self.clip is None:
+            raise ValueError("this VLM reads a clip as its frames, pictures one after another")
+        return self.clip(frames).ids(self.add)
 
     def add(self, unit: PictureUnit) -> list[int]:
         """The ids of a prepared unit's image tokens (the ingress sends units with a request)."""

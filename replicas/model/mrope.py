@@ -5,7 +5,10 @@ the rotary frequencies (``mrope_section``, e.g. 16, 24, 24 of 64). A text token 
 which is ordinary 1-D RoPE at p. A picture of ``rows x columns`` image tokens (after the merger)
 starting where the text would be at p0 has, for its token in row r and column c, t = p0,
 h = p0 + r, w = p0 + c, and the text after it resumes at p0 + max(rows, columns), not
-p0 + rows · columns.
+p0 + rows · columns. A clip is read as temporal patches (two frames a patch), each a unit on the
+same grid (``image_tokens.CLIP_FLAG``): the token in row r and column c of patch k has t = p0 + k,
+h = p0 + r, w = p0 + c, and the text after the clip resumes at p0 + max(rows, columns), as
+Hugging Face's ``get_rope_index`` places a video.
 
 Here a token's (t, h, w) is ``(p, p + dh, p + dw)``: ``positions`` gives p, dh and dw for the
 tokens a feed appends to a slot, from the slot's cached tokens and the feed's own (image tokens are
@@ -19,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.replicas.model.image_tokens import CELL_BITS, POOLED_BASE, VIRTUAL_BASE, cell, is_picture_token
+from specserve.replicas.model.image_tokens import (CELL_BITS, CLIP_FLAG, POOLED_BASE, VIRTUAL_BASE, cell,
+                                                   is_picture_token)
 
 
 def section_dims(sections: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,17 +44,18 @@ def _cells(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class _Walk:
-    """Positions along a slot's tokens: the next text token's position, and the picture whose
-    tokens are being read (its first position, its extent so far)."""
+    """Positions along a slot's tokens: the next text token's position, and the picture (or clip)
+    whose tokens are being read: its unit's digest, its first position, its extent so far and
+    the temporal patch being read."""
 
     def __init__(self):
         self.next = 0
-        self.picture: tuple[int, int, int, int] | None = None   # (digest, p0, rows, columns)
+        self.picture: tuple[int, int, int, int, int] | None = None   # (digest, p0, rows, columns, t)
 
     def close(self) -> int:
         """The next text token's position (a picture being read ends here)."""
         if self.picture is not None:
-            _, p0, rows, columns = self.picture
+            _, p0, rows, columns, _ = self.picture
             self.next, self.picture = p0 + max(rows, columns), None
         return self.next
 
@@ -65,18 +70,23 @@ class _Walk:
             walk.next = len(cached)
             return walk
         digest, rows, columns = _cells(ids[at])
-        first = np.ones(len(at), dtype=bool)   # where a picture starts: after text, another digest, cell (0, 0)
+        first = np.ones(len(at), dtype=bool)   # where a unit starts: after text, another digest, cell (0, 0)
         first[1:] = (np.diff(at) != 1) | (digest[1:] != digest[:-1]) | ((rows[1:] == 0) & (columns[1:] == 0))
-        starts = np.flatnonzero(first)
+        units = np.flatnonzero(first)
+        # A unit flagged as a clip's next temporal patch, right after another unit, is read with it.
+        follows = np.r_[False, at[units[1:]] - at[units[1:] - 1] == 1]
+        joins = follows & ((digest[units] & CLIP_FLAG) != 0)
+        starts = units[~joins]                       # where a picture or clip starts
         lengths = np.diff(np.r_[starts, len(at)])
-        extent = np.maximum(np.maximum.reduceat(rows, starts), np.maximum.reduceat(columns, starts)) + 1
+        extent = np.maximum.reduceat(np.maximum(rows, columns), starts) + 1
         shift = extent - lengths                     # later positions move by this once a picture ends
         before = np.r_[0, np.cumsum(shift)[:-1]]     # the shifts of the pictures before each one
         p0 = at[starts] + before
         if at[-1] == len(cached) - 1:   # the last picture is still being read
             walk.next = int(p0[-1])
-            walk.picture = (int(digest[starts[-1]]), int(p0[-1]), int(rows[starts[-1]:].max()) + 1,
-                            int(columns[starts[-1]:].max()) + 1)
+            patches = int(np.count_nonzero(units >= starts[-1]))
+            walk.picture = (int(digest[units[-1]]), int(p0[-1]), int(rows[starts[-1]:].max()) + 1,
+                            int(columns[starts[-1]:].max()) + 1, patches - 1)
         else:
             walk.next = len(cached) + int(shift.sum())
         return walk
@@ -88,11 +98,15 @@ class _Walk:
             return p, 0, 0
         digest, row, column = cell(token)
         if self.picture is None or self.picture[0] != digest or row == column == 0:
-            self.close()
-            self.picture = (digest, self.next, 0, 0)
-        _, p0, rows, columns = self.picture
-        self.picture = (digest, p0, max(rows, row + 1), max(columns, column + 1))
-        return p0, row, column
+            if self.picture is not None and digest & CLIP_FLAG:   # the clip's next temporal patch
+                _, p0, rows, columns, t = self.picture
+                self.picture = (digest, p0, rows, columns, t + 1)
+            else:
+                self.close()
+                self.picture = (digest, self.next, 0, 0, 0)
+        _, p0, rows, columns, t = self.picture
+        self.picture = (digest, p0, max(rows, row + 1), max(columns, column + 1), t)
+        return p0 + t, row - t, column - t
 
 
 class MRope:

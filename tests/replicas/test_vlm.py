@@ -455,6 +455,63 @@ def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_lossles
 
 
 
+def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_generate_does():
+    """A clip on Qwen2-VL's class: two frames a temporal patch (the last frame repeated to fill
+    the last patch, as its video processor does), each patch a unit on the frames' grid, the
+    patches one time step apart in M-RoPE. Plain decoding equals the model's own generate given
+    the same patches as its video input, with a picture and text around; drafts equal plain."""
+    from PIL import Image
+
+    from tiny_models import VIDEO_TOKEN, VISION_END, VISION_START, tiny_qwen2_vl, tiny_qwen2_vl_processor
+
+    model = tiny_qwen2_vl(seed=0)
+    processor = tiny_qwen2_vl_processor()
+    store = image_store(model, processor)
+    lm = language_model(model)
+    # A moving square: what the model reads depends on every frame (5 frames: 3 patches).
+    frames = [Image.new("RGB", (48, 24), (20, 20, 20)) for _ in range(5)]
+    for k, frame in enumerate(frames):
+        frame.paste((230, 40 * k, 10), (8 * k, 4, 8 * k + 12, 16))
+    clip = store.clip(frames)
+    assert len(clip.units) == 3 and [u.continues for u in clip.units] == [False, True, True]
+    still = store.clip([frames[0], frames[0]]).units[0]
+    assert torch.equal(still.pixels, store.prepare(frames[0]).pixels)   # a still picture holds its frame twice
+    around = [VISION_START, VIDEO_TOKEN, VISION_END]
+    text = [5, 6, *around, 7, 8, VISION_START, IMAGE_TOKEN, VISION_END, 9]
+    prompt = image_prompt_ids(image_prompt_ids(text, [picture(1)], store.register, IMAGE_TOKEN),
+                              [frames], store.register_clip, VIDEO_TOKEN)
+    expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
+    units = [u.pixels for u in clip.units]
+    image = store.prepare(picture(1)).pixels
+    counts = {VIDEO_TOKEN: sum(u.shape[0] * u.shape[1] for u in units), IMAGE_TOKEN: image.shape[0] * image.shape[1]}
+    ids = torch.tensor([[t for i in text for t in [i] * counts.get(i, 1)]], device=model.device)
+    flat = lambda p: p.reshape(-1, p.shape[-1] // 4)   # noqa: E731 - merged tokens back to patches
+    hf_grids = (torch.tensor([[1, image.shape[0] * 2, image.shape[1] * 2]], device=model.device),
+                torch.tensor([[len(units), units[0].shape[0] * 2, units[0].shape[1] * 2]], device=model.device))
+    hf = model.generate(input_ids=ids, pixel_values=flat(image).to(model.device), image_grid_thw=hf_grids[0],
+                        pixel_values_videos=torch.cat([flat(u) for u in units]).to(model.device),
+                        video_grid_thw=hf_grids[1],
+                        mm_token_type_ids=(ids == IMAGE_TOKEN).int() + 2 * (ids == VIDEO_TOKEN).int(),
+                        attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert expected == hf[0, ids.shape[1]:].tolist()
+    # The prompt's last logits too, which move with every position (greedy tokens may not).
+    from specserve.replicas.model.batch_kv import Feed
+
+    ours = Target(lm, images=store).kv.forward([Feed(0, prompt, 1)])[0][-1]
+    with torch.inference_mode():
+        theirs = model(input_ids=ids, pixel_values=flat(image).to(model.device), image_grid_thw=hf_grids[0],
+                       pixel_values_videos=torch.cat([flat(u) for u in units]).to(model.device),
+                       video_grid_thw=hf_grids[1], mm_token_type_ids=(ids == IMAGE_TOKEN).int() + 2 * (ids == VIDEO_TOKEN).int()
+                       ).logits[0, -1]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    reversed_clip = image_prompt_ids(image_prompt_ids(text, [picture(1)], store.register, IMAGE_TOKEN),
+                                     [frames[::-1]], store.register_clip, VIDEO_TOKEN)
+    assert speculative_generate(Target(lm, images=store), None, reversed_clip, NEW_TOKENS, GREEDY).token_ids != expected
+    for draft, speculation in ((PromptLookupDraft(), {"window": 3}), (PromptLookupDraft(), {"tree": TreeShape(3, 2, 6)})):
+        got = speculative_generate(Target(lm, images=store), draft, prompt, NEW_TOKENS, GREEDY, **speculation)
+        assert got.token_ids == expected, f"{draft.name} {speculation}"
+
+
 def test_a_unit_that_does_not_fit_the_vision_tower_is_refused_as_it_arrives(vlm):
     """Units come from the ingress: one whose grid or pixels do not fit this VLM is a ValueError
     when added (its request fails alone), never a failed encode inside a shared step."""

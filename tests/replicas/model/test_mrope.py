@@ -1,14 +1,22 @@
-"""M-RoPE positions from a slot's tokens: a picture's tokens on its grid, the text after it resumed
-at the grid's longer side, whatever the chunks the prompt arrives in."""
+"""M-RoPE positions from a slot's tokens: a picture's tokens on its grid, a clip's temporal
+patches one time step apart, the text after either resumed at the grid's longer side, whatever
+the chunks the prompt arrives in; as Hugging Face's Qwen2-VL places them."""
 
 import pytest
+import torch
 
-from specserve.replicas.model.image_tokens import Grid, grid_ids
+from specserve.replicas.model.image_tokens import CLIP_FLAG, Grid, grid_ids
 from specserve.replicas.model.mrope import MRope, section_dims
 
 
 def picture(digest: int, rows: int = 2, columns: int = 2) -> list[int]:
     return grid_ids(digest, Grid(rows * columns, columns))
+
+
+def clip(digests: list[int], rows: int = 2, columns: int = 2) -> list[int]:
+    """A clip of ``len(digests)`` temporal patches: the first a unit of its own, each next one
+    flagged as continuing it."""
+    return [t for k, d in enumerate(digests) for t in picture(d | (CLIP_FLAG if k else 0), rows, columns)]
 
 
 def test_a_pictures_tokens_sit_on_its_grid_and_the_text_after_resumes_side_later():
@@ -27,9 +35,43 @@ def test_a_wide_picture_resumes_the_text_after_its_longer_side():
     assert dh == [0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 2, 0] and dw == [0, 0, 1, 2, 0, 1, 2, 0, 0, 0, 0, 0]
 
 
+def test_a_clips_patches_step_in_time_on_one_grid_and_the_text_resumes_after_its_side():
+    mrope = MRope([1, 1, 2], head_dim=8)
+    tokens = [7, *clip([5, 6, 5], rows=1, columns=2), 9]
+    p, dh, dw = mrope.positions([], tokens, list(range(1, len(tokens) + 1)))
+    # patch k's token (r, c): t = 1 + k, h = 1 + r, w = 1 + c; the text resumes at 1 + 2
+    assert [p[i] for i in range(len(tokens))] == [0, 1, 1, 2, 2, 3, 3, 3]
+    assert [a + b for a, b in zip(p, dh)] == [0, 1, 1, 1, 1, 1, 1, 3]
+    assert [a + b for a, b in zip(p, dw)] == [0, 1, 2, 1, 2, 1, 2, 3]
+
+
+def test_positions_equal_hugging_faces_qwen2_vl_for_pictures_and_clips():
+    from tiny_models import tiny_qwen2_vl
+
+    model = tiny_qwen2_vl(seed=0)
+    rope_index = model.model.get_rope_index
+    mrope = MRope.of(model.model.language_model) or MRope([1, 1, 2], head_dim=8)
+    # (kind, rows, columns, patches): text runs between them
+    shown = [("image", 2, 3, 1), ("video", 2, 2, 3), ("video", 3, 1, 2), ("image", 1, 4, 1)]
+    tokens, kinds, image_grids, video_grids, digest = [1, 2], [0, 0], [], [], 10
+    for kind, rows, columns, patches in shown:
+        units = clip(list(range(digest, digest + patches)), rows, columns) if kind == "video" else picture(digest, rows, columns)
+        digest += patches
+        tokens += units + [3, 4]
+        kinds += [1 if kind == "image" else 2] * len(units) + [0, 0]
+        (image_grids if kind == "image" else video_grids).append([patches, 2 * rows, 2 * columns])
+    ids = torch.tensor([[1] * len(tokens)])
+    theirs, _ = rope_index(ids, torch.tensor([kinds]), image_grid_thw=torch.tensor(image_grids),
+                           video_grid_thw=torch.tensor(video_grids))
+    p, dh, dw = mrope.positions([], tokens, list(range(1, len(tokens) + 1)))
+    ours = [p, [a + b for a, b in zip(p, dh)], [a + b for a, b in zip(p, dw)]]
+    assert ours == theirs[:, 0].tolist()
+
+
 def test_positions_do_not_depend_on_where_the_chunks_end():
     mrope = MRope([1, 1, 2], head_dim=8)
-    tokens = [1, *picture(3, 3, 3), 2, 3, *picture(4, 2, 4), *picture(4, 2, 4), *picture(5, 4, 1), 4]
+    tokens = [1, *picture(3, 3, 3), 2, 3, *picture(4, 2, 4), *picture(4, 2, 4), *clip([6, 7, 6], 2, 3),
+              *picture(5, 4, 1), *clip([8, 9]), 4]
     whole = mrope.positions([], tokens, list(range(1, len(tokens) + 1)))
     for cut in range(1, len(tokens)):
         head = mrope.positions([], tokens[:cut], list(range(1, cut + 1)))
@@ -55,7 +97,7 @@ def test_sections_pick_the_h_and_w_dimensions_in_both_halves():
 
 def test_the_walk_over_a_slots_cache_counts_as_token_by_token():
     """The cached prefix's walk (numpy over the ids) leaves the same state as taking each token:
-    random text and pictures of random grids, one shown twice in a row, cut anywhere."""
+    random text, pictures of random grids (one shown twice in a row) and clips, cut anywhere."""
     import random
 
     from specserve.replicas.model.mrope import _Walk
@@ -65,8 +107,11 @@ def test_the_walk_over_a_slots_cache_counts_as_token_by_token():
         tokens: list[int] = []
         for _ in range(rng.randint(0, 6)):
             tokens += [rng.randint(1, 50) for _ in range(rng.randint(0, 4))]
-            shown = picture(rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4))
-            tokens += shown * rng.choice((1, 1, 2))
+            rows, columns = rng.randint(1, 4), rng.randint(1, 4)
+            if rng.random() < 0.3:
+                tokens += clip([rng.randint(1, 3) for _ in range(rng.randint(1, 4))], rows, columns)
+            else:
+                tokens += picture(rng.randint(1, 3), rows, columns) * rng.choice((1, 1, 2))
         cut = rng.randint(0, len(tokens))
         stepped = _Walk()
         for t in tokens[:cut]:
