@@ -383,13 +383,15 @@ class ChatMessage(BaseModel):
 
     def template_content(self, frames=lambda part: len(part.video_url.urls())) -> str | list[dict]:
         """What a chat template reads: the text, or with pictures the parts in order; a clip is its
-        frames as consecutive pictures (``frames(part)`` of them: those the ingress sampled)."""
+        frames as consecutive pictures (``frames(part)`` of them: those the ingress sampled), or
+        one video part where ``frames(part)`` is None (a class that reads clips as video)."""
         if not self.media():
             return self.text()
         out: list[dict] = []
         for p in self.content:
             if isinstance(p, VideoPart):
-                out += [{"type": "image"}] * frames(p)
+                count = frames(p)
+                out += [{"type": "video"}] if count is None else [{"type": "image"}] * count
             else:
                 out.append({"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text})
         return out

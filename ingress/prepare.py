@@ -24,12 +24,12 @@ from specserve.ingress.config import IngressConfig
 from specserve.ingress.image_fetch import fetch_pool
 from specserve.ingress.images import decode_media, fetches, media_urls
 from specserve.ingress.openai_api import (AUTO_DRAFT, NO_DRAFT, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                          OpenAIError)
+                                          OpenAIError, VideoPart)
 from specserve.ingress.structured import request_grammar
 from specserve.ingress.tools import template_messages, template_teaches_tools, tool_grammar
 from specserve.policies.registry import POLICIES, TREE_POLICY_NAMES
 from specserve.replicas.model.image_tokens import picture_ids
-from specserve.replicas.pictures import image_prompt_ids, picture_preparer
+from specserve.replicas.pictures import clip_preparer, image_prompt_ids, picture_preparer
 from specserve.replicas.prompt_ids import encode_chat, encode_text
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
@@ -93,10 +93,15 @@ class Preparer:
         self.model_id = config.model_id
         # A VLM's pictures are prepared here, as its processor does, and named by their pixels
         # (``image_tokens``): the prefix-affinity router and the replicas' caches key on them.
-        self.image_placeholder = None
+        self.image_placeholder = self.prepare_clip = None
         if self.processor is not None:
             self.prepare_picture = picture_preparer(self.processor, text.config)
             self.image_placeholder = image_token_id(text.config)
+            # A class that reads a clip as temporal patches (Qwen2-VL's) sees it as one video part.
+            self.prepare_clip = clip_preparer(text.config, self.processor.image_processor)
+            self.video_placeholder = getattr(text.config, "video_token_id", None)
+            if self.video_placeholder is None:
+                self.prepare_clip = None
         self.max_context = getattr(text.text_config, "max_position_embeddings", None)
         if config.max_model_len is not None:
             self.max_context = min(self.max_context or config.max_model_len, config.max_model_len)
@@ -118,13 +123,22 @@ class Preparer:
     def _prepare(self, req: CompletionRequest | ChatCompletionRequest, media: list,
                  deadline: float | None = None) -> Prepared:
         """The checks and the work a request's size sets (in a worker thread); its picture fetches
-        end by ``deadline``. A clip's sampled frames are pictures of the prompt, one after another
-        (a class with temporal patches, Qwen2-VL's, sees them as pictures too)."""
+        end by ``deadline``. A clip's sampled frames are pictures of the prompt, one after another,
+        or, for a class that reads clips as temporal patches (Qwen2-VL's), one video part."""
         decoded = decode_media(media, self.config.images, deadline=deadline) if media else []
-        frames = {id(part): len(pictures) for part, pictures in zip(media, decoded)}
-        pictures = [self.prepare_picture(p) for shown in decoded for p in shown]
-        prompt_ids = self._prompt_ids(req, pictures, lambda part: frames[id(part)])
-        units = tuple(unit for picture in pictures for unit in picture.units)
+        frames, pictures, clips = {}, [], []
+        for part, shown in zip(media, decoded):
+            if isinstance(part, VideoPart) and self.prepare_clip is not None:
+                try:
+                    clips.append(self.prepare_clip(shown))
+                except ValueError as err:
+                    raise OpenAIError(f"a video's frames: {err}", param="messages") from err
+                frames[id(part)] = None
+            else:
+                pictures += [self.prepare_picture(p) for p in shown]
+                frames[id(part)] = len(shown)
+        prompt_ids = self._prompt_ids(req, pictures, lambda part: frames[id(part)], clips)
+        units = tuple(unit for shown in (*pictures, *clips) for unit in shown.units)
         is_chat = isinstance(req, ChatCompletionRequest)
         max_tokens = req.token_limit if is_chat else req.max_tokens
         if self.max_context:
@@ -222,24 +236,27 @@ class Preparer:
                 f"{text_bytes} bytes make at least {at_least} tokens. Shorten the prompt.",
                 param=param, code="context_length_exceeded")
 
-    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pictures: list, frames) -> list[int]:
-        """``frames(part)``: how many pictures a clip part became (its sampled frames)."""
+    def _prompt_ids(self, req: CompletionRequest | ChatCompletionRequest, pictures: list, frames,
+                    clips: list = ()) -> list[int]:
+        """``frames(part)``: how many pictures a clip part became (its sampled frames), None where
+        it is one video part; ``clips``: those parts' prepared temporal patches, in order."""
         if isinstance(req, ChatCompletionRequest):
             self._check_text_size(sum(len(m.text().encode("utf-8")) for m in req.messages), "messages")
         elif isinstance(req.prompt, str):
             self._check_text_size(len(req.prompt.encode("utf-8")), "prompt")
         if isinstance(req, ChatCompletionRequest):
-            if not pictures and not any(m.text().strip() for m in req.messages):
+            if not pictures and not clips and not any(m.text().strip() for m in req.messages):
                 raise OpenAIError("messages: every message is empty; give some text", param="messages")
-            if not pictures:
+            if not pictures and not clips:
                 return encode_chat(self.tokenizer, *template_messages(req, self.teaches_tools))
             messages, tools = template_messages(req, self.teaches_tools,
                                                 content=lambda m: m.template_content(frames))
             text = self.processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             try:
-                return image_prompt_ids(ids, pictures, lambda p: p.ids(picture_ids),
-                                        self.image_placeholder)
+                ids = image_prompt_ids(ids, pictures, lambda p: p.ids(picture_ids), self.image_placeholder)
+                return image_prompt_ids(ids, list(clips), lambda c: c.ids(picture_ids), self.video_placeholder) \
+                    if clips else ids
             except ValueError as err:
                 raise OpenAIError(str(err), param="messages") from err
         if isinstance(req.prompt, str):

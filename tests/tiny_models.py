@@ -207,9 +207,10 @@ def _tiny_any_res_folder_parts(tokenizer, kind: str):
 
 
 def _tiny_qwen2_vl_folder_parts(tokenizer, kind: str):
-    """A Qwen2-VL (or Qwen2.5-VL) class VLM over the reference tokenizer with Qwen's picture
-    tokens added, and its processor (``vlm.ImageOnlyQwen2VLProcessor``: no torchvision here):
-    pictures at their native resolution within 16-48 px a side, 4 px patches merged 2 x 2."""
+    """A Qwen2-VL (or Qwen2.5-VL) class VLM over the reference tokenizer with Qwen's picture and
+    video tokens added, and its processor (``vlm.ImageOnlyQwen2VLProcessor``: no torchvision here)
+    with a template that writes Qwen's markers around pictures and clips: pictures at their
+    native resolution within 16-48 px a side, 4 px patches merged 2 x 2."""
     from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
                               Qwen2VLForConditionalGeneration)
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -217,13 +218,15 @@ def _tiny_qwen2_vl_folder_parts(tokenizer, kind: str):
     from specserve.replicas.vlm import (CHAT_TEMPLATE, IMAGE_PLACEHOLDER, ImageOnlyQwen2_5_VLProcessor,
                                        ImageOnlyQwen2VLProcessor)
 
-    start, pad, end = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
-    tokenizer.add_special_tokens({"additional_special_tokens": [start, pad, end]})
+    start, pad, end, video = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
+    tokenizer.add_special_tokens({"additional_special_tokens": [start, pad, end, video]})
+    image_part = "{% if part['type'] == 'image' %}" + IMAGE_PLACEHOLDER + "\n{% else %}"
+    template = CHAT_TEMPLATE.replace(image_part, "{% if part['type'] == 'image' %}" + start + pad + end + "\n"
+                                     "{% elif part['type'] == 'video' %}" + start + video + end + "\n{% else %}")
     image_processor = Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=48 * 48, patch_size=4, merge_size=2,
                                                temporal_patch_size=2)
     processor_class = ImageOnlyQwen2_5_VLProcessor if kind == "qwen2.5-vl" else ImageOnlyQwen2VLProcessor
-    processor = processor_class(image_processor, tokenizer,
-                                chat_template=CHAT_TEMPLATE.replace(IMAGE_PLACEHOLDER, start + pad + end))
+    processor = processor_class(image_processor, tokenizer, chat_template=template)
     text = tiny_config("qwen2").to_dict()
     text.update(vocab_size=len(tokenizer),
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
@@ -236,6 +239,7 @@ def _tiny_qwen2_vl_folder_parts(tokenizer, kind: str):
     config_class, model_class = ((Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if kind == "qwen2.5-vl"
                                  else (Qwen2VLConfig, Qwen2VLForConditionalGeneration))
     config = config_class(text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids(pad),
+                          video_token_id=tokenizer.convert_tokens_to_ids(video),
                           vision_start_token_id=tokenizer.convert_tokens_to_ids(start),
                           vision_end_token_id=tokenizer.convert_tokens_to_ids(end))
     model = model_class(config)

@@ -2,8 +2,10 @@
 whose pictures the processor lays out itself (Idefics3's tiles, Qwen2-VL's native resolution),
 saved by ``save_pretrained`` and served as a user would point specserve at them, each as a Serve
 application of its own on one cluster. A picture over HTTP and a clip over gRPC answer as the
-folder's own ``generate`` on its processor's inputs (float32 greedy). Every class's folder is
-decoded in process in ``tests/replicas/test_vlm_folders.py``."""
+folder's own ``generate`` on its processor's inputs (float32 greedy): Idefics3's class reads a
+clip as its frames, pictures one after another; Qwen2-VL's as a video, its temporal patches given
+to its ``generate`` as video input. Every class's folder is decoded in process in
+``tests/replicas/test_vlm_folders.py``."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from specserve.cluster.serve_config import app_serve_config
 from specserve.data.synthetic_images import TEST_SEED, example
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress import specserve_pb2_grpc
+from specserve.replicas.pictures import clip_preparer
 from specserve.replicas.vlm import load_processor
 from tiny_models import tiny_vlm_folder
 
@@ -49,6 +52,26 @@ def own_generate(folder, pictures) -> list[int]:
     inputs = processor(text=text, images=list(pictures), return_tensors="pt", add_special_tokens=False)
     out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def own_generate_clip(folder, frames) -> list[int]:
+    """A Qwen2-VL folder's own greedy answer to a clip: its template's video part expanded to the
+    clip's temporal patches, given to ``generate`` as its video input."""
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = load_processor(folder)
+    content = [{"type": "video"}, {"type": "text", "text": QUESTION}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    units = [u.pixels for u in clip_preparer(model.config, processor.image_processor)(frames).units]
+    video = model.config.video_token_id
+    count = sum(u.shape[0] * u.shape[1] for u in units)
+    ids = torch.tensor([[t for i in processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+                         for t in [i] * (count if i == video else 1)]])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=2 * (ids == video).int(),
+                         pixel_values_videos=torch.cat([u.reshape(-1, u.shape[-1] // 4) for u in units]),
+                         video_grid_thw=torch.tensor([[len(units), units[0].shape[0] * 2, units[0].shape[1] * 2]]),
+                         max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +110,14 @@ def test_a_picture_over_http_and_a_clip_over_grpc_answer_as_the_folders_own_gene
                                                       {"type": "text", "text": QUESTION}]}]})
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["token_ids"] == own_generate(folder, [picture]), kind
-    frames = [square, wide]   # a clip is its frames shown one after another
+    frames = [square, example(TEST_SEED + 723, "shape").image, square]   # a clip's frames share one size
     with grpc.insecure_channel(state.grpc_address) as channel:
         stub = specserve_pb2_grpc.SpecServeStub(channel)
         reply = stub.Complete(pb.CompletionRequest(model=model, max_tokens=NEW_TOKENS, temperature=0, messages=[
             pb.ChatMessage(role="user", content=QUESTION, videos=[pb.Video(frames=[png(f) for f in frames])])]),
             timeout=300, metadata=(("application", app["name"]),))
-    assert list(reply.token_ids) == own_generate(folder, frames), kind
+    expected = own_generate(folder, frames)
+    if kind == "qwen2-vl":   # read as a video, which answers otherwise than its frames as pictures
+        expected, as_pictures = own_generate_clip(folder, frames), expected
+        assert expected != as_pictures
+    assert list(reply.token_ids) == expected, kind

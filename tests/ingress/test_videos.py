@@ -92,3 +92,40 @@ def test_clip_limits_are_400s_before_the_frames_are_decoded():
     with pytest.raises(OpenAIError, match="could not be decoded"):
         broken = {"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(b"GIF89a").decode()}}
         decode_media(message(broken).messages[0].media(), LIMITS)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_preparer(tmp_path_factory):
+    from specserve.ingress.config import IngressConfig
+    from specserve.ingress.prepare import Preparer
+    from specserve.replicas.vlm import load_target_text
+    from tiny_models import tiny_vlm_folder
+
+    folder = tiny_vlm_folder("qwen2-vl", tmp_path_factory.mktemp("qwen2-vl"))
+    return Preparer(load_target_text(str(folder)), IngressConfig("t", "m", ["prompt-lookup"], "prompt-lookup", 4))
+
+
+def test_a_class_that_reads_clips_as_video_gets_one_video_part_of_temporal_patches(qwen2_vl_preparer):
+    """Qwen2-VL's class: the clip is one video part of the template, its placeholder expanded to
+    the clip's temporal patches (two frames a patch), every patch after the first continuing it;
+    a picture beside it stays a picture."""
+    from specserve.replicas.model.image_tokens import continues_clip, is_picture_token, starts_picture
+
+    frames = {"type": "video_url", "video_url": {"frames": [picture_url(frame(i, (32, 16))) for i in range(3)]}}
+    request = message({"type": "image_url", "image_url": {"url": picture_url(frame(9, (16, 16)))}}, frames)
+    prepared = qwen2_vl_preparer._prepare(request, request.messages[0].media())
+    ids, units = prepared.spec_request.prompt_ids, prepared.spec_request.images
+    starts = [t for t in ids if starts_picture(t)]
+    assert len(units) == 1 + 2 and [continues_clip(t) for t in starts] == [False, False, True]
+    assert [u.continues for u in units] == [False, False, True]
+    assert sum(is_picture_token(t) for t in ids) == sum(u.grid.count for u in units)
+    video = qwen2_vl_preparer.video_placeholder
+    assert video not in ids and qwen2_vl_preparer.image_placeholder not in ids
+
+
+def test_a_clip_whose_frames_differ_in_size_is_a_400_for_a_class_that_reads_video(qwen2_vl_preparer):
+    urls = [picture_url(frame(0, (32, 16))), picture_url(frame(1, (16, 32)))]
+    request = message({"type": "video_url", "video_url": {"frames": urls}})
+    with pytest.raises(OpenAIError, match="frames.*one size") as err:
+        qwen2_vl_preparer._prepare(request, request.messages[0].media())
+    assert err.value.param == "messages"
