@@ -11,8 +11,8 @@ as flattened patches merged 2 x 2, and places its image tokens with multimodal r
 positions (``mrope.py``): each picture has its own grid of image tokens, which its ids carry
 (``image_tokens.Grid``). A clip reaches Qwen2-VL's class as its temporal patches
 (``clip_preparer``: two frames a patch, each patch a unit on the frames' grid, placed one time
-step apart by M-RoPE), and every other class as its sampled frames, pictures one after another
-(``ingress/images.py``).
+step apart by M-RoPE), and every other class (Qwen2.5-VL's too, whose time steps by a clip's
+frame rate) as its sampled frames, pictures one after another (``ingress/images.py``).
 """
 
 from __future__ import annotations
@@ -78,8 +78,10 @@ def clip_preparer(config, image_processor):
     patch repeats its last frame, as the video processor does. Where this deviates from the video
     processor: frames are resized within the image processor's pixel bounds, not the video
     processor's own, which need torchvision to read. Every patch after the first continues the
-    clip (``PictureUnit.continues``)."""
-    if not _is_qwen2_vl_processor(image_processor):
+    clip (``PictureUnit.continues``). Qwen2.5-VL's class steps a clip's time by its frame rate
+    (``tokens_per_second``), which a clip's ids do not carry: it reads a clip's frames as pictures."""
+    vision = getattr(config, "vision_config", None)
+    if not _is_qwen2_vl_processor(image_processor) or getattr(vision, "tokens_per_second", None) is not None:
         return None
     prepare, step = pixel_preparer(config, image_processor), image_processor.temporal_patch_size
     area = image_processor.patch_size ** 2

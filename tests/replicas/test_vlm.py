@@ -512,6 +512,19 @@ def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_genera
         assert got.token_ids == expected, f"{draft.name} {speculation}"
 
 
+def test_only_qwen2_vl_reads_a_clip_as_temporal_patches():
+    """Qwen2.5-VL steps a clip's time by its frame rate, which no clip's ids carry: its clips stay
+    frames; a class without temporal patches has no clip reader either."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    from specserve.replicas.pictures import clip_preparer
+    from tiny_models import tiny_qwen2_vl_processor
+
+    qwen = tiny_qwen2_vl_processor()
+    assert clip_preparer(Qwen2VLConfig(), qwen) is not None
+    assert clip_preparer(Qwen2_5_VLConfig(), qwen) is None
+    assert clip_preparer(tiny_llava(seed=0).config, SiglipImageProcessorPil()) is None
+
 def test_a_unit_that_does_not_fit_the_vision_tower_is_refused_as_it_arrives(vlm):
     """Units come from the ingress: one whose grid or pixels do not fit this VLM is a ValueError
     when added (its request fails alone), never a failed encode inside a shared step."""
