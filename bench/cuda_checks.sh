@@ -19,7 +19,7 @@ SPECSERVE_TEST_DEVICE=cuda timeout "${TEST_SECONDS:-200}" "$python" -m pytest -q
   tests/replicas/model/test_cuda_graphs.py tests/replicas/model/test_llama_forward.py tests/replicas/test_greedy_equality.py \
   tests/replicas/test_head_graphs.py tests/replicas/test_sampling_distribution.py > "$out/tests.log" 2>&1
 echo "tests: exit $?"; tail -3 "$out/tests.log"
-timeout "${BENCH_SECONDS:-240}" "$python" -m specserve.cli.main bench decode --shapes 8b,reference --batches 1,16 \
+timeout "${BENCH_SECONDS:-240}" "$python" -m specserve.cli.main bench decode --shapes 8b,reference --batches 1,16 --profile \
   --tokens 64 --prompt-len 128 --budget-s 140 --out "$out/bench-decode.json" > "$out/bench.log" 2>&1
 echo "bench: exit $?"; tail -20 "$out/bench.log"
 # The ADT-Tree paper's setting on its own hardware kind: the image generator, one picture at a time.

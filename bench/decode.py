@@ -26,6 +26,11 @@ Shapes: ``reference`` (SmolLM2-135M-Instruct: its weights when cached, else rand
 shape), ``8b`` (Llama-3-8B's shape, random weights made on the device), ``tiny`` (for tests).
 Rows run cheapest first across shapes and the JSON is rewritten after each, so a run cut short,
 or past ``budget_s``, keeps what it measured; a row that fails records its error and the run goes on.
+
+``profile``: where a one-token forward's time goes, per shape (``shapes.<shape>.profile``): the
+eager forward at batch 1 under ``torch.profiler``, the device's busy time, the share in the
+products (matmuls) and the kernels that take the most; the lever to pull next when a row misses
+the bandwidth limit. On a CPU it sees torch's operators only, not specserve's C kernels.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class DecodeBenchConfig:
     hf_compile: bool | None = None   # None: on CUDA only
     replay_tau: float = 2.35  # the τ to replay: the zoo's EAGLE-3 head served on chat at window 4 (docs/benchmarks.md §6.0c)
     budget_s: float | None = None    # rows not started this many seconds into the run are skipped
+    profile: bool = False     # where a one-token forward's time goes, per shape
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.shapes if s not in SHAPES]
@@ -338,6 +344,55 @@ def chat_row(engine: SpecEngine, row: RowConfig, prompts: list[list[int]], token
             "prompts": len(prompts)}
 
 
+PROFILED_FORWARDS = 5
+TOP_KERNELS = 12
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int8pack_mm", "aten::_int_mm")
+
+
+def profile_forward(subject: Subject, prompt: list[int], device: torch.device) -> dict:
+    """The eager one-token forward after ``prompt`` (graphs off: a graph's kernels are the same
+    ones, launched at once), ``PROFILED_FORWARDS`` times under ``torch.profiler``: per forward,
+    the device's busy time, the products' share of it and the kernels that take the most."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kv = subject.engine.target.kv
+    switch = getattr(kv, "use_cuda_graphs", None)
+    if switch is not None:
+        switch(False)
+    kv.reset()
+    kv.forward([Feed(0, prompt, 1)])
+    feed = [Feed(0, [prompt[-1]], 1)]
+    kv.forward(feed)   # warm
+    kv.crop(0, len(prompt))
+    sync(device)
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_FORWARDS):
+            kv.forward(feed)
+            kv.crop(0, len(prompt))
+        sync(device)
+    events = prof.key_averages()
+
+    def own_ms(event) -> float:   # self time, so that nested operators are not counted twice
+        return (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e3 / PROFILED_FORWARDS
+
+    # On CUDA the kernels themselves carry the device time; on the CPU the operators do.
+    timed = [e for e in events if own_ms(e) > 0 and (not on_cuda or not e.key.startswith("aten::"))]
+    total = sum(own_ms(e) for e in timed)
+    products = sum(e.self_device_time_total if on_cuda else e.self_cpu_time_total for e in events
+                   if e.key in PRODUCTS) / 1e3 / PROFILED_FORWARDS
+    if on_cuda:   # a product's device time sits on its kernels, which the operator's total counts
+        products = sum(e.device_time_total for e in events if e.key in PRODUCTS) / 1e3 / PROFILED_FORWARDS
+    top = sorted(timed, key=own_ms, reverse=True)[:TOP_KERNELS]
+    return {"forwards": PROFILED_FORWARDS, "seen": "kernels" if on_cuda else "torch operators (not the C kernels)",
+            "busy_ms_per_forward": round(total, 4),
+            "products_ms_per_forward": round(products, 4),
+            "kernels_per_forward": round(sum(e.count for e in timed) / PROFILED_FORWARDS, 1),
+            "top": [{"name": e.key[:120], "ms_per_forward": round(own_ms(e), 4),
+                     "calls_per_forward": round(e.count / PROFILED_FORWARDS, 2)} for e in top]}
+
+
 # --- the run -------------------------------------------------------------------------------
 
 
@@ -453,6 +508,12 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
         except Exception as err:  # noqa: BLE001 - the other shapes still run
             run.report["shapes"][shape] = {"error": f"{type(err).__name__}: {err}"}
         run.log(f"{shape}: {run.report['shapes'][shape]}")
+        if config.profile and shape in subjects:
+            try:
+                run.report["shapes"][shape]["profile"] = profile_forward(subjects[shape], prompts[(shape, min(config.batches))][0], device)
+            except Exception as err:  # noqa: BLE001 - the rows still run
+                run.report["shapes"][shape]["profile"] = {"error": f"{type(err).__name__}: {err}"}
+            run.log(f"{shape} profile: {run.report['shapes'][shape]['profile']}")
     for kind in ROWS:
         if kind == ROWS[-1] and "reference" in config.shapes:
             speculation_rows(run)

@@ -50,3 +50,14 @@ def test_rows_not_started_within_the_budget_are_skipped_and_say_so(tmp_path):
     rows = run_decode_bench(config)["rows"]
     assert [r["row"] for r in rows] == list(ROWS)
     assert all(r["status"] == "skipped" and "--budget-s" in r["reason"] for r in rows)
+
+
+def test_a_profile_says_where_a_one_token_forwards_time_goes(tmp_path):
+    config = DecodeBenchConfig(json_path=tmp_path / "decode.json", plot_path=tmp_path / "decode.png",
+                               shapes=("tiny",), batches=(1,), tokens=2, prompt_len=8, device="cpu", budget_s=1e-9,
+                               profile=True)
+    profile = run_decode_bench(config)["shapes"]["tiny"]["profile"]
+    assert profile["forwards"] == 5 and profile["busy_ms_per_forward"] > 0 and profile["kernels_per_forward"] > 0
+    assert 0 < profile["products_ms_per_forward"] <= profile["busy_ms_per_forward"]
+    shares = [k["ms_per_forward"] for k in profile["top"]]
+    assert shares == sorted(shares, reverse=True) and any(k["name"] == "aten::mm" for k in profile["top"])
