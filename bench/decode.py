@@ -19,8 +19,9 @@ warms it up: compiles, captures graphs, touches memory). Rows:
 batch 1 reads every weight once, so weights bytes / the device's copy bandwidth (measured in the
 same run) is the fastest a step can be: ``bandwidth_limit_ms``; ``fraction_of_bandwidth_limit``
 is that over the measured step. With the reference target's real weights on the machine, the
-``chat-*`` rows measure speculation (prompt lookup and the zoo's EAGLE-3 head at window γ, chat
-prompts, batch 1): tokens/s and τ beside target-only on the same prompts.
+``chat-*`` rows measure speculation (prompt lookup, the suffix draft seeded with the shipped
+answers as served, and the zoo's EAGLE-3 head, at window γ, chat prompts, batch 1): tokens/s and
+τ beside target-only on the same prompts.
 
 Shapes: ``reference`` (SmolLM2-135M-Instruct: its weights when cached, else random ones in its
 shape), ``8b`` (Llama-3-8B's shape, random weights made on the device), ``tiny`` (for tests).
@@ -330,6 +331,7 @@ RUNNERS = {
     "hf-static-compiled": hf_compiled_row,
 }
 CHAT_ROWS = (RowConfig(BASELINE, "specserve"), RowConfig(f"prompt-lookup-{GAMMA}", "specserve", "prompt-lookup", GAMMA),
+             RowConfig(f"suffix-{GAMMA}", "specserve", "suffix", GAMMA),
              RowConfig(f"{EAGLE3}-{GAMMA}", "specserve", EAGLE3, GAMMA))
 
 
@@ -459,8 +461,11 @@ def speculation_rows(run: Run) -> None:
 
     def measure(row: RowConfig) -> dict:
         if not loaded:
+            from specserve.training.answers import ANSWERS_DIR
+
             drafts = [EAGLE3] if (zoo_dir() / EAGLE3 / "config.json").exists() else []
-            engine = SpecEngine.load(REFERENCE_TARGET, draft_models=drafts, dtype=run.dtype_name, device=str(run.device))
+            engine = SpecEngine.load(REFERENCE_TARGET, draft_models=drafts, dtype=run.dtype_name, device=str(run.device),
+                                     suffix_seed=ANSWERS_DIR)
             # As a served replica starts: the cache at its full length and the graphs of every
             # bucket a step of γ + 1 tokens or one token takes, so that no timed step grows the
             # cache (which drops the graphs) or waits on a capture.
