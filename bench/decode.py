@@ -515,7 +515,8 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
         run.log(f"{shape}: {run.report['shapes'][shape]}")
         if config.profile and shape in subjects:
             try:
-                run.report["shapes"][shape]["profile"] = profile_forward(subjects[shape], prompts[(shape, min(config.batches))][0], device)
+                first = prompts[(shape, min(config.batches))][0]
+                run.report["shapes"][shape]["profile"] = profile_forward(subjects[shape], first, device)
             except Exception as err:  # noqa: BLE001 - the rows still run
                 run.report["shapes"][shape]["profile"] = {"error": f"{type(err).__name__}: {err}"}
             run.log(f"{shape} profile: {run.report['shapes'][shape]['profile']}")

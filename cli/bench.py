@@ -114,7 +114,8 @@ def bench_decode(
     hf_compile: Optional[bool] = typer.Option(None, "--hf-compile/--no-hf-compile", help="HF's static-cache compiled row (default: on CUDA only)."),
     replay_tau: float = typer.Option(2.35, "--replay-tau", help="Mean accepted length τ the replay row assumes."),
     budget_s: Optional[float] = typer.Option(None, "--budget-s", help="Rows not started this many seconds into the run are skipped."),
-    profile: bool = typer.Option(False, "--profile", help="Also where a one-token forward's time goes, per shape (kernels by time)."),
+    profile: bool = typer.Option(False, "--profile",
+                                 help="Also where a one-token forward's time goes, per shape (kernels by time)."),
 ) -> None:
     """Decode speed on one device: HF eager and compiled against specserve eager and with CUDA
     graphs, per shape and batch, beside the memory-bandwidth limit; a verify-step replay. JSON + plot."""

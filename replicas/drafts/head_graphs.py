@@ -13,8 +13,9 @@ position and its write index are copied into the graph's inputs before each repl
 is the module path's (``HSRHead.step``); the masked keys add exact zeros to the softmax.
 
 The buckets are the head's, shared by its sessions: one proposal runs at a time per head (a
-draft server proposes in turn). Off CUDA the same buffers run eagerly (``capture=False``), which the CPU tests check against the
-module path; drafting on the CPU keeps ``hsr_forward``'s packed step.
+draft server proposes in turn). Off CUDA the same buffers run eagerly (``capture=False``), which
+the CPU tests check against the module path; drafting on the CPU keeps ``hsr_forward``'s packed
+step.
 """
 
 from __future__ import annotations

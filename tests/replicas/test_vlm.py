@@ -486,12 +486,13 @@ def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_genera
     counts = {VIDEO_TOKEN: sum(u.shape[0] * u.shape[1] for u in units), IMAGE_TOKEN: image.shape[0] * image.shape[1]}
     ids = torch.tensor([[t for i in text for t in [i] * counts.get(i, 1)]], device=model.device)
     flat = lambda p: p.reshape(-1, p.shape[-1] // 4)   # noqa: E731 - merged tokens back to patches
+    types = (ids == IMAGE_TOKEN).int() + 2 * (ids == VIDEO_TOKEN).int()   # text 0, picture 1, video 2
     hf_grids = (torch.tensor([[1, image.shape[0] * 2, image.shape[1] * 2]], device=model.device),
                 torch.tensor([[len(units), units[0].shape[0] * 2, units[0].shape[1] * 2]], device=model.device))
     hf = model.generate(input_ids=ids, pixel_values=flat(image).to(model.device), image_grid_thw=hf_grids[0],
                         pixel_values_videos=torch.cat([flat(u) for u in units]).to(model.device),
                         video_grid_thw=hf_grids[1],
-                        mm_token_type_ids=(ids == IMAGE_TOKEN).int() + 2 * (ids == VIDEO_TOKEN).int(),
+                        mm_token_type_ids=types,
                         attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert expected == hf[0, ids.shape[1]:].tolist()
     # The prompt's last logits too, which move with every position (greedy tokens may not).
@@ -501,8 +502,7 @@ def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_genera
     with torch.inference_mode():
         theirs = model(input_ids=ids, pixel_values=flat(image).to(model.device), image_grid_thw=hf_grids[0],
                        pixel_values_videos=torch.cat([flat(u) for u in units]).to(model.device),
-                       video_grid_thw=hf_grids[1], mm_token_type_ids=(ids == IMAGE_TOKEN).int() + 2 * (ids == VIDEO_TOKEN).int()
-                       ).logits[0, -1]
+                       video_grid_thw=hf_grids[1], mm_token_type_ids=types).logits[0, -1]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     reversed_clip = image_prompt_ids(image_prompt_ids(text, [picture(1)], store.register, IMAGE_TOKEN),
                                      [frames[::-1]], store.register_clip, VIDEO_TOKEN)

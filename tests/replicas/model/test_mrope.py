@@ -55,7 +55,8 @@ def test_positions_equal_hugging_faces_qwen2_vl_for_pictures_and_clips():
     shown = [("image", 2, 3, 1), ("video", 2, 2, 3), ("video", 3, 1, 2), ("image", 1, 4, 1)]
     tokens, kinds, image_grids, video_grids, digest = [1, 2], [0, 0], [], [], 10
     for kind, rows, columns, patches in shown:
-        units = clip(list(range(digest, digest + patches)), rows, columns) if kind == "video" else picture(digest, rows, columns)
+        units = (clip(list(range(digest, digest + patches)), rows, columns) if kind == "video"
+                 else picture(digest, rows, columns))
         digest += patches
         tokens += units + [3, 4]
         kinds += [1 if kind == "image" else 2] * len(units) + [0, 0]
