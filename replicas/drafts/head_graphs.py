@@ -26,7 +26,10 @@ import torch.nn.functional as F
 from specserve.replicas.model import cuda_graphs
 
 SMALLEST_BUCKET = 64
-MAX_BUCKETS = 16   # up to 2^21 positions; longer chains run the module path
+# Up to 32k positions: each bucket size reached keeps its buffers (a few MB to a few hundred for
+# large heads), allocated after the KV slots were sized, so the largest is bounded; longer
+# contexts draft through the module path.
+MAX_BUCKETS = 10
 
 
 def bucket_for(positions: int) -> int | None:
@@ -126,7 +129,8 @@ class HeadGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         bucket.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(bucket.graph, pool=self._pool):
+        # Thread-local: the target may run a step on its own thread while a draft captures.
+        with torch.cuda.graph(bucket.graph, pool=self._pool, capture_error_mode="thread_local"):
             bucket.out = self._step(bucket)
 
 

@@ -44,7 +44,7 @@ def drafts(head):
 
 
 def test_buckets_are_powers_of_two_and_end():
-    assert [head_graphs.bucket_for(n) for n in (1, 64, 65, 300)] == [64, 64, 128, 512]
+    assert [head_graphs.bucket_for(n) for n in (1, 64, 65, 300, 32768)] == [64, 64, 128, 512, 32768]
     assert head_graphs.bucket_for(head_graphs.SMALLEST_BUCKET << head_graphs.MAX_BUCKETS) is None
 
 
