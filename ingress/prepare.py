@@ -255,8 +255,9 @@ class Preparer:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             try:
                 ids = image_prompt_ids(ids, pictures, lambda p: p.ids(picture_ids), self.image_placeholder)
-                return image_prompt_ids(ids, list(clips), lambda c: c.ids(picture_ids), self.video_placeholder) \
-                    if clips else ids
+                if self.prepare_clip is None:
+                    return ids
+                return image_prompt_ids(ids, list(clips), lambda c: c.ids(picture_ids), self.video_placeholder, "video")
             except ValueError as err:
                 raise OpenAIError(str(err), param="messages") from err
         if isinstance(req.prompt, str):

@@ -268,14 +268,22 @@ class SpecEngine:
             return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         return encode_text(self.tokenizer, prompt)
 
-    def encode_messages(self, messages: list[dict], images=()) -> list[int]:
+    def encode_messages(self, messages: list[dict], images=(), clips=()) -> list[int]:
         """A conversation's prompt ids (a VLM target): the messages as the processor's chat template
-        writes them, each ``{"type": "image"}`` part one of ``images``, in order, as its image tokens."""
+        writes them, each ``{"type": "image"}`` part one of ``images``, in order, as its image tokens,
+        and each ``{"type": "video"}`` part one of ``clips`` (a list of frames) as its temporal
+        patches, where the VLM reads clips as video (``ImageStore.clip``; else give the frames as
+        pictures)."""
         if self.images is None:
             raise ValueError(f"{self.loaded.name} reads text only: images need a vision-language target")
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder)
+        ids = image_prompt_ids(ids, list(images), self.images.register, self.images.placeholder)
+        if not clips:
+            return ids
+        if self.images.clip is None:
+            raise ValueError(f"{self.loaded.name} reads a clip as its frames: give them as pictures")
+        return image_prompt_ids(ids, list(clips), self.images.register_clip, self.images.video_placeholder, "video")
 
     def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:
         if request.draft == AUTO_DRAFT and self.router is None:

@@ -78,7 +78,9 @@ def clip_preparer(config, image_processor):
     patch repeats its last frame, as the video processor does. Where this deviates from the video
     processor: frames are resized within the image processor's pixel bounds, not the video
     processor's own, which need torchvision to read. Every patch after the first continues the
-    clip (``PictureUnit.continues``). Qwen2.5-VL's class steps a clip's time by its frame rate
+    clip (``PictureUnit.continues``). A clip of more patches than its grid's longer side is
+    refused: past it, where the text after the clip resumes differs between Qwen's own code
+    (after the last patch) and transformers' (after the grid's longer side). Qwen2.5-VL's class steps a clip's time by its frame rate
     (``tokens_per_second``), which a clip's ids do not carry: it reads a clip's frames as pictures."""
     vision = getattr(config, "vision_config", None)
     if not _is_qwen2_vl_processor(image_processor) or getattr(vision, "tokens_per_second", None) is not None:
@@ -90,13 +92,18 @@ def clip_preparer(config, image_processor):
         frames = list(frames)
         if not frames:
             raise ValueError("a clip needs at least one frame")
+        sizes = sorted({frame.size for frame in frames})
+        if len(sizes) > 1:
+            raise ValueError(f"a clip's frames must share one size, got {' and '.join(f'{w}x{h}' for w, h in sizes)}")
         frames += [frames[-1]] * (-len(frames) % step)
         units = []
         for first in range(0, len(frames), step):
             shown = [prepare(frame) for frame in frames[first:first + step]]
             rows, columns, width = shown[0].pixels.shape
-            if any(u.pixels.shape != shown[0].pixels.shape for u in shown):
-                raise ValueError("a clip's frames must share one size")
+            if not units and len(frames) // step > max(rows, columns):
+                raise ValueError(f"a clip of {len(frames)} frames makes {len(frames) // step} temporal patches on a grid "
+                                 f"of {rows} x {columns} image tokens: send at most {step * max(rows, columns)} "
+                                 "frames, or larger ones")
             copies = [u.pixels.reshape(rows, columns, -1, step, area) for u in shown]   # [..., time, patch²]
             pixels = torch.stack([c[..., j, :] for j, c in enumerate(copies)], dim=-2).reshape(rows, columns, width)
             units.append(PictureUnit(pixels, shown[0].grid, continues=bool(units)))
@@ -176,7 +183,9 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     against them (``unit_check``)."""
     store = ImageStore(pixel_preparer(vlm.config, image_processor), encoder(vlm, image_processor),
                        image_token_id(vlm.config), capacity, check=unit_check(vlm.config, image_processor))
-    store.clip = clip_preparer(vlm.config, image_processor)
+    store.video_placeholder = getattr(vlm.config, "video_token_id", None)
+    if store.video_placeholder is not None:
+        store.clip = clip_preparer(vlm.config, image_processor)
     return store
 
 
@@ -258,13 +267,14 @@ def caption_writer(processor, store: ImageStore) -> Captions:
                     store.capacity, store.markers)
 
 
-def image_prompt_ids(text_ids: list[int], images: list, register, placeholder: int) -> list[int]:
+def image_prompt_ids(text_ids: list[int], images: list, register, placeholder: int, kind: str = "image") -> list[int]:
     """``text_ids`` (one ``placeholder`` per picture, in order) with each placeholder as the ids its
     picture stands for (``register(picture) -> ids``: ``ImageStore.register``, or
-    ``PreparedPicture.ids`` of prepared pictures where no store is)."""
+    ``PreparedPicture.ids`` of prepared pictures where no store is). ``kind``: "video" where the
+    pictures are clips (``ImageStore.register_clip``) and the placeholder the video token."""
     if text_ids.count(placeholder) != len(images):
-        raise ValueError(f"the prompt has {text_ids.count(placeholder)} image placeholder(s) for {len(images)} image(s): "
-                         "images go in image content parts, not as the placeholder token in text")
+        raise ValueError(f"the prompt has {text_ids.count(placeholder)} {kind} placeholder(s) for {len(images)} "
+                         f"{kind}(s): {kind}s go in {kind} content parts, not as the placeholder token in text")
     pictures = iter(images)
     out: list[int] = []
     for t in text_ids:

@@ -206,6 +206,32 @@ def _tiny_any_res_folder_parts(tokenizer, kind: str):
     return processor, LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(**common))
 
 
+def folder_generate_clip(folder, frames, question: str, new_tokens: int) -> list[int]:
+    """A Qwen2-VL folder's own greedy answer to a clip and ``question``: its template's video part
+    expanded to the clip's temporal patches (``pictures.clip_preparer``), given to its model's
+    ``generate`` as video input (its video processor needs torchvision)."""
+    from transformers import AutoModelForImageTextToText
+
+    from specserve.replicas.pictures import clip_preparer
+    from specserve.replicas.vlm import load_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = load_processor(folder)
+    content = [{"type": "video"}, {"type": "text", "text": question}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    units = [u.pixels for u in clip_preparer(model.config, processor.image_processor)(frames).units]
+    video, merge = model.config.video_token_id, processor.image_processor.merge_size
+    count = sum(u.shape[0] * u.shape[1] for u in units)
+    ids = torch.tensor([[t for i in processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+                         for t in [i] * (count if i == video else 1)]])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=2 * (ids == video).int(),
+                         pixel_values_videos=torch.cat([u.reshape(-1, u.shape[-1] // merge ** 2) for u in units]),
+                         video_grid_thw=torch.tensor([[len(units), units[0].shape[0] * merge, units[0].shape[1] * merge]]),
+                         max_new_tokens=new_tokens, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
 def _tiny_qwen2_vl_folder_parts(tokenizer, kind: str):
     """A Qwen2-VL (or Qwen2.5-VL) class VLM over the reference tokenizer with Qwen's picture and
     video tokens added, and its processor (``vlm.ImageOnlyQwen2VLProcessor``: no torchvision here)

@@ -91,11 +91,6 @@ def cell(token: int) -> tuple[int, int, int]:
     return offset >> _PICTURE_BITS, (offset >> CELL_BITS) & _CELL_MASK, offset & _CELL_MASK
 
 
-def continues_clip(token: int) -> bool:
-    """Whether a picture token's unit is a clip's next temporal patch (``PictureUnit.continues``)."""
-    return bool(cell(token)[0] & CLIP_FLAG)
-
-
 def starts_picture(token: int) -> bool:
     """Whether ``token`` is a picture's first image token (it stands for the picture)."""
     return is_picture_token(token) and (token - VIRTUAL_BASE) & ((1 << _PICTURE_BITS) - 1) == 0
@@ -199,9 +194,11 @@ class ImageStore:
         # ``image -> PreparedPicture`` as the VLM's processor expands a picture (``pictures.picture_preparer``);
         # None: the picture whole, between ``markers``.
         self.picture: Callable | None = None
-        # ``frames -> PreparedPicture``: a clip as temporal patches (``pictures.clip_preparer``);
-        # None: the class reads a clip's frames as pictures.
+        # ``frames -> PreparedPicture``: a clip as temporal patches (``pictures.clip_preparer``),
+        # standing where the VLM's ``video_placeholder`` is; None: the class reads a clip's frames
+        # as pictures.
         self.clip: Callable | None = None
+        self.video_placeholder: int | None = None
 
     def prepared(self, image) -> PreparedPicture:
         if self.picture is not None:

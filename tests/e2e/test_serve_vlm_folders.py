@@ -24,9 +24,8 @@ from specserve.cluster.serve_config import app_serve_config
 from specserve.data.synthetic_images import TEST_SEED, example
 from specserve.ingress import specserve_pb2 as pb
 from specserve.ingress import specserve_pb2_grpc
-from specserve.replicas.pictures import clip_preparer
 from specserve.replicas.vlm import load_processor
-from tiny_models import tiny_vlm_folder
+from tiny_models import folder_generate_clip, tiny_vlm_folder
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
@@ -52,26 +51,6 @@ def own_generate(folder, pictures) -> list[int]:
     inputs = processor(text=text, images=list(pictures), return_tensors="pt", add_special_tokens=False)
     out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
-def own_generate_clip(folder, frames) -> list[int]:
-    """A Qwen2-VL folder's own greedy answer to a clip: its template's video part expanded to the
-    clip's temporal patches, given to ``generate`` as its video input."""
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    processor = load_processor(folder)
-    content = [{"type": "video"}, {"type": "text", "text": QUESTION}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
-    units = [u.pixels for u in clip_preparer(model.config, processor.image_processor)(frames).units]
-    video = model.config.video_token_id
-    count = sum(u.shape[0] * u.shape[1] for u in units)
-    ids = torch.tensor([[t for i in processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-                         for t in [i] * (count if i == video else 1)]])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=2 * (ids == video).int(),
-                         pixel_values_videos=torch.cat([u.reshape(-1, u.shape[-1] // 4) for u in units]),
-                         video_grid_thw=torch.tensor([[len(units), units[0].shape[0] * 2, units[0].shape[1] * 2]]),
-                         max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +97,6 @@ def test_a_picture_over_http_and_a_clip_over_grpc_answer_as_the_folders_own_gene
             timeout=300, metadata=(("application", app["name"]),))
     expected = own_generate(folder, frames)
     if kind == "qwen2-vl":   # read as a video, which answers otherwise than its frames as pictures
-        expected, as_pictures = own_generate_clip(folder, frames), expected
+        expected, as_pictures = folder_generate_clip(folder, frames, QUESTION, NEW_TOKENS), expected
         assert expected != as_pictures
     assert list(reply.token_ids) == expected, kind

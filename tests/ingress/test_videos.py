@@ -109,23 +109,41 @@ def test_a_class_that_reads_clips_as_video_gets_one_video_part_of_temporal_patch
     """Qwen2-VL's class: the clip is one video part of the template, its placeholder expanded to
     the clip's temporal patches (two frames a patch), every patch after the first continuing it;
     a picture beside it stays a picture."""
-    from specserve.replicas.model.image_tokens import continues_clip, is_picture_token, starts_picture
+    from specserve.replicas.model.image_tokens import CLIP_FLAG, cell, is_picture_token, starts_picture
 
     frames = {"type": "video_url", "video_url": {"frames": [picture_url(frame(i, (32, 16))) for i in range(3)]}}
     request = message({"type": "image_url", "image_url": {"url": picture_url(frame(9, (16, 16)))}}, frames)
     prepared = qwen2_vl_preparer._prepare(request, request.messages[0].media())
     ids, units = prepared.spec_request.prompt_ids, prepared.spec_request.images
     starts = [t for t in ids if starts_picture(t)]
-    assert len(units) == 1 + 2 and [continues_clip(t) for t in starts] == [False, False, True]
+    assert len(units) == 1 + 2 and [bool(cell(t)[0] & CLIP_FLAG) for t in starts] == [False, False, True]
     assert [u.continues for u in units] == [False, False, True]
     assert sum(is_picture_token(t) for t in ids) == sum(u.grid.count for u in units)
     video = qwen2_vl_preparer.video_placeholder
     assert video not in ids and qwen2_vl_preparer.image_placeholder not in ids
 
 
-def test_a_clip_whose_frames_differ_in_size_is_a_400_for_a_class_that_reads_video(qwen2_vl_preparer):
-    urls = [picture_url(frame(0, (32, 16))), picture_url(frame(1, (16, 32)))]
+@pytest.mark.parametrize("sizes", [[(32, 16), (16, 32)], [(32, 16), (32, 16), (16, 32)]], ids=["pair", "across-patches"])
+def test_a_clip_whose_frames_differ_in_size_is_a_400_for_a_class_that_reads_video(qwen2_vl_preparer, sizes):
+    urls = [picture_url(frame(i, size)) for i, size in enumerate(sizes)]
     request = message({"type": "video_url", "video_url": {"frames": urls}})
-    with pytest.raises(OpenAIError, match="frames.*one size") as err:
+    with pytest.raises(OpenAIError, match="frames must share one size, got 16x32 and 32x16") as err:
         qwen2_vl_preparer._prepare(request, request.messages[0].media())
     assert err.value.param == "messages"
+
+
+def test_a_clip_of_more_temporal_patches_than_its_grid_is_wide_is_a_400(qwen2_vl_preparer):
+    # 16 x 16 px frames: a 2 x 2 grid of image tokens, so at most 2 patches (4 frames).
+    fits = message({"type": "video_url", "video_url": {"frames": [picture_url(frame(i, (16, 16))) for i in range(4)]}})
+    assert len(qwen2_vl_preparer._prepare(fits, fits.messages[0].media()).spec_request.images) == 2
+    long = message({"type": "video_url", "video_url": {"frames": [picture_url(frame(i, (16, 16))) for i in range(5)]}})
+    with pytest.raises(OpenAIError, match="3 temporal patches on a grid of 2 x 2.*at most 4 frames"):
+        qwen2_vl_preparer._prepare(long, long.messages[0].media())
+
+
+def test_a_video_placeholder_typed_in_text_is_a_400(qwen2_vl_preparer):
+    picture = {"type": "image_url", "image_url": {"url": picture_url(frame(1, (16, 16)))}}
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [picture, {"type": "text", "text": "and <|video_pad|> here?"}]}]})
+    with pytest.raises(OpenAIError, match="1 video placeholder.*for 0 video"):
+        qwen2_vl_preparer._prepare(request, request.messages[0].media())
