@@ -48,6 +48,7 @@ import torch
 
 from specserve.bench.engine import BASELINE, WARMUP_TOKENS, RowConfig, generate_once, machine_info
 from specserve.data.prompts import load_prompts
+from specserve.replicas.model import cuda_graphs
 from specserve.replicas.model.batch_kv import Feed
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
 from specserve.replicas.model_store import (REFERENCE_TARGET, LoadedModel, load_causal_lm, model_cache_dir,
@@ -382,15 +383,14 @@ def profile_forward(subject: Subject, prompt: list[int], device: torch.device) -
     # On CUDA the kernels themselves carry the device time; on the CPU the operators do.
     timed = [e for e in events if own_ms(e) > 0 and (not on_cuda or not e.key.startswith("aten::"))]
     total = sum(own_ms(e) for e in timed)
-    products = sum(e.self_device_time_total if on_cuda else e.self_cpu_time_total for e in events
+    # On CUDA a product's device time sits on its kernels, which the operator's total counts.
+    products = sum(e.device_time_total if on_cuda else e.self_cpu_time_total for e in events
                    if e.key in PRODUCTS) / 1e3 / PROFILED_FORWARDS
-    if on_cuda:   # a product's device time sits on its kernels, which the operator's total counts
-        products = sum(e.device_time_total for e in events if e.key in PRODUCTS) / 1e3 / PROFILED_FORWARDS
     top = sorted(timed, key=own_ms, reverse=True)[:TOP_KERNELS]
     return {"forwards": PROFILED_FORWARDS, "seen": "kernels" if on_cuda else "torch operators (not the C kernels)",
             "busy_ms_per_forward": round(total, 4),
             "products_ms_per_forward": round(products, 4),
-            "kernels_per_forward": round(sum(e.count for e in timed) / PROFILED_FORWARDS, 1),
+            "calls_per_forward": round(sum(e.count for e in timed) / PROFILED_FORWARDS, 1),   # kernels, or operators
             "top": [{"name": e.key[:120], "ms_per_forward": round(own_ms(e), 4),
                      "calls_per_forward": round(e.count / PROFILED_FORWARDS, 2)} for e in top]}
 
@@ -466,13 +466,13 @@ def speculation_rows(run: Run) -> None:
             drafts = [EAGLE3] if (zoo_dir() / EAGLE3 / "config.json").exists() else []
             engine = SpecEngine.load(REFERENCE_TARGET, draft_models=drafts, dtype=run.dtype_name, device=str(run.device),
                                      suffix_seed=ANSWERS_DIR)
-            # As a served replica starts: the cache at its full length and the graphs of every
-            # bucket a step of γ + 1 tokens or one token takes, so that no timed step grows the
-            # cache (which drops the graphs) or waits on a capture.
+            # As a served replica starts: the cache at its full length and every bucket's graph,
+            # so that no timed step grows the cache (which drops the graphs) or waits on the
+            # target's capture. A head's chain buckets are captured on first use (head_graphs).
             kv, start = engine.target.kv, time.monotonic()
             if kv.graphs is not None:
                 kv.reserve()
-                run.report["meta"]["chat_graphs"] = {"captured": kv.capture_graphs((1, GAMMA + 1)),
+                run.report["meta"]["chat_graphs"] = {"captured": kv.capture_graphs(cuda_graphs.TOKEN_BUCKETS),
                                                      "seconds": round(time.monotonic() - start, 2)}
             loaded.update(engine=engine, prompts=[engine.encode(t, chat=True) for t in load_prompts("chat", CHAT_PROMPTS)])
         return chat_row(loaded["engine"], row, loaded["prompts"], run.config.tokens)

@@ -57,7 +57,7 @@ def test_a_profile_says_where_a_one_token_forwards_time_goes(tmp_path):
                                shapes=("tiny",), batches=(1,), tokens=2, prompt_len=8, device="cpu", budget_s=1e-9,
                                profile=True)
     profile = run_decode_bench(config)["shapes"]["tiny"]["profile"]
-    assert profile["forwards"] == 5 and profile["busy_ms_per_forward"] > 0 and profile["kernels_per_forward"] > 0
+    assert profile["forwards"] == 5 and profile["busy_ms_per_forward"] > 0 and profile["calls_per_forward"] > 0
     assert 0 < profile["products_ms_per_forward"] <= profile["busy_ms_per_forward"]
     shares = [k["ms_per_forward"] for k in profile["top"]]
     assert shares == sorted(shares, reverse=True) and any(k["name"] == "aten::mm" for k in profile["top"])
