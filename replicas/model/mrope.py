@@ -8,7 +8,8 @@ h = p0 + r, w = p0 + c, and the text after it resumes at p0 + max(rows, columns)
 p0 + rows · columns. A clip is read as temporal patches (two frames a patch), each a unit on the
 same grid (``image_tokens.CLIP_FLAG``): the token in row r and column c of patch k has t = p0 + k,
 h = p0 + r, w = p0 + c, and the text after the clip resumes at p0 + max(rows, columns), as
-Hugging Face's ``get_rope_index`` places a video.
+Hugging Face's ``get_rope_index`` places a video (the ingress refuses clips of more patches than
+that, where Qwen's own code resumes after the last patch: ``pictures.clip_preparer``).
 
 Here a token's (t, h, w) is ``(p, p + dh, p + dw)``: ``positions`` gives p, dh and dw for the
 tokens a feed appends to a slot, from the slot's cached tokens and the feed's own (image tokens are
