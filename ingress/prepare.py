@@ -93,15 +93,13 @@ class Preparer:
         self.model_id = config.model_id
         # A VLM's pictures are prepared here, as its processor does, and named by their pixels
         # (``image_tokens``): the prefix-affinity router and the replicas' caches key on them.
-        self.image_placeholder = self.prepare_clip = None
+        self.image_placeholder = self.prepare_clip = self.video_placeholder = None
         if self.processor is not None:
             self.prepare_picture = picture_preparer(self.processor, text.config)
             self.image_placeholder = image_token_id(text.config)
             # A class that reads a clip as temporal patches (Qwen2-VL's) sees it as one video part.
             self.prepare_clip = clip_preparer(text.config, self.processor.image_processor)
             self.video_placeholder = getattr(text.config, "video_token_id", None)
-            if self.video_placeholder is None:
-                self.prepare_clip = None
         self.max_context = getattr(text.text_config, "max_position_embeddings", None)
         if config.max_model_len is not None:
             self.max_context = min(self.max_context or config.max_model_len, config.max_model_len)

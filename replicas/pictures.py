@@ -81,9 +81,11 @@ def clip_preparer(config, image_processor):
     clip (``PictureUnit.continues``). A clip of more patches than its grid's longer side is
     refused: past it, where the text after the clip resumes differs between Qwen's own code
     (after the last patch) and transformers' (after the grid's longer side). Qwen2.5-VL's class steps a clip's time by its frame rate
-    (``tokens_per_second``), which a clip's ids do not carry: it reads a clip's frames as pictures."""
+    (``tokens_per_second``), which a clip's ids do not carry: it reads a clip's frames as pictures,
+    as does a config that names no video token (``video_token_id``) for a clip to stand at."""
     vision = getattr(config, "vision_config", None)
-    if not _is_qwen2_vl_processor(image_processor) or getattr(vision, "tokens_per_second", None) is not None:
+    if not _is_qwen2_vl_processor(image_processor) or getattr(vision, "tokens_per_second", None) is not None \
+            or getattr(config, "video_token_id", None) is None:
         return None
     prepare, step = pixel_preparer(config, image_processor), image_processor.temporal_patch_size
     area = image_processor.patch_size ** 2
@@ -183,9 +185,8 @@ def image_store(vlm, image_processor, capacity: int = 512) -> ImageStore:
     against them (``unit_check``)."""
     store = ImageStore(pixel_preparer(vlm.config, image_processor), encoder(vlm, image_processor),
                        image_token_id(vlm.config), capacity, check=unit_check(vlm.config, image_processor))
+    store.clip = clip_preparer(vlm.config, image_processor)
     store.video_placeholder = getattr(vlm.config, "video_token_id", None)
-    if store.video_placeholder is not None:
-        store.clip = clip_preparer(vlm.config, image_processor)
     return store
 
 
