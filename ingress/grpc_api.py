@@ -47,6 +47,8 @@ def pb_content(message: pb.ChatMessage) -> str | list[dict]:
     parts: list[dict] = [{"type": "image_url", "image_url": {"url": _data_url(b)}} for b in message.images]
     for video in message.videos:
         source = {"frames": [_data_url(b) for b in video.frames]} if video.frames else {"url": _data_url(video.clip)}
+        if video.HasField("fps"):
+            source["fps"] = video.fps
         parts.append({"type": "video_url", "video_url": source})
     return [*parts, {"type": "text", "text": message.content}]
 

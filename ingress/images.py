@@ -15,7 +15,9 @@ sampled to ``max_video_frames`` frames spread evenly over it (vLLM's rule, ``sam
 before any frame is decoded: an animation's frame count is read from its file (at most
 ``max_clip_frames``), and only the sampled frames are decoded; a list's other pictures are never
 opened. Every frame is checked as a picture is, and counts against ``max_total_pixels`` with the
-request's pictures.
+request's pictures. A clip's frame rate (``SampledClip.fps``) is the request's ``fps`` or an
+animation's own (its first frame's duration), times the share of frames sampled; None where
+neither says it.
 
 A URL is fetched by ``image_fetch.fetch`` (public addresses only, a deadline, a byte cap); a
 request's fetches share one deadline, ``fetch_timeout_s`` from when it arrived, so a request of
@@ -145,6 +147,18 @@ def decode_images(urls: list[str], limits: ImageLimits, param: str = "messages",
     return [picture for (picture,) in decode_media(parts, limits, param, deadline)]
 
 
+class SampledClip(list):
+    """A clip's sampled frames, in order, and their frame rate (None where unknown)."""
+
+    def __init__(self, frames, fps: float | None = None):
+        super().__init__(frames)
+        self.fps = fps
+
+
+def _sampled_fps(fps: float | None, count: int, sampled: int) -> float | None:
+    return None if fps is None else fps * sampled / count
+
+
 def sample_frames(count: int, wanted: int) -> list[int]:
     """The indices of ``wanted`` frames spread evenly over ``count``, the first and the last among
     them (every frame when there are no more): vLLM's ``np.linspace(0, count - 1, wanted)``."""
@@ -166,10 +180,14 @@ class _Pixels:
                        "together: send fewer, smaller ones or shorter clips", self.param)
 
 
-def _clip(url: str, limits: ImageLimits, param: str, deadline: float, pixels: _Pixels) -> list[Image.Image]:
-    """An animated picture's sampled frames, as RGB."""
+def _clip(url: str, fps: float | None, limits: ImageLimits, param: str, deadline: float,
+          pixels: _Pixels) -> SampledClip:
+    """An animated picture's sampled frames, as RGB, at ``fps`` or its own frame rate."""
     picture = _open(image_bytes(url, limits, param, deadline), limits, param)
     with picture:
+        duration = picture.info.get("duration")
+        if fps is None and isinstance(duration, (int, float)) and 0 < duration < float("inf"):
+            fps = 1000.0 / duration
         try:
             count = getattr(picture, "n_frames", 1)
         except Exception as err:   # a damaged animation: counting its frames reads their headers
@@ -188,12 +206,13 @@ def _clip(url: str, limits: ImageLimits, param: str, deadline: float, pixels: _P
         except Exception as err:   # truncated or corrupt frame data
             raise _bad(f"the clip's frame {i} could not be decoded ({type(err).__name__}); send a valid animated "
                        "GIF, WebP or PNG", param) from None
-    return frames
+    return SampledClip(frames, _sampled_fps(fps, count, len(chosen)))
 
 
 def decode_media(parts: list[ImagePart | VideoPart], limits: ImageLimits, param: str = "messages",
                  deadline: float | None = None) -> list[list[Image.Image]]:
-    """Per part, in order, its pictures as RGB: a picture's one, a clip's sampled frames; at most
+    """Per part, in order, its pictures as RGB: a picture's one, a clip's sampled frames (a
+    ``SampledClip``); at most
     ``max_images`` pictures and ``max_videos`` clips (checked before any is decoded), each picture
     and frame checked as ``decode_image`` checks a picture, and all of them together holding at
     most ``max_total_pixels`` (checked before the one that passes it is decoded). Every fetch ends
@@ -211,11 +230,12 @@ def decode_media(parts: list[ImagePart | VideoPart], limits: ImageLimits, param:
     pixels, out = _Pixels(limits, param), []
     for part in parts:
         if isinstance(part, VideoPart) and part.video_url.url is not None:
-            out.append(_clip(part.video_url.url, limits, param, deadline, pixels))
+            out.append(_clip(part.video_url.url, part.video_url.fps, limits, param, deadline, pixels))
             continue
         urls = [part.image_url.url] if isinstance(part, ImagePart) else part.video_url.frames
+        chosen = sample_frames(len(urls), limits.max_video_frames) if isinstance(part, VideoPart) else [0]
         frames = []
-        for i in sample_frames(len(urls), limits.max_video_frames) if isinstance(part, VideoPart) else [0]:
+        for i in chosen:
             picture = _open(image_bytes(urls[i], limits, param, deadline), limits, param)
             try:
                 pixels.add(*picture.size)
@@ -223,6 +243,8 @@ def decode_media(parts: list[ImagePart | VideoPart], limits: ImageLimits, param:
                 picture.close()
                 raise
             frames.append(_decode(picture, param))
+        if isinstance(part, VideoPart):
+            frames = SampledClip(frames, _sampled_fps(part.video_url.fps, len(urls), len(chosen)))
         out.append(frames)
     return out
 

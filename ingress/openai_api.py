@@ -312,6 +312,9 @@ class VideoURL(BaseModel):
     frames: list[Annotated[str, Unicode, Field(min_length=1)]] | None = Field(
         None, min_length=1, max_length=MAX_CLIP_FRAME_URLS, description="The clip's frames, each a picture's data URL "
                                                                         "(or http(s) where the server fetches).")
+    fps: float | None = Field(None, gt=0, le=1000, description="The clip's frames a second as sent (default: an "
+                                                               "animation's own; frames 2 a second). Qwen2.5-VL "
+                                                               "places a clip in time by it.")
 
     @model_validator(mode="after")
     def _one_source(self):

@@ -97,7 +97,8 @@ class Preparer:
         if self.processor is not None:
             self.prepare_picture = picture_preparer(self.processor, text.config)
             self.image_placeholder = image_token_id(text.config)
-            # A class that reads a clip as temporal patches (Qwen2-VL's) sees it as one video part.
+            # A class that reads a clip as temporal patches (Qwen2-VL's, Qwen2.5-VL's) sees it as one
+            # video part.
             self.prepare_clip = clip_preparer(text.config, self.processor.image_processor)
             self.video_placeholder = getattr(text.config, "video_token_id", None)
         self.max_context = getattr(text.text_config, "max_position_embeddings", None)
@@ -122,13 +123,14 @@ class Preparer:
                  deadline: float | None = None) -> Prepared:
         """The checks and the work a request's size sets (in a worker thread); its picture fetches
         end by ``deadline``. A clip's sampled frames are pictures of the prompt, one after another,
-        or, for a class that reads clips as temporal patches (Qwen2-VL's), one video part."""
+        or, for a class that reads clips as temporal patches (Qwen2-VL's, Qwen2.5-VL's), one video
+        part at the clip's frame rate."""
         decoded = decode_media(media, self.config.images, deadline=deadline) if media else []
         frames, pictures, clips = {}, [], []
         for part, shown in zip(media, decoded):
             if isinstance(part, VideoPart) and self.prepare_clip is not None:
                 try:
-                    clips.append(self.prepare_clip(shown))
+                    clips.append(self.prepare_clip(shown, shown.fps))
                 except ValueError as err:
                     raise OpenAIError(f"a video's frames: {err}", param="messages") from err
                 frames[id(part)] = None

@@ -9,20 +9,26 @@ one unit of as many image tokens as its processor counts. Qwen2-VL's class reads
 its native resolution (its processor's resize to whole merged patches within its pixel bounds)
 as flattened patches merged 2 x 2, and places its image tokens with multimodal rotary
 positions (``mrope.py``): each picture has its own grid of image tokens, which its ids carry
-(``image_tokens.Grid``). A clip reaches Qwen2-VL's class as its temporal patches
-(``clip_preparer``: two frames a patch, each patch a unit on the frames' grid, placed one time
-step apart by M-RoPE), and every other class (Qwen2.5-VL's too, whose time steps by a clip's
-frame rate) as its sampled frames, pictures one after another (``ingress/images.py``).
+(``image_tokens.Grid``). A clip reaches Qwen2-VL's and Qwen2.5-VL's classes as its temporal
+patches (``clip_preparer``: two frames a patch, each patch a unit on the frames' grid, placed
+in time by M-RoPE: a step apart for Qwen2-VL, by the clip's frame rate for Qwen2.5-VL), and
+every other class as its sampled frames, pictures one after another (``ingress/images.py``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from PIL import Image
 
 from specserve.replicas.captions import CAPTION_PROMPT, Captions
-from specserve.replicas.model.image_tokens import Grid, ImageStore, PictureUnit, PreparedPicture
+from specserve.replicas.model.image_tokens import MAX_ADVANCE, Grid, ImageStore, PictureUnit, PreparedPicture
 from specserve.replicas.vlm import image_token_id, tokens_per_image
+
+# The frame rate of a clip's frames where the request does not say it: Qwen's own video sampling
+# rate (``qwen-vl-utils``), so a list of frames reads as Qwen2.5-VL was taught clips.
+DEFAULT_CLIP_FPS = 2.0
 
 
 def _is_qwen2_vl_processor(image_processor) -> bool:
@@ -70,27 +76,28 @@ def pixel_preparer(config, image_processor):
 
 
 def clip_preparer(config, image_processor):
-    """``frames -> PreparedPicture`` for a class that reads a clip as temporal patches (Qwen2-VL's:
-    ``temporal_patch_size`` frames a patch), else None. A frame is prepared as a picture (its
-    patches hold it ``temporal_patch_size`` times over, as the image processor writes a still
-    picture); a patch takes frame j's copy j, which is the video processor's layout (per merged
-    token: merge, merge, channel, time, patch, patch), and a clip whose frames do not fill its last
-    patch repeats its last frame, as the video processor does. Where this deviates from the video
-    processor: frames are resized within the image processor's pixel bounds, not the video
-    processor's own, which need torchvision to read. Every patch after the first continues the
-    clip (``PictureUnit.continues``). A clip of more patches than its grid's longer side is
-    refused: past it, where the text after the clip resumes differs between Qwen's own code
-    (after the last patch) and transformers' (after the grid's longer side). Qwen2.5-VL's class steps a clip's time by its frame rate
-    (``tokens_per_second``), which a clip's ids do not carry: it reads a clip's frames as pictures,
-    as does a config that names no video token (``video_token_id``) for a clip to stand at."""
-    vision = getattr(config, "vision_config", None)
-    if not _is_qwen2_vl_processor(image_processor) or getattr(vision, "tokens_per_second", None) is not None \
-            or getattr(config, "video_token_id", None) is None:
+    """``(frames, fps) -> PreparedPicture`` for a class that reads a clip as temporal patches
+    (Qwen2-VL's and Qwen2.5-VL's: ``temporal_patch_size`` frames a patch), else None. A frame is
+    prepared as a picture (its patches hold it ``temporal_patch_size`` times over, as the image
+    processor writes a still picture); a patch takes frame j's copy j, which is the video
+    processor's layout (per merged token: merge, merge, channel, time, patch, patch), and a clip
+    whose frames do not fill its last patch repeats its last frame, as the video processor does.
+    Every patch after the first continues the clip (``PictureUnit.continues``), one time step
+    after the patch before it for Qwen2-VL; Qwen2.5-VL's patch k sits at k · tokens_per_second ·
+    temporal_patch_size / fps steps (``clip_times``), ``fps`` the frame rate of the frames sent
+    (``DEFAULT_CLIP_FPS`` when None). Where this deviates from the video processor: frames are
+    resized within the image processor's pixel bounds, not the video processor's own, which need
+    torchvision to read. A clip whose last patch's time reaches its grid's longer side is refused:
+    past it, where the text after the clip resumes differs between Qwen's own code (after the
+    last patch) and transformers' (after the grid's longer side). A config that names no video
+    token (``video_token_id``) for a clip to stand at reads a clip's frames as pictures."""
+    if not _is_qwen2_vl_processor(image_processor) or getattr(config, "video_token_id", None) is None:
         return None
+    per_second = getattr(getattr(config, "vision_config", None), "tokens_per_second", None)
     prepare, step = pixel_preparer(config, image_processor), image_processor.temporal_patch_size
     area = image_processor.patch_size ** 2
 
-    def prepare_clip(frames) -> PreparedPicture:
+    def prepare_clip(frames, fps: float | None = None) -> PreparedPicture:
         frames = list(frames)
         if not frames:
             raise ValueError("a clip needs at least one frame")
@@ -98,19 +105,39 @@ def clip_preparer(config, image_processor):
         if len(sizes) > 1:
             raise ValueError(f"a clip's frames must share one size, got {' and '.join(f'{w}x{h}' for w, h in sizes)}")
         frames += [frames[-1]] * (-len(frames) % step)
+        patches = len(frames) // step
+        times = clip_times(patches, per_second, step, DEFAULT_CLIP_FPS if fps is None else fps)
         units = []
-        for first in range(0, len(frames), step):
+        for k, first in enumerate(range(0, len(frames), step)):
             shown = [prepare(frame) for frame in frames[first:first + step]]
             rows, columns, width = shown[0].pixels.shape
-            if not units and len(frames) // step > max(rows, columns):
-                raise ValueError(f"a clip of {len(frames)} frames makes {len(frames) // step} temporal patches on a grid "
-                                 f"of {rows} x {columns} image tokens: send at most {step * max(rows, columns)} "
-                                 "frames, or larger ones")
+            if not units and times[-1] >= max(rows, columns):
+                raise ValueError(f"a clip of {len(frames)} frames ({patches} temporal patches) reaches time step "
+                                 f"{times[-1]} on a grid of {rows} x {columns} image tokens, past the "
+                                 f"{max(rows, columns) - 1} its longer side allows: send fewer or larger frames"
+                                 + ("" if per_second is None else ", or a higher fps"))
             copies = [u.pixels.reshape(rows, columns, -1, step, area) for u in shown]   # [..., time, patch²]
             pixels = torch.stack([c[..., j, :] for j, c in enumerate(copies)], dim=-2).reshape(rows, columns, width)
-            units.append(PictureUnit(pixels, shown[0].grid, continues=bool(units)))
+            advance = times[k] - times[k - 1] if k else 1
+            if advance > MAX_ADVANCE:
+                raise ValueError(f"a clip's patches {advance} time steps apart (more than {MAX_ADVANCE}): "
+                                 "send a higher fps")
+            units.append(PictureUnit(pixels, shown[0].grid, continues=bool(units), advance=advance))
         return PreparedPicture(tuple(units), (None,) * len(units))
     return prepare_clip
+
+
+def clip_times(patches: int, tokens_per_second: float | None, temporal_patch_size: int, fps: float) -> list[int]:
+    """Each temporal patch's time step from the clip's first: its index (Qwen2-VL), or, where the
+    class has ``tokens_per_second`` (Qwen2.5-VL), the index times the patch's seconds times that
+    rate, rounded down in float32 as Hugging Face's ``get_rope_index`` computes it."""
+    index = torch.arange(patches)
+    if tokens_per_second is None:
+        return index.tolist()
+    if not math.isfinite(fps) or fps <= 0:
+        raise ValueError(f"a clip's frame rate must be a positive number of frames a second, not {fps}")
+    interval = tokens_per_second * torch.tensor(temporal_patch_size / fps, dtype=torch.float32)
+    return (index * interval).long().tolist()
 
 
 def picture_markers(processor) -> tuple[list[int], list[int]]:

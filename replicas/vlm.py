@@ -190,7 +190,8 @@ def load_processor(name_or_path: str):
 
 class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
     """Qwen2-VL's processor without the video processor (torchvision's): text and pictures as
-    its own processor reads them; clips reach the model as frames."""
+    its own processor reads them; clips reach the model as temporal patches prepared from their
+    frames (``pictures.clip_preparer``)."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)

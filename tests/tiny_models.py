@@ -206,13 +206,14 @@ def _tiny_any_res_folder_parts(tokenizer, kind: str):
     return processor, LlavaOnevisionForConditionalGeneration(LlavaOnevisionConfig(**common))
 
 
-def folder_generate_clip(folder, frames, question: str, new_tokens: int) -> list[int]:
-    """A Qwen2-VL folder's own greedy answer to a clip and ``question``: its template's video part
-    expanded to the clip's temporal patches (``pictures.clip_preparer``), given to its model's
-    ``generate`` as video input (its video processor needs torchvision)."""
+def folder_generate_clip(folder, frames, question: str, new_tokens: int, fps: float | None = None) -> list[int]:
+    """A Qwen2-VL (or Qwen2.5-VL) folder's own greedy answer to a clip of ``fps`` frames a second
+    and ``question``: its template's video part expanded to the clip's temporal patches
+    (``pictures.clip_preparer``), given to its model's ``generate`` as video input with the
+    patches' seconds (its video processor needs torchvision)."""
     from transformers import AutoModelForImageTextToText
 
-    from specserve.replicas.pictures import clip_preparer
+    from specserve.replicas.pictures import DEFAULT_CLIP_FPS, clip_preparer
     from specserve.replicas.vlm import load_processor
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
@@ -220,15 +221,19 @@ def folder_generate_clip(folder, frames, question: str, new_tokens: int) -> list
     content = [{"type": "video"}, {"type": "text", "text": question}]
     text = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
-    units = [u.pixels for u in clip_preparer(model.config, processor.image_processor)(frames).units]
+    units = [u.pixels for u in clip_preparer(model.config, processor.image_processor)(frames, fps).units]
     video, merge = model.config.video_token_id, processor.image_processor.merge_size
     count = sum(u.shape[0] * u.shape[1] for u in units)
+    seconds = {}
+    if getattr(model.config.vision_config, "tokens_per_second", None) is not None:   # Qwen2.5-VL
+        seconds["second_per_grid_ts"] = torch.tensor([processor.image_processor.temporal_patch_size
+                                                      / (fps or DEFAULT_CLIP_FPS)])
     ids = torch.tensor([[t for i in processor.tokenizer(text, add_special_tokens=False)["input_ids"]
                          for t in [i] * (count if i == video else 1)]])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=2 * (ids == video).int(),
                          pixel_values_videos=torch.cat([u.reshape(-1, u.shape[-1] // merge ** 2) for u in units]),
                          video_grid_thw=torch.tensor([[len(units), units[0].shape[0] * merge, units[0].shape[1] * merge]]),
-                         max_new_tokens=new_tokens, do_sample=False)
+                         max_new_tokens=new_tokens, do_sample=False, **seconds)
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -295,22 +300,31 @@ VISION_START, VISION_END = 10, 11   # the tiny Qwen2-VL's markers around a pictu
 VIDEO_TOKEN = 12                     # its clip placeholder
 
 
-def tiny_qwen2_vl(seed: int, scale: float = 8.0):
-    """A Qwen2-VL-class VLM: a one-layer tower over 4 px patches merged 2 x 2 (a 32 px picture: 16
+def tiny_qwen2_vl(seed: int, scale: float = 8.0, kind: str = "qwen2-vl"):
+    """A Qwen2-VL-class VLM (or Qwen2.5-VL's, ``kind``: its windowed tower, clips placed in time by
+    2 tokens a second): a one-layer tower over 4 px patches merged 2 x 2 (a 32 px picture: 16
     image tokens) and the tiny Qwen2 with M-RoPE (sections 2, 3, 3 of its 8 frequencies). Its
     queries, keys and embeddings are scaled up so that attention, and so the output, depends on
     the positions (at the initial scale every prompt decodes one token over and over)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration)
 
     text = tiny_config("qwen2").to_dict()
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
     vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 4,
               "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3}
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
-                           video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
-                           vision_end_token_id=VISION_END)
+    config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    if kind == "qwen2.5-vl":
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+                  "out_hidden_size": text["hidden_size"], "window_size": 16, "fullatt_block_indexes": [1],
+                  "tokens_per_second": 2}
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    config = config_class(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                          video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                          vision_end_token_id=VISION_END)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
         for name, param in model.model.language_model.named_parameters():

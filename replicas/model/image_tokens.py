@@ -22,7 +22,9 @@ The digest is 39 bits of BLAKE2b over the prepared unit (pixels, shape, grid, si
 picture sent as PNG or as JPEG that decodes to the same pixels is one picture). The digest field's
 top bit (``CLIP_FLAG``) marks a unit that continues the clip of the unit just before it: Qwen2-VL
 reads a clip as temporal patches (two frames a patch), each a unit on the same grid, whose tokens
-sit at the clip's first position plus their patch's index in time (``mrope.py``).
+sit at the clip's first position plus their patch's time (``mrope.py``). Such a unit's field keeps
+31 bits of content and, in the 8 above them, how many time steps it sits after the patch before
+it (``PictureUnit.advance``: one for Qwen2-VL, the clip's frame rate's for Qwen2.5-VL).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ CELL_BITS = 10                     # a grid is at most 1024 cells a side
 _DIGEST_BYTES = 5
 _PICTURE_BITS = 2 * CELL_BITS
 CLIP_FLAG = 1 << (8 * _DIGEST_BYTES - 1)   # in the digest field: the next temporal patch of a clip
+ADVANCE_BITS = 8                           # a continuing unit's time steps after the patch before it
+_ADVANCE_SHIFT = 8 * _DIGEST_BYTES - 1 - ADVANCE_BITS
+MAX_ADVANCE = (1 << ADVANCE_BITS) - 1
 _CELL_MASK = (1 << CELL_BITS) - 1
 # Pooled image tokens (a drafting view, ``pooled_view``) live in a namespace of their own above
 # the pictures' ids: POOLED_BASE + digest · pooled tokens + j.
@@ -106,16 +111,32 @@ class PictureUnit:
     grid: Grid
     size: tuple[int, int] | None = None
     continues: bool = False   # the next temporal patch of the clip whose unit comes just before it
+    advance: int = 1          # where it continues a clip: its time steps after the patch before it
 
 
 def picture_digest(unit: PictureUnit) -> int:
-    """The unit's digest field: its content's 39 bits, with ``CLIP_FLAG`` where it continues a clip."""
+    """The unit's digest field: its content's 39 bits; where it continues a clip, ``CLIP_FLAG``, its
+    ``advance`` and 31 bits of content."""
     pixels = unit.pixels.contiguous().cpu()
     hasher = hashlib.blake2b(digest_size=_DIGEST_BYTES)
     hasher.update(repr((tuple(pixels.shape), unit.grid, unit.size)).encode())
     hasher.update(pixels.numpy().tobytes())
     content = int.from_bytes(hasher.digest(), "little") & (CLIP_FLAG - 1)
-    return content | (CLIP_FLAG if unit.continues else 0)
+    return continuing(content, unit.advance) if unit.continues else content
+
+
+def continuing(content: int, advance: int) -> int:
+    """The digest field of a unit of ``content`` that continues a clip ``advance`` time steps after
+    the patch before it."""
+    if not 0 <= advance <= MAX_ADVANCE:
+        raise ValueError(f"a clip's patch sits 0-{MAX_ADVANCE} time steps after the one before it, not {advance}")
+    return CLIP_FLAG | advance << _ADVANCE_SHIFT | content & ((1 << _ADVANCE_SHIFT) - 1)
+
+
+def clip_advance(digest):
+    """The time steps a continuing unit of ``digest`` sits after the patch before it (numpy arrays
+    too)."""
+    return (digest >> _ADVANCE_SHIFT) & MAX_ADVANCE
 
 
 def grid_ids(digest: int, grid: Grid) -> list[int]:
@@ -194,7 +215,7 @@ class ImageStore:
         # ``image -> PreparedPicture`` as the VLM's processor expands a picture (``pictures.picture_preparer``);
         # None: the picture whole, between ``markers``.
         self.picture: Callable | None = None
-        # ``frames -> PreparedPicture``: a clip as temporal patches (``pictures.clip_preparer``),
+        # ``(frames, fps) -> PreparedPicture``: a clip as temporal patches (``pictures.clip_preparer``),
         # standing where the VLM's ``video_placeholder`` is; None: the class reads a clip's frames
         # as pictures.
         self.clip: Callable | None = None
@@ -210,16 +231,17 @@ class ImageStore:
         markers (preparing it now; encoding waits for a forward)."""
         return self.prepared(image).ids(self.add)
 
-    def register_clip(self, frames) -> list[int]:
-        """The ids a clip's ``frames`` stand for in a prompt, as its temporal patches (``clip``)."""
+    def register_clip(self, frames, fps: float | None = None) -> list[int]:
+        """The ids a clip's ``frames`` (``fps`` a second) stand for in a prompt, as its temporal
+        patches (``clip``)."""
         if self.clip is None:
             raise ValueError("this VLM reads a clip as its frames, pictures one after another")
-        return self.clip(frames).ids(self.add)
+        return self.clip(frames, fps).ids(self.add)
 
     def add(self, unit: PictureUnit) -> list[int]:
         """The ids of a prepared unit's image tokens (the ingress sends units with a request)."""
         if not isinstance(unit, PictureUnit) or not isinstance(unit.pixels, torch.Tensor) \
-                or not isinstance(unit.grid, Grid):
+                or not isinstance(unit.grid, Grid) or type(unit.advance) is not int:
             raise ValueError(f"a picture must come prepared as a PictureUnit, not {type(unit).__name__}")
         Grid.of(unit.grid.count, unit.grid.columns)   # within the grid ids can name
         if not unit.pixels.is_floating_point() or not bool(torch.isfinite(unit.pixels).all()):

@@ -6,10 +6,12 @@ which is ordinary 1-D RoPE at p. A picture of ``rows x columns`` image tokens (a
 starting where the text would be at p0 has, for its token in row r and column c, t = p0,
 h = p0 + r, w = p0 + c, and the text after it resumes at p0 + max(rows, columns), not
 p0 + rows · columns. A clip is read as temporal patches (two frames a patch), each a unit on the
-same grid (``image_tokens.CLIP_FLAG``): the token in row r and column c of patch k has t = p0 + k,
-h = p0 + r, w = p0 + c, and the text after the clip resumes at p0 + max(rows, columns), as
-Hugging Face's ``get_rope_index`` places a video (the ingress refuses clips of more patches than
-that, where Qwen's own code resumes after the last patch: ``pictures.clip_preparer``).
+same grid (``image_tokens.CLIP_FLAG``): the token in row r and column c of patch k has t = p0 +
+t_k, h = p0 + r, w = p0 + c, where t_k = k for Qwen2-VL and Qwen2.5-VL's patch k's time in steps
+of its clip's frame rate (each unit carries its advance over the patch before it,
+``image_tokens.clip_advance``); the text after the clip resumes at p0 + max(rows, columns), as
+Hugging Face's ``get_rope_index`` places a video (the ingress refuses clips whose last patch's
+time reaches that, where Qwen's own code resumes after the last patch: ``pictures.clip_preparer``).
 
 Here a token's (t, h, w) is ``(p, p + dh, p + dw)``: ``positions`` gives p, dh and dw for the
 tokens a feed appends to a slot, from the slot's cached tokens and the feed's own (image tokens are
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from specserve.replicas.model.image_tokens import (CELL_BITS, CLIP_FLAG, POOLED_BASE, VIRTUAL_BASE, cell,
-                                                   is_picture_token)
+                                                   clip_advance, is_picture_token)
 
 
 def section_dims(sections: list[int], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +49,7 @@ def _cells(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 class _Walk:
     """Positions along a slot's tokens: the next text token's position, and the picture (or clip)
     whose tokens are being read: its unit's digest, its first position, its extent so far and
-    the temporal patch being read."""
+    the time of the temporal patch being read."""
 
     def __init__(self):
         self.next = 0
@@ -85,9 +87,9 @@ class _Walk:
         p0 = at[starts] + before
         if at[-1] == len(cached) - 1:   # the last picture is still being read
             walk.next = int(p0[-1])
-            patches = int(np.count_nonzero(units >= starts[-1]))
+            time = int(clip_advance(digest[units[(units >= starts[-1]) & joins]]).sum())
             walk.picture = (int(digest[units[-1]]), int(p0[-1]), int(rows[starts[-1]:].max()) + 1,
-                            int(columns[starts[-1]:].max()) + 1, patches - 1)
+                            int(columns[starts[-1]:].max()) + 1, time)
         else:
             walk.next = len(cached) + int(shift.sum())
         return walk
@@ -101,7 +103,7 @@ class _Walk:
         if self.picture is None or self.picture[0] != digest or row == column == 0:
             if self.picture is not None and digest & CLIP_FLAG:   # the clip's next temporal patch
                 _, p0, rows, columns, t = self.picture
-                self.picture = (digest, p0, rows, columns, t + 1)
+                self.picture = (digest, p0, rows, columns, t + clip_advance(digest))
             else:
                 self.close()
                 self.picture = (digest, self.next, 0, 0, 0)

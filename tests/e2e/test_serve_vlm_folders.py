@@ -3,8 +3,9 @@ whose pictures the processor lays out itself (Idefics3's tiles, Qwen2-VL's nativ
 saved by ``save_pretrained`` and served as a user would point specserve at them, each as a Serve
 application of its own on one cluster. A picture over HTTP and a clip over gRPC answer as the
 folder's own ``generate`` on its processor's inputs (float32 greedy): Idefics3's class reads a
-clip as its frames, pictures one after another; Qwen2-VL's as a video, its temporal patches given
-to its ``generate`` as video input. Every class's folder is decoded in process in
+clip as its frames, pictures one after another; Qwen2-VL's and Qwen2.5-VL's as a video, its
+temporal patches given to its ``generate`` as video input (Qwen2.5-VL's at the clip's frame rate,
+sent with it). Every class's folder is decoded in process in
 ``tests/replicas/test_vlm_folders.py``."""
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ pytestmark = [pytest.mark.reference, pytest.mark.slow]
 QUESTION = "What shape is this, and what colour?"
 NEW_TOKENS = 8
 # The classes with the most layout of their own: a picture as tiles among markers, a picture on a grid of its own.
-KINDS = ("idefics3-tiles", "qwen2-vl")
+KINDS = ("idefics3-tiles", "qwen2-vl", "qwen2.5-vl")
+FPS = 2.5   # the clip's frame rate: Qwen2.5-VL's patches 1.6 time steps apart
 
 
 def png(picture) -> bytes:
@@ -93,10 +95,12 @@ def test_a_picture_over_http_and_a_clip_over_grpc_answer_as_the_folders_own_gene
     with grpc.insecure_channel(state.grpc_address) as channel:
         stub = specserve_pb2_grpc.SpecServeStub(channel)
         reply = stub.Complete(pb.CompletionRequest(model=model, max_tokens=NEW_TOKENS, temperature=0, messages=[
-            pb.ChatMessage(role="user", content=QUESTION, videos=[pb.Video(frames=[png(f) for f in frames])])]),
+            pb.ChatMessage(role="user", content=QUESTION, videos=[pb.Video(frames=[png(f) for f in frames], fps=FPS)])]),
             timeout=300, metadata=(("application", app["name"]),))
     expected = own_generate(folder, frames)
-    if kind == "qwen2-vl":   # read as a video, which answers otherwise than its frames as pictures
-        expected, as_pictures = folder_generate_clip(folder, frames, QUESTION, NEW_TOKENS), expected
+    if kind.startswith("qwen"):   # read as a video, which answers otherwise than its frames as pictures
+        expected, as_pictures = folder_generate_clip(folder, frames, QUESTION, NEW_TOKENS, FPS), expected
         assert expected != as_pictures
+        if kind == "qwen2.5-vl":   # and placed in time by the frame rate sent
+            assert expected != folder_generate_clip(folder, frames, QUESTION, NEW_TOKENS)
     assert list(reply.token_ids) == expected, kind

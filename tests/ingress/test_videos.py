@@ -137,8 +137,63 @@ def test_a_clip_of_more_temporal_patches_than_its_grid_is_wide_is_a_400(qwen2_vl
     fits = message({"type": "video_url", "video_url": {"frames": [picture_url(frame(i, (16, 16))) for i in range(4)]}})
     assert len(qwen2_vl_preparer._prepare(fits, fits.messages[0].media()).spec_request.images) == 2
     long = message({"type": "video_url", "video_url": {"frames": [picture_url(frame(i, (16, 16))) for i in range(5)]}})
-    with pytest.raises(OpenAIError, match="3 temporal patches on a grid of 2 x 2.*at most 4 frames"):
+    with pytest.raises(OpenAIError, match=r"3 temporal patches\) reaches time step 2 on a grid of 2 x 2"):
         qwen2_vl_preparer._prepare(long, long.messages[0].media())
+
+
+def test_a_clips_frame_rate_is_the_requests_or_the_animations_own_times_the_share_sampled():
+    animation = clip_url(40)   # 40 ms a frame: 25 frames a second, 4 of 40 sampled
+    assert decode_media(message({"type": "video_url", "video_url": {"url": animation}}).messages[0].media(),
+                        LIMITS)[0].fps == pytest.approx(2.5)
+    assert decode_media(message({"type": "video_url", "video_url": {"url": animation, "fps": 10}}).messages[0].media(),
+                        LIMITS)[0].fps == pytest.approx(1.0)
+    urls = [picture_url(frame(i)) for i in range(10)]
+    assert decode_media(message({"type": "video_url", "video_url": {"frames": urls, "fps": 5}}).messages[0].media(),
+                        LIMITS)[0].fps == pytest.approx(2.0)
+    assert decode_media(message({"type": "video_url", "video_url": {"frames": urls[:3]}}).messages[0].media(),
+                        LIMITS)[0].fps is None
+    for fps in (0, -2, 1e6, "fast"):
+        with pytest.raises(ValidationError, match="fps"):
+            message({"type": "video_url", "video_url": {"frames": urls, "fps": fps}})
+
+
+def test_a_grpc_clip_carries_its_frame_rate_only_where_it_is_set():
+    from specserve.ingress import specserve_pb2 as pb
+    from specserve.ingress.grpc_api import pb_content
+
+    frames = [b"one", b"two"]
+    (unset, _), (set_, _), (zero, _) = (pb_content(pb.ChatMessage(content="?", videos=[video]))
+                                        for video in (pb.Video(frames=frames), pb.Video(frames=frames, fps=2.5),
+                                                      pb.Video(frames=frames, fps=0)))
+    assert "fps" not in unset["video_url"] and set_["video_url"]["fps"] == 2.5
+    with pytest.raises(ValidationError, match="fps"):   # a zero rate sent is refused, not read as unset
+        message(zero)
+
+
+def test_qwen2_5_vl_places_a_clips_patches_in_time_by_its_frame_rate(tmp_path):
+    """Qwen2.5-VL's class (4 tokens a second): 2 frames a patch at the request's 4 frames a second
+    is 2 steps a patch; frames without a rate read at 2 a second (4 steps); a rate that spreads
+    the patches past the grid is a 400 that says to raise it."""
+    from specserve.ingress.config import IngressConfig
+    from specserve.ingress.prepare import Preparer
+    from specserve.replicas.model.image_tokens import cell, clip_advance, starts_picture
+    from specserve.replicas.vlm import load_target_text
+    from tiny_models import tiny_vlm_folder
+
+    preparer = Preparer(load_target_text(str(tiny_vlm_folder("qwen2.5-vl", tmp_path / "q"))),
+                        IngressConfig("t", "m", ["prompt-lookup"], "prompt-lookup", 4))
+    urls = [picture_url(frame(i, (48, 48))) for i in range(4)]   # a 6 x 6 grid of image tokens, 2 patches
+
+    def advances(video_url: dict) -> list[int]:
+        request = message({"type": "video_url", "video_url": video_url})
+        ids = preparer._prepare(request, request.messages[0].media()).spec_request.prompt_ids
+        return [int(clip_advance(cell(t)[0])) for t in ids if starts_picture(t)][1:]
+
+    assert advances({"frames": urls, "fps": 4}) == [2]
+    assert advances({"frames": urls}) == [4]
+    with pytest.raises(OpenAIError, match="reaches time step 8 .*higher fps") as err:
+        advances({"frames": urls, "fps": 1})
+    assert err.value.status == 400
 
 
 def test_a_video_placeholder_typed_in_text_is_a_400(qwen2_vl_preparer):

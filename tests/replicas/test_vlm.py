@@ -455,16 +455,18 @@ def test_a_qwen2_vl_class_vlm_decodes_as_its_own_generate_and_speculates_lossles
 
 
 
-def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_generate_does():
-    """A clip on Qwen2-VL's class: two frames a temporal patch (the last frame repeated to fill
-    the last patch, as its video processor does), each patch a unit on the frames' grid, the
-    patches one time step apart in M-RoPE. Plain decoding equals the model's own generate given
-    the same patches as its video input, with a picture and text around; drafts equal plain."""
+@pytest.mark.parametrize("kind, fps, times", [("qwen2-vl", None, [0, 1, 2]), ("qwen2.5-vl", 2.5, [0, 1, 3])])
+def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_generate_does(kind, fps, times):
+    """A clip on Qwen2-VL's and Qwen2.5-VL's classes: two frames a temporal patch (the last frame
+    repeated to fill the last patch, as its video processor does), each patch a unit on the
+    frames' grid, the patches a time step apart in M-RoPE (Qwen2.5-VL: 2 tokens a second at the
+    clip's 2.5 frames a second, 1.6 steps a patch). Plain decoding equals the model's own generate
+    given the same patches as its video input, with a picture and text around; drafts equal plain."""
     from PIL import Image
 
     from tiny_models import VIDEO_TOKEN, VISION_END, VISION_START, tiny_qwen2_vl, tiny_qwen2_vl_processor
 
-    model = tiny_qwen2_vl(seed=0)
+    model = tiny_qwen2_vl(seed=0, kind=kind)
     processor = tiny_qwen2_vl_processor()
     store = image_store(model, processor)
     lm = language_model(model)
@@ -472,14 +474,15 @@ def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_genera
     frames = [Image.new("RGB", (48, 24), (20, 20, 20)) for _ in range(5)]
     for k, frame in enumerate(frames):
         frame.paste((230, 40 * k, 10), (8 * k, 4, 8 * k + 12, 16))
-    clip = store.clip(frames)
+    clip = store.clip(frames, fps)
     assert len(clip.units) == 3 and [u.continues for u in clip.units] == [False, True, True]
+    assert [u.advance for u in clip.units[1:]] == [b - a for a, b in zip(times, times[1:])]
     still = store.clip([frames[0], frames[0]]).units[0]
     assert torch.equal(still.pixels, store.prepare(frames[0]).pixels)   # a still picture holds its frame twice
     around = [VISION_START, VIDEO_TOKEN, VISION_END]
     text = [5, 6, *around, 7, 8, VISION_START, IMAGE_TOKEN, VISION_END, 9]
     prompt = image_prompt_ids(image_prompt_ids(text, [picture(1)], store.register, IMAGE_TOKEN),
-                              [frames], store.register_clip, VIDEO_TOKEN)
+                              [frames], lambda shown: store.register_clip(shown, fps), VIDEO_TOKEN)
     expected = speculative_generate(Target(lm, images=store), None, prompt, NEW_TOKENS, GREEDY).token_ids
     units = [u.pixels for u in clip.units]
     image = store.prepare(picture(1)).pixels
@@ -489,10 +492,11 @@ def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_genera
     types = (ids == IMAGE_TOKEN).int() + 2 * (ids == VIDEO_TOKEN).int()   # text 0, picture 1, video 2
     hf_grids = (torch.tensor([[1, image.shape[0] * 2, image.shape[1] * 2]], device=model.device),
                 torch.tensor([[len(units), units[0].shape[0] * 2, units[0].shape[1] * 2]], device=model.device))
+    seconds = {} if fps is None else {"second_per_grid_ts": torch.tensor([2 / fps])}
     hf = model.generate(input_ids=ids, pixel_values=flat(image).to(model.device), image_grid_thw=hf_grids[0],
                         pixel_values_videos=torch.cat([flat(u) for u in units]).to(model.device),
                         video_grid_thw=hf_grids[1],
-                        mm_token_type_ids=types,
+                        mm_token_type_ids=types, **seconds,
                         attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert expected == hf[0, ids.shape[1]:].tolist()
     # The prompt's last logits too, which move with every position (greedy tokens may not).
@@ -502,28 +506,40 @@ def test_a_qwen2_vl_class_vlm_reads_a_clip_as_temporal_patches_as_its_own_genera
     with torch.inference_mode():
         theirs = model(input_ids=ids, pixel_values=flat(image).to(model.device), image_grid_thw=hf_grids[0],
                        pixel_values_videos=torch.cat([flat(u) for u in units]).to(model.device),
-                       video_grid_thw=hf_grids[1], mm_token_type_ids=types).logits[0, -1]
+                       video_grid_thw=hf_grids[1], mm_token_type_ids=types, **seconds).logits[0, -1]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     reversed_clip = image_prompt_ids(image_prompt_ids(text, [picture(1)], store.register, IMAGE_TOKEN),
-                                     [frames[::-1]], store.register_clip, VIDEO_TOKEN)
-    assert speculative_generate(Target(lm, images=store), None, reversed_clip, NEW_TOKENS, GREEDY).token_ids != expected
+                                     [frames[::-1]], lambda shown: store.register_clip(shown, fps), VIDEO_TOKEN)
+    backwards = Target(lm, images=store).kv.forward([Feed(0, reversed_clip, 1)])[0][-1]
+    assert (backwards - ours).abs().max() > 1e-3   # the answer reads the frames' order (float noise: ~1e-6)
     for draft, speculation in ((PromptLookupDraft(), {"window": 3}), (PromptLookupDraft(), {"tree": TreeShape(3, 2, 6)})):
         got = speculative_generate(Target(lm, images=store), draft, prompt, NEW_TOKENS, GREEDY, **speculation)
         assert got.token_ids == expected, f"{draft.name} {speculation}"
 
 
-def test_only_qwen2_vl_reads_a_clip_as_temporal_patches():
-    """Qwen2.5-VL steps a clip's time by its frame rate, which no clip's ids carry: its clips stay
-    frames; a class without temporal patches has no clip reader either."""
+def test_qwen2_vl_classes_read_a_clip_as_temporal_patches_others_as_frames():
+    """Qwen2-VL's and Qwen2.5-VL's classes read clips as temporal patches; a class without temporal
+    patches has no clip reader. Qwen2.5-VL's frame rate bounds: a rate that spreads the patches
+    past the grid's longer side, or more than an id's advance can say, is refused."""
+    from PIL import Image
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
-    from specserve.replicas.pictures import clip_preparer
+    from specserve.replicas.pictures import DEFAULT_CLIP_FPS, clip_preparer
     from tiny_models import tiny_qwen2_vl_processor
 
     qwen = tiny_qwen2_vl_processor()
     assert clip_preparer(Qwen2VLConfig(), qwen) is not None
-    assert clip_preparer(Qwen2_5_VLConfig(), qwen) is None
     assert clip_preparer(tiny_llava(seed=0).config, SiglipImageProcessorPil()) is None
+    prepare = clip_preparer(Qwen2_5_VLConfig(vision_config={"tokens_per_second": 2}), qwen)
+    frames = [Image.new("RGB", (32, 32), (10 * k, 0, 0)) for k in range(4)]   # 4 x 4 tokens, 2 patches
+    assert DEFAULT_CLIP_FPS == 2.0 and [u.advance for u in prepare(frames).units[1:]] == [2]
+    assert [u.advance for u in prepare(frames, 1.5).units[1:]] == [2]           # 8/3 steps, rounded down
+    with pytest.raises(ValueError, match=r"reaches time step 4 .* past the 3 its longer side allows.*higher fps"):
+        prepare(frames, 1.0)
+    for fps in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="frame rate"):
+            prepare(frames, fps)
+    assert [u.advance for u in clip_preparer(Qwen2VLConfig(), qwen)(frames, 0.01).units[1:]] == [1]
 
 def test_a_unit_that_does_not_fit_the_vision_tower_is_refused_as_it_arrives(vlm):
     """Units come from the ingress: one whose grid or pixels do not fit this VLM is a ValueError

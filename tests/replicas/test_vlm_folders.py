@@ -54,18 +54,20 @@ def test_a_folder_without_torchvision_keeps_its_chat_template_however_it_was_sav
     assert load_processor(folder).chat_template == template
 
 
-def test_a_qwen2_vl_folder_reads_a_clip_in_process_as_its_own_generate(tmp_path):
+@pytest.mark.parametrize("kind, fps", [("qwen2-vl", None), ("qwen2.5-vl", 2.5)])
+def test_a_qwen2_vl_folder_reads_a_clip_in_process_as_its_own_generate(tmp_path, kind, fps):
     """In process, a clip's frames given for a video part decode as the folder's model does given
-    the clip's temporal patches as video; a class that reads clips as frames says to send pictures."""
+    the clip's temporal patches as video (Qwen2.5-VL's at the clip's frame rate); a class that
+    reads clips as frames says to send pictures."""
     from tiny_models import folder_generate_clip
 
-    folder = tiny_vlm_folder("qwen2-vl", tmp_path / "qwen2-vl")
+    folder = tiny_vlm_folder(kind, tmp_path / kind)
     engine = SpecEngine.load(str(folder), dtype="float32", device="cpu", slots=2)
     frames = [example(3, "shape").image, example(4, "shape").image, example(3, "shape").image]
     content = [{"type": "video"}, {"type": "text", "text": QUESTION}]
-    prompt = engine.encode_messages([{"role": "user", "content": content}], clips=[frames])
+    prompt = engine.encode_messages([{"role": "user", "content": content}], clips=[frames], fps=fps)
     ours = engine.generate_ids(prompt, GenerateRequest(QUESTION, NEW_TOKENS, "prompt-lookup", 3))
-    assert ours.token_ids == folder_generate_clip(folder, frames, QUESTION, NEW_TOKENS)
+    assert ours.token_ids == folder_generate_clip(folder, frames, QUESTION, NEW_TOKENS, fps)
     llava = SpecEngine.load(str(tiny_vlm_folder("llava", tmp_path / "llava")), dtype="float32", device="cpu", slots=2)
     with pytest.raises(ValueError, match="reads a clip as its frames"):
         llava.encode_messages([{"role": "user", "content": content}], clips=[frames])
