@@ -30,6 +30,7 @@ from specserve.replicas.cost_probe import draft_ms_per_position
 from specserve.replicas.drafts.base import Draft, NeedFeatures, draft_model, needs_features, propose
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.ensemble import EnsembleDraftLM, user_turn_marker
+from specserve.replicas.drafts.ensemble_carry import valid_ending
 from specserve.replicas.drafts.factory import draft_from_model
 from specserve.replicas.drafts.hsr_draft import MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead, feature_layers
@@ -262,23 +263,27 @@ class DraftServer:
             self._generators[ask.session_id] = generator
         return generator
 
-    async def release(self, session_ids: list[str]) -> dict[str, dict[str, int]]:
+    async def release(self, session_ids: list[str], endings: dict | None = None) -> dict[str, dict[str, int]]:
         """The sessions ended: their caches become idle prefix caches. Returns, by session, what a
         TABED ensemble's session leaves to the cluster (``ensemble_carry``; sessions that leave
         nothing are absent): the target checks it (``ensemble_carry.released_counts``) and counts
-        it with its statistics."""
+        it with its statistics. ``endings``: by session, its request's final context
+        (``ensemble_carry.ending_of``), from which an ensemble scores its last block; each is
+        checked here (the target is another deployment) and a bad one is ignored."""
         for session_id in session_ids:
             self._generators.pop(session_id, None)
         if self.pool is None:
             return {}
-        return await self._worker.run(self._release_caches, session_ids)   # on the model thread, which owns the caches
+        endings = endings if isinstance(endings, dict) else {}
+        # On the model thread, which owns the caches.
+        return await self._worker.run(self._release_caches, session_ids, endings)
 
-    def _release_caches(self, session_ids: list[str]) -> dict[str, dict[str, int]]:
+    def _release_caches(self, session_ids: list[str], endings: dict) -> dict[str, dict[str, int]]:
         left = {}
         for session_id in session_ids:
             self.pool.release(session_id)
             if isinstance(self._batched, EnsembleDraftLM):
-                counts = self._batched.release(session_id)
+                counts = self._batched.release(session_id, valid_ending(endings.get(session_id)))
                 if counts:
                     left[session_id] = counts
             elif self._batched is not None:

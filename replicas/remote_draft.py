@@ -93,6 +93,6 @@ class RemoteDraft:
     async def propose_batch(self, asks: list[ProposeRequest]) -> list[Proposal | NeedFeatures]:
         return await self._call("propose_batch", asks)
 
-    async def release(self, session_ids: list[str]) -> dict:
+    async def release(self, session_ids: list[str], endings: dict | None = None) -> dict:
         """What the sessions left (``DraftServer.release``), unchecked: the caller checks it."""
-        return await self._call("release", session_ids)
+        return await self._call("release", session_ids, endings)

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from specserve.replicas.drafts.base import NeedFeatures, vocabulary_error
-from specserve.replicas.drafts.ensemble_carry import released_counts
+from specserve.replicas.drafts.ensemble_carry import ending_of, released_counts
 from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.request import AUTO_DRAFT, RequestState, SpecRequest, StepError, StreamItem
 from specserve.replicas.scheduler import Scheduler, StepPlan
@@ -404,8 +404,10 @@ class StepLoop:
                 if name in self.drafts and name not in self._disabled:
                     by_draft.setdefault(name, []).append(session)
         for name, ids in by_draft.items():
+            # A request's own session learns from its final context (a TABED ensemble's last block).
+            endings = {i: ending_of(state.context) for i, state in leaving.get(name, {}).items()}
             try:
-                reply = await self.drafts[name].release(ids)
+                reply = await self.drafts[name].release(ids, endings)
             except Exception as err:  # noqa: BLE001 - releasing only frees a cache
                 logger.info("draft %s: release failed (%s)", name, err)
                 continue

@@ -160,6 +160,21 @@ class _Scores:
             self.total -= self.scores.popleft()
 
 
+class _Ending:
+    """A context of ``length`` tokens known by its last ones (``tail``), indexed as the whole."""
+
+    def __init__(self, length: int, tail: list[int]):
+        self.length, self.tail, self.start = length, tail, length - len(tail)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> int:
+        if not self.start <= i < self.length:
+            raise IndexError(f"position {i} is not among the last {len(self.tail)} of {self.length}")
+        return self.tail[i - self.start]
+
+
 class _Session(_Scores):
     def __init__(self, candidates: int, history: int):
         super().__init__(candidates, history)
@@ -211,12 +226,19 @@ class EnsembleDraftLM(BatchedDraftLM):
             session = self.sessions[session_id] = _Session(len(self.candidates), self.history)
         return session
 
-    def release(self, session_id: str) -> dict[str, int]:
+    def release(self, session_id: str, ending: tuple[int, list[int]] | None = None) -> dict[str, int]:
         """Frees the session; returns what its request leaves to the cluster (``ensemble_carry``;
-        {}: nothing, as when it scored no position). Its last block, not yet verified, is not counted."""
+        {}: nothing, as when it scored no position). ``ending``, the request's final context as its
+        length and last tokens (``ensemble_carry.valid_ending``), scores the last block, which no
+        later ask verified, where it reaches back to the block's root."""
         for view in self.views:
             super().release(f"{session_id}/{view}")
         session = self.sessions.pop(session_id, None)
+        if session is not None and ending is not None and session.pending is not None:
+            length, tail = ending
+            if session.pending[0] - 1 >= length - len(tail):
+                with torch.inference_mode():   # the scores are inference tensors, as when an ask learns
+                    self._learn(session, _Ending(length, tail))
         if session is None or self.carried_prefix is None:
             return {}
         return session_counts(self.carried_prefix, session.scored, [round(n) for n in session.hits.tolist()])

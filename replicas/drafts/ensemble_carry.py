@@ -77,6 +77,28 @@ def valid_counts(counts) -> dict[str, int]:
     return dict(counts)
 
 
+# The final context's tokens a release carries (``valid_ending``): more than a block drafts.
+ENDING_TOKENS = 64
+
+
+def ending_of(context: list[int]) -> tuple[int, list[int]]:
+    """What a release tells an ensemble of its request's final ``context``: its length and last
+    tokens, enough to score the block drafted last."""
+    return len(context), list(context[-ENDING_TOKENS:])
+
+
+def valid_ending(ending) -> tuple[int, list[int]] | None:
+    """An ending as a release brought it from the target (another deployment), or None: a length
+    up to ``MAX_POSITIONS``, at most ``ENDING_TOKENS`` non-negative int tokens, no more than it."""
+    if not isinstance(ending, (tuple, list)) or len(ending) != 2:
+        return None
+    length, tail = ending
+    if type(length) is not int or not 0 < length <= MAX_POSITIONS or not isinstance(tail, (tuple, list)) \
+            or not 0 < len(tail) <= min(length, ENDING_TOKENS) or any(type(t) is not int or t < 0 for t in tail):
+        return None
+    return length, list(tail)
+
+
 def released_counts(reply, session_ids: list[str]) -> dict[str, dict[str, int]]:
     """The valid counts (``valid_counts``) of the asked ``session_ids`` in a draft's release reply."""
     if not isinstance(reply, dict):

@@ -763,7 +763,7 @@ class MalformedProbs:
             out.append(Proposal.chain(tokens, draft_probs=q))
         return out
 
-    async def release(self, session_ids) -> None:
+    async def release(self, session_ids, endings=None) -> None:
         return None
 
 

@@ -182,6 +182,18 @@ def test_an_ensembles_session_gets_the_clusters_sums_with_its_first_ask_and_leav
     assert 0 < counts["tabed_01_g10_positions"] <= len(state.out) and set(counts) <= {
         "tabed_01_g10_positions", *(f"tabed_01_g10_hits_{j}" for j in range(11))}
     assert server._batched.sessions == {}
+    # The release carries the final context, which scores the last block: without it, fewer positions.
+    release, unended = server.release, []
+
+    async def without_ending(session_ids, endings=None):
+        return await release(session_ids)
+
+    server.release = without_ending
+    loop = StepLoop(Scheduler(Target(target, slots=2), StaticPolicy()), {"tabed": server}, InlineWorker(),
+                    on_carried=lambda *args: unended.append(args))
+    loop.add(SpecRequest(PROMPT, 24, GREEDY, "tabed", 3, None, "r2", prior_learned=learned))
+    asyncio.run(loop.run_until_idle())
+    assert 0 < unended[0][2]["tabed_01_g10_positions"] < counts["tabed_01_g10_positions"]
 
 
 class Releasing:
@@ -196,7 +208,7 @@ class Releasing:
     async def propose_batch(self, asks):
         return [Proposal.empty() for _ in asks]
 
-    async def release(self, session_ids):
+    async def release(self, session_ids, endings=None):
         if isinstance(self.reply, Exception):
             raise self.reply
         return self.reply

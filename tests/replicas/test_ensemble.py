@@ -155,6 +155,22 @@ def test_a_finished_session_leaves_each_candidates_hits_and_its_positions():
     assert EnsembleDraftLM("e", tiny_model("llama", seed=1), views=("full",)).carried_prefix is None
 
 
+def test_a_release_with_the_final_context_scores_the_last_block():
+    """No ask follows a request's last block, so only the release's ending can verify it: the
+    block's positions are scored where the ending reaches back to its root, and not otherwise."""
+    draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER)
+    prefix = "tabed_01_g10_"
+    for session_id, ending, scored in (("a", (6, [1, 2, 5, 11]), 2), ("b", (6, [5, 11]), 0), ("c", None, 0),
+                                       ("d", (5, [1, 2, 5]), 1), ("e", (6, [1, 2, 5, 12]), 2)):
+        session = draft._session(session_id)
+        session.pending = (4, 2, [_Drafted(torch.tensor([t, 50]), FULL_RIGHT, torch.zeros(2), t) for t in (5, 11)])
+        left = draft.release(session_id, ending)
+        assert left.get(f"{prefix}positions", 0) == scored, session_id
+        # "e": the target said 12 where the draft said 11: scored, and a miss for every mix.
+        hits = left.get(f"{prefix}hits_{candidate(draft, 1.0)}", 0)
+        assert hits == {"a": 2, "d": 1, "e": 1}.get(session_id, 0), session_id
+
+
 def ask(session_id, carried=None):
     return ProposeRequest(session_id, [1, 2, 3, 4], 1, None, SamplingParams(), carried=carried)
 

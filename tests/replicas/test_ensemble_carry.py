@@ -6,14 +6,17 @@ import math
 import pytest
 
 from specserve.replicas.drafts.ensemble_carry import (
+    ENDING_TOKENS,
     MAX_CANDIDATES,
     candidates_of,
     cluster_sums,
+    ending_of,
     hit_rates,
     prefix,
     released_counts,
     session_counts,
     valid_counts,
+    valid_ending,
 )
 
 P = prefix([0, 1], 10)   # full + last-turn at grid 10: 11 candidates
@@ -84,3 +87,13 @@ def test_hit_rates_are_hits_over_positions_and_other_sets_are_not_read():
 ])
 def test_bad_cluster_sums_give_no_rates_and_raise_nothing(sums):
     assert hit_rates(sums, P, 11) is None
+
+
+def test_a_releases_ending_is_the_contexts_length_and_last_tokens_and_is_checked():
+    context = list(range(200))
+    assert ending_of(context) == (200, context[-ENDING_TOKENS:]) and ending_of([3, 4]) == (2, [3, 4])
+    assert valid_ending(ending_of(context)) == (200, context[-ENDING_TOKENS:])
+    assert valid_ending([2, (3, 1 << 40)]) == (2, [3, 1 << 40])   # an image token's virtual id is a token
+    for bad in (None, "x", (5,), (5, [1], 3), (0, [1]), (2, [1, 2, 3]), (-1, [1]), (True, [1]), (5, []),
+                (5, [1.0]), (5, [-1]), (5, ["a"]), (1 << 40, [1]), (100, list(range(ENDING_TOKENS + 1)))):
+        assert valid_ending(bad) is None, bad
