@@ -22,7 +22,16 @@ One view alone is a draft too (a view the router can choose per request), its we
 
 Mixing (the paper's Alg. 1): ``q = Σ_v w_v q_v``; greedy drafts its argmax, sampling draws from
 it, and that ``q`` is what the rejection test uses (``Proposal.draft_probs``), so the output is
-the target's exactly. Every drafted token is fed to every view.
+the target's exactly. Every drafted token is fed to every view the block runs.
+
+Which views a block runs (a deviation: the paper batches every view every block, which on a GPU
+costs about one view; here each view is a row whose cost adds up): those the block's mix weighs,
+and every view on a scoring block, one in ``SCORE_EVERY`` of a session's blocks, or every block
+while the mix weighs them all. Only scoring blocks are scored (the views' probabilities are
+needed for every candidate). A view left out falls behind and catches up, as a prefill of the
+tokens it missed, the next block that runs it. Among mixes the scores leave tied, the one that
+weighs fewer views is chosen (``COST_TIE_BREAK``), so that a request whose verified tokens do not
+tell the views apart drafts with one of them.
 
 Weights: at each block, ``w* = argmin_j Σ_{t'} D(p_{t'}, q^j_{t'})`` over the candidates
 ``w_j`` (the simplex grid with step 1/``grid``, for two views the paper's
@@ -96,6 +105,10 @@ PRIOR_POSITIONS = 512
 # The prior's weight beside a request's own scores: below one hard match, so it only orders
 # candidates the request's own positions leave tied.
 PRIOR_TIE_BREAK = 1e-3
+# Per view a mix weighs: below the prior's part, so it only orders mixes tied on both.
+COST_TIE_BREAK = 1e-7
+# A session's blocks that run every view and are scored, where its mix leaves some out: one in this many.
+SCORE_EVERY = 4
 
 
 def user_turn_marker(tokenizer) -> list[int]:
@@ -181,6 +194,7 @@ class _Session(_Scores):
         self.turn_start = 0          # last-turn view: where the last user turn starts
         self.searched = 0            # the context length searched for it so far
         self.pending: tuple[int, int, list[_Drafted]] | None = None   # (block start, root token, positions)
+        self.blocks = 0                       # blocks drafted after a verify (not ahead of one)
         self.scored = 0                       # positions scored over the whole request, not only ``history``
         self.hits = torch.zeros(candidates)   # of those, each candidate's hard matches: what it leaves (matches)
         # The cluster's prior: each candidate's mean score [J] and the positions it weighs as.
@@ -212,6 +226,7 @@ class EnsembleDraftLM(BatchedDraftLM):
         carries = self.adaptive and distance == "matches" and len(views) > 1 and len(self.candidates) <= MAX_CANDIDATES
         self.carried_prefix = prefix([VIEWS.index(v) for v in self.views], grid) if carries else None
         self.sessions: dict[str, _Session] = {}
+        self._cost = COST_TIE_BREAK * (self.candidates > 0).sum(1)   # [J]: the views each mix runs
 
     @property
     def max_sessions(self) -> int:
@@ -256,9 +271,9 @@ class EnsembleDraftLM(BatchedDraftLM):
             mean, positions = session.cluster
             total, weight = total + positions * mean, weight + positions
         if weight <= 0:
-            return self.candidates[0 if own is None else int(torch.argmin(own))]
+            return self.candidates[0 if own is None else int(torch.argmin(own + self._cost))]
         prior = PRIOR_TIE_BREAK * total / weight
-        return self.candidates[int(torch.argmin(prior if own is None else own + prior))]
+        return self.candidates[int(torch.argmin((prior if own is None else own + prior) + self._cost))]
 
     def cluster_prior(self, sums) -> tuple[torch.Tensor, float] | None:
         """The cluster's carried sums (``ProposeRequest.carried``) as a prior: each candidate's mean
@@ -359,15 +374,23 @@ class EnsembleDraftLM(BatchedDraftLM):
         slots: list[list[int]] = []
         feeds = []
         lengths: list[list[int]] = []
+        weights: list[torch.Tensor] = []   # per ask, over the views it runs
+        scoring: list[bool] = []
         for ask in asks:
             session = self._session(ask.session_id)
             if ask.carried is not None and session.cluster is None:
                 session.cluster = self.cluster_prior(ask.carried)
             if not ask.ahead:   # an ask ahead of a verify: its context's tail is guessed, not verified
                 self._learn(session, ask.context)
+            w = self.weights_for(ask.session_id)
+            scores = self.adaptive and not ask.ahead and (bool((w > 0).all()) or session.blocks % SCORE_EVERY == 0)
+            session.blocks += not ask.ahead
+            runs = [k for k in range(len(self.views)) if scores or w[k] > 0]
+            weights.append(w[runs])
+            scoring.append(scores)
             row = []
             lengths.append([])
-            for view in self.views:
+            for view in (self.views[k] for k in runs):
                 slot = self._slot(f"{ask.session_id}/{view}", taken)
                 taken.add(slot)
                 row.append(slot)
@@ -382,7 +405,6 @@ class EnsembleDraftLM(BatchedDraftLM):
         by_slot = dict(zip((f.slot for f in feeds), (rows[-1] for rows in self.kv.forward(feeds))))
         vocab = next(iter(by_slot.values())).shape[-1]
         head = self._head_ids(next(iter(by_slot.values())).device)
-        weights = [self.weights_for(ask.session_id) for ask in asks]
         drafted: list[list[int]] = [[] for _ in asks]
         chosen_q: list[list[torch.Tensor]] = [[] for _ in asks]
         token_probs: list[list[float]] = [[] for _ in asks]
@@ -404,7 +426,7 @@ class EnsembleDraftLM(BatchedDraftLM):
                     chosen_q[i].append(q if head is None else q.new_zeros(vocab).index_copy_(0, head, q))
                 drafted[i].append(tok)
                 token_probs[i].append(float(q[at]))
-                if self.adaptive:   # static weights never look back
+                if scoring[i]:   # static weights never look back
                     kept[i].append(self._keep(views_q, tok, head))
                 if depth + 1 < ask.window:
                     feeds.extend(Feed(s, [tok]) for s in row)
@@ -415,6 +437,7 @@ class EnsembleDraftLM(BatchedDraftLM):
             for slot, n in zip(row, length):   # drafted tokens are not part of the sequence
                 self.kv.crop(slot, n)
             if self.adaptive and not ask.ahead:
-                self.sessions[ask.session_id].pending = (len(ask.context), ask.context[-1], positions)
+                pending = (len(ask.context), ask.context[-1], positions) if positions else None
+                self.sessions[ask.session_id].pending = pending
         return [Proposal.chain(tokens, torch.stack(q) if q else None, probs)
                 for tokens, q, probs in zip(drafted, chosen_q, token_probs)]
