@@ -28,10 +28,13 @@ Which views a block runs (a deviation: the paper batches every view every block,
 costs about one view; here each view is a row whose cost adds up): those the block's mix weighs,
 and every view on a scoring block, one in ``SCORE_EVERY`` of a session's blocks, or every block
 while the mix weighs them all. Only scoring blocks are scored (the views' probabilities are
-needed for every candidate). A view left out falls behind and catches up, as a prefill of the
-tokens it missed, the next block that runs it. Among mixes the scores leave tied, the one that
-weighs fewer views is chosen (``COST_TIE_BREAK``), so that a request whose verified tokens do not
-tell the views apart drafts with one of them.
+needed for every candidate). A session's first scoring block is its block ``phase`` (0 to
+``SCORE_EVERY`` − 1, from its id), so that a short request, whose cost is mostly the views'
+prefills of its prompt, pays the views its mix leaves out only as often as a long one does. A
+view left out falls behind and catches up, as a prefill of the tokens it missed, the next block
+that runs it. Among mixes the scores leave tied, the one that weighs fewer views is chosen
+(``COST_TIE_BREAK``), so that a request whose verified tokens do not tell the views apart drafts
+with one of them.
 
 Weights: at each block, ``w* = argmin_j Σ_{t'} D(p_{t'}, q^j_{t'})`` over the candidates
 ``w_j`` (the simplex grid with step 1/``grid``, for two views the paper's
@@ -74,6 +77,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -189,8 +193,9 @@ class _Ending:
 
 
 class _Session(_Scores):
-    def __init__(self, candidates: int, history: int):
+    def __init__(self, candidates: int, history: int, phase: int = 0):
         super().__init__(candidates, history)
+        self.phase = phase           # its first scoring block where its mix leaves views out
         self.turn_start = 0          # last-turn view: where the last user turn starts
         self.searched = 0            # the context length searched for it so far
         self.pending: tuple[int, int, list[_Drafted]] | None = None   # (block start, root token, positions)
@@ -238,7 +243,8 @@ class EnsembleDraftLM(BatchedDraftLM):
             # Bounded: a target that died never releases its sessions; the oldest go first.
             while len(self.sessions) >= MAX_SESSIONS:
                 self.sessions.pop(next(iter(self.sessions)))
-            session = self.sessions[session_id] = _Session(len(self.candidates), self.history)
+            session = self.sessions[session_id] = _Session(len(self.candidates), self.history,
+                                                           zlib.crc32(session_id.encode()) % SCORE_EVERY)
         return session
 
     def release(self, session_id: str, ending: tuple[int, list[int]] | None = None) -> dict[str, int]:
@@ -383,7 +389,8 @@ class EnsembleDraftLM(BatchedDraftLM):
             if not ask.ahead:   # an ask ahead of a verify: its context's tail is guessed, not verified
                 self._learn(session, ask.context)
             w = self.weights_for(ask.session_id)
-            scores = self.adaptive and not ask.ahead and (bool((w > 0).all()) or session.blocks % SCORE_EVERY == 0)
+            due = session.blocks >= session.phase and (session.blocks - session.phase) % SCORE_EVERY == 0
+            scores = self.adaptive and not ask.ahead and (bool((w > 0).all()) or due)
             session.blocks += not ask.ahead
             runs = [k for k in range(len(self.views)) if scores or w[k] > 0]
             weights.append(w[runs])

@@ -3,6 +3,7 @@ chosen from verified tokens, greedy output equal to the target's, and the draft 
 from a config. (The sampled distribution through the mixed q: test_sampling_distribution.py.)"""
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -227,9 +228,9 @@ def test_a_server_rebuilt_without_its_caches_keeps_the_ensembles_prior():
 
 def test_a_mix_of_one_view_runs_that_view_alone_and_every_view_on_its_scoring_blocks(monkeypatch):
     """Where the block's mix weighs one view the other's row is not run, except on one block in
-    ``SCORE_EVERY``, which runs both, catches the skipped view up and alone is scored. What is
-    drafted (tokens and q, sampled) and what a scoring block keeps equal an ensemble that runs
-    every view every block."""
+    ``SCORE_EVERY`` from the session's phase, which runs both, catches the skipped view up and
+    alone is scored. What is drafted (tokens and q, sampled) and what a scoring block keeps equal
+    an ensemble that runs every view every block."""
     from specserve.replicas.drafts import ensemble
 
     model = perturbed(tiny_model("llama", seed=0), seed=1)
@@ -245,22 +246,24 @@ def test_a_mix_of_one_view_runs_that_view_alone_and_every_view_on_its_scoring_bl
         for block in range(6):
             rows.append("block")
             gen = torch.Generator().manual_seed(block)
-            proposal, = draft.propose_chains([ProposeRequest("s", list(context), 3, None, params)], [gen])
+            proposal, = draft.propose_chains([ProposeRequest("b", list(context), 3, None, params)], [gen])
             out.append((proposal.tokens, proposal.draft_probs))
-            pending = draft.sessions["s"].pending
+            pending = draft.sessions["b"].pending
             kept.append(None if pending is None else [(d.tokens, d.probs) for d in pending[2]])
             context += [*proposal.tokens[:2], 30 + block]   # two accepted, then the target's own token
         return out, kept, rows
 
-    lazy, lazy_kept, lazy_rows = blocks(4)
+    lazy, lazy_kept, lazy_rows = blocks(4)   # the shipped SCORE_EVERY
     every, every_kept, _ = blocks(1)
     for (tokens, q), (tokens_e, q_e) in zip(lazy, every):
         assert tokens == tokens_e and torch.allclose(q, q_e, atol=1e-6)
-    # Blocks 0 and 4 run both views (2 rows in their first forward) and are scored, the rest one row.
+    # Session "b"'s phase is 1: blocks 1 and 5 run both views (2 rows in their first forward) and
+    # are scored, the rest one row; block 0 never runs the other view's prefill of the prompt.
+    assert zlib.crc32(b"b") % 4 == 1
     firsts = [lazy_rows[i + 1] for i, r in enumerate(lazy_rows) if r == "block"]
-    assert firsts == [2, 1, 1, 1, 2, 1]
-    assert [k is not None for k in lazy_kept] == [True, False, False, False, True, False]
-    for k, k_e in ((lazy_kept[0], every_kept[0]), (lazy_kept[4], every_kept[4])):   # the caught-up view reads the same
+    assert firsts == [1, 2, 1, 1, 1, 2]
+    assert [k is not None for k in lazy_kept] == [False, True, False, False, False, True]
+    for k, k_e in ((lazy_kept[1], every_kept[1]), (lazy_kept[5], every_kept[5])):   # the caught-up view reads the same
         assert all(torch.equal(a, b) and torch.allclose(p, p_e, atol=1e-6) for (a, p), (b, p_e) in zip(k, k_e))
 
 
