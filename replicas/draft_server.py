@@ -274,11 +274,11 @@ class DraftServer:
             self._generators.pop(session_id, None)
         if self.pool is None:
             return {}
-        endings = endings if isinstance(endings, dict) else {}
         # On the model thread, which owns the caches.
         return await self._worker.run(self._release_caches, session_ids, endings)
 
-    def _release_caches(self, session_ids: list[str], endings: dict) -> dict[str, dict[str, int]]:
+    def _release_caches(self, session_ids: list[str], endings: dict | None = None) -> dict[str, dict[str, int]]:
+        endings = endings if isinstance(endings, dict) else {}
         left = {}
         for session_id in session_ids:
             self.pool.release(session_id)

@@ -196,6 +196,18 @@ def test_an_ensembles_session_gets_the_clusters_sums_with_its_first_ask_and_leav
     assert 0 < unended[0][2]["tabed_01_g10_positions"] < counts["tabed_01_g10_positions"]
 
 
+def test_the_start_up_cost_probe_proposes_through_an_ensemble_and_releases_its_sessions():
+    from specserve.replicas.cost_probe import draft_ms_per_position
+    from specserve.replicas.drafts.draft_lm import DraftLM
+    from specserve.replicas.engine import in_process_server
+    from tiny_models import VOCAB, perturbed
+
+    server = in_process_server("tabed", DraftLM("tabed", perturbed(tiny_model("llama", seed=0), seed=1)),
+                               ensemble={"turn_marker": [7, 3]})
+    assert draft_ms_per_position(server.propose_now, VOCAB, server.features_size) >= 0
+    assert server._batched.sessions == {}
+
+
 class Releasing:
     """A draft deployment stand-in that proposes nothing and answers a release with ``reply``."""
 
