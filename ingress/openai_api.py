@@ -354,7 +354,8 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Annotated[Literal["system", "developer", "user", "assistant", "tool"], Unicode]
-    content: Annotated[str | list[TextPart | ImagePart | VideoPart] | None, Unicode] = None
+    content: Annotated[str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]] | None,
+                       Unicode] = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: Text | None = None

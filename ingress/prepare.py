@@ -76,15 +76,25 @@ def speculation(spec, config: IngressConfig, default_draft: str) -> tuple[str, i
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """(message, param) of pydantic's errors for a body, the way OpenAI words a bad field."""
-    first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    """(message, param) of pydantic's errors for a body, the way OpenAI words a bad field: the
+    deepest error, the most specific (a union tried as each of its types errs in every one: a bad
+    content part is also "not a string"), its place without pydantic's labels of those types."""
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _type_label(part)]
+    loc = [part for i, part in enumerate(loc) if not i or part != loc[i - 1]]   # a content part's tag, then its field
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}): send a JSON object", None
     if param is None and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
         return "the body must be a JSON object (Content-Type: application/json) with the request's fields", None
     return (f"{param}: {first['msg']}" if param else first["msg"]), param
+
+
+def _type_label(part) -> bool:
+    """Whether a place in pydantic's error location names a type of a union it tried (``str``,
+    ``list[...]``), not a field. (A content part's type tag, ``video_url``, is followed by its
+    field of that name, and ``validation_message`` keeps one of the two.)"""
+    return isinstance(part, str) and (part == "str" or "[" in part)
 
 
 class Preparer:

@@ -175,4 +175,4 @@ def test_a_clip_answers_as_its_frames_shown_in_process_over_http_and_grpc(served
         with pytest.raises(grpc.RpcError) as err:
             stub.Complete(pb.CompletionRequest(model=MODEL, max_tokens=4, messages=[
                 pb.ChatMessage(role="user", content="hi", videos=[pb.Video(frames=[png(frames[0])], fps=0)])]), timeout=60)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fps" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "video_url.fps" in err.value.details()

@@ -176,3 +176,21 @@ def test_control_characters_are_content_but_not_names():
         with pytest.raises(ValidationError) as err:
             chat(**fields)
         assert err.value.errors()[0]["loc"][0] == param and err.value.errors()[0]["type"] == "control_character"
+
+
+@pytest.mark.parametrize("part, param, says", [
+    ({"type": "video_url", "video_url": {"frames": ["data:,"], "fps": 0}}, "messages.0.content.0.video_url.fps",
+     "greater than 0"),
+    ({"type": "video", "url": "x"}, "messages.0.content.0", "'text', 'image_url', 'video_url'"),
+    ({"type": "image_url"}, "messages.0.content.0.image_url", "Field required"),
+], ids=["bad-fps", "unknown-type", "missing-field"])
+def test_a_bad_content_part_is_a_400_that_names_its_field(part, param, says):
+    """A content part is one of a union: pydantic errs in each type it tried (also "not a
+    string"); the 400's message and param name the part's own field."""
+    from specserve.ingress.prepare import validation_message
+
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [
+            {"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]})
+    message, got = validation_message(err.value.errors())
+    assert got == param and message.startswith(param) and says in message, message
