@@ -185,9 +185,6 @@ def _clip(url: str, fps: float | None, limits: ImageLimits, param: str, deadline
     """An animated picture's sampled frames, as RGB, at ``fps`` or its own frame rate."""
     picture = _open(image_bytes(url, limits, param, deadline), limits, param)
     with picture:
-        duration = picture.info.get("duration")
-        if fps is None and isinstance(duration, (int, float)) and 0 < duration < float("inf"):
-            fps = 1000.0 / duration
         try:
             count = getattr(picture, "n_frames", 1)
         except Exception as err:   # a damaged animation: counting its frames reads their headers
@@ -203,6 +200,10 @@ def _clip(url: str, fps: float | None, limits: ImageLimits, param: str, deadline
             for i in chosen:
                 picture.seek(i)
                 frames.append(picture.convert("RGB"))
+                if fps is None and i == 0:   # its duration, read once the frame is (WebP's is not before)
+                    duration = picture.info.get("duration")
+                    if isinstance(duration, (int, float)) and 0 < duration < float("inf"):
+                        fps = 1000.0 / duration
         except Exception as err:   # truncated or corrupt frame data
             raise _bad(f"the clip's frame {i} could not be decoded ({type(err).__name__}); send a valid animated "
                        "GIF, WebP or PNG", param) from None

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from specserve.replicas.lantern import MAX_K as LANTERN_MAX_K
@@ -336,6 +337,21 @@ class VideoPart(BaseModel):
     video_url: VideoURL
 
 
+_PART_TYPES = {"text": "TextPart", "image_url": "ImagePart", "video_url": "VideoPart"}
+
+
+def _part_type(part) -> str | None:
+    return _PART_TYPES.get(part.get("type") if isinstance(part, dict) else getattr(part, "type", None))
+
+
+# A content part, picked by its type: a bad part's errors are its own type's alone (tagged by its
+# class's name, which an error's place leaves out: ``prepare.validation_message``).
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("TextPart")] | Annotated[ImagePart, Tag("ImagePart")] | Annotated[VideoPart, Tag("VideoPart")],
+    Discriminator(_part_type, custom_error_type="invalid_part",
+                  custom_error_message="a content part's type is 'text', 'image_url' or 'video_url'")]
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: Text
@@ -354,8 +370,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Annotated[Literal["system", "developer", "user", "assistant", "tool"], Unicode]
-    content: Annotated[str | list[Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]] | None,
-                       Unicode] = None
+    content: Annotated[str | list[ContentPart] | None, Unicode] = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: Text | None = None

@@ -81,7 +81,6 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     content part is also "not a string"), its place without pydantic's labels of those types."""
     first = max(errors, key=lambda e: len(e.get("loc", ())))
     loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _type_label(part)]
-    loc = [part for i, part in enumerate(loc) if not i or part != loc[i - 1]]   # a content part's tag, then its field
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])}): send a JSON object", None
@@ -92,9 +91,9 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 def _type_label(part) -> bool:
     """Whether a place in pydantic's error location names a type of a union it tried (``str``,
-    ``list[...]``), not a field. (A content part's type tag, ``video_url``, is followed by its
-    field of that name, and ``validation_message`` keeps one of the two.)"""
-    return isinstance(part, str) and (part == "str" or "[" in part)
+    ``int``, ``list[...]``, a model's class: ``NamedToolChoice``, ``VideoPart``), not a field
+    (the API's fields are lower case)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or part[:1].isupper())
 
 
 class Preparer:

@@ -114,14 +114,14 @@ def clip_preparer(config, image_processor):
             if not units and times[-1] >= max(rows, columns):
                 raise ValueError(f"a clip of {len(frames)} frames ({patches} temporal patches) reaches time step "
                                  f"{times[-1]} on a grid of {rows} x {columns} image tokens, past the "
-                                 f"{max(rows, columns) - 1} its longer side allows: send fewer or larger frames"
-                                 + ("" if per_second is None else ", or a higher fps"))
+                                 f"{max(rows, columns) - 1} its longer side allows: send a shorter clip (fewer "
+                                 "frames, or frames of a shorter time) or larger frames")
             copies = [u.pixels.reshape(rows, columns, -1, step, area) for u in shown]   # [..., time, patch²]
             pixels = torch.stack([c[..., j, :] for j, c in enumerate(copies)], dim=-2).reshape(rows, columns, width)
             advance = times[k] - times[k - 1] if k else 1
             if advance > MAX_ADVANCE:
-                raise ValueError(f"a clip's patches {advance} time steps apart (more than {MAX_ADVANCE}): "
-                                 "send a higher fps")
+                raise ValueError(f"a clip's patches {advance} time steps apart, more than the {MAX_ADVANCE} an id carries: "
+                                 "send frames closer in time")
             units.append(PictureUnit(pixels, shown[0].grid, continues=bool(units), advance=advance))
         return PreparedPicture(tuple(units), (None,) * len(units))
     return prepare_clip

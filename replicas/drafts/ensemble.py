@@ -231,7 +231,8 @@ class EnsembleDraftLM(BatchedDraftLM):
         carries = self.adaptive and distance == "matches" and len(views) > 1 and len(self.candidates) <= MAX_CANDIDATES
         self.carried_prefix = prefix([VIEWS.index(v) for v in self.views], grid) if carries else None
         self.sessions: dict[str, _Session] = {}
-        self._cost = COST_TIE_BREAK * (self.candidates > 0).sum(1)   # [J]: the views each mix runs
+        # [J]: the views each mix runs, in float64: beside a float32 sum of a few hits, 1e-7 rounds away.
+        self._cost = COST_TIE_BREAK * (self.candidates > 0).sum(1).double()
 
     @property
     def max_sessions(self) -> int:
@@ -277,9 +278,9 @@ class EnsembleDraftLM(BatchedDraftLM):
             mean, positions = session.cluster
             total, weight = total + positions * mean, weight + positions
         if weight <= 0:
-            return self.candidates[0 if own is None else int(torch.argmin(own + self._cost))]
-        prior = PRIOR_TIE_BREAK * total / weight
-        return self.candidates[int(torch.argmin((prior if own is None else own + prior) + self._cost))]
+            return self.candidates[0 if own is None else int(torch.argmin(own.double() + self._cost))]
+        prior = PRIOR_TIE_BREAK * total.double() / weight
+        return self.candidates[int(torch.argmin((prior if own is None else own.double() + prior) + self._cost))]
 
     def cluster_prior(self, sums) -> tuple[torch.Tensor, float] | None:
         """The cluster's carried sums (``ProposeRequest.carried``) as a prior: each candidate's mean

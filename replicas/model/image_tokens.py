@@ -21,10 +21,12 @@ the prompt.
 The digest is 39 bits of BLAKE2b over the prepared unit (pixels, shape, grid, size: the same
 picture sent as PNG or as JPEG that decodes to the same pixels is one picture). The digest field's
 top bit (``CLIP_FLAG``) marks a unit that continues the clip of the unit just before it: Qwen2-VL
-reads a clip as temporal patches (two frames a patch), each a unit on the same grid, whose tokens
-sit at the clip's first position plus their patch's time (``mrope.py``). Such a unit's field keeps
-31 bits of content and, in the 8 above them, how many time steps it sits after the patch before
-it (``PictureUnit.advance``: one for Qwen2-VL, the clip's frame rate's for Qwen2.5-VL).
+and Qwen2.5-VL read a clip as temporal patches (two frames a patch), each a unit on the same
+grid, whose tokens sit at the clip's first position plus their patch's time (``mrope.py``). Such
+a unit's field keeps 31 bits of content and, in the 8 above them, how many time steps it sits
+after the patch before it (``PictureUnit.advance``: one for Qwen2-VL, the clip's frame rate's for
+Qwen2.5-VL). Two units of one digest are told apart when the second arrives (``ImageStore.add``
+refuses it), so a collision fails a request rather than showing it another picture.
 """
 
 from __future__ import annotations
@@ -188,6 +190,12 @@ class PreparedPicture:
         return out
 
 
+def _same(a: PictureUnit, b: PictureUnit) -> bool:
+    return (a.grid, a.size, a.continues, a.advance, a.pixels.shape) == (b.grid, b.size, b.continues, b.advance,
+                                                                      b.pixels.shape) \
+        and torch.equal(a.pixels, b.pixels.to(a.pixels.device, a.pixels.dtype))
+
+
 class ImageStore:
     """The pictures one target has been shown: ids for each, embeddings on demand.
 
@@ -241,14 +249,22 @@ class ImageStore:
     def add(self, unit: PictureUnit) -> list[int]:
         """The ids of a prepared unit's image tokens (the ingress sends units with a request)."""
         if not isinstance(unit, PictureUnit) or not isinstance(unit.pixels, torch.Tensor) \
-                or not isinstance(unit.grid, Grid) or type(unit.advance) is not int:
+                or not isinstance(unit.grid, Grid):
             raise ValueError(f"a picture must come prepared as a PictureUnit, not {type(unit).__name__}")
+        if type(unit.advance) is not int:
+            raise ValueError(f"a clip's patch advances a whole number of time steps, not {unit.advance!r}")
         Grid.of(unit.grid.count, unit.grid.columns)   # within the grid ids can name
         if not unit.pixels.is_floating_point() or not bool(torch.isfinite(unit.pixels).all()):
             raise ValueError("a picture's pixels must be finite floating-point numbers")
         if self.check is not None:
             self.check(unit)
         digest = picture_digest(unit)
+        known = self._units.get(digest)
+        if known is None:
+            self._rows.pop(digest, None)   # rows kept past their unit cannot be told from another's
+        elif not _same(known, unit):
+            raise ValueError("this picture's digest names another picture the replica holds (a collision): "
+                             "send it again later")
         self._remember(self._units, digest, unit)
         if digest in self._rows:
             self._rows.move_to_end(digest)

@@ -181,9 +181,11 @@ def test_control_characters_are_content_but_not_names():
 @pytest.mark.parametrize("part, param, says", [
     ({"type": "video_url", "video_url": {"frames": ["data:,"], "fps": 0}}, "messages.0.content.0.video_url.fps",
      "greater than 0"),
-    ({"type": "video", "url": "x"}, "messages.0.content.0", "'text', 'image_url', 'video_url'"),
+    ({"type": "video", "url": "x"}, "messages.0.content.0", "'text', 'image_url' or 'video_url'"),
     ({"type": "image_url"}, "messages.0.content.0.image_url", "Field required"),
-], ids=["bad-fps", "unknown-type", "missing-field"])
+    ({"type": "image_url", "image_url": {"url": "data:,"}, "detail": "low"}, "messages.0.content.0.detail",
+     "Extra inputs"),
+], ids=["bad-fps", "unknown-type", "missing-field", "extra-field"])
 def test_a_bad_content_part_is_a_400_that_names_its_field(part, param, says):
     """A content part is one of a union: pydantic errs in each type it tried (also "not a
     string"); the 400's message and param name the part's own field."""
@@ -194,3 +196,12 @@ def test_a_bad_content_part_is_a_400_that_names_its_field(part, param, says):
             {"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]})
     message, got = validation_message(err.value.errors())
     assert got == param and message.startswith(param) and says in message, message
+
+
+def test_a_bad_named_tool_choice_is_a_400_at_its_field():
+    from specserve.ingress.prepare import validation_message
+
+    with pytest.raises(ValidationError) as err:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "tool_choice": {"type": "function", "function": {}}})
+    assert validation_message(err.value.errors())[1] == "tool_choice.function.name"

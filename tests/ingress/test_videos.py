@@ -141,8 +141,9 @@ def test_a_clip_of_more_temporal_patches_than_its_grid_is_wide_is_a_400(qwen2_vl
         qwen2_vl_preparer._prepare(long, long.messages[0].media())
 
 
-def test_a_clips_frame_rate_is_the_requests_or_the_animations_own_times_the_share_sampled():
-    animation = clip_url(40)   # 40 ms a frame: 25 frames a second, 4 of 40 sampled
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP", "PNG"])
+def test_a_clips_frame_rate_is_the_requests_or_the_animations_own_times_the_share_sampled(fmt):
+    animation = clip_url(40, fmt)   # 40 ms a frame: 25 frames a second, 4 of 40 sampled
     assert decode_media(message({"type": "video_url", "video_url": {"url": animation}}).messages[0].media(),
                         LIMITS)[0].fps == pytest.approx(2.5)
     assert decode_media(message({"type": "video_url", "video_url": {"url": animation, "fps": 10}}).messages[0].media(),
@@ -173,7 +174,7 @@ def test_a_grpc_clip_carries_its_frame_rate_only_where_it_is_set():
 def test_qwen2_5_vl_places_a_clips_patches_in_time_by_its_frame_rate(tmp_path):
     """Qwen2.5-VL's class (4 tokens a second): 2 frames a patch at the request's 4 frames a second
     is 2 steps a patch; frames without a rate read at 2 a second (4 steps); a rate that spreads
-    the patches past the grid is a 400 that says to raise it."""
+    the patches past the grid is a 400."""
     from specserve.ingress.config import IngressConfig
     from specserve.ingress.prepare import Preparer
     from specserve.replicas.model.image_tokens import cell, clip_advance, starts_picture
@@ -191,7 +192,7 @@ def test_qwen2_5_vl_places_a_clips_patches_in_time_by_its_frame_rate(tmp_path):
 
     assert advances({"frames": urls, "fps": 4}) == [2]
     assert advances({"frames": urls}) == [4]
-    with pytest.raises(OpenAIError, match="reaches time step 8 .*higher fps") as err:
+    with pytest.raises(OpenAIError, match="reaches time step 8 .*shorter clip") as err:
         advances({"frames": urls, "fps": 1})
     assert err.value.status == 400
 

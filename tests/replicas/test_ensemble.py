@@ -272,6 +272,11 @@ def test_ties_go_to_the_mix_of_fewer_views():
     learned_from(draft, "a", FULL_RIGHT, (5, 11))   # w_full 0.9 and 1.0 both hit twice: 1.0 runs one view
     assert draft.weights_for("a").tolist() == [1.0, 0.0]
     assert draft.weights_for("fresh").tolist() == [1.0, 0.0]   # from the prior, the same
+    # Many tied hits: the sums grow past where float32 holds the tie-break, and it still decides.
+    even = torch.tensor([[0.5, 0.5], [0.5, 0.5]])   # both views alike: every mix hits
+    for _ in range(40):
+        learned_from(draft, "long", even, (5, 11))
+    assert float(draft.sessions["long"].total.min()) <= -80 and int((draft.weights_for("long") > 0).sum()) == 1
 
 
 def test_bad_settings_are_refused():

@@ -534,7 +534,7 @@ def test_qwen2_vl_classes_read_a_clip_as_temporal_patches_others_as_frames():
     frames = [Image.new("RGB", (32, 32), (10 * k, 0, 0)) for k in range(4)]   # 4 x 4 tokens, 2 patches
     assert DEFAULT_CLIP_FPS == 2.0 and [u.advance for u in prepare(frames).units[1:]] == [2]
     assert [u.advance for u in prepare(frames, 1.5).units[1:]] == [2]           # 8/3 steps, rounded down
-    with pytest.raises(ValueError, match=r"reaches time step 4 .* past the 3 its longer side allows.*higher fps"):
+    with pytest.raises(ValueError, match=r"reaches time step 4 .* past the 3 its longer side allows: send a shorter clip"):
         prepare(frames, 1.0)
     for fps in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="frame rate"):
@@ -563,6 +563,22 @@ def test_a_unit_that_does_not_fit_the_vision_tower_is_refused_as_it_arrives(vlm)
     patches = qwen.prepare(picture(2).resize((48, 24)))
     assert patches.grid == Grid(10, 5)
     qwen.add(patches)
-    for unit in (PictureUnit(patches.pixels, Grid(10, 2)), PictureUnit(patches.pixels[..., :-1], patches.grid)):
+    for unit in (PictureUnit(patches.pixels, Grid(10, 2)), PictureUnit(patches.pixels[..., :-1], patches.grid),
+                 PictureUnit(patches.pixels, patches.grid, continues=True, advance=2.5),
+                 PictureUnit(patches.pixels, patches.grid, continues=True, advance=300)):
         with pytest.raises(ValueError):
             qwen.add(unit)
+
+
+def test_two_pictures_of_one_digest_are_refused_not_confused(vlm, monkeypatch):
+    """A digest names 31-39 bits of a picture: should two pictures share one, the second is
+    refused as it arrives (its request fails alone) rather than read as the first."""
+    from specserve.replicas.model import image_tokens
+
+    _, _, store = vlm
+    first, second = store.prepare(picture(1)), store.prepare(picture(2))
+    monkeypatch.setattr(image_tokens, "picture_digest", lambda unit: 12345)
+    ids = store.add(first)
+    assert store.add(first) == ids   # the same picture again
+    with pytest.raises(ValueError, match="collision"):
+        store.add(second)
