@@ -434,7 +434,7 @@ class EnsembleDraftLM(BatchedDraftLM):
                     chosen_q[i].append(q if head is None else q.new_zeros(vocab).index_copy_(0, head, q))
                 drafted[i].append(tok)
                 token_probs[i].append(float(q[at]))
-                if scoring[i]:   # static weights never look back
+                if scoring[i]:   # a scoring block keeps every view's probabilities (static weights never look back)
                     kept[i].append(self._keep(views_q, tok, head))
                 if depth + 1 < ask.window:
                     feeds.extend(Feed(s, [tok]) for s in row)

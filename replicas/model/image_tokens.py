@@ -191,8 +191,8 @@ class PreparedPicture:
 
 
 def _same(a: PictureUnit, b: PictureUnit) -> bool:
-    return (a.grid, a.size, a.continues, a.advance, a.pixels.shape) == (b.grid, b.size, b.continues, b.advance,
-                                                                      b.pixels.shape) \
+    """Whether two units of one digest are one (the digest already holds ``continues`` and ``advance``)."""
+    return (a.grid, a.size, a.pixels.shape) == (b.grid, b.size, b.pixels.shape) \
         and torch.equal(a.pixels, b.pixels.to(a.pixels.device, a.pixels.dtype))
 
 
