@@ -154,10 +154,11 @@ def zoo_vlm(
     fine_tune: bool = typer.Option(False, "--fine-tune", help="A later stage: from the shipped weights, all eight "
                                    "questions, the worn-down ones twice (400 steps of 16; about an hour on 2 CPU cores)."),
     clips: bool = typer.Option(False, "--clips", help="The video stage: from the shipped weights, clips of 2-8 "
-                               "frames beside every picture question (240 steps of 8 rows, half of them clips)."),
+                               "frames beside every picture question, the language model adapted too (360 steps of 8 rows, half of them clips)."),
 ) -> None:
     """Train the reference VLM's vision tower and projector on synthetic pictures (the language
-    model is the reference target, frozen); resumes from its checkpoint when run again."""
+    model is the reference target, frozen; --clips adapts it too, a video model of its own);
+    resumes from its checkpoint when run again."""
     from specserve.replicas.model_store import targets_dir
     from specserve.replicas.vlm import REFERENCE_VLM
     from specserve.training import vlm_train

@@ -15,7 +15,9 @@ patches: 64 image tokens) and LLaVA's two-layer projector, trained from scratch 
 here (``data/synthetic_images.py``, ``training/vlm_train.py``), feeding the reference target,
 frozen. Its zoo folder stores only the vision tower and projector and names the target in
 ``text_from``; loading copies the target's own weights in, as the zoo drafts share the target's
-embeddings. The placeholder is the target's unused special token ``<empty_output>``: the language
+embeddings. The video model (``smollm2-vlm-video``) also stores low-rank deltas to the language
+model (``TEXT_LORA``), folded into the copied weights at load; embeddings and output rows stay
+the target's. The placeholder is the target's unused special token ``<empty_output>``: the language
 model's vocabulary stays the target's, so every text draft still fits it (a new ``<image>`` token
 would grow the tied embedding and output rows).
 """
@@ -44,6 +46,9 @@ REFERENCE_VLM = "smollm2-vlm"
 # The reference VLM taught clips as well (``zoo vlm --clips``): a target of its own, so that the
 # drafts trained on ``REFERENCE_VLM``'s answers stay matched to it.
 REFERENCE_VIDEO_VLM = "smollm2-vlm-video"
+# A folder's low-rank deltas to the language model ``text_from`` names (``training/lora.py``), and
+# the config field holding their rank and alpha.
+TEXT_LORA = "text_lora.safetensors"
 # The classes whose processors hold a video processor (torchvision's).
 VIDEO_PROCESSOR_TYPES = ("qwen2_vl", "qwen2_5_vl", "llava_onevision")
 
@@ -129,6 +134,30 @@ def attach_text(model: LlavaForConditionalGeneration, text: LoadedModel) -> None
         model.tie_weights()
 
 
+def merge_text_lora(model, tensors: dict[str, torch.Tensor], rank: int, alpha: float) -> None:
+    """Fold low-rank deltas into the language model: ``W + (alpha / rank) · B A`` for each layer
+    named by a ``<layer>.lora_A`` / ``<layer>.lora_B`` pair (LoRA, as ``training/lora.py`` trains
+    it). Every name must be a linear layer of the language model and every shape fit it."""
+    body = _text_model(model)
+    layers = {k.removesuffix(".lora_A") for k in tensors if k.endswith(".lora_A")}
+    if not layers or {f"{n}.lora_{m}" for n in layers for m in "AB"} != set(tensors):
+        raise ValueError("text LoRA tensors must come in <layer>.lora_A / <layer>.lora_B pairs")
+    fitted = []   # every pair checked before any weight changes: a refused set changes nothing
+    for name in sorted(layers):
+        try:
+            linear = body.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"text LoRA names {name!r}, which the language model does not have") from None
+        a, b = tensors[f"{name}.lora_A"].float(), tensors[f"{name}.lora_B"].float()
+        if (not isinstance(linear, torch.nn.Linear) or a.shape != (rank, linear.in_features)
+                or b.shape != (linear.out_features, rank)):
+            raise ValueError(f"text LoRA for {name!r} does not fit it (rank {rank})")
+        fitted.append((linear, a, b))
+    with torch.no_grad():
+        for linear, a, b in fitted:
+            linear.weight.copy_((linear.weight.float() + (alpha / rank) * (b @ a)).to(linear.weight.dtype))
+
+
 def build_vlm(text: LoadedModel, config: LlavaConfig) -> LlavaForConditionalGeneration:
     """A new VLM: the vision tower and projector at their initial weights, ``text``'s language model."""
     dtype = text.model.dtype
@@ -158,6 +187,12 @@ def load_vlm(name_or_path: str = REFERENCE_VLM, dtype: str = "auto",
         text = load_causal_lm(text_from, dtype=dtype, device="cpu")
         attach_text(model, text)
         model.generation_config = text.model.generation_config   # its end-of-turn tokens
+        if getattr(config, "text_lora", None):
+            from safetensors.torch import load_file
+
+            merge_text_lora(model, load_file(path / TEXT_LORA), **config.text_lora)
+    elif getattr(config, "text_lora", None):
+        raise ValueError(f"{path} names text_lora but no text_from: the adapters fit the model text_from names")
     processor = load_processor(path)
     return LoadedModel(name=Path(name_or_path).name, model=model.to(device).eval(), tokenizer=processor)
 

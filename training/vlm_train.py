@@ -2,13 +2,16 @@
 
     specserve zoo vlm [--steps N] [--device cuda]    # resumable: run it again to go on; exports at the end
     specserve zoo vlm --fine-tune                    # a later stage from the shipped weights
+    specserve zoo vlm --clips                        # the video model: clips too, the language model adapted
 
 LLaVA's first stage, made to learn vision from nothing: each step draws a batch of synthetic
 pictures with their questions (``data/synthetic_images.py``; seeds count up, so a run and its
 resumption see each picture once), and the loss is the cross-entropy of the language model on the
 answer tokens (and the ``<|im_end|>`` that ends them) given the prompt with the picture's 64
 image tokens. Only the vision tower (SigLIP, 4 layers of 256) and the projector learn; the
-language model and its output rows stay the target's, so its text behaviour is unchanged.
+language model and its output rows stay the target's, so its text behaviour is unchanged. The
+video stage (``--clips``) adapts the language model as well (``training/lora.py``): its export is
+a target of its own.
 
 A later stage (``--fine-tune``, ``FINE_TUNE``) starts from the shipped weights at a lower learning
 rate. The second taught the two questions whose answers are text about the whole picture,
@@ -41,7 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from specserve.data.synthetic_clips import CLIP_CATEGORIES, clip_example
 from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example, normalise_answer
 from specserve.replicas.model_store import REFERENCE_TARGET, load_causal_lm, model_cache_dir, targets_dir
-from specserve.replicas.vlm import (CHAT_TEMPLATE, REFERENCE_VLM, build_processor, build_vlm, expand_image_tokens,
+from specserve.replicas.vlm import (CHAT_TEMPLATE, REFERENCE_VLM, TEXT_LORA, build_processor, build_vlm, expand_image_tokens,
                                     image_processor, reference_vlm_config, text_weights)
 from specserve.training.schedule import warmup_cosine
 
@@ -59,19 +62,29 @@ class VLMRecipe:
     # "row-mean": each row's answer tokens averaged, then the rows; "token-mean": every answer token
     # of the batch averaged (how the first two stages trained).
     loss: str = "row-mean"
+    # Low-rank adapters on the language model (``training/lora.py``): 0 keeps it frozen, the
+    # reference target; a stage that adapts it makes a target of its own.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_lr: float = 5e-4
 
 
 RECIPE = VLMRecipe()
 FINE_TUNE = VLMRecipe(steps=400, batch=16, lr=1.5e-4, warmup_steps=20, eval_every=100, eval_per_category=16,
                       categories=(*CATEGORIES, "word", "dots", "digits"))
 # The video stage: clips (``data/synthetic_clips.py``, 2-8 frames a row) beside every picture
-# question, so that the picture skills are kept while the clips are learned.
-CLIPS = VLMRecipe(steps=240, batch=8, lr=1.5e-4, warmup_steps=20, eval_every=60, eval_per_category=16,
-                  categories=(*CATEGORIES, *CLIP_CATEGORIES * 4))
+# question, so that the picture skills are kept while the clips are learned. The language model
+# learns too (low-rank adapters): comparing frames needs it (docs/benchmarks.md §8.12). With
+# batches of 8 drawn in one process (``workers`` 0) the steps alternate between the 8 picture
+# questions and clips, so a batch of pictures is not padded to its longest clip.
+CLIPS = VLMRecipe(steps=360, batch=8, lr=1.5e-4, warmup_steps=20, eval_every=90, eval_per_category=16,
+                  categories=(*CATEGORIES, *CLIP_CATEGORIES * 4), lora_rank=8)
 # Greedy tokens an answer may take when scored: a description runs to ~45.
 ANSWER_TOKENS = {"caption": 20, "describe": 64, "sequence": 24}
-# What learns (and what a checkpoint and an export hold): the tower and the projector.
+# What learns (and what a checkpoint and an export hold): the tower and the projector, and the
+# language model's adapters where a stage has them.
 LEARNED = ("model.vision_tower.", "model.multi_modal_projector.")
+TEXT_BODY = "model.language_model."
 
 
 def prompt_ids(tokenizer, config, question: str, pictures: int = 1) -> list[int]:
@@ -176,7 +189,7 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = True
 
 def trainable(model) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items()
-            if k.startswith(LEARNED)}
+            if k.startswith(LEARNED) or ".lora." in k}
 
 
 def default_work() -> Path:
@@ -192,8 +205,8 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
     ``max_seconds``: stop (evaluated and saved) once a step ends past this many seconds; run again
     to go on. ``workers``: DataLoader processes drawing the pictures.
 
-    The language model runs in bfloat16; the vision tower and projector learn in float32 under
-    bfloat16 autocast."""
+    The language model runs in bfloat16; the vision tower, the projector and the language model's
+    adapters (``recipe.lora_rank``) learn in float32 under bfloat16 autocast."""
     from tqdm import tqdm
 
     recipe = VLMRecipe(**{**asdict(recipe), **({"steps": steps} if steps else {}), **({"batch": batch} if batch else {})})
@@ -202,6 +215,14 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
     device = torch.device(device or "cpu")
     work = Path(work or default_work())
     work.mkdir(parents=True, exist_ok=True)
+    checkpoint = work / "checkpoint.pt"
+    state = torch.load(checkpoint, map_location=device) if checkpoint.exists() else None
+    if state is not None and state.get("recipe", {}).get("lora_rank", 0) != recipe.lora_rank:
+        raise ValueError(f"{checkpoint} was trained with LoRA rank {state.get('recipe', {}).get('lora_rank', 0)}, "
+                         f"this stage has {recipe.lora_rank}: give it a work folder of its own")
+    if state is None and start_from is not None and json.loads((Path(start_from) / "config.json").read_text()).get("text_lora"):
+        raise ValueError(f"{start_from} adapts its language model: a stage starts from a VLM whose "
+                         "language model is the reference target's")
     text = load_causal_lm(REFERENCE_TARGET, dtype="bfloat16", device=device)
     tokenizer = text.tokenizer
     config = reference_vlm_config(text.model.config)
@@ -213,16 +234,22 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
     for p in learned:
         p.data = p.data.float()
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(learned, lr=recipe.lr, weight_decay=recipe.weight_decay)
+    groups, peaks = [{"params": learned}], [recipe.lr]   # the peaks are the recipe's, not a checkpoint's
+    if recipe.lora_rank:
+        from specserve.training.lora import add_lora
+
+        adapters = add_lora(model.model.language_model, recipe.lora_rank, recipe.lora_alpha)
+        groups.append({"params": adapters})
+        peaks.append(recipe.lora_lr)
+        learned = learned + adapters
+    optimizer = torch.optim.AdamW(groups, lr=recipe.lr, weight_decay=recipe.weight_decay)
     start, log, earlier = 0, [], []
-    checkpoint = work / "checkpoint.pt"
-    if not checkpoint.exists() and start_from is not None:
+    if state is None and start_from is not None:
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(Path(start_from) / "model.safetensors"), strict=False)
         earlier = stages(json.loads((Path(start_from) / "training_log.json").read_text()))
-    if checkpoint.exists():
-        state = torch.load(checkpoint, map_location=device)
+    if state is not None:
         model.load_state_dict(state["weights"], strict=False)
         if "optimizer" in state:   # a weights-only checkpoint restarts Adam's moments
             optimizer.load_state_dict(state["optimizer"])
@@ -236,8 +263,8 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
     began = time.perf_counter()
     for step in bar:
         rows = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-        for group in optimizer.param_groups:
-            group["lr"] = warmup_cosine(recipe.lr, step, recipe.warmup_steps, recipe.steps)
+        for group, peak in zip(optimizer.param_groups, peaks):
+            group["lr"] = warmup_cosine(peak, step, recipe.warmup_steps, recipe.steps)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             labels = rows.pop("labels")
             loss = answer_loss(model(**rows).logits, labels, per_row=recipe.loss == "row-mean")
@@ -268,8 +295,9 @@ def train(steps: int | None = None, batch: int | None = None, device: str | None
 
 
 def export(work: Path | None = None, out: Path | None = None) -> Path:
-    """The checkpoint's vision tower and projector (bfloat16), the config naming the target
-    (``text_from``), the processor and a model card, into the package's targets folder."""
+    """The checkpoint's vision tower and projector (bfloat16), the language model's adapters where
+    the stage had them (``TEXT_LORA``, named in the config's ``text_lora``), the config naming the
+    target (``text_from``), the processor and the training log, into the package's targets folder."""
     from safetensors.torch import save_file
 
     work = Path(work or default_work())
@@ -280,8 +308,19 @@ def export(work: Path | None = None, out: Path | None = None) -> Path:
     config.architectures = ["LlavaForConditionalGeneration"]
     out = Path(out or targets_dir() / REFERENCE_VLM)
     out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v for k, v in state["weights"].items() if ".lora." not in k}
+    from specserve.training.lora import lora_tensors
+
+    adapters = lora_tensors(state["weights"], TEXT_BODY)
+    recipe = state["recipe"]
+    if adapters:
+        config.text_lora = {"rank": recipe["lora_rank"], "alpha": recipe["lora_alpha"]}
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in adapters.items()}, out / TEXT_LORA,
+                  metadata={"format": "pt"})
+    else:
+        (out / TEXT_LORA).unlink(missing_ok=True)
     config.save_pretrained(out)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state["weights"].items()}, out / "model.safetensors",
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()}, out / "model.safetensors",
               metadata={"format": "pt"})
     build_processor(text.tokenizer, config).save_pretrained(out)
     stage = {"recipe": state["recipe"], "steps": state["step"], "accuracy": [e for e in state["log"] if "accuracy" in e],
@@ -309,13 +348,19 @@ def write_card(out: Path, per_category: int = 50, dtype: str = "bfloat16") -> Pa
     accuracy = evaluate(vlm.model, vlm.tokenizer.tokenizer, per_category, categories=asked)
     seconds = time.perf_counter() - began
     tables = "\n\n".join(_stage_text(i, stage) for i, stage in enumerate(log))
+    lora = json.loads((out / "config.json").read_text()).get("text_lora")
+    language = (f"""the reference target's language model ({REFERENCE_TARGET}: its weights load from the target
+at start) with low-rank adapters (LoRA rank {lora['rank']}, alpha {lora['alpha']:g}, on every attention and MLP
+projection; {(out / TEXT_LORA).stat().st_size / 1e6:.1f} MB, folded into the weights at load), reading""" if lora else
+                f"""the reference target ({REFERENCE_TARGET}, frozen: its weights
+load from the target at start) reading""")
+    stored = "they are stored here, the adapters beside them" if lora else "only they are stored"
     card = f"""# {out.name}
 
-The reference vision-language model: the reference target ({REFERENCE_TARGET}, frozen: its weights
-load from the target at start) reading 64 image tokens per 96x96 picture from a SigLIP vision
+The reference vision-language model: {language} 64 image tokens per 96x96 picture from a SigLIP vision
 tower (4 layers, 256 wide, 12 px patches) through LLaVA's two-layer projector (a standard
 transformers `LlavaForConditionalGeneration`). The tower and projector were trained from scratch
-here; only they are stored (bfloat16, {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB).
+here; {stored} (bfloat16, {(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB).
 The image placeholder is the target's unused special token `<empty_output>`.
 
 - **Data**: synthetic pictures drawn with Pillow, one fresh picture per row
@@ -354,7 +399,7 @@ def _stage_text(index: int, stage: dict) -> str:
     return f"""  Stage {index + 1}: `{command}`: {stage['steps']} steps of {recipe['batch']} pictures
   ({stage['steps'] * recipe['batch']:,} pictures, {minutes:.1f} min on {where}) asking {', '.join(asked)}{
     f" ({', '.join(weighed)} more often)" if weighed else ""};
-  AdamW lr {recipe['lr']} (warm-up {recipe['warmup_steps']} steps, cosine over {recipe['steps']:,}{stopped}); loss {loss}.
+  AdamW lr {recipe['lr']}{f" (the adapters' {recipe['lora_lr']})" if recipe.get('lora_rank') else ""} (warm-up {recipe['warmup_steps']} steps, cosine over {recipe['steps']:,}{stopped}); loss {loss}.
 
 {header}
 {rule}

@@ -97,3 +97,44 @@ def test_clips_of_several_frame_counts_are_scored_together():
     vlm = load_vlm("smollm2-vlm", dtype="float32", device="cpu")
     accuracy = evaluate(vlm.model, vlm.tokenizer.tokenizer, 4, categories=("moves",))
     assert set(accuracy) == {"moves", "mix"} and accuracy["moves"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def test_a_stage_with_adapters_exports_them_and_the_load_folds_them_into_the_language_model(tmp_path):
+    from safetensors.torch import load_file
+    from specserve.replicas.vlm import TEXT_LORA
+
+    recipe = VLMRecipe(steps=1, batch=2, eval_every=100, eval_per_category=1, warmup_steps=1, lora_rank=2,
+                       lora_alpha=4.0, lora_lr=1e-2, categories=("shape", "moves"))
+    work = train(work=tmp_path / "work", progress=False, recipe=recipe)
+    first = torch.load(work / "checkpoint.pt")["weights"]
+    train(steps=3, work=work, progress=False, recipe=recipe)   # resumed: the adapters go on from step 1
+    state = torch.load(work / "checkpoint.pt")
+    key = "model.language_model.layers.3.mlp.down_proj.lora.B"
+    assert state["step"] == 3 and first[key].abs().max() > 0 and not torch.equal(state["weights"][key], first[key])
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [pytest.approx(recipe.lr * 0.5),
+                                                                   pytest.approx(recipe.lora_lr * 0.5)]
+    with pytest.raises(ValueError, match="LoRA rank 2"):
+        train(steps=4, work=work, progress=False, recipe=VLMRecipe(eval_every=100, lora_rank=4))
+    out = export(work=work, out=tmp_path / "vlm")
+    with pytest.raises(ValueError, match="adapts its language model"):
+        train(work=tmp_path / "later", progress=False, recipe=recipe, start_from=out)
+    adapters = load_file(out / TEXT_LORA)
+    a, b = adapters["layers.3.mlp.down_proj.lora_A"].float(), adapters["layers.3.mlp.down_proj.lora_B"].float()
+    assert a.shape[0] == b.shape[1] == 2 and b.abs().max() > 0   # one step at lr 1e-2 moved B from zero
+    vlm = load_vlm(str(out), dtype="float32", device="cpu").model
+    text = load_causal_lm(dtype="float32", device="cpu").model
+    expected = text.model.layers[3].mlp.down_proj.weight + 2.0 * (b @ a)
+    torch.testing.assert_close(vlm.model.language_model.layers[3].mlp.down_proj.weight, expected)
+    assert torch.equal(vlm.lm_head.weight, text.lm_head.weight)   # the output rows stay the target's
+
+    # A stage without adapters leaves none behind in the folder it overwrites (its checkpoint: this
+    # one's less the adapters).
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    torch.save({**state, "weights": {k: v for k, v in state["weights"].items() if ".lora." not in k},
+                "recipe": {**state["recipe"], "lora_rank": 0}}, plain / "checkpoint.pt")
+    export(work=plain, out=out)
+    assert not (out / TEXT_LORA).exists()
+    reloaded = load_vlm(str(out), dtype="float32", device="cpu").model
+    assert torch.equal(reloaded.model.language_model.layers[3].mlp.down_proj.weight,
+                       text.model.layers[3].mlp.down_proj.weight)
