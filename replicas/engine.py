@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -268,12 +268,13 @@ class SpecEngine:
             return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
         return encode_text(self.tokenizer, prompt)
 
-    def encode_messages(self, messages: list[dict], images=(), clips=(), fps: float | None = None) -> list[int]:
+    def encode_messages(self, messages: list[dict], images=(), clips=(),
+                        fps: float | Sequence[float | None] | None = None) -> list[int]:
         """A conversation's prompt ids (a VLM target): the messages as the processor's chat template
         writes them, each ``{"type": "image"}`` part one of ``images``, in order, as its image tokens,
-        and each ``{"type": "video"}`` part one of ``clips`` (a list of frames, ``fps`` a second)
-        as its temporal patches, where the VLM reads clips as video (``ImageStore.clip``; else give
-        the frames as pictures)."""
+        and each ``{"type": "video"}`` part one of ``clips`` (a list of frames) as its temporal
+        patches, where the VLM reads clips as video (``ImageStore.clip``; else give the frames as
+        pictures). ``fps``: the clips' frame rate, one for all or one per clip (None: the default)."""
         if self.images is None:
             raise ValueError(f"{self.loaded.name} reads text only: images need a vision-language target")
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -283,7 +284,10 @@ class SpecEngine:
             return ids
         if self.images.clip is None:
             raise ValueError(f"{self.loaded.name} reads a clip as its frames: give them as pictures")
-        return image_prompt_ids(ids, list(clips), lambda frames: self.images.register_clip(frames, fps),
+        rates = [fps] * len(clips) if fps is None or isinstance(fps, (int, float)) else [float(f) for f in fps]
+        if len(rates) != len(clips):
+            raise ValueError(f"fps gives {len(rates)} rates for {len(clips)} clips: give one, or one per clip")
+        return image_prompt_ids(ids, list(zip(clips, rates)), lambda clip: self.images.register_clip(*clip),
                                 self.images.video_placeholder, "video")
 
     def _spec_request(self, prompt_ids: list[int], request: GenerateRequest) -> SpecRequest:

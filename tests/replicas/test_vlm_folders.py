@@ -71,3 +71,27 @@ def test_a_qwen2_vl_folder_reads_a_clip_in_process_as_its_own_generate(tmp_path,
     llava = SpecEngine.load(str(tiny_vlm_folder("llava", tmp_path / "llava")), dtype="float32", device="cpu", slots=2)
     with pytest.raises(ValueError, match="reads a clip as its frames"):
         llava.encode_messages([{"role": "user", "content": content}], clips=[frames])
+
+
+def test_clips_of_one_call_each_keep_their_own_frame_rate(tmp_path):
+    """Qwen2.5-VL places a clip's patches in time by its rate: two clips given two rates read as
+    each does alone at its own."""
+    engine = SpecEngine.load(str(tiny_vlm_folder("qwen2.5-vl", tmp_path / "qwen2.5-vl")), dtype="float32",
+                             device="cpu", slots=2)
+    frames = [example(3, "shape").image, example(4, "shape").image, example(5, "shape").image,
+              example(6, "shape").image]
+    two = [{"role": "user", "content": [{"type": "video"}, {"type": "video"}, {"type": "text", "text": QUESTION}]}]
+    one = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUESTION}]}]
+    both = engine.encode_messages(two, clips=[frames, frames], fps=[4.0, 2.0])
+    fast = engine.encode_messages(one, clips=[frames], fps=4.0)
+    slow = engine.encode_messages(one, clips=[frames], fps=2.0)
+    assert fast != slow   # the rate is in the ids
+    clip_ids = [t for t in fast if t not in slow]
+    assert clip_ids and all(t in both for t in clip_ids) and all(t in both for t in slow if t not in fast)
+    first_slow = next(t for t in slow if t not in fast)
+    assert both.index(clip_ids[-1]) < both.index(first_slow)   # the first clip at the first rate
+    assert both != engine.encode_messages(two, clips=[frames, frames], fps=[2.0, 4.0])
+    assert engine.encode_messages(two, clips=[frames, frames], fps=4.0) == engine.encode_messages(
+        two, clips=[frames, frames], fps=[4.0, 4.0])
+    with pytest.raises(ValueError, match="2 clips"):
+        engine.encode_messages(two, clips=[frames, frames], fps=[2.0])
