@@ -32,7 +32,8 @@ question: which shapes appear in order, or which way the shape moves; ``data/syn
 
 Sparrow's rows (``--frames``): prompts showing 1 to 64 pictures ("frames", 64 image tokens each)
 and a question about the last (``--frame-category``; by default "describe", whose answers run to
-~45 tokens, as Sparrow measures captions and descriptions), answered target-only and drafted by
+~45 tokens, as Sparrow measures captions and descriptions), or a clip of that many frames and its
+question (a clip category: ``sequence`` names every frame's shape), answered target-only and drafted by
 the VLM's hidden-state-reuse head (``smollm2-vlm-hsr``) with full attention and with Sparrow's
 text-anchored window (``HSRDraft(windowed=True)``), and by the head trained with IVSB
 (``smollm2-vlm-sparrow``, windowed): tokens/s and the speedup over target-only end to end and while decoding, the draft's
@@ -51,7 +52,7 @@ from pathlib import Path
 
 from specserve.bench.engine import machine_info
 from specserve.data.prompts import load_prompts
-from specserve.data.synthetic_clips import CLIP_CATEGORIES, clip_example
+from specserve.data.synthetic_clips import CLIP_CATEGORIES, MIN_FRAMES, clip_example
 from specserve.data.synthetic_images import CATEGORIES, TEST_SEED, example
 from specserve.replicas.engine import GenerateRequest, SpecEngine
 
@@ -82,7 +83,7 @@ class MultimodalBenchConfig:
     dtype: str = "bfloat16"
     frames: tuple[int, ...] = (1, 4, 16, 64)
     frame_prompts: int = 4
-    frame_category: str = "describe"   # the question of Sparrow's rows, about the last picture
+    frame_category: str = "describe"   # Sparrow's rows: a picture category (about the last picture) or a clip's
     head: str = "smollm2-vlm-hsr"            # Sparrow's rows: full and windowed attention of this head
     ivsb_head: str | None = "smollm2-vlm-sparrow"   # and this one, trained with IVSB (windowed)
     captions: str = "cold"
@@ -104,8 +105,11 @@ class MultimodalBenchConfig:
             raise ValueError(f"unknown scenarios {sorted(set(self.scenarios) - set(SCENARIOS))}; known: {', '.join(SCENARIOS)}")
         if self.captions not in ("cold", "warm"):
             raise ValueError(f"--captions must be cold or warm; got {self.captions!r}")
-        if self.frame_category not in CATEGORIES:
-            raise ValueError(f"unknown --frame-category {self.frame_category!r}; known: {', '.join(CATEGORIES)}")
+        if self.frame_category not in CATEGORIES + CLIP_CATEGORIES:
+            raise ValueError(f"unknown --frame-category {self.frame_category!r}; known: "
+                             f"{', '.join(CATEGORIES + CLIP_CATEGORIES)}")
+        if self.frame_category in CLIP_CATEGORIES and any(f < MIN_FRAMES for f in self.frames):
+            raise ValueError(f"a clip's --frames are at least {MIN_FRAMES}; got {list(self.frames)}")
         if any(f < 1 for f in self.frames):
             raise ValueError(f"--frames are pictures per prompt, each at least 1; got {list(self.frames)}")
 
@@ -264,10 +268,8 @@ def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool
         totals = {row: {"tokens": 0, "seconds": 0.0, "prefill": 0.0, "drafted": 0, "draft_s": 0.0, "accepted": 0,
                         "rejected": 0, "steps": 0} for row in names}
         for n in range(config.frame_prompts):
-            pictures = [example(TEST_SEED + SEED_OFFSET + 900_000 + 100 * n + f, config.frame_category)
-                        for f in range(frames)]
-            question = pictures[-1].question.replace("the picture", "the last picture")
-            ids = engine.encode(question, images=tuple(p.image for p in pictures))
+            question, shown = frame_prompt(config.frame_category, frames, n)
+            ids = engine.encode(question, images=shown)
             for row, name in names.items():
                 engine.reset_caches()
                 began = time.perf_counter()
@@ -298,6 +300,17 @@ def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool
                          "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
     bar.close()
     return rows
+
+
+def frame_prompt(category: str, frames: int, n: int) -> tuple[str, tuple]:
+    """Prompt ``n`` of Sparrow's rows at ``frames`` pictures: a clip category's clip of that many
+    frames and its question (its answer can need every frame), else as many held-out pictures and
+    the category's question about the last one."""
+    if category in CLIP_CATEGORIES:
+        clip = clip_example(TEST_SEED + SEED_OFFSET + 960_000 + 1000 * n + frames, category, frames=frames)
+        return clip.question, clip.frames
+    pictures = [example(TEST_SEED + SEED_OFFSET + 900_000 + 100 * n + f, category) for f in range(frames)]
+    return pictures[-1].question.replace("the picture", "the last picture"), tuple(p.image for p in pictures)
 
 
 def frame_aims(rows: list[dict]) -> dict:

@@ -248,8 +248,9 @@ def bench_multimodal(
     frames: str = typer.Option("1,4,16,64", help="Pictures per prompt for Sparrow's rows (target-only, full and "
                                                   "windowed attention of --head, --ivsb-head); empty: none."),
     frame_prompts: int = typer.Option(4, help="Prompts per frame count."),
-    frame_category: str = typer.Option("describe", help="The question of Sparrow's rows (a picture category), "
-                                                        "asked of the last picture."),
+    frame_category: str = typer.Option("describe", help="The question of Sparrow's rows: a picture category's, "
+                                                        "asked of the last picture, or a clip category's "
+                                                        "(sequence, moves), asked of a clip of that many frames."),
     head: str = typer.Option("smollm2-vlm-hsr", help="The hidden-state-reuse head of Sparrow's rows."),
     ivsb_head: str = typer.Option("smollm2-vlm-sparrow", help="The head trained with IVSB (a windowed row); "
                                                               "empty: no such row."),

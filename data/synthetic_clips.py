@@ -74,12 +74,16 @@ def _moves(rng: random.Random, count: int) -> tuple[tuple[Image.Image, ...], str
     return tuple(frames), f"To the {direction}." if dx else f"{direction.capitalize()}."
 
 
-def clip_example(seed: int, category: str | None = None) -> ClipExample:
-    """The frames, question and answer of ``seed`` (its category drawn from the seed unless given)."""
+def clip_example(seed: int, category: str | None = None, frames: int | None = None) -> ClipExample:
+    """The frames, question and answer of ``seed`` (its category drawn from the seed unless given;
+    ``frames``: its frame count, else ``MIN_FRAMES`` to ``MAX_FRAMES`` drawn from the seed)."""
     rng = random.Random(seed)
     category = category or CLIP_CATEGORIES[rng.randrange(len(CLIP_CATEGORIES))]
     if category not in CLIP_QUESTIONS:
         raise ValueError(f"unknown clip category {category!r}; known: {', '.join(CLIP_CATEGORIES)}")
+    if frames is not None and frames < MIN_FRAMES:
+        raise ValueError(f"a clip has at least {MIN_FRAMES} frames; got {frames}")
     count = rng.randint(MIN_FRAMES, MAX_FRAMES)
+    count = count if frames is None else frames
     frames, answer = (_sequence if category == "sequence" else _moves)(rng, count)
     return ClipExample(seed, category, frames, CLIP_QUESTIONS[category], answer)

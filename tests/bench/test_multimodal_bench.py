@@ -96,3 +96,20 @@ def test_no_pictures_runs_sparrows_rows_alone_and_the_table_shows_only_them():
     from specserve.bench.multimodal import frame_aims
     table = format_table({"rows": [], "aims": aims([]), "frames": frames, "frame_aims": frame_aims(frames)})
     assert "ensemble / best view" not in table and "windowed" in table
+
+
+def test_sparrows_rows_can_ask_a_clip_of_as_many_frames():
+    """A clip category's prompt at n frames is one clip of n frames and its question; a picture
+    category's is n pictures and the question about the last."""
+    from specserve.bench.multimodal import MultimodalBenchConfig, frame_prompt
+    from specserve.data.synthetic_clips import CLIP_QUESTIONS
+
+    question, shown = frame_prompt("sequence", 6, 0)
+    assert question == CLIP_QUESTIONS["sequence"] and len(shown) == 6
+    assert frame_prompt("sequence", 6, 1)[1][0].tobytes() != shown[0].tobytes()   # prompts differ
+    question, shown = frame_prompt("shape", 3, 0)
+    assert "last picture" in question and len(shown) == 3
+    with pytest.raises(ValueError, match="at least 2"):
+        MultimodalBenchConfig(frame_category="moves", frames=(1, 4))
+    with pytest.raises(ValueError, match="unknown --frame-category"):
+        MultimodalBenchConfig(frame_category="karaoke")

@@ -15,6 +15,22 @@ def test_a_seed_names_one_clip():
         clip_example(5, "karaoke")
 
 
+@pytest.mark.parametrize("category", CLIP_CATEGORIES)
+def test_a_clip_of_a_given_length_keeps_its_answer_whole(category):
+    """Longer than training clips (Sparrow's rows): a sequence names a shape per frame, a motion
+    still crosses the frame the way the answer says."""
+    ex = clip_example(7, category, frames=16)
+    assert len(ex.frames) == 16 and ex.question == CLIP_QUESTIONS[category]
+    if category == "sequence":
+        assert len(ex.answer.lower().rstrip(".").replace(", then", ",").split(", ")) == 16
+    else:
+        travel = centre(ex.frames[-1]) - centre(ex.frames[0])
+        way = {"To the right.": (0, 1), "To the left.": (0, -1), "Down.": (1, 1), "Up.": (1, -1)}[ex.answer]
+        assert np.sign(travel[way[0]]) == way[1] and abs(travel[way[0]]) > 30
+    with pytest.raises(ValueError, match="at least 2 frames"):
+        clip_example(7, category, frames=1)
+
+
 def test_a_sequence_names_a_shape_per_frame_in_order():
     answers, counts = set(), set()
     for seed in range(30):
