@@ -1,5 +1,5 @@
 """Greedy equality with a near-tie escape (two logits within 1e-4 may swap under another batch
-shape's arithmetic), shared by the equality tests."""
+shape's arithmetic), and a VLM engine's model's own greedy answer, shared by the equality tests."""
 
 from __future__ import annotations
 
@@ -25,3 +25,16 @@ def assert_greedy_equal(model, prompt_ids: list[int], got: list[int], expected: 
         f"(got {got[first:first + 5]}, expected {expected[first:first + 5]}); top-2 logit gap {gap:.3g} is no near-tie"
     )
     warnings.warn(f"{label}: near-tie divergence at token {first} (top-2 gap {gap:.2e})")
+
+
+def own_vlm_answer(engine, pictures, question: str, max_new_tokens: int) -> list[int]:
+    """The greedy answer of ``engine``'s VLM through its own processor and ``generate`` to one user
+    turn of ``pictures`` then ``question``, up to and including its first end-of-turn token."""
+    processor, model = engine.processor, engine.loaded.model
+    messages = [{"role": "user", "content": [*({"type": "image"} for _ in pictures), {"type": "text", "text": question}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=list(pictures), return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+    return ids[:next((i + 1 for i, t in enumerate(ids) if t in engine.loaded.eos_token_ids), len(ids))]

@@ -3,10 +3,11 @@ synthetic pictures) answers from the picture, and the engine's speculative answe
 greedy ``generate`` in float32."""
 
 import pytest
-import torch
 from specserve.data.synthetic_images import TEST_SEED, example, normalise_answer
 from specserve.replicas.engine import GenerateRequest, SpecEngine
 from specserve.replicas.step import TreeShape
+
+from equality import own_vlm_answer
 
 pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
@@ -20,14 +21,7 @@ def engine():
 
 
 def hf_answer(engine, ex, max_new_tokens: int = 10) -> list[int]:
-    processor, model = engine.processor, engine.loaded.model
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ex.question}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=text, images=[ex.image], return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-    return ids[:next((i + 1 for i, t in enumerate(ids) if t in engine.loaded.eos_token_ids), len(ids))]
+    return own_vlm_answer(engine, (ex.image,), ex.question, max_new_tokens)
 
 
 def test_answers_follow_the_picture_and_equal_the_vlms_own(engine):

@@ -1,0 +1,40 @@
+"""The reference video model (``smollm2-vlm-video``: the reference VLM taught clips, its language
+model adapted) answers from every frame of a clip, and the engine's speculative answers equal its
+own greedy ``generate`` in float32."""
+
+import pytest
+import torch
+from specserve.data.synthetic_clips import clip_example
+from specserve.data.synthetic_images import TEST_SEED, normalise_answer
+from specserve.replicas.engine import GenerateRequest, SpecEngine
+from specserve.replicas.model_store import load_causal_lm
+from specserve.replicas.vlm import REFERENCE_VIDEO_VLM
+
+from equality import own_vlm_answer
+
+pytestmark = [pytest.mark.reference, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return SpecEngine.load(REFERENCE_VIDEO_VLM, dtype="float32", device="cpu")
+
+
+def test_a_sequence_is_named_frame_by_frame_and_equals_the_models_own(engine):
+    right = 0
+    for n in range(6):
+        clip = clip_example(TEST_SEED + 7_000 + n, "sequence")
+        out = engine.generate(GenerateRequest(clip.question, max_tokens=32, draft="prompt-lookup", window=3,
+                                              images=clip.frames))
+        if n < 2:   # lossless: the model's own answer
+            assert out["token_ids"] == own_vlm_answer(engine, clip.frames, clip.question, 32)
+        right += normalise_answer(out["text"]) == normalise_answer(clip.answer)
+    assert right >= 4, f"{right} of 6 sequences named right"
+
+
+def test_the_language_model_is_the_targets_with_the_adapters_folded_in(engine):
+    text = load_causal_lm(dtype="float32", device="cpu").model
+    body = engine.loaded.model.model.language_model
+    assert torch.equal(body.embed_tokens.weight, text.model.embed_tokens.weight)   # the drafts' shared rows
+    moved = (body.layers[0].self_attn.q_proj.weight - text.model.layers[0].self_attn.q_proj.weight).abs().max()
+    assert 0 < moved < 0.1 * text.model.layers[0].self_attn.q_proj.weight.abs().max()
