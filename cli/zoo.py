@@ -274,12 +274,15 @@ def zoo_imagegen_draft(
 
 @zoo_app.command("vlm-draft")
 def zoo_vlm_draft(
-    pictures: int = typer.Option(3072, help="Pictures the VLM answers (in chunks of 64; resumable)."),
+    pictures: int = typer.Option(3072, help="Questions the VLM answers (in chunks of 64; resumable)."),
     steps: int = typer.Option(1200, help="Training steps."),
     batch: int = typer.Option(16, help="Answers per step."),
     lr: float = typer.Option(5e-4, help="Peak learning rate (warm-up, then cosine)."),
     work: Optional[Path] = typer.Option(None, help="Answers, checkpoints and log folder."),
-    export: bool = typer.Option(True, help="Write the best weights into the zoo (smollm2-vlm-draft) with a card."),
+    export: bool = typer.Option(True, help="Write the best weights into the zoo (smollm2-vlm-draft, with --video "
+                                "smollm2-vlm-video-draft) with a card."),
+    video: bool = typer.Option(False, "--video", help="The video model's draft: smollm2-vlm-video's answers to pictures "
+                               "and clips (half of them), from smollm2-vlm-draft."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """Distil the reference VLM's matching draft: the zoo's draft LM trained further on the VLM's
@@ -289,11 +292,12 @@ def zoo_vlm_draft(
     set_threads(threads)
     if min(pictures, steps, batch) < 1 or lr <= 0:
         fail("--pictures, --steps and --batch must be >= 1, --lr > 0")
+    recipe = vlm_draft.VIDEO if video else vlm_draft.DRAFT
     try:
-        work = vlm_draft.train(pictures=pictures, steps=steps, batch=batch, lr=lr, work=work)
+        work = vlm_draft.train(pictures=pictures, steps=steps, batch=batch, lr=lr, work=work, recipe=recipe)
         typer.echo(f"answers, checkpoints and log in {work}")
         if export:
-            typer.echo(f"draft written to {vlm_draft.export(work=work)}")
+            typer.echo(f"draft written to {vlm_draft.export(work=work, recipe=recipe)}")
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

@@ -69,3 +69,28 @@ def test_training_lowers_the_held_out_kl_and_the_export_drafts_the_vlms_own_answ
         said = {d: engine.generate(GenerateRequest(ex.question, max_tokens=32, draft=d, window=3,
                                                    images=(ex.image,)))["token_ids"] for d in ("none", "matched")}
         assert said["matched"] == said["none"], category
+
+
+def test_the_video_recipe_holds_the_video_models_answers_to_clips_and_their_frames_rows(tmp_path):
+    """Clips are asked as the video model reads them (each frame a picture): a clip's rows are its
+    frames' rows in order, and the teacher's states predict its own answer."""
+    from dataclasses import replace
+
+    from specserve.data.synthetic_clips import clip_example
+
+    recipe = replace(vlm_draft.VIDEO, categories=("shape", "sequence"))
+    corpus = vlm_draft.answer_corpus(2, tmp_path, progress=False, recipe=recipe)
+    assert sorted(r["category"] for r in corpus) == ["sequence", "shape"]
+    vlm = load_vlm("smollm2-vlm-video", dtype="bfloat16", device="cpu").model
+    store = image_store(vlm, image_processor(vlm.config))
+    for row in (r for r in corpus if r["category"] == "sequence"):
+        frames = clip_example(row["seed"], "sequence").frames
+        assert row["rows"].shape[0] == 64 * len(frames)
+        assert row["prompt"].count(vlm_draft._placeholder(recipe.teacher)) == 64 * len(frames)
+        served = torch.cat([store.rows(torch.tensor(store.register(f))) for f in frames])
+        assert float((served.float() - row["rows"].float()).abs().mean()) <= 1e-2
+        predicted = (row["final"].float() @ vlm.lm_head.weight.float().T).argmax(-1)
+        assert predicted.eq(torch.tensor(row["answer"])).float().mean() >= 0.9
+    # A folder of one teacher's answers is not another's.
+    with pytest.raises(ValueError, match="smollm2-vlm-video's answers to 2 questions .*another work folder"):
+        vlm_draft.answer_corpus(2, tmp_path, progress=False, recipe=replace(recipe, teacher="smollm2-vlm"))
