@@ -1,14 +1,7 @@
-"""The soak benchmark: its windows, percentiles, memory growth and aims on literal data, and a short
-real run against a live local stack."""
+"""The soak benchmark: its windows, percentiles, memory growth and aims on literal data (a short
+real run against a live stack is in ``tests/e2e/test_serve_app.py``)."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-
-import pytest
 
 from specserve.bench.soak import SoakRecord, aims, memory_growth, percentile, warmup_s, windows
 
@@ -51,27 +44,3 @@ def test_memory_growth_compares_the_last_window_with_the_first_after_warm_up():
 def test_warm_up_is_a_fifth_of_the_run_at_most_a_minute():
     assert warmup_s(100.0) == 20.0 and warmup_s(600.0) == 60.0
 
-
-@pytest.mark.reference
-@pytest.mark.slow
-@pytest.mark.e2e
-def test_a_short_soak_on_the_local_stack(tmp_path):
-    """``specserve bench soak`` end to end: brings the local stack up, sends the mix for 20 s, takes
-    it down; every request succeeds, every window has percentiles, and the replicas' memory was
-    sampled (the target's among them)."""
-    out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
-    env = {**os.environ, "SPECSERVE_HOME": str(tmp_path / "home"), "RAY_AUTH_MODE": "token"}
-    result = subprocess.run(
-        [sys.executable, "-m", "specserve.cli.main", "bench", "soak", "--minutes", "0.34", "--rate", "0.6",
-         "--max-tokens", "12", "--window-s", "10", "--sample-s", "2", "--dtype", "float32",
-         "--json", str(out), "--plot", str(plot)],
-        capture_output=True, text=True, timeout=900, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["totals"]["requests"] >= 4 and report["aims"]["zero_failed"], report["failures"]
-    assert {r["spec"] for r in report["requests"]} >= {"default", "none"} or len(report["requests"]) < 6
-    assert len(report["windows"]) == 3 and report["windows"][0]["latency_p50_s"] is not None
-    assert report["memory"]["available"]
-    targets = [name for name in report["memory"]["growth"] if name.startswith("target#")]
-    assert targets and all(report["memory"]["growth"][t]["after_warmup_mb"] > 100 for t in targets)
-    assert plot.stat().st_size > 10_000 and "aims:" in result.stdout
