@@ -1,6 +1,6 @@
 """The reference video model (``smollm2-vlm-video``: the reference VLM taught clips, its language
 model adapted) answers from every frame of a clip, and the engine's speculative answers equal its
-own greedy ``generate`` in float32."""
+own greedy ``generate`` in float32, its own draft (``smollm2-vlm-video-draft``) reading the frames."""
 
 import pytest
 import torch
@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def engine():
-    return SpecEngine.load(REFERENCE_VIDEO_VLM, dtype="float32", device="cpu")
+    return SpecEngine.load(REFERENCE_VIDEO_VLM, dtype="float32", device="cpu",
+                           ensembles={"video": {"model": "smollm2-vlm-video-draft", "views": ["multimodal"]},
+                                      "pictures": {"model": "smollm2-vlm-draft", "views": ["multimodal"]}})
 
 
 def test_a_sequence_is_named_frame_by_frame_and_equals_the_models_own(engine):
@@ -38,3 +40,22 @@ def test_the_language_model_is_the_targets_with_the_adapters_folded_in(engine):
     assert torch.equal(body.embed_tokens.weight, text.model.embed_tokens.weight)   # the drafts' shared rows
     moved = (body.layers[0].self_attn.q_proj.weight - text.model.layers[0].self_attn.q_proj.weight).abs().max()
     assert 0 < moved < 0.1 * text.model.layers[0].self_attn.q_proj.weight.abs().max()
+
+
+
+def test_its_own_draft_drafts_its_clip_answers_where_the_picture_draft_does_not(engine):
+    """The video model's draft learned its answers to clips: reading the frames' image rows it
+    drafts a sequence's answer several tokens a step, where the draft taught single pictures does
+    not, and the answer stays the model's own."""
+    accepted = {"video": [], "pictures": []}
+    for n in range(3):
+        clip = clip_example(TEST_SEED + 7_100 + n, "sequence", frames=4)
+        said = {}
+        for draft in accepted:
+            out = engine.generate(GenerateRequest(clip.question, max_tokens=32, draft=draft, window=4,
+                                                  images=clip.frames))
+            said[draft] = out["token_ids"]
+            accepted[draft].append(out["spec"]["mean_accepted_len"])
+        assert said["video"] == said["pictures"] == own_vlm_answer(engine, clip.frames, clip.question, 32)
+    video, pictures = (sum(v) / len(v) for v in accepted.values())
+    assert video > 2.0 and video > pictures + 0.5, accepted
