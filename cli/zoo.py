@@ -286,7 +286,8 @@ def zoo_vlm_draft(
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """Distil the reference VLM's matching draft: the zoo's draft LM trained further on the VLM's
-    own answers to synthetic pictures, reading their image tokens; resumes when run again."""
+    own answers to synthetic pictures, reading their image tokens (--video: the video model's, to
+    pictures and clips); resumes when run again."""
     from specserve.training import vlm_draft
 
     set_threads(threads)

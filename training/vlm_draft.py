@@ -40,15 +40,15 @@ from pathlib import Path
 
 import torch
 
-from specserve.data.synthetic_clips import CLIP_CATEGORIES
+from specserve.data.synthetic_clips import CLIP_CATEGORIES, MAX_FRAMES, MIN_FRAMES
 from specserve.data.synthetic_images import CATEGORIES
 from specserve.replicas.drafts.pruned_head import PrunedHeadConfig, PrunedHeadLlamaForCausalLM
 from specserve.replicas.model_store import REFERENCE_TARGET, bf16_is_fast, load_causal_lm, model_cache_dir, zoo_dir
+from specserve.replicas.vlm import REFERENCE_VIDEO_VLM, REFERENCE_VLM
 from specserve.training.distill import (DistillConfig, TrainLog, distill_loss, export_best, seeded_batches,
                                        teacher_log_probs)
 from specserve.training.distill import train as train_loop
-from specserve.replicas.vlm import REFERENCE_VIDEO_VLM, REFERENCE_VLM
-from specserve.training.vlm_train import _cpu_name
+from specserve.training.vlm_train import CLIPS, _cpu_name
 
 
 @dataclass(frozen=True)
@@ -60,14 +60,13 @@ class DraftRecipe:
 
 
 DRAFT = DraftRecipe("smollm2-vlm-draft", REFERENCE_VLM, "smollm2-draft-2l", CATEGORIES)
-VIDEO = DraftRecipe("smollm2-vlm-video-draft", REFERENCE_VIDEO_VLM, "smollm2-vlm-draft",
-                    (*CATEGORIES, *CLIP_CATEGORIES * 4))
+# The video model's questions as its own stage asked them.
+VIDEO = DraftRecipe("smollm2-vlm-video-draft", REFERENCE_VIDEO_VLM, "smollm2-vlm-draft", CLIPS.categories)
 # Pictures the draft learns from: far from the VLM's test (10^9 up) and training (0 up) seeds.
 DRAFT_SEED = 500_000_000
 CHUNK = 64
 VALIDATION_EVERY = 20
-# Greedy tokens an answer may take (a description runs to ~45, a caption to ~8, an 8-frame
-# sequence to ~26).
+# Greedy tokens an answer may take: a description runs longest, a clip's sequence grows with its frames.
 MAX_NEW_TOKENS = {"caption": 24, "describe": 64, "sequence": 32}
 SHORT_ANSWER = 12
 
@@ -301,7 +300,8 @@ def export(work: Path | None = None, out: Path | None = None, recipe: DraftRecip
     work = Path(work or default_work(recipe))
     checkpoint = work / "checkpoint.pt"
     if not checkpoint.exists():
-        raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo vlm-draft` first")
+        raise FileNotFoundError(f"no checkpoint in {work}: run `specserve zoo vlm-draft"
+                                f"{'' if recipe == DRAFT else ' --video'}` first")
     student = build_student(json.loads((work / "head_token_ids.json").read_text()), recipe.base)
     out = Path(out or zoo_dir() / recipe.name)
     chosen, log, trained = export_best(student, work, out)
@@ -311,7 +311,8 @@ def export(work: Path | None = None, out: Path | None = None, recipe: DraftRecip
     pictures = sum(len(torch.load(c, weights_only=False)) for c in chunks)
     training = {
         "recipe": recipe.name, "kind": "standalone", "base": recipe.base, "teacher": recipe.teacher,
-        **({} if recipe.categories == CATEGORIES else {"categories": list(recipe.categories)}), "pictures": pictures, "first_seed": DRAFT_SEED, "held_out_every": VALIDATION_EVERY,
+        **({} if recipe.categories == CATEGORIES else {"categories": list(recipe.categories)}),
+        "pictures": pictures, "first_seed": DRAFT_SEED, "held_out_every": VALIDATION_EVERY,
         "steps": trained["step"], "config": trained["config"], "exported_step": chosen["step"],
         "train_seconds": max((r["elapsed_s"] for r in log), default=0),
         "validation_before": json.loads((work / "base_validation.json").read_text()),
@@ -334,9 +335,10 @@ def write_card(out: Path, training: dict) -> Path:
                  f"answers to pictures and clips (each frame a picture), reading their 64 image tokens a frame as "
                  f"its projector embeds them (the `multimodal` drafting view). Trained and exported by `specserve "
                  f"zoo vlm-draft --video` (`training/vlm_draft.py`).")
+        pictures = [c for c in dict.fromkeys(categories) if c not in CLIP_CATEGORIES]
         data = (f"{training['pictures']} synthetic questions (seeds from {training['first_seed']:,}, in turn: the "
-                f"eight picture categories once and the clips ({', '.join(clips)}, 2-8 frames) "
-                f"{categories.count(clips[0])} times each), the model's greedy answer to each (bfloat16; ≤ 64 "
+                f"{len(pictures)} picture categories once and the clips ({', '.join(clips)}, "
+                f"{MIN_FRAMES}-{MAX_FRAMES} frames) {categories.count(clips[0])} times each), the model's greedy answer to each (bfloat16; ≤ 64 "
                 f"tokens) and its final hidden states there (the teacher); every {training['held_out_every']}th "
                 f"question held out.")
     else:

@@ -43,4 +43,3 @@ def test_memory_growth_compares_the_last_window_with_the_first_after_warm_up():
 
 def test_warm_up_is_a_fifth_of_the_run_at_most_a_minute():
     assert warmup_s(100.0) == 20.0 and warmup_s(600.0) == 60.0
-

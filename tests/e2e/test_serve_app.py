@@ -648,29 +648,6 @@ def test_cli_status_and_generate_on_the_server(served, expected):
         assert json.loads(result.stdout)["token_ids"] == expected[0], server
 
 
-def test_a_short_soak_against_the_running_stack(served, tmp_path):
-    """``specserve bench soak --server`` end to end: the mix for 20 s at the stack's HTTP port; every
-    request succeeds, every window has percentiles, and the replicas' memory was sampled through the
-    local Ray cluster (the targets' among them)."""
-    out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
-    env = {**os.environ, "SPECSERVE_HOME": os.environ["SPECSERVE_HOME"]}
-    result = subprocess.run(
-        [sys.executable, "-m", "specserve.cli.main", "bench", "soak", "--server", served.http_url, "--minutes", "0.34",
-         "--rate", "0.6", "--max-tokens", "12", "--window-s", "10", "--sample-s", "2",
-         "--json", str(out), "--plot", str(plot)],
-        capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["config"]["server"] and report["totals"]["requests"] >= 4 and report["aims"]["zero_failed"], \
-        report["failures"]
-    assert {r["spec"] for r in report["requests"]} >= {"default", "none"} or len(report["requests"]) < 6
-    assert len(report["windows"]) == 3 and report["windows"][0]["latency_p50_s"] is not None
-    assert report["memory"]["available"]
-    targets = [name for name in report["memory"]["growth"] if name.startswith("target#")]
-    assert targets and all(report["memory"]["growth"][t]["after_warmup_mb"] > 100 for t in targets)
-    assert plot.stat().st_size > 10_000 and "aims:" in result.stdout
-
-
 def test_a_draft_replica_that_dies_mid_request_costs_speed_not_the_request(served, client, expected):
     import ray
 
@@ -703,6 +680,28 @@ def _redis_counts(url: str, field: str) -> int:
     from specserve.policies.redis_stats import RedisStats
 
     return sum(c[field] for c in RedisStats(url, "specserve").read().values())
+
+
+def test_a_short_soak_against_the_running_stack(served, tmp_path):
+    """``specserve bench soak --server`` end to end: the mix for 20 s at the stack's HTTP port; every
+    request succeeds, every window has percentiles, and the replicas' memory was sampled through the
+    local Ray cluster (the targets' among them)."""
+    out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "specserve.cli.main", "bench", "soak", "--server", served.http_url, "--minutes", "0.34",
+         "--rate", "0.6", "--max-tokens", "12", "--window-s", "10", "--sample-s", "2",
+         "--json", str(out), "--plot", str(plot)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["config"]["server"] and report["totals"]["requests"] >= 4 and report["aims"]["zero_failed"], \
+        report["failures"]
+    assert {r["spec"] for r in report["requests"]} >= {"default", "none"} or len(report["requests"]) < 6
+    assert len(report["windows"]) == 3 and report["windows"][0]["latency_p50_s"] is not None
+    assert report["memory"]["available"]
+    targets = [name for name in report["memory"]["growth"] if name.startswith("target#")]
+    assert targets and all(report["memory"]["growth"][t]["after_warmup_mb"] > 100 for t in targets)
+    assert plot.stat().st_size > 10_000 and "aims:" in result.stdout
 
 
 def test_the_policy_service_publishes_priors_and_new_requests_start_from_them(served, client):

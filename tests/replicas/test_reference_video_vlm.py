@@ -42,7 +42,6 @@ def test_the_language_model_is_the_targets_with_the_adapters_folded_in(engine):
     assert 0 < moved < 0.1 * text.model.layers[0].self_attn.q_proj.weight.abs().max()
 
 
-
 def test_its_own_draft_drafts_its_clip_answers_where_the_picture_draft_does_not(engine):
     """The video model's draft learned its answers to clips: reading the frames' image rows it
     drafts a sequence's answer several tokens a step, where the draft taught single pictures does
