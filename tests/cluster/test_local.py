@@ -1,23 +1,17 @@
 """``specserve up`` / ``down``: the Redis ``up`` starts requires its password (kept in a state file
-only the owner reads, never shown); and from a process that keeps running afterwards (the test
-suite, a notebook, ``bench soak`` against its own stack), leaving the cluster leaves nothing
-behind that calls Ray again."""
+only the owner reads, never shown). That ``down`` leaves nothing behind in a process that keeps
+running is tested end to end (``tests/e2e/test_serve_imagegen.py``)."""
 
 from __future__ import annotations
 
 import stat
-import time
 
 import pytest
 import redis
 
-from conftest import local_stack
 from specserve.cluster import local
 from specserve.cluster.redis_server import ping
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
-
-# Serve's handles push autoscaling metrics every 10 s (RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S).
-METRICS_PUSH_S = 10.0
 
 
 @pytest.fixture
@@ -59,27 +53,6 @@ def test_a_given_redis_that_does_not_answer_is_named_without_its_password(home):
     with pytest.raises(ConnectionError) as err:
         local.ensure_redis(local.LocalState(), "redis://:s3cret@127.0.0.1:1/0")
     assert "s3cret" not in str(err.value) and "127.0.0.1:1" in str(err.value)
-
-
-@pytest.mark.reference
-@pytest.mark.slow
-@pytest.mark.e2e
-def test_down_leaves_no_handle_that_starts_a_new_ray_cluster(tmp_path):
-    """A deployment handle's router pushes metrics from a background thread; left running after
-    ``down``, its next Ray call auto-started a fresh local cluster inside this process, which the
-    next ``up`` joined (with too few CPUs for its replicas) and whose ``ray stop`` killed the
-    process (the suite died mid-run with exit 1)."""
-    import ray
-    from ray import serve
-
-    args = {**local_serve_config()["applications"][0]["args"], "dtype": "float32",
-            "drafts": [{"name": "prompt-lookup"}]}
-    with local_stack(app_serve_config(args), tmp_path / "home") as state:
-        handle = serve.get_deployment_handle("target", state.app_name)
-        assert handle.load.remote().result(timeout_s=120)["running"] == 0
-    assert not ray.is_initialized()
-    time.sleep(2.5 * METRICS_PUSH_S)
-    assert not ray.is_initialized(), "something called Ray after down and started a new cluster in this process"
 
 
 def test_the_head_starts_with_the_grpc_proxys_message_cap(monkeypatch):

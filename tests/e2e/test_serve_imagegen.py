@@ -1,12 +1,16 @@
 """End to end with a tiny image generator on a real local Ray cluster: POST /v1/images/generations
 and gRPC GenerateImage give the plain guided decoder's pictures under greedy decoding, with the
 generator's draft inside the target replica and ADT-Tree adapting its trees; a bad prompt is a 400
-/ INVALID_ARGUMENT and the text routes say where pictures are served."""
+/ INVALID_ARGUMENT and the text routes say where pictures are served. Last, ``down`` from this
+process (which keeps running, as a notebook or ``bench soak`` against its own stack does) leaves
+nothing behind that calls Ray again."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import time
 
 import grpc
 import httpx
@@ -37,14 +41,24 @@ def expected(folders):
     return list(to_pictures(tokenizer, ids, settings.grid)[0].getdata())
 
 
+# Serve's handles push autoscaling metrics every 10 s (RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S).
+METRICS_PUSH_S = 10.0
+
+
 @pytest.fixture(scope="module")
-def served(folders, tmp_path_factory):
+def stack(folders, tmp_path_factory):
+    """(the served stack, what takes it down): the last test takes it down itself."""
     generator, draft = folders
     config = app_serve_config({"target": str(generator), "dtype": "float32", "policy": "adt-tree",
                                "default_draft": "draft", "default_window": 4,
                                "drafts": [{"name": "draft", "model": str(draft), "placement": "inside"}]})
-    with local_stack(config, tmp_path_factory.mktemp("specserve-home")) as state:
-        yield state
+    with contextlib.ExitStack() as down:
+        yield down.enter_context(local_stack(config, tmp_path_factory.mktemp("specserve-home"))), down
+
+
+@pytest.fixture(scope="module")
+def served(stack):
+    return stack[0]
 
 
 def pixels(b64_or_png) -> list:
@@ -88,3 +102,20 @@ def test_bad_requests_are_answered_and_the_replica_serves_on(served, expected):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     again = httpx.post(f"{served.http_url}/v1/images/generations", timeout=300, json={"prompt": PROMPT, "temperature": 0})
     assert again.status_code == 200 and pixels(again.json()["data"][0]["b64_json"]) == expected
+
+
+def test_down_leaves_no_handle_that_starts_a_new_ray_cluster(stack):
+    """A deployment handle's router pushes metrics from a background thread; left running after
+    ``down``, its next Ray call auto-started a fresh local cluster inside this process, which the
+    next ``up`` joined (with too few CPUs for its replicas) and whose ``ray stop`` killed the
+    process (the suite died mid-run with exit 1)."""
+    import ray
+    from ray import serve
+
+    state, down = stack
+    handle = serve.get_deployment_handle("target", state.app_name)
+    assert handle.load.remote().result(timeout_s=120)["running"] == 0
+    down.close()
+    assert not ray.is_initialized()
+    time.sleep(2.5 * METRICS_PUSH_S)
+    assert not ray.is_initialized(), "something called Ray after down and started a new cluster in this process"
