@@ -313,6 +313,9 @@ def zoo_sparrow_head(
     lr: float = typer.Option(3e-4, help="Peak learning rate (warm-up, then cosine)."),
     work: Optional[Path] = typer.Option(None, help="Checkpoints and log folder."),
     export: bool = typer.Option(True, help="Write the best weights into the zoo with a card."),
+    video: bool = typer.Option(False, "--video", help="The video model's heads (smollm2-vlm-video-sparrow, "
+                               "--no-ivsb smollm2-vlm-video-hsr): its answers to pictures and clips, `zoo vlm-draft "
+                               "--video`'s, from the picture heads."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """Train Sparrow's draft head for the reference VLM: the zoo's hidden-state-reuse head on the
@@ -322,11 +325,13 @@ def zoo_sparrow_head(
     set_threads(threads)
     if min(pictures, steps, batch) < 1 or lr <= 0:
         fail("--pictures, --steps and --batch must be >= 1, --lr > 0")
+    recipe = sparrow_head.VIDEO if video else sparrow_head.PICTURES
     try:
-        work = sparrow_head.train(ivsb=ivsb, pictures=pictures, steps=steps, batch=batch, lr=lr, work=work)
+        work = sparrow_head.train(ivsb=ivsb, pictures=pictures, steps=steps, batch=batch, lr=lr, work=work,
+                                  recipe=recipe)
         typer.echo(f"checkpoints and log in {work}")
         if export:
-            typer.echo(f"draft written to {sparrow_head.export(ivsb=ivsb, work=work)}")
+            typer.echo(f"draft written to {sparrow_head.export(ivsb=ivsb, work=work, recipe=recipe)}")
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 
