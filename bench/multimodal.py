@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,7 +129,10 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
     if engine.images is None:
         raise ValueError(f"{config.target} reads text only: the multimodal benchmark needs a VLM target")
     if config.scenarios:
-        work = scenario_work(engine, config)
+        work = scenario_work(config, lambda messages, images: engine.tokenizer.decode(engine.generate_ids(
+            engine.encode_messages(messages, images),
+            GenerateRequest("", max_tokens=config.max_tokens, draft="none", window=0)).token_ids,
+            skip_special_tokens=True))
         groups = list(config.scenarios)
     else:
         work = [(c, *single_turn(example(TEST_SEED + SEED_OFFSET + 1000 * i + n, c)))
@@ -159,15 +163,7 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
                 cell["steps"] += out.stats.steps
                 bar.update()
     bar.close()
-    rows = []
-    for (row, category), cell in totals.items() if config.pictures else ():
-        rows.append({"view": row, "category": category, "tokens_per_s": round(cell["tokens"] / cell["seconds"], 2),
-                     "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
-    for row in rows_run if config.pictures else ():   # the mix: every category's tokens over its seconds
-        cells = [totals[(row, c)] for c in groups]
-        tokens, seconds, steps = (sum(c[k] for c in cells) for k in ("tokens", "seconds", "steps"))
-        rows.append({"view": row, "category": "mix", "tokens_per_s": round(tokens / seconds, 2),
-                     "mean_accepted_len": round(tokens / max(1, steps), 3)})
+    rows = table(totals, rows_run, groups) if config.pictures else []
     frames = frame_rows(engine, config, progress) if config.frames else []
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.__dict__.items()},
               "machine": machine, "date": time.strftime("%Y-%m-%d"), "rows": rows, "aims": aims(rows),
@@ -176,6 +172,22 @@ def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | Non
     plot(result, config.plot_path)
     print(format_table(result))
     return result
+
+
+def table(totals: dict, rows_run: tuple[str, ...], groups: list[str]) -> list[dict]:
+    """``{view, category, tokens_per_s, mean_accepted_len}`` per row and category (or scenario) of
+    ``totals`` (``{(row, group): {tokens, seconds, steps}}``), and per row on the mix: every
+    group's tokens over its seconds."""
+    rows = []
+    for (row, category), cell in totals.items():
+        rows.append({"view": row, "category": category, "tokens_per_s": round(cell["tokens"] / cell["seconds"], 2),
+                     "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
+    for row in rows_run:
+        cells = [totals[(row, c)] for c in groups]
+        tokens, seconds, steps = (sum(c[k] for c in cells) for k in ("tokens", "seconds", "steps"))
+        rows.append({"view": row, "category": "mix", "tokens_per_s": round(tokens / seconds, 2),
+                     "mean_accepted_len": round(tokens / max(1, steps), 3)})
+    return rows
 
 
 def single_turn(ex) -> tuple[list[dict], tuple]:
@@ -194,17 +206,18 @@ def unseen(image):
     return Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8))
 
 
-def scenario_work(engine: SpecEngine, config: MultimodalBenchConfig) -> list[tuple[str, list[dict], tuple]]:
-    """(scenario, messages, pictures) per conversation, ``config.pictures`` per scenario. The first
-    turns' answers are the VLM's own (greedy), as a client's conversation would carry them."""
+def scenario_work(config: MultimodalBenchConfig, answer: Callable[[list[dict], tuple], str]
+                  ) -> list[tuple[str, list[dict], tuple]]:
+    """(scenario, messages, pictures) per conversation, ``config.pictures`` per scenario; a
+    message's ``{"type": "image"}`` parts take the pictures in turn. The first turns' answers are
+    the VLM's own (greedy: ``answer(messages, pictures)``), as a client's conversation would carry
+    them."""
     chats = [t for t in load_prompts("chat", 4 * config.pictures) if len(t) < 300][:config.pictures]
     work = []
     for n in range(config.pictures):
         ex = example(TEST_SEED + SEED_OFFSET + 900_000 + n, config.categories[n % len(config.categories)])
         first, images = single_turn(ex)
-        answer = engine.generate_ids(engine.encode_messages(first, images),
-                                     GenerateRequest("", max_tokens=config.max_tokens, draft="none", window=0))
-        said = engine.tokenizer.decode(answer.token_ids, skip_special_tokens=True)
+        said = answer(first, images)
         earlier = [*first, {"role": "assistant", "content": said}]
         clip = clip_example(TEST_SEED + SEED_OFFSET + 950_000 + n, CLIP_CATEGORIES[n % len(CLIP_CATEGORIES)])
         odd = example(TEST_SEED + SEED_OFFSET + 980_000 + n, config.categories[n % len(config.categories)])

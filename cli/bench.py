@@ -260,15 +260,33 @@ def bench_multimodal(
                                                    "text-only, pooled, caption); default: all four."),
     scenarios: Optional[str] = typer.Option(None, help="Comma-separated conversations instead of categories (single, "
                                                        "follow-up, text-turn, unseen, clip; 'all': every one)."),
+    served: bool = typer.Option(False, "--served", help="The scenarios over HTTP instead of in-process: a local stack "
+                                "(Ray, Redis) whose target replicas serve one draft per row, up and down."),
+    server: Optional[str] = typer.Option(None, help="With --scenarios: a running deployment serving one draft per "
+                                         "row (as --served brings up) to measure over HTTP instead."),
+    replicas: int = typer.Option(2, help="--served: target replicas (the ensemble's weights shared through Redis)."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """TABED's drafting views of VLM requests side by side, per picture category (or scenario): multimodal,
     text-only, pooled, caption, their adaptive and static ensembles, and target-only (tokens/s and mean
-    accepted length); then Sparrow's windowed draft against full attention as pictures grow."""
+    accepted length); then Sparrow's windowed draft against full attention as pictures grow. --served /
+    --server: the scenarios over HTTP, one draft of the deployment per row."""
     from specserve.bench.multimodal import SCENARIOS, VIEWS, MultimodalBenchConfig, run_multimodal_bench
+    from specserve.bench.multimodal_served import run_served_multimodal_bench
     from specserve.data.synthetic_images import CATEGORIES
 
     set_threads(threads)
+    if served or server:
+        try:
+            run_served_multimodal_bench(MultimodalBenchConfig(
+                json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
+                categories=tuple(names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
+                repeats=repeats, dtype=dtype, frames=(), views=tuple(names(views) or VIEWS),
+                scenarios=SCENARIOS if scenarios == "all" else tuple(names(scenarios) or ())),
+                server=server, replicas=replicas)
+        except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as err:
+            fail(str(err))
+        return
     try:
         run_multimodal_bench(MultimodalBenchConfig(
             json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,

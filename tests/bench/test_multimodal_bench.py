@@ -113,3 +113,31 @@ def test_sparrows_rows_can_ask_a_clip_of_as_many_frames():
         MultimodalBenchConfig(frame_category="moves", frames=(1, 4))
     with pytest.raises(ValueError, match="unknown --frame-category"):
         MultimodalBenchConfig(frame_category="karaoke")
+
+
+def test_the_served_rows_are_drafts_of_one_application_and_pictures_travel_as_data_urls():
+    from PIL import Image
+
+    from specserve.bench.multimodal_served import openai_messages, served_config
+    from specserve.cluster.config import AppConfig
+
+    config = MultimodalBenchConfig(views=("multimodal", "pooled"), scenarios=("single",), frames=())
+    serve = served_config(config, replicas=2)
+    app = serve["applications"][0]
+    drafts = {d["name"]: d for d in AppConfig.model_validate(app["args"]).model_dump()["drafts"]}
+    assert set(drafts) == {"multimodal", "pooled", "ensemble", "ensemble-static"}
+    assert drafts["ensemble"]["ensemble"]["views"] == ["multimodal", "pooled"]
+    assert drafts["ensemble-static"]["ensemble"]["weights"] == "static"
+    assert {d["placement"] for d in drafts.values()} == {"inside"}
+    target = next(d for d in app["deployments"] if d["name"] == "target")["autoscaling_config"]
+    assert (target["min_replicas"], target["max_replicas"]) == (2, 2)
+    with pytest.raises(ValueError, match="replicas"):
+        served_config(config, replicas=0)
+
+    red, blue = Image.new("RGB", (8, 8), "red"), Image.new("RGB", (8, 8), "blue")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "?"}]},
+                {"role": "assistant", "content": "two squares"}]
+    sent = openai_messages(messages, (red, blue))
+    urls = [p["image_url"]["url"] for p in sent[0]["content"] if p["type"] == "image_url"]
+    assert len(urls) == 2 and urls[0] != urls[1] and all(u.startswith("data:image/png;base64,") for u in urls)
+    assert sent[0]["content"][2] == {"type": "text", "text": "?"} and sent[1] == messages[1]

@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from conftest import local_stack
+from specserve.bench.multimodal import MultimodalBenchConfig
+from specserve.bench.multimodal_served import run_served_multimodal_bench, served_config
 from specserve.cluster.serve_config import app_serve_config
 from specserve.data.synthetic_images import TEST_SEED, example
 from specserve.ingress import specserve_pb2 as pb
@@ -22,6 +24,9 @@ pytestmark = [pytest.mark.reference, pytest.mark.slow]
 
 MODEL = "smollm2-vlm"
 PICTURES = [example(TEST_SEED + 701, "bars"), example(TEST_SEED + 702, "shape")]
+# The served scenario benchmark's rows: the VLM's own draft's multimodal and pooled views, their mixes.
+ROWS = MultimodalBenchConfig(target=MODEL, views=("multimodal", "pooled"), scenarios=("single", "text-turn", "clip"),
+                             pictures=1, repeats=1, max_tokens=12, frames=())
 
 
 def png(picture) -> bytes:
@@ -48,8 +53,9 @@ def served(tmp_path_factory):
         # TABED's caption view inside the replica: the VLM captions each new picture beside the request.
         {"name": "captioned", "model": "smollm2-draft-2l", "placement": "inside",
          "ensemble": {"views": ["caption", "text-only"]}},
-        # The VLM's own draft reading the pictures' image tokens; placed inside by itself.
-        {"name": "matched", "model": "smollm2-vlm-draft", "ensemble": {"views": ["multimodal"]}},
+        # The VLM's own draft reading the pictures' image tokens; placed inside by itself. With the
+        # pooled view and both mixes of the two: the served scenario benchmark's rows.
+        *served_config(ROWS, replicas=1)["applications"][0]["args"]["drafts"],
         # Sparrow's head: the target's states, text positions only (VATA).
         {"name": "sparrow", "model": "smollm2-vlm-sparrow", "windowed": True}]})
     with local_stack(config, tmp_path_factory.mktemp("specserve-home")) as state:
@@ -76,10 +82,10 @@ def test_http_image_parts_answer_as_in_process(served, expected):
 
 def test_the_vlms_own_draft_reads_the_pictures_inside_the_replica_losslessly(served, expected):
     for ex, want in zip(PICTURES, expected):
-        reply = ask(served, [image_part(ex.image), {"type": "text", "text": ex.question}], draft="matched", window=3)
+        reply = ask(served, [image_part(ex.image), {"type": "text", "text": ex.question}], draft="multimodal", window=3)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["token_ids"] == want, ex.question
-        assert reply.json()["spec"]["draft"] == "matched"
+        assert reply.json()["spec"]["draft"] == "multimodal"
 
 
 def test_the_caption_view_is_served_losslessly(served, expected):
@@ -176,3 +182,23 @@ def test_a_clip_answers_as_its_frames_shown_in_process_over_http_and_grpc(served
             stub.Complete(pb.CompletionRequest(model=MODEL, max_tokens=4, messages=[
                 pb.ChatMessage(role="user", content="hi", videos=[pb.Video(frames=[png(frames[0])], fps=0)])]), timeout=60)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "video_url.fps" in err.value.details()
+
+
+def test_the_served_scenario_benchmark_measures_every_row_over_http_with_the_targets_answers(served, tmp_path):
+    """One conversation of each scenario, every row a draft of the deployment: each row's answers
+    are target-only's (float32 greedy), each row is timed, and the verdict is written."""
+    from dataclasses import replace
+
+    config = replace(ROWS, json_path=tmp_path / "served.json", plot_path=tmp_path / "served.png")
+    result = run_served_multimodal_bench(config, server=served.http_url, progress=False)
+    assert result["served"]["answers_unlike_target_only"] == {"multimodal": 0, "pooled": 0, "ensemble": 0,
+                                                               "ensemble-static": 0}
+    assert sum(result["served"]["requests_per_replica"].values()) == 3 * 5
+    cells = {(r["view"], r["category"]): r for r in result["rows"]}
+    assert set(cells) == {(v, c) for v in ("multimodal", "pooled", "ensemble", "ensemble-static", "target-only")
+                          for c in ("single", "text-turn", "clip", "mix")}
+    assert all(r["tokens_per_s"] > 0 and r["mean_accepted_len"] >= 1 for r in result["rows"])
+    assert cells[("target-only", "mix")]["mean_accepted_len"] == 1
+    assert max(cells[("multimodal", c)]["mean_accepted_len"] for c in ("single", "clip")) > 1
+    assert set(result["aims"]["ensemble_over_best_view"]) == {"single", "text-turn", "clip", "mix"}
+    assert (tmp_path / "served.json").exists() and (tmp_path / "served.png").stat().st_size > 0
