@@ -1,7 +1,7 @@
 """Greedy equality on the reference target (SmolLM2-135M-Instruct, float32) over 20 prompts:
-prompt lookup with windows 1 and 8 (the tiny-model tests take every window 1..8) and with a tree, a real-weights draft LM (the target's first
-layers, untrained as a draft, so it is rejected often, which is what this test wants), and every
-draft the package's zoo ships."""
+prompt lookup with window 8 and with a tree (on the ten where it drafts; the tiny-model tests take
+every window 1..8), a real-weights draft LM (the target's first layers, untrained as a draft, so it
+is rejected often, which is what this test wants), and every draft the package's zoo ships."""
 
 import pytest
 import torch
@@ -42,6 +42,9 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 GREEDY = SamplingParams()
+# The prompts whose answers repeat the prompt or themselves most: where prompt lookup drafts, and
+# so where its chains and trees are verified (on the others it proposes next to nothing).
+LOOKUP = (0, 2, 5, 6, 7, 9, 10, 15, 17, 19)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +80,7 @@ def test_prompt_lookup_chain(engine, prompt_ids, expected, window):
     target = Target(engine.loaded.model)
     draft = engine.drafts["prompt-lookup"]
     accepted = 0
-    for ids, exp in zip(prompt_ids, expected):
+    for ids, exp in ((prompt_ids[i], expected[i]) for i in LOOKUP):
         gen = speculative_generate(target, draft, ids, NEW_TOKENS, GREEDY, window=window)
         assert_greedy_equal(engine.loaded.model, ids, gen.token_ids, exp, f"prompt-lookup γ={window}")
         accepted += gen.stats.accepted
@@ -88,9 +91,12 @@ def test_prompt_lookup_chain(engine, prompt_ids, expected, window):
 def test_prompt_lookup_tree(engine, prompt_ids, expected, shape):
     target = Target(engine.loaded.model)
     draft = engine.drafts["prompt-lookup"]
-    for ids, exp in zip(prompt_ids, expected):
+    accepted = 0
+    for ids, exp in ((prompt_ids[i], expected[i]) for i in LOOKUP):
         gen = speculative_generate(target, draft, ids, NEW_TOKENS, GREEDY, tree=shape)
         assert_greedy_equal(engine.loaded.model, ids, gen.token_ids, exp, f"prompt-lookup {shape}")
+        accepted += gen.stats.accepted
+    assert accepted > 0, "no draft token was ever accepted: the test would prove nothing"
 
 
 def test_real_weights_draft_lm_chain_and_tree(engine, prompt_ids, expected):
