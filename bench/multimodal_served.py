@@ -11,7 +11,8 @@ takes it down after; ``--server URL`` measures a running deployment that serves 
 The conversations are the in-process benchmark's (``multimodal.scenario_work``; the first turns'
 answers the served VLM's own), pictures sent as PNG data URLs, one request at a time, every row in
 turn per conversation, each request with a ``cache_salt`` of its own (cold: no row reuses another's
-prefill or captions). What the ensemble learns stays with the deployment, as in production: a
+prefill). The ``caption`` view is not served here: a replica keeps a picture's caption whatever the
+salt, so which row pays for it would depend on the order and the replica. What the ensemble learns stays with the deployment, as in production: a
 request's first block drafts with its replica's prior, which pools what the finished requests of
 that draft on every replica left in Redis (docs/design.md §5). A row's tokens/s is its completion
 tokens over its requests' wall time at the client (HTTP and the ingress included); its mean
@@ -46,6 +47,7 @@ def served_config(config: MultimodalBenchConfig, replicas: int = 2) -> dict:
 
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1; got {replicas}")
+    check_served(config)
     drafts = [{"name": row, "model": spec["model"], "placement": "inside",
                "ensemble": {"views": spec["views"], **({"weights": spec["weights"]} if "weights" in spec else {})}}
               for row, spec in _ensembles(config.draft, config.views).items()]
@@ -55,6 +57,14 @@ def served_config(config: MultimodalBenchConfig, replicas: int = 2) -> dict:
         if entry["name"] == TARGET_DEPLOYMENT:
             entry["autoscaling_config"].update(min_replicas=replicas, max_replicas=replicas)
     return serve
+
+
+def check_served(config: MultimodalBenchConfig) -> None:
+    if not config.scenarios or config.pictures < 1:
+        raise ValueError("the served rows run --scenarios (TABED's conversations), --pictures of each at least 1")
+    if "caption" in config.views:
+        raise ValueError("the served rows compare the multimodal, text-only and pooled views: a replica keeps a "
+                         "picture's caption across requests, so the caption view's cost would depend on the order")
 
 
 def data_url(picture) -> str:
@@ -92,7 +102,10 @@ class Client:
                 "cache_salt": uuid.uuid4().hex,
                 "spec": {"draft": "none"} if target_only else {"draft": row, "window": self.config.window}}
         began = time.perf_counter()
-        response = self.http.post(f"{self.url}/v1/chat/completions", json=body)
+        try:
+            response = self.http.post(f"{self.url}/v1/chat/completions", json=body)
+        except httpx.HTTPError as err:
+            raise RuntimeError(f"{row}: {type(err).__name__} from {self.url}: {err}") from err
         seconds = time.perf_counter() - began
         if response.status_code != 200:
             raise RuntimeError(f"{row}: HTTP {response.status_code}: {response.text[:500]}")
@@ -123,14 +136,18 @@ def run_served_multimodal_bench(config: MultimodalBenchConfig, server: str | Non
     from specserve.cluster import local
     from specserve.ingress.auth import client_headers
 
-    if not config.scenarios:
-        raise ValueError("the served rows run --scenarios (TABED's conversations)")
+    check_served(config)
     rows_run = rows_of(config.views)
     started = server is None
+    if started:
+        serve = served_config(config, replicas)
+        if local.LocalState.load() is not None:
+            raise RuntimeError("a local stack is up (`specserve status`): measure it with --server URL if it serves "
+                               "the rows' drafts, or take it down first")
     headers = client_headers()
     try:
         if started:   # down below stops whatever up started, should up fail half way
-            server = local.up(served_config(config, replicas)).http_url
+            server = local.up(serve).http_url
         url = server.rstrip("/").removesuffix("/v1")
         client = Client(url, headers, check_drafts(url, headers, rows_run), config)
         try:
@@ -150,6 +167,10 @@ def run_served_multimodal_bench(config: MultimodalBenchConfig, server: str | Non
     config.json_path.write_text(json.dumps(result, indent=2))
     plot(result, config.plot_path)
     print(format_table(result))
+    unlike = {row: n for row, n in result["served"]["answers_unlike_target_only"].items() if n}
+    if unlike:   # greedy speculation is lossless up to the near-ties of a reduced precision
+        print(f"answers unlike target-only's (greedy; near-ties in {config.dtype} aside, a lossless draft has none): "
+              + ", ".join(f"{row} {n}" for row, n in unlike.items()))
     return result
 
 

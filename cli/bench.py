@@ -264,7 +264,9 @@ def bench_multimodal(
                                 "(Ray, Redis) whose target replicas serve one draft per row, up and down."),
     server: Optional[str] = typer.Option(None, help="With --scenarios: a running deployment serving one draft per "
                                          "row (as --served brings up) to measure over HTTP instead."),
-    replicas: int = typer.Option(2, help="--served: target replicas (the ensemble's weights shared through Redis)."),
+    replicas: int = typer.Option(2, help="--served: target replicas (the ensemble's weights shared through Redis); "
+                                 "the served rows take --scenarios, --views (not caption), --pictures, --repeats, "
+                                 "--max-tokens, --window, --target, --draft, --dtype."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """TABED's drafting views of VLM requests side by side, per picture category (or scenario): multimodal,
@@ -276,6 +278,10 @@ def bench_multimodal(
     from specserve.data.synthetic_images import CATEGORIES
 
     set_threads(threads)
+    if served and server:
+        fail("--served brings a local stack up; --server URL measures a running one: give one of them")
+    if (served or server) and pictures < 1:
+        fail("the served rows take --pictures conversations of each scenario, at least 1")
     if served or server:
         try:
             run_served_multimodal_bench(MultimodalBenchConfig(

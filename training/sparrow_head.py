@@ -84,8 +84,8 @@ def anchor_layer(num_layers: int) -> int:
 def _states_chunk(vlm, rows: list[dict], placeholder: int, anchor: int) -> list[dict]:
     """Per answer of ``rows``: ``h`` [T, H] at every position of prompt + answer (the second-to-last
     layer's output) and the anchor [image tokens, H] (layer ``anchor``'s at the image tokens). The
-    language model reads each answer's image rows as served (``vlm_draft.answer_corpus`` keeps them),
-    so a picture and a clip's frames are read alike."""
+    language model reads each answer's image rows as served (``vlm_draft.answer_corpus`` keeps them,
+    in bfloat16), so a picture and a clip's frames are read alike."""
     model = vlm.model
     embed, language_model = model.get_input_embeddings(), model.model.language_model
     out = []
@@ -107,14 +107,15 @@ def _states_chunk(vlm, rows: list[dict], placeholder: int, anchor: int) -> list[
     return out
 
 
-def states_corpus(corpus: list[dict], work: Path, progress: bool = True, teacher: str = REFERENCE_VLM) -> list[dict]:
-    """``corpus`` with each answer's states (``_states_chunk``, of ``teacher``, whose answers they
-    are), built chunk by chunk into ``work/states`` (resumable; shared by both heads: it holds ``h``
-    and the anchor)."""
+def states_corpus(corpus: list[dict], work: Path, progress: bool = True) -> list[dict]:
+    """``corpus`` with each answer's states (``_states_chunk``, of the teacher whose answers
+    ``work/answers`` holds), built chunk by chunk into ``work/states`` (resumable; shared by both
+    heads: it holds ``h`` and the anchor)."""
     from tqdm import tqdm
 
     from specserve.replicas.vlm import load_vlm
 
+    teacher = answers_teacher(work)
     folder = work / "states"
     folder.mkdir(parents=True, exist_ok=True)
     placeholder = vlm_draft._placeholder(teacher)
@@ -134,6 +135,12 @@ def states_corpus(corpus: list[dict], work: Path, progress: bool = True, teacher
         states = {s["seed"]: s for s in torch.load(path, weights_only=False)}
         merged.extend({**r, **states[r["seed"]]} for r in rows)
     return merged
+
+
+def answers_teacher(work: Path) -> str:
+    """The VLM whose answers ``work/answers`` holds (``vlm_draft.answer_corpus`` names it)."""
+    meta = work / "answers" / "meta.json"
+    return json.loads(meta.read_text()).get("teacher", REFERENCE_VLM) if meta.exists() else REFERENCE_VLM
 
 
 def build_head(head_token_ids: list[int], ivsb: bool, base_name: str = PICTURES.base(True)) -> HSRHead:
@@ -187,7 +194,7 @@ def train(ivsb: bool = True, pictures: int = 3072, steps: int = 1500, batch: int
     answers = Path(answers or vlm_draft.default_work(recipe.answers))
     teacher = recipe.answers.teacher
     corpus = states_corpus(vlm_draft.answer_corpus(pictures, answers, progress, recipe=recipe.answers), answers,
-                           progress, teacher=teacher)
+                           progress)
     placeholder = vlm_draft._placeholder(teacher)
     held_out, rows = vlm_draft.split(corpus)
     head_file = work / "head_token_ids.json"
@@ -258,11 +265,12 @@ def write_card(out: Path, training: dict) -> Path:
               f"Eq. 3), every unrolled step (Eq. 4)" if training["ivsb"] else
               "a picture's positions read as the served full-attention draft reads them, `FC(e_placeholder ⊕ h)` "
               "(the ablation without IVSB)")
-    video = "categories" in training   # the video recipe's questions: pictures and clips
     teacher = training.get("teacher", REFERENCE_VLM)
+    video = teacher != REFERENCE_VLM
+    categories = training.get("categories", list(vlm_draft.DRAFT.categories))
     data = (f"the video model's greedy answers to {training['pictures']} synthetic questions, pictures and clips "
-            f"({', '.join(dict.fromkeys(training['categories']))}; seeds from {training['first_seed']:,}, in turn), the "
-            f"same as `{vlm_draft.VIDEO.name}`'s; every {training['held_out_every']}th question held out." if video else
+            f"({', '.join(dict.fromkeys(categories))}; seeds from {training['first_seed']:,}, in turn; `zoo vlm-draft "
+            f"--video`'s); every {training['held_out_every']}th question held out." if video else
             f"the VLM's greedy answers to {training['pictures']} synthetic pictures (seeds from "
             f"{training['first_seed']:,}, the eight question categories in turn); every {training['held_out_every']}th "
             f"picture held out.")

@@ -141,3 +141,29 @@ def test_the_served_rows_are_drafts_of_one_application_and_pictures_travel_as_da
     urls = [p["image_url"]["url"] for p in sent[0]["content"] if p["type"] == "image_url"]
     assert len(urls) == 2 and urls[0] != urls[1] and all(u.startswith("data:image/png;base64,") for u in urls)
     assert sent[0]["content"][2] == {"type": "text", "text": "?"} and sent[1] == messages[1]
+
+
+def test_served_rows_leave_a_running_stack_alone_and_take_down_one_that_failed_to_come_up(monkeypatch, tmp_path):
+    from specserve.bench import multimodal_served
+    from specserve.cluster import local
+
+    config = MultimodalBenchConfig(views=("multimodal", "pooled"), scenarios=("single",), frames=(),
+                                   json_path=tmp_path / "x.json", plot_path=tmp_path / "x.png")
+    downs = []
+    monkeypatch.setattr(local, "down", lambda: downs.append(1) or [])
+    with pytest.raises(ValueError, match="caption"):
+        multimodal_served.run_served_multimodal_bench(MultimodalBenchConfig(
+            views=("multimodal", "caption"), scenarios=("single",), frames=()))
+    monkeypatch.setattr(local.LocalState, "load", classmethod(lambda cls: local.LocalState()))
+    with pytest.raises(RuntimeError, match="a local stack is up"):
+        multimodal_served.run_served_multimodal_bench(config)
+    assert downs == []
+
+    def up(serve):
+        raise TimeoutError("the application was not healthy")
+
+    monkeypatch.setattr(local.LocalState, "load", classmethod(lambda cls: None))
+    monkeypatch.setattr(local, "up", up)
+    with pytest.raises(TimeoutError):
+        multimodal_served.run_served_multimodal_bench(config)
+    assert downs == [1]   # what up had started is stopped

@@ -104,11 +104,13 @@ def test_bad_requests_are_answered_and_the_replica_serves_on(served, expected):
     assert again.status_code == 200 and pixels(again.json()["data"][0]["b64_json"]) == expected
 
 
+# Last in the module: it takes the module's stack down.
+@pytest.mark.slow
 def test_down_leaves_no_handle_that_starts_a_new_ray_cluster(stack):
     """A deployment handle's router pushes metrics from a background thread; left running after
-    ``down``, its next Ray call auto-started a fresh local cluster inside this process, which the
-    next ``up`` joined (with too few CPUs for its replicas) and whose ``ray stop`` killed the
-    process (the suite died mid-run with exit 1)."""
+    ``down``, its next Ray call would start a fresh local cluster inside this process, which the
+    next ``up`` would join (with too few CPUs for its replicas) and whose ``ray stop`` would kill
+    the process."""
     import ray
     from ray import serve
 

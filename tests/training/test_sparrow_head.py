@@ -127,7 +127,7 @@ def test_the_video_recipe_reads_a_clips_frames_as_the_video_model_does_and_expor
     recipe = replace(sparrow_head.VIDEO, answers=replace(vlm_draft.VIDEO, categories=("shape", "sequence")))
     answers = tmp_path / "answers"
     corpus = sparrow_head.states_corpus(vlm_draft.answer_corpus(2, answers, progress=False, recipe=recipe.answers),
-                                        answers, progress=False, teacher=recipe.answers.teacher)
+                                        answers, progress=False)
     vlm = load_vlm("smollm2-vlm-video", dtype="bfloat16", device="cpu").model
     placeholder = vlm_draft._placeholder(recipe.answers.teacher)
     layers = vlm.config.text_config.num_hidden_layers
@@ -141,6 +141,14 @@ def test_the_video_recipe_reads_a_clips_frames_as_the_video_model_does_and_expor
     assert row["anchor"].shape[0] == int(image.sum()) == 64 * len(frames) > 64
     assert relative_error(row["states"], hidden[-2][0]) < 1e-2
     assert relative_error(row["anchor"], hidden[sparrow_head.anchor_layer(layers)][0][image]) < 1e-2
+
+    # The head starts from the picture head's layers (under the video answers' vocabulary).
+    from specserve.replicas.model_store import load_causal_lm
+
+    picture_head = load_causal_lm(recipe.base(True), dtype="float32", device="cpu").model.state_dict()
+    started = sparrow_head.build_head(vlm_draft.head_tokens(corpus, recipe.base(True)), True, recipe.base(True))
+    assert all(torch.equal(v, picture_head[k].float()) for k, v in started.state_dict().items()
+               if k not in ("lm_head.weight", "embed_tokens.weight"))
 
     work = tmp_path / "work"
     sparrow_head.train(ivsb=True, pictures=2, steps=2, batch=1, validate_every=1, work=work, answers=answers,
