@@ -1,6 +1,7 @@
 """The reference video model (``smollm2-vlm-video``: the reference VLM taught clips, its language
 model adapted) answers from every frame of a clip, and the engine's speculative answers equal its
-own greedy ``generate`` in float32, its own draft (``smollm2-vlm-video-draft``) reading the frames."""
+own greedy ``generate`` in float32, its own draft (``smollm2-vlm-video-draft``) reading the frames
+and its own Sparrow head (``smollm2-vlm-video-sparrow``) drafting with the text-anchored window."""
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.reference, pytest.mark.slow]
 def engine():
     return SpecEngine.load(REFERENCE_VIDEO_VLM, dtype="float32", device="cpu",
                            ensembles={"video": {"model": "smollm2-vlm-video-draft", "views": ["multimodal"]},
-                                      "pictures": {"model": "smollm2-vlm-draft", "views": ["multimodal"]}})
+                                      "pictures": {"model": "smollm2-vlm-draft", "views": ["multimodal"]}},
+                           draft_models=["smollm2-vlm-video-sparrow", "smollm2-vlm-sparrow"])
 
 
 def test_a_sequence_is_named_frame_by_frame_and_equals_the_models_own(engine):
@@ -56,5 +58,25 @@ def test_its_own_draft_drafts_its_clip_answers_where_the_picture_draft_does_not(
             said[draft] = out["token_ids"]
             accepted[draft].append(out["spec"]["mean_accepted_len"])
         assert said["video"] == said["pictures"] == own_vlm_answer(engine, clip.frames, clip.question, 32)
+    video, pictures = (sum(v) / len(v) for v in accepted.values())
+    assert video > 2.0 and video > pictures + 0.5, accepted
+
+
+def test_its_own_sparrow_head_drafts_a_clips_answer_through_the_window_where_the_picture_head_does_not(engine):
+    """Trained on the video model's answers to clips, its head drafts a sequence's answer several
+    tokens a step without attending to a frame (VATA), where the head trained on the picture VLM's
+    answers does not; the answer stays the model's own."""
+    accepted = {"smollm2-vlm-video-sparrow": [], "smollm2-vlm-sparrow": []}
+    assert all(engine.drafts[name].windowed for name in accepted)
+    for n in range(3):
+        clip = clip_example(TEST_SEED + 7_200 + n, "sequence", frames=4)
+        said = {}
+        for draft in accepted:
+            out = engine.generate(GenerateRequest(clip.question, max_tokens=32, draft=draft, window=4,
+                                                  images=clip.frames))
+            said[draft] = out["token_ids"]
+            accepted[draft].append(out["spec"]["mean_accepted_len"])
+        assert len(set(map(tuple, said.values()))) == 1 and said["smollm2-vlm-video-sparrow"] == own_vlm_answer(
+            engine, clip.frames, clip.question, 32)
     video, pictures = (sum(v) / len(v) for v in accepted.values())
     assert video > 2.0 and video > pictures + 0.5, accepted
