@@ -36,6 +36,7 @@ SUFFIX_DRAFT = {"name": SUFFIX, "method": SUFFIX, "seed_outputs": SHIPPED_ANSWER
 # OpenMP team that spans every core stalls at each barrier whenever one of its threads is
 # descheduled (docs/design.md §6). Give it cores - 1 (or its GPU) on a bigger machine.
 REFERENCE_VLM = "smollm2-vlm"
+REFERENCE_VIDEO_VLM = "smollm2-vlm-video"
 TARGET_THREADS = 1
 # ... and the second core runs a second target replica instead: two one-thread replicas share
 # nothing but memory bandwidth, so they use both cores without OpenMP barriers and serve more
@@ -210,6 +211,23 @@ def multimodal_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dic
         "default_window": 4, "max_model_len": LOCAL_MAX_MODEL_LEN,
         "drafts": [{"name": PROMPT_LOOKUP}, dict(SUFFIX_DRAFT), {"name": "smollm2-eagle3", "model": "smollm2-eagle3"},
                    {"name": "smollm2-vlm-draft", "model": "smollm2-vlm-draft", "ensemble": {"views": ["multimodal"]}}],
+    }, http_port, grpc_port, TARGET_REPLICAS)
+
+
+def video_serve_config(http_port: int = 8000, grpc_port: int = 9000) -> dict:
+    """The reference video model (smollm2-vlm-video: the reference VLM taught clips) with prompt
+    lookup, the suffix draft, its own draft LM reading the frames' image tokens (``multimodal``
+    view, inside each target replica) and, by default, Sparrow's head drafting with the text-anchored
+    window (VATA: its cost per drafted token stays flat as frames grow, where a draft reading the
+    frames pays for each; docs/benchmarks.md §8.20), sized as the local default;
+    ``deploy/serve-video.yaml``."""
+    return app_serve_config({
+        "target": REFERENCE_VIDEO_VLM, "dtype": "auto", "torch_threads": TARGET_THREADS,
+        "default_draft": "smollm2-vlm-video-sparrow", "default_window": 4, "max_model_len": LOCAL_MAX_MODEL_LEN,
+        "drafts": [{"name": PROMPT_LOOKUP}, dict(SUFFIX_DRAFT),
+                   {"name": "smollm2-vlm-video-draft", "model": "smollm2-vlm-video-draft",
+                    "ensemble": {"views": ["multimodal"]}},
+                   {"name": "smollm2-vlm-video-sparrow", "model": "smollm2-vlm-video-sparrow", "windowed": True}],
     }, http_port, grpc_port, TARGET_REPLICAS)
 
 

@@ -255,7 +255,8 @@ def test_rayservice_app_args_are_a_valid_app_config(monkeypatch):
 
 
 SHIPPED_SERVE_CONFIGS = {**SERVE_CONFIGS,
-                         "deploy/serve-multimodal.yaml": lambda: yaml.safe_load((DEPLOY / "serve-multimodal.yaml").read_text())}
+                         "deploy/serve-multimodal.yaml": lambda: yaml.safe_load((DEPLOY / "serve-multimodal.yaml").read_text()),
+                         "deploy/serve-video.yaml": lambda: yaml.safe_load((DEPLOY / "serve-video.yaml").read_text())}
 
 
 @pytest.mark.parametrize("where", SHIPPED_SERVE_CONFIGS)

@@ -21,6 +21,7 @@ from specserve.cluster.serve_config import (
     imagegen_serve_config,
     multimodal_serve_config,
     proxy_env,
+    video_serve_config,
     with_overrides,
 )
 
@@ -48,6 +49,18 @@ def test_deploy_serve_multimodal_yaml_is_the_reference_vlm_config():
         "deploy/serve-multimodal.yaml drifted from specserve.cluster.serve_config.multimodal_serve_config: regenerate it")
     args = load_serve_config(path)["applications"][0]["args"]
     assert AppConfig.model_validate(args).target == "smollm2-vlm"
+
+
+def test_deploy_serve_video_yaml_is_the_reference_video_model_config():
+    path = SERVE_YAML.with_name("serve-video.yaml")
+    assert yaml.safe_load(path.read_text()) == video_serve_config(), (
+        "deploy/serve-video.yaml drifted from specserve.cluster.serve_config.video_serve_config: regenerate it")
+    args = AppConfig.model_validate(load_serve_config(path)["applications"][0]["args"])
+    assert args.target == "smollm2-vlm-video"
+    # Sparrow's windowed head by default; the video draft reads the frames inside the replica.
+    drafts = {d.name: d for d in args.drafts}
+    assert args.default_draft == "smollm2-vlm-video-sparrow" and drafts[args.default_draft].windowed
+    assert drafts["smollm2-vlm-video-draft"].ensemble.views == ["multimodal"]
 
 
 def test_ray_accepts_it_and_its_args_are_an_app_config():
@@ -130,7 +143,7 @@ def test_the_shipped_config_autoscales_the_target_and_keeps_the_ingress_beside_t
     assert entries["ingress"]["ray_actor_options"]["resources"] == {"node:__internal_head__": pytest.approx(0.001)}
 
 
-@pytest.mark.parametrize("build", [local_serve_config, multimodal_serve_config])
+@pytest.mark.parametrize("build", [local_serve_config, multimodal_serve_config, video_serve_config])
 def test_the_local_configs_bound_the_ingress_queue_and_the_grpc_message_size(build):
     config = build()
     entries = {d["name"]: d for d in config["applications"][0]["deployments"]}
