@@ -115,7 +115,8 @@ class MultimodalBenchConfig:
             raise ValueError(f"--frames are pictures per prompt, each at least 1; got {list(self.frames)}")
 
 
-def _ensembles(draft: str, views: tuple[str, ...]) -> dict[str, dict]:
+def row_ensembles(draft: str, views: tuple[str, ...]) -> dict[str, dict]:
+    """The draft of each drafting row: each view of ``draft`` alone, and both mixes of them."""
     alone = {view: {"model": draft, "views": [view]} for view in views}
     return {**alone, "ensemble": {"model": draft, "views": list(views)},
             "ensemble-static": {"model": draft, "views": list(views), "weights": "static"}}
@@ -124,7 +125,8 @@ def _ensembles(draft: str, views: tuple[str, ...]) -> dict[str, dict]:
 def run_multimodal_bench(config: MultimodalBenchConfig, engine: SpecEngine | None = None, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    engine = engine or SpecEngine.load(config.target, dtype=config.dtype, ensembles=_ensembles(config.draft, config.views),
+    engine = engine or SpecEngine.load(config.target, dtype=config.dtype,
+                                       ensembles=row_ensembles(config.draft, config.views),
                                        draft_models=[h for h in (config.head, config.ivsb_head) if h] if config.frames else [])
     if engine.images is None:
         raise ValueError(f"{config.target} reads text only: the multimodal benchmark needs a VLM target")

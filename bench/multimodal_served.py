@@ -2,21 +2,22 @@
 whose target replicas serve one draft per row, the ensemble's weights learned from the traffic.
 
 Each row is a draft of the deployment named after it (``served_config``): ``multimodal``,
-``text-only``, ``pooled``, ``caption`` (one view of ``--draft``), ``ensemble`` (the views mixed by
-test-time weights, TABED Alg. 1) and ``ensemble-static`` (the equal mix), every one inside the
-target replica (where the pictures are); ``target-only`` asks for ``draft: none``. ``--served``
-brings that application up on a local Ray cluster with Redis (``--replicas`` target replicas) and
-takes it down after; ``--server URL`` measures a running deployment that serves those drafts.
+``text-only``, ``pooled`` (one view of ``--draft``), ``ensemble`` (the views mixed by test-time
+weights, TABED Alg. 1) and ``ensemble-static`` (the equal mix), every one inside the target replica
+(where the pictures are); ``target-only`` asks for ``draft: none``. The ``caption`` view is not
+served here: a replica keeps a picture's caption whatever the request's salt, so which row paid for
+it would depend on the order and the replica. ``--served`` brings that application up on a local
+Ray cluster with Redis (``--replicas`` target replicas) and takes it down after; ``--server URL``
+measures a running deployment that serves those drafts.
 
 The conversations are the in-process benchmark's (``multimodal.scenario_work``; the first turns'
 answers the served VLM's own), pictures sent as PNG data URLs, one request at a time, every row in
 turn per conversation, each request with a ``cache_salt`` of its own (cold: no row reuses another's
-prefill). The ``caption`` view is not served here: a replica keeps a picture's caption whatever the
-salt, so which row pays for it would depend on the order and the replica. What the ensemble learns stays with the deployment, as in production: a
-request's first block drafts with its replica's prior, which pools what the finished requests of
-that draft on every replica left in Redis (docs/design.md §5). A row's tokens/s is its completion
-tokens over its requests' wall time at the client (HTTP and the ingress included); its mean
-accepted length, the completion tokens over the steps the replica reports.
+prefill). What the ensemble learns stays with the deployment, as in production: a request's first
+block drafts with its replica's prior, which pools what the finished requests of that draft on
+every replica left in Redis (docs/design.md §5). A row's tokens/s is its completion tokens over its
+requests' wall time at the client (HTTP and the ingress included); its mean accepted length, the
+completion tokens over the steps the replica reports.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench.multimodal import (MultimodalBenchConfig, _ensembles, aims, format_table, plot, rows_of,
+from specserve.bench.multimodal import (MultimodalBenchConfig, aims, format_table, plot, row_ensembles, rows_of,
                                         scenario_work, table)
 
 REQUEST_TIMEOUT_S = 600.0
@@ -50,7 +51,7 @@ def served_config(config: MultimodalBenchConfig, replicas: int = 2) -> dict:
     check_served(config)
     drafts = [{"name": row, "model": spec["model"], "placement": "inside",
                "ensemble": {"views": spec["views"], **({"weights": spec["weights"]} if "weights" in spec else {})}}
-              for row, spec in _ensembles(config.draft, config.views).items()]
+              for row, spec in row_ensembles(config.draft, config.views).items()]
     serve = app_serve_config({"target": config.target, "dtype": config.dtype, "drafts": drafts,
                               "default_draft": drafts[0]["name"]}, target_replicas=replicas)
     for entry in serve["applications"][0]["deployments"]:
