@@ -162,6 +162,9 @@ def run_served_multimodal_bench(config: MultimodalBenchConfig, server: str | Non
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.__dict__.items()},
               "served": {"server": None if started else url, "replicas": replicas if started else None,
                          "requests_per_replica": dict(answered_by),
+                         # One stalled request moves a row's tokens/s: each row's slowest, per scenario.
+                         "slowest_request_s": {f"{row} {g}": round(cell["slowest_s"], 3)
+                                               for (row, g), cell in totals.items()},
                          "answers_unlike_target_only": {row: differs[row] for row in rows_run if row != "target-only"}},
               "machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "rows": rows, "aims": aims(rows),
               "frames": [], "frame_aims": {}}
@@ -183,7 +186,8 @@ def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str,
 
     work = scenario_work(config, client.answer)
     random.Random(0).shuffle(work)   # scenarios interleaved, as a replica's traffic is
-    totals = {(row, g): {"tokens": 0, "seconds": 0.0, "steps": 0} for row in rows_run for g in config.scenarios}
+    totals = {(row, g): {"tokens": 0, "seconds": 0.0, "steps": 0, "slowest_s": 0.0}
+              for row in rows_run for g in config.scenarios}
     answered_by, differs = Counter(), Counter()
     bar = tqdm(total=len(work) * len(rows_run) * config.repeats, desc="bench multimodal (served)", disable=not progress)
     for _ in range(config.repeats):
@@ -194,6 +198,7 @@ def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str,
                 choice, spec = reply["choices"][0], reply.get("spec") or {}
                 cell = totals[(row, scenario)]
                 cell["seconds"] += seconds
+                cell["slowest_s"] = max(cell["slowest_s"], seconds)
                 cell["tokens"] += reply["usage"]["completion_tokens"]
                 cell["steps"] += spec.get("steps") or reply["usage"]["completion_tokens"]
                 answered_by[spec.get("replica", "?")] += 1

@@ -195,6 +195,8 @@ def test_the_served_scenario_benchmark_measures_every_row_over_http_with_the_tar
                                                                "ensemble-static": 0}
     answered_by = result["served"]["requests_per_replica"]
     assert sum(answered_by.values()) == 3 * 5 and "?" not in answered_by
+    slowest = result["served"]["slowest_request_s"]
+    assert len(slowest) == 3 * 5 and min(slowest.values()) > 0
     cells = {(r["view"], r["category"]): r for r in result["rows"]}
     assert set(cells) == {(v, c) for v in ("multimodal", "pooled", "ensemble", "ensemble-static", "target-only")
                           for c in ("single", "text-turn", "clip", "mix")}
