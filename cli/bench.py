@@ -282,26 +282,20 @@ def bench_multimodal(
         fail("--served brings a local stack up; --server URL measures a running one: give one of them")
     if (served or server) and pictures < 1:
         fail("the served rows take --pictures conversations of each scenario, at least 1")
+    picked = dict(json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
+                  categories=tuple(names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
+                  repeats=repeats, dtype=dtype, views=tuple(names(views) or VIEWS),
+                  scenarios=SCENARIOS if scenarios == "all" else tuple(names(scenarios) or ()))
     if served or server:
         try:
-            run_served_multimodal_bench(MultimodalBenchConfig(
-                json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
-                categories=tuple(names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
-                repeats=repeats, dtype=dtype, frames=(), views=tuple(names(views) or VIEWS),
-                scenarios=SCENARIOS if scenarios == "all" else tuple(names(scenarios) or ())),
-                server=server, replicas=replicas)
+            run_served_multimodal_bench(MultimodalBenchConfig(**picked, frames=()), server=server, replicas=replicas)
         except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as err:
             fail(str(err))
         return
     try:
         run_multimodal_bench(MultimodalBenchConfig(
-            json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
-            categories=tuple(names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
-            repeats=repeats, dtype=dtype, frames=tuple(int(f) for f in names(frames) or ()),
-            frame_prompts=frame_prompts, frame_category=frame_category, head=head, ivsb_head=ivsb_head or None,
-            captions=captions,
-            views=tuple(names(views) or VIEWS),
-            scenarios=SCENARIOS if scenarios == "all" else tuple(names(scenarios) or ())))
+            **picked, frames=tuple(int(f) for f in names(frames) or ()), frame_prompts=frame_prompts,
+            frame_category=frame_category, head=head, ivsb_head=ivsb_head or None, captions=captions))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

@@ -16,6 +16,7 @@ import yaml
 from specserve.cluster.config import (INGRESS_DEPLOYMENT, POLICY_DEPLOYMENT, PROMPT_LOOKUP, SEPARATE, SHIPPED_ANSWERS, SUFFIX,
                                       TARGET_DEPLOYMENT, AppConfig, draft_deployment)
 from specserve.replicas.image_engine import GENERATOR_DRAFT, REFERENCE_GENERATOR
+from specserve.replicas.vlm import REFERENCE_VIDEO_VLM, REFERENCE_VLM
 
 APP_NAME = "specserve"
 BUILDER = "specserve.cluster.app:build_app"
@@ -35,8 +36,6 @@ SUFFIX_DRAFT = {"name": SUFFIX, "method": SUFFIX, "seed_outputs": SHIPPED_ANSWER
 # with two, because the ingress, the HTTP proxy and Ray's own processes need a core too, and an
 # OpenMP team that spans every core stalls at each barrier whenever one of its threads is
 # descheduled (docs/design.md §6). Give it cores - 1 (or its GPU) on a bigger machine.
-REFERENCE_VLM = "smollm2-vlm"
-REFERENCE_VIDEO_VLM = "smollm2-vlm-video"
 TARGET_THREADS = 1
 # ... and the second core runs a second target replica instead: two one-thread replicas share
 # nothing but memory bandwidth, so they use both cores without OpenMP barriers and serve more
