@@ -3,9 +3,11 @@ drafted position for every session, instead of one per session (``DraftLM``).
 
 Sessions hold slots of a ``BatchKV`` over the draft model, like requests on the target. A slot
 keeps the session's committed tokens between steps (drafted tokens are cropped after each
-proposal), so a step feeds each session only what its cache lacks. Slots are taken least recently
-used first; a session whose slot went to another is rebuilt from its tokens, so eviction costs
-recompute, never correctness.
+proposal), so a step feeds each session only what its cache lacks. A new session takes the lowest
+free slot, else the least recently used one: a forward of padded rows runs the whole range of
+its slots, so a call's slots are kept dense from 0 (two sessions at either end of the cache would
+cost a forward of every slot). A session whose slot went to another is rebuilt from its tokens,
+so eviction costs recompute, never correctness.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ class BatchedDraftLM:
     def _slot(self, session_id: str, taken: set[int]) -> int:
         if session_id in self.owner:
             slot = self.owner.index(session_id)
-        else:   # free slots first, then the least recently used; lowest index on ties (a tight range)
+        else:   # the lowest free slot, else the least recently used: a call's slots stay a tight range
             slot = min((s for s in range(self.kv.slots) if s not in taken),
-                       key=lambda s: (self.owner[s] is not None, self._used[s], s))
+                       key=lambda s: (1, self._used[s], s) if self.owner[s] is not None else (0, s, 0))
             self.owner[slot] = session_id
         self._used[slot] = self._tick
         return slot

@@ -44,3 +44,27 @@ def test_sampled_chains_carry_the_rows_of_q():
         assert proposal.draft_probs.shape == (window, model.config.vocab_size)
         # Each drafted token was drawn from its own row: it has probability > 0 there.
         assert all(proposal.draft_probs[i, t] > 0 for i, t in enumerate(proposal.tokens))
+
+
+def test_sessions_one_after_another_keep_a_calls_slots_dense_from_zero():
+    """A padded forward runs the whole range of its slots: requests served one at a time, each
+    releasing its session, must not walk their slots across the cache (two sessions at either
+    end of it would cost a forward of every slot)."""
+    model = tiny_model("llama", seed=3)
+    batched = BatchedDraftLM("d", model, slots=5)
+    spans = []
+    forward = batched.kv.forward
+
+    def recording(feeds):
+        slots = [f.slot for f in feeds]
+        spans.append(max(slots) - min(slots) + 1)
+        return forward(feeds)
+
+    batched.kv.forward = recording
+    for i in range(12):   # more sessions than slots; a request of one session, then one of two
+        sessions = [f"r{i}/{k}" for k in range(1 + i % 2)]
+        batched.propose_chains([ProposeRequest(s, CONTEXTS[k], 2, None, GREEDY) for k, s in enumerate(sessions)],
+                               [None] * len(sessions))
+        for session in sessions:
+            batched.release(session)
+    assert spans == [1, 1, 2, 2] * 6   # two forwards a call (window 2)
