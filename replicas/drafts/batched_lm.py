@@ -4,10 +4,11 @@ drafted position for every session, instead of one per session (``DraftLM``).
 Sessions hold slots of a ``BatchKV`` over the draft model, like requests on the target. A slot
 keeps the session's committed tokens between steps (drafted tokens are cropped after each
 proposal), so a step feeds each session only what its cache lacks. A new session takes the lowest
-free slot, else the least recently used one: a forward of padded rows runs the whole range of
-its slots, so a call's slots are kept dense from 0 (two sessions at either end of the cache would
-cost a forward of every slot). A session whose slot went to another is rebuilt from its tokens,
-so eviction costs recompute, never correctness.
+free slot, else the least recently used one, and a session moves down into a free slot below its
+own (its cache copied; the slot it leaves keeps its tokens, a prefix cache as a released one): a
+forward of padded rows runs the whole range of its slots, so a call's slots are kept dense from 0
+(two sessions at either end of the cache would cost a forward of every slot). A session whose slot
+went to another is rebuilt from its tokens, so eviction costs recompute, never correctness.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class BatchedDraftLM:
     def _slot(self, session_id: str, taken: set[int]) -> int:
         if session_id in self.owner:
             slot = self.owner.index(session_id)
+            hole = next((s for s in range(slot) if self.owner[s] is None and s not in taken), None)
+            if hole is not None:   # down into a free slot below: the slots of sessions that stay keep dense
+                self.kv.copy_prefix(slot, hole, len(self.kv.tokens[slot]))
+                self.owner[slot], self.owner[hole] = None, session_id
+                slot = hole
         else:   # the lowest free slot, else the least recently used: a call's slots stay a tight range
             slot = min((s for s in range(self.kv.slots) if s not in taken),
                        key=lambda s: (1, self._used[s], s) if self.owner[s] is not None else (0, s, 0))

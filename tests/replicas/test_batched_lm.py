@@ -68,3 +68,20 @@ def test_sessions_one_after_another_keep_a_calls_slots_dense_from_zero():
         for session in sessions:
             batched.release(session)
     assert spans == [1, 1, 2, 2] * 6   # two forwards a call (window 2)
+
+
+def test_a_session_moves_down_into_a_freed_slot_and_drafts_as_before():
+    model = tiny_model("llama", seed=3)
+    batched = BatchedDraftLM("d", model, slots=4)
+    contexts = [list(CONTEXTS[0]), list(CONTEXTS[2])]
+    batched.propose_chains(asks(contexts, [2, 2]), [None, None])   # s0 in slot 0, s1 in slot 1
+    batched.release("s0")
+    contexts[1].append(7)
+    fed = []
+    forward = batched.kv.forward
+    batched.kv.forward = lambda feeds: fed.append([(f.slot, len(f.tokens)) for f in feeds]) or forward(feeds)
+    got = batched.propose_chains([ProposeRequest("s1", contexts[1], 3, None, GREEDY)], [None])[0]
+    assert batched.owner.index("s1") == 0
+    assert got.tokens == DraftLM("d", model).propose(contexts[1], 3, GREEDY, None).tokens
+    # Its cache came along: the first forward fed slot 0 only the token the context gained.
+    assert fed[0] == [(0, 1)]
