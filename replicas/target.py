@@ -302,6 +302,10 @@ class Target:
         if rows:
             scored = logits[len(known_next) - rows:len(known_next)] if every else logits[:rows]
             wanted = torch.tensor(known_next[-rows:], device=logits.device)   # [rows]
+            # A picture's image token (``image_tokens.VIRTUAL_BASE`` on) is no word of the vocabulary:
+            # the rows that predict one are not scored.
+            words = wanted < scored.shape[-1]
+            scored, wanted, rows = scored[words], wanted[words], int(words.sum())
             nll = float(-torch.log_softmax(scored.float(), -1).gather(-1, wanted[:, None]).sum())
         prompt = token_logprobs(logits[:len(known_next)], known_next, logprobs) if every else []
         return Prefilled(len(fed), len(missing) - len(fed), nll, rows, prompt)

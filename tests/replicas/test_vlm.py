@@ -61,6 +61,17 @@ def test_image_tokens_are_virtual_ids_named_by_the_picture(vlm):
         image_prompt_ids([5, 6], [picture(1)], store.register, IMAGE_TOKEN)
 
 
+def test_the_prompts_perplexity_scores_its_words_and_not_its_pictures_image_tokens(vlm):
+    """The router's prompt perplexity, scored in the prefill: a row that predicts an image token
+    (a picture's row, no word of the vocabulary) is left out, not indexed into the output layer."""
+    _, lm, store = vlm
+    prompt = image_prompt_ids(TEXT, [picture(1)], store.register, IMAGE_TOKEN)
+    done = Target(lm, images=store).prefill(0, prompt[:-1], len(prompt), prompt[-1], score_rows=len(prompt))
+    words = [t for t in prompt[1:] if t < VIRTUAL_BASE]
+    assert done.scored == len(words) < len(prompt) - 1
+    assert 0 < done.nll < float("inf")
+
+
 def test_plain_decoding_equals_the_vlms_own_generate(vlm):
     model, lm, store = vlm
     for seed in (1, 2):
