@@ -280,6 +280,7 @@ class SpecStats:
             "windows": list(self.windows),
             "draft_ms_per_step": round(1e3 * self.draft_s / self.steps, 3) if self.steps else 0.0,
             "verify_ms_per_step": round(1e3 * self.verify_s / self.steps, 3) if self.steps else 0.0,
+            "prefill_ms": round(1e3 * self.prefill_s, 3),
             **({"proposal_errors": self.proposal_errors} if self.proposal_errors else {}),
             **({"forced": self.forced, "forced_accepted": self.forced_accepted} if self.forced else {}),
             **({"trees": [list(t) for t in self.trees]} if self.trees else {}),
