@@ -248,9 +248,6 @@ def write_captions(engine: SpecEngine, images: list) -> None:
         captions.put(digest, out["text"])
 
 
-FRAME_ROWS = ("target-only", "full", "windowed", "windowed+ivsb")
-
-
 def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool = True) -> list[dict]:
     """Rows ``{draft_attention, frames, tokens_per_s, decode_tokens_per_s, speedup, decode_speedup,
     draft_ms_per_token, acceptance_rate, mean_accepted_len}`` on prompts of ``frames`` pictures:
@@ -392,7 +389,8 @@ def format_table(result: dict) -> str:
         for r in result["frames"]:
             lines.append(f"{r['draft_attention']:<15}{r['frames']:>7}{r['tokens_per_s']:>8.1f}{r['speedup']:>9.2f}"
                          f"{r['decode_speedup']:>16.2f}{r['draft_ms_per_token']:>18.3f}"
-                         f"{r['acceptance_rate']:>8.3f}{r['mean_accepted_len']:>7.2f}")
+                         + (f"{r['acceptance_rate']:>8.3f}" if r["acceptance_rate"] is not None else f"{'-':>8}")
+                         + f"{r['mean_accepted_len']:>7.2f}")
         aim = result["frame_aims"]
         lines.append(", ".join(f"{k} {v}" for k, v in aim.items() if k != "met")
                      + f": {'met' if aim['met'] else 'not met'}")
@@ -424,7 +422,7 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(ncol=3, fontsize=8)
     if frames:   # Sparrow: the decoding speedup over target-only as pictures ("frames") grow
         ax = axes[0][-1]
-        for row in FRAME_ROWS[1:]:
+        for row in (r for r in dict.fromkeys(r["draft_attention"] for r in frames) if r != "target-only"):
             mine = sorted((r for r in frames if r["draft_attention"] == row), key=lambda r: r["frames"])
             if mine:
                 ax.plot([r["frames"] for r in mine], [r["decode_speedup"] for r in mine], marker="o", label=row)

@@ -10,6 +10,12 @@ it would depend on the order and the replica. ``--served`` brings that applicati
 Ray cluster with Redis (``--replicas`` target replicas) and takes it down after; ``--server URL``
 measures a running deployment that serves those drafts.
 
+With ``--pictures 0`` it serves Sparrow's rows instead (``frames_served_config``): clips of each
+``--frames`` count as ``video_url`` parts, answered by ``--head`` drafting with full and with
+windowed attention, ``--ivsb-head`` (windowed) and ``--draft``'s multimodal view (a draft LM reading
+every frame), each inside the target replica, and target-only; the decoding speedup takes each
+request's prefill (``spec.prefill_ms``) from its time at the client.
+
 The conversations are the in-process benchmark's (``multimodal.scenario_work``; the first turns'
 answers the served VLM's own), pictures sent as PNG data URLs, one request at a time, every row in
 turn per conversation, each request with a ``cache_salt`` of its own (cold: no row reuses another's
@@ -33,8 +39,8 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench.multimodal import (MultimodalBenchConfig, aims, format_table, plot, row_ensembles, rows_of,
-                                        scenario_work, table)
+from specserve.bench.multimodal import (MultimodalBenchConfig, aims, format_table, frame_aims, frame_prompt, plot,
+                                        row_ensembles, rows_of, scenario_work, table)
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -43,26 +49,56 @@ def served_config(config: MultimodalBenchConfig, replicas: int = 2) -> dict:
     """The application the rows ask: ``config.target`` with one draft per row (a view or a mix of
     ``config.draft``, inside the target replica), ``replicas`` target replicas from the start and no
     more (the rows compare drafts, not autoscaling)."""
+    check_served(config)
+    drafts = [{"name": row, "model": spec["model"], "placement": "inside",
+               "ensemble": {"views": spec["views"], **({"weights": spec["weights"]} if "weights" in spec else {})}}
+              for row, spec in row_ensembles(config.draft, config.views).items()]
+    return _fixed_replicas({"target": config.target, "dtype": config.dtype, "drafts": drafts,
+                            "default_draft": drafts[0]["name"]}, replicas)
+
+
+# Sparrow's served rows and the draft each asks (``frames_served_config``).
+FRAME_DRAFTS = {"target-only": "none", "full": "full", "windowed": "windowed", "windowed+ivsb": "windowed-ivsb",
+                "draft-lm": "draft-lm"}
+
+
+def frames_served_config(config: MultimodalBenchConfig, replicas: int = 2) -> dict:
+    """The application Sparrow's served rows ask: ``config.target`` with ``--head`` drafting with
+    full and with windowed attention, ``--ivsb-head`` windowed and ``--draft``'s multimodal view,
+    every one inside the target replica, ``replicas`` replicas from the start and no more."""
+    drafts = [{"name": "full", "model": config.head}, {"name": "windowed", "model": config.head, "windowed": True},
+              *([{"name": "windowed-ivsb", "model": config.ivsb_head, "windowed": True}] if config.ivsb_head else []),
+              {"name": "draft-lm", "model": config.draft, "placement": "inside", "ensemble": {"views": ["multimodal"]}}]
+    return _fixed_replicas({"target": config.target, "dtype": config.dtype, "drafts": drafts,
+                            "default_draft": "windowed"}, replicas)
+
+
+def _fixed_replicas(app: dict, replicas: int) -> dict:
     from specserve.cluster.config import TARGET_DEPLOYMENT
     from specserve.cluster.serve_config import app_serve_config
 
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1; got {replicas}")
-    check_served(config)
-    drafts = [{"name": row, "model": spec["model"], "placement": "inside",
-               "ensemble": {"views": spec["views"], **({"weights": spec["weights"]} if "weights" in spec else {})}}
-              for row, spec in row_ensembles(config.draft, config.views).items()]
-    serve = app_serve_config({"target": config.target, "dtype": config.dtype, "drafts": drafts,
-                              "default_draft": drafts[0]["name"]}, target_replicas=replicas)
+    serve = app_serve_config(app, target_replicas=replicas)
     for entry in serve["applications"][0]["deployments"]:
         if entry["name"] == TARGET_DEPLOYMENT:
             entry["autoscaling_config"].update(min_replicas=replicas, max_replicas=replicas)
     return serve
 
 
+def sparrow_rows(config: MultimodalBenchConfig) -> bool:
+    """Whether the served rows are Sparrow's (``--pictures 0``, clips of ``--frames``), not TABED's scenarios."""
+    return config.pictures == 0
+
+
 def check_served(config: MultimodalBenchConfig) -> None:
-    if not config.scenarios or config.pictures < 1:
-        raise ValueError("the served rows run --scenarios (TABED's conversations), --pictures of each at least 1")
+    if sparrow_rows(config):
+        if not config.frames:
+            raise ValueError("--pictures 0 serves Sparrow's rows: give --frames")
+        return
+    if not config.scenarios:
+        raise ValueError("the served rows run --scenarios (TABED's conversations), --pictures of each at least 1; "
+                         "or, with --pictures 0, Sparrow's rows on clips of --frames")
     if "caption" in config.views:
         raise ValueError("the served rows compare the multimodal, text-only and pooled views: a replica keeps a "
                          "picture's caption across requests, so the caption view's cost would depend on the order")
@@ -76,15 +112,21 @@ def data_url(picture) -> str:
 
 def openai_messages(messages: list[dict], pictures: tuple) -> list[dict]:
     """``messages`` with each ``{"type": "image"}`` part the next of ``pictures`` as an OpenAI
-    ``image_url`` part (a PNG data URL)."""
+    ``image_url`` part (a PNG data URL), and each ``{"type": "video", "frames": n}`` part the next
+    ``n`` as a clip (vLLM's ``video_url`` part, its frames PNG data URLs)."""
     left = iter(pictures)
+
+    def part_of(part: dict) -> dict:
+        if part["type"] == "image":
+            return {"type": "image_url", "image_url": {"url": data_url(next(left))}}
+        if part["type"] == "video":
+            return {"type": "video_url", "video_url": {"frames": [data_url(next(left)) for _ in range(part["frames"])]}}
+        return part
+
     out = []
     for message in messages:
         content = message["content"]
-        if isinstance(content, list):
-            content = [{"type": "image_url", "image_url": {"url": data_url(next(left))}} if part["type"] == "image"
-                       else part for part in content]
-        out.append({**message, "content": content})
+        out.append({**message, "content": [part_of(p) for p in content] if isinstance(content, list) else content})
     return out
 
 
@@ -95,13 +137,14 @@ class Client:
         self.url, self.model, self.config = url, model, config
         self.http = httpx.Client(headers=headers, timeout=REQUEST_TIMEOUT_S)
 
-    def ask(self, messages: list[dict], pictures: tuple, row: str) -> tuple[dict, float]:
-        """(the response, its seconds at the client) of the conversation drafted by ``row``'s draft."""
-        target_only = row == "target-only"
+    def ask(self, messages: list[dict], pictures: tuple, row: str, draft: str | None = None) -> tuple[dict, float]:
+        """(the response, its seconds at the client) of the conversation drafted by ``draft``
+        (default: the draft named after ``row``; target-only: none)."""
+        draft = draft or ("none" if row == "target-only" else row)
         body = {"model": self.model, "messages": openai_messages(messages, pictures),
                 "max_tokens": self.config.max_tokens, "temperature": 0, "return_token_ids": True,
                 "cache_salt": uuid.uuid4().hex,
-                "spec": {"draft": "none"} if target_only else {"draft": row, "window": self.config.window}}
+                "spec": {"draft": "none"} if draft == "none" else {"draft": draft, "window": self.config.window}}
         began = time.perf_counter()
         try:
             response = self.http.post(f"{self.url}/v1/chat/completions", json=body)
@@ -119,15 +162,16 @@ class Client:
         self.http.close()
 
 
-def check_drafts(url: str, headers: dict, rows: tuple[str, ...]) -> str:
-    """The served model's id, once it serves a draft named after every drafting row."""
+def check_drafts(url: str, headers: dict, drafts: list[str]) -> str:
+    """The served model's id, once it serves every one of ``drafts``."""
     from specserve.bench.serve import served_model
 
     model = served_model(url, headers)
-    missing = [r for r in rows if r != "target-only" and r not in model.get("drafts", [])]
+    missing = [d for d in drafts if d not in model.get("drafts", [])]
     if missing:
         raise ValueError(f"{url} serves no draft named {', '.join(missing)}: the served rows ask a deployment "
-                         f"built by specserve.bench.multimodal_served.served_config (--served brings one up)")
+                         f"built by specserve.bench.multimodal_served.served_config or frames_served_config "
+                         f"(--served brings one up)")
     return model["id"]
 
 
@@ -138,10 +182,13 @@ def run_served_multimodal_bench(config: MultimodalBenchConfig, server: str | Non
     from specserve.ingress.auth import client_headers
 
     check_served(config)
-    rows_run = rows_of(config.views)
+    sparrow = sparrow_rows(config)
+    rows_run = tuple(FRAME_DRAFTS if config.ivsb_head else (r for r in FRAME_DRAFTS if r != "windowed+ivsb")) \
+        if sparrow else rows_of(config.views)
+    drafts = {row: FRAME_DRAFTS[row] if sparrow else row for row in rows_run if row != "target-only"}
     started = server is None
     if started:
-        serve = served_config(config, replicas)
+        serve = (frames_served_config if sparrow else served_config)(config, replicas)
         if local.LocalState.load() is not None:
             raise RuntimeError("a local stack is up (`specserve status`): measure it with --server URL if it serves "
                                "the rows' drafts, or take it down first")
@@ -150,24 +197,29 @@ def run_served_multimodal_bench(config: MultimodalBenchConfig, server: str | Non
         if started:   # down below stops whatever up started, should up fail half way
             server = local.up(serve).http_url
         url = server.rstrip("/").removesuffix("/v1")
-        client = Client(url, headers, check_drafts(url, headers, rows_run), config)
+        client = Client(url, headers, check_drafts(url, headers, list(drafts.values())), config)
         try:
-            totals, answered_by, differs = _measure(client, config, rows_run, progress)
+            totals, answered_by, differs = (_measure_frames(client, config, drafts, progress) if sparrow
+                                            else _measure(client, config, rows_run, progress))
         finally:
             client.close()
     finally:
         if started:
             local.down()
-    rows = table(totals, rows_run, list(config.scenarios))
+    rows = [] if sparrow else table(totals, rows_run, list(config.scenarios))
+    frames = frame_table(totals, rows_run, config.frames) if sparrow else []
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in config.__dict__.items()},
               "served": {"server": None if started else url, "replicas": replicas if started else None,
                          "requests_per_replica": dict(answered_by),
-                         # One stalled request moves a row's tokens/s: each row's slowest, per scenario.
+                         # One stalled request moves a row's tokens/s: each row's slowest, per scenario or frames.
                          "slowest_request_s": {f"{row} {g}": round(cell["slowest_s"], 3)
                                                for (row, g), cell in totals.items()},
-                         "answers_unlike_target_only": {row: differs[row] for row in rows_run if row != "target-only"}},
-              "machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "rows": rows, "aims": aims(rows),
-              "frames": [], "frame_aims": {}}
+                         "answers_unlike_target_only": {row: differs[row] for row in rows_run if row != "target-only"},
+                         # Requests a failed step ended and the ingress resumed: a healthy run has none.
+                         "resumed": {row: sum(c["resumed"] for (r, _), c in totals.items() if r == row)
+                                     for row in rows_run}},
+              "machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "rows": rows,
+              "aims": {} if sparrow else aims(rows), "frames": frames, "frame_aims": frame_aims(frames)}
     config.json_path.write_text(json.dumps(result, indent=2))
     plot(result, config.plot_path)
     print(format_table(result))
@@ -186,7 +238,7 @@ def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str,
 
     work = scenario_work(config, client.answer)
     random.Random(0).shuffle(work)   # scenarios interleaved, as a replica's traffic is
-    totals = {(row, g): {"tokens": 0, "seconds": 0.0, "steps": 0, "slowest_s": 0.0}
+    totals = {(row, g): {"tokens": 0, "seconds": 0.0, "steps": 0, "slowest_s": 0.0, "resumed": 0}
               for row in rows_run for g in config.scenarios}
     answered_by, differs = Counter(), Counter()
     bar = tqdm(total=len(work) * len(rows_run) * config.repeats, desc="bench multimodal (served)", disable=not progress)
@@ -201,6 +253,7 @@ def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str,
                 cell["slowest_s"] = max(cell["slowest_s"], seconds)
                 cell["tokens"] += reply["usage"]["completion_tokens"]
                 cell["steps"] += spec.get("steps") or reply["usage"]["completion_tokens"]
+                cell["resumed"] += bool(spec.get("resumed"))
                 answered_by[spec.get("replica", "?")] += 1
                 if plain is None:
                     plain = choice["token_ids"]
@@ -209,3 +262,68 @@ def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str,
                 bar.update()
     bar.close()
     return totals, answered_by, differs
+
+
+def _measure_frames(client: Client, config: MultimodalBenchConfig, drafts: dict[str, str], progress: bool
+                    ) -> tuple[dict, Counter, Counter]:
+    """(``{(row, frames): {tokens, seconds, prefill_s, steps, drafted, draft_s, slowest_s}}``,
+    requests per replica, answers unlike target-only's per row) over ``config.frame_prompts``
+    clips of each frame count, every row in turn on each (target-only first), ``config.repeats``
+    times."""
+    from tqdm import tqdm
+
+    rows = ("target-only", *drafts)
+    totals = {(row, f): {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "steps": 0, "drafted": 0, "draft_s": 0.0,
+                         "slowest_s": 0.0, "resumed": 0} for row in rows for f in config.frames}
+    answered_by, differs = Counter(), Counter()
+    bar = tqdm(total=len(config.frames) * config.frame_prompts * len(rows) * config.repeats,
+               desc="bench multimodal frames (served)", disable=not progress)
+    for _ in range(config.repeats):
+        for frames in config.frames:
+            for n in range(config.frame_prompts):
+                question, shown = frame_prompt(config.frame_category, frames, n)
+                messages = [{"role": "user", "content": [{"type": "video", "frames": len(shown)},
+                                                         {"type": "text", "text": question}]}]
+                plain = None
+                for row in rows:
+                    reply, seconds = client.ask(messages, shown, row, drafts.get(row, "none"))
+                    spec, cell = reply.get("spec") or {}, totals[(row, frames)]
+                    steps = spec.get("steps") or reply["usage"]["completion_tokens"]
+                    cell["seconds"] += seconds
+                    cell["slowest_s"] = max(cell["slowest_s"], seconds)
+                    cell["prefill_s"] += (spec.get("prefill_ms") or 0.0) / 1e3
+                    cell["tokens"] += reply["usage"]["completion_tokens"]
+                    cell["steps"] += steps
+                    cell["drafted"] += sum(spec.get("windows") or ())
+                    cell["draft_s"] += (spec.get("draft_ms_per_step") or 0.0) * steps / 1e3
+                    cell["resumed"] += bool(spec.get("resumed"))
+                    answered_by[spec.get("replica", "?")] += 1
+                    ids = reply["choices"][0]["token_ids"]
+                    if plain is None:
+                        plain = ids
+                    elif ids != plain:
+                        differs[row] += 1
+                    bar.update()
+    bar.close()
+    return totals, answered_by, differs
+
+
+def frame_table(totals: dict, rows: tuple[str, ...], frames: tuple[int, ...]) -> list[dict]:
+    """Sparrow's rows as the in-process bench writes them (``multimodal.frame_rows``), from what the
+    client timed and each response's ``spec``: decode time is a request's time at the client less
+    its prefill; α is not in a response, so each row carries τ alone."""
+    out = []
+    for f in frames:
+        base = totals[("target-only", f)]
+        base_rate = base["tokens"] / base["seconds"]
+        base_decode = base["tokens"] / max(1e-9, base["seconds"] - base["prefill_s"])
+        for row in rows:
+            cell = totals[(row, f)]
+            rate = cell["tokens"] / cell["seconds"]
+            decode = cell["tokens"] / max(1e-9, cell["seconds"] - cell["prefill_s"])
+            out.append({"draft_attention": row, "frames": f, "tokens_per_s": round(rate, 2),
+                        "decode_tokens_per_s": round(decode, 2), "speedup": round(rate / base_rate, 3),
+                        "decode_speedup": round(decode / base_decode, 3),
+                        "draft_ms_per_token": round(1e3 * cell["draft_s"] / max(1, cell["drafted"]), 3),
+                        "acceptance_rate": None, "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
+    return out

@@ -260,19 +260,23 @@ def bench_multimodal(
                                                    "text-only, pooled, caption); default: all four."),
     scenarios: Optional[str] = typer.Option(None, help="Comma-separated conversations instead of categories (single, "
                                                        "follow-up, text-turn, unseen, clip; 'all': every one)."),
-    served: bool = typer.Option(False, "--served", help="The scenarios over HTTP instead of in-process: a local stack "
-                                "(Ray, Redis) whose target replicas serve one draft per row, up and down."),
-    server: Optional[str] = typer.Option(None, help="With --scenarios: a running deployment serving one draft per "
-                                         "row (as --served brings up) to measure over HTTP instead."),
+    served: bool = typer.Option(False, "--served", help="The scenarios (or, with --pictures 0, Sparrow's rows on "
+                                "clips) over HTTP instead of in-process: a local stack (Ray, Redis) whose target "
+                                "replicas serve one draft per row, up and down."),
+    server: Optional[str] = typer.Option(None, help="A running deployment serving one draft per row (as --served "
+                                         "brings up) to measure over HTTP instead."),
     replicas: int = typer.Option(2, help="--served: target replicas (the ensemble's weights shared through Redis); "
-                                 "the served rows take --scenarios, --views (not caption), --pictures, --repeats, "
-                                 "--max-tokens, --window, --target, --draft, --dtype."),
+                                 "the served scenarios take --scenarios, --views (not caption), --pictures, "
+                                 "--repeats, --max-tokens, --window, --target, --draft, --dtype; Sparrow's served "
+                                 "rows --frames, --frame-prompts, --frame-category, --head, --ivsb-head and --draft "
+                                 "(its multimodal view) instead of the first three."),
     threads: Optional[int] = typer.Option(None, help="torch threads."),
 ) -> None:
     """TABED's drafting views of VLM requests side by side, per picture category (or scenario): multimodal,
     text-only, pooled, caption, their adaptive and static ensembles, and target-only (tokens/s and mean
     accepted length); then Sparrow's windowed draft against full attention as pictures grow. --served /
-    --server: the scenarios over HTTP, one draft of the deployment per row."""
+    --server: the scenarios (with --pictures 0: Sparrow's rows, clips as video_url parts) over HTTP, one
+    draft of the deployment per row."""
     from specserve.bench.multimodal import SCENARIOS, VIEWS, MultimodalBenchConfig, run_multimodal_bench
     from specserve.bench.multimodal_served import run_served_multimodal_bench
     from specserve.data.synthetic_images import CATEGORIES
@@ -280,22 +284,20 @@ def bench_multimodal(
     set_threads(threads)
     if served and server:
         fail("--served brings a local stack up; --server URL measures a running one: give one of them")
-    if (served or server) and pictures < 1:
-        fail("the served rows take --pictures conversations of each scenario, at least 1")
     picked = dict(json_path=json_path, plot_path=plot_path, target=target, draft=draft, pictures=pictures,
                   categories=tuple(names(categories) or CATEGORIES), max_tokens=max_tokens, window=window,
                   repeats=repeats, dtype=dtype, views=tuple(names(views) or VIEWS),
-                  scenarios=SCENARIOS if scenarios == "all" else tuple(names(scenarios) or ()))
+                  scenarios=SCENARIOS if scenarios == "all" else tuple(names(scenarios) or ()),
+                  frames=tuple(int(f) for f in names(frames) or ()), frame_prompts=frame_prompts,
+                  frame_category=frame_category, head=head, ivsb_head=ivsb_head or None)
     if served or server:
         try:
-            run_served_multimodal_bench(MultimodalBenchConfig(**picked, frames=()), server=server, replicas=replicas)
+            run_served_multimodal_bench(MultimodalBenchConfig(**picked), server=server, replicas=replicas)
         except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as err:
             fail(str(err))
         return
     try:
-        run_multimodal_bench(MultimodalBenchConfig(
-            **picked, frames=tuple(int(f) for f in names(frames) or ()), frame_prompts=frame_prompts,
-            frame_category=frame_category, head=head, ivsb_head=ivsb_head or None, captions=captions))
+        run_multimodal_bench(MultimodalBenchConfig(**picked, captions=captions))
     except (ValueError, FileNotFoundError) as err:
         fail(str(err))
 

@@ -167,3 +167,45 @@ def test_served_rows_leave_a_running_stack_alone_and_take_down_one_that_failed_t
     with pytest.raises(TimeoutError):
         multimodal_served.run_served_multimodal_bench(config)
     assert downs == [1]   # what up had started is stopped
+
+
+def test_sparrows_served_rows_are_the_heads_and_the_draft_lm_of_one_application_and_clips_travel_as_video():
+    from PIL import Image
+
+    from specserve.bench.multimodal_served import check_served, frames_served_config, openai_messages
+    from specserve.cluster.config import AppConfig
+
+    config = MultimodalBenchConfig(pictures=0, frames=(2, 8), head="smollm2-vlm-hsr", ivsb_head="smollm2-vlm-sparrow")
+    app = frames_served_config(config, replicas=1)["applications"][0]
+    drafts = {d["name"]: d for d in AppConfig.model_validate(app["args"]).model_dump()["drafts"]}
+    assert set(drafts) == {"full", "windowed", "windowed-ivsb", "draft-lm"}
+    assert (drafts["full"]["model"], drafts["full"]["windowed"]) == ("smollm2-vlm-hsr", False)
+    assert (drafts["windowed"]["model"], drafts["windowed"]["windowed"]) == ("smollm2-vlm-hsr", True)
+    assert (drafts["windowed-ivsb"]["model"], drafts["windowed-ivsb"]["windowed"]) == ("smollm2-vlm-sparrow", True)
+    assert drafts["draft-lm"]["ensemble"]["views"] == ["multimodal"] and drafts["draft-lm"]["placement"] == "inside"
+    with pytest.raises(ValueError, match="with --pictures 0, Sparrow's rows"):   # neither scenarios nor frames
+        check_served(MultimodalBenchConfig(pictures=1, frames=(), scenarios=()))
+
+    frames = tuple(Image.new("RGB", (8, 8), c) for c in ("red", "green", "blue"))
+    sent = openai_messages([{"role": "user", "content": [{"type": "video", "frames": 3}, {"type": "text", "text": "?"}]}],
+                           frames)
+    clip = sent[0]["content"][0]
+    assert clip["type"] == "video_url" and len(clip["video_url"]["frames"]) == 3
+    assert len(set(clip["video_url"]["frames"])) == 3
+
+
+def test_sparrows_served_table_takes_each_requests_prefill_from_its_time_at_the_client():
+    from specserve.bench.multimodal_served import frame_table
+
+    def cell(tokens, seconds, prefill, steps, drafted, draft_s):
+        return {"tokens": tokens, "seconds": seconds, "prefill_s": prefill, "steps": steps, "drafted": drafted,
+                "draft_s": draft_s, "slowest_s": seconds}
+
+    totals = {("target-only", 4): cell(40, 3.0, 1.0, 40, 0, 0.0), ("windowed", 4): cell(40, 2.0, 1.0, 16, 48, 0.096),
+              ("full", 4): cell(40, 2.5, 1.0, 16, 48, 0.192)}
+    rows = {r["draft_attention"]: r for r in frame_table(totals, ("target-only", "windowed", "full"), (4,))}
+    assert rows["target-only"]["speedup"] == 1 and rows["target-only"]["decode_speedup"] == 1
+    assert rows["windowed"]["speedup"] == 1.5 and rows["windowed"]["decode_speedup"] == 2.0
+    assert rows["full"]["decode_speedup"] == round(40 / 1.5 / 20, 3)
+    assert rows["windowed"]["draft_ms_per_token"] == 2.0 and rows["windowed"]["mean_accepted_len"] == 2.5
+    assert rows["windowed"]["acceptance_rate"] is None

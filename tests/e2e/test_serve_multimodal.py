@@ -13,7 +13,7 @@ import pytest
 
 from conftest import local_stack
 from specserve.bench.multimodal import MultimodalBenchConfig
-from specserve.bench.multimodal_served import run_served_multimodal_bench, served_config
+from specserve.bench.multimodal_served import frames_served_config, run_served_multimodal_bench, served_config
 from specserve.cluster.serve_config import app_serve_config
 from specserve.data.synthetic_images import TEST_SEED, example
 from specserve.ingress import specserve_pb2 as pb
@@ -27,6 +27,9 @@ PICTURES = [example(TEST_SEED + 701, "bars"), example(TEST_SEED + 702, "shape")]
 # The served scenario benchmark's rows: the VLM's own draft's multimodal and pooled views, their mixes.
 ROWS = MultimodalBenchConfig(target=MODEL, views=("multimodal", "pooled"), scenarios=("single", "text-turn", "clip"),
                              pictures=1, repeats=1, max_tokens=12, frames=())
+# Sparrow's served rows: clips of two frames.
+FRAMES = MultimodalBenchConfig(target=MODEL, pictures=0, frames=(2,), frame_prompts=1, repeats=1, max_tokens=12,
+                               head="smollm2-vlm-hsr", ivsb_head="smollm2-vlm-sparrow")
 
 
 def png(picture) -> bytes:
@@ -56,8 +59,9 @@ def served(tmp_path_factory):
         # The VLM's own draft reading the pictures' image tokens (inside the replica, where the
         # pictures are), its pooled view and both mixes of the two: the served scenario benchmark's rows.
         *served_config(ROWS, replicas=1)["applications"][0]["args"]["drafts"],
-        # Sparrow's head: the target's states, text positions only (VATA).
-        {"name": "sparrow", "model": "smollm2-vlm-sparrow", "windowed": True}]})
+        # Sparrow's served rows: a head drafting with full and with windowed attention (the target's
+        # states, text positions only: VATA), the IVSB head windowed, the VLM's own draft LM.
+        *frames_served_config(FRAMES, replicas=1)["applications"][0]["args"]["drafts"]]})
     with local_stack(config, tmp_path_factory.mktemp("specserve-home")) as state:
         yield state
 
@@ -147,10 +151,10 @@ def test_sparrows_windowed_head_drafts_a_clip_losslessly(served):
     want = engine.generate(GenerateRequest(question, max_tokens=12, draft="none", window=0, images=tuple(frames)))["token_ids"]
     data = "data:image/png;base64,"
     clip = {"type": "video_url", "video_url": {"frames": [data + base64.b64encode(png(f)).decode() for f in frames]}}
-    reply = ask(served, [clip, {"type": "text", "text": question}], draft="sparrow", window=3)
+    reply = ask(served, [clip, {"type": "text", "text": question}], draft="windowed-ivsb", window=3)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["token_ids"] == want
-    assert reply.json()["spec"]["draft"] == "sparrow" and reply.json()["spec"]["acceptance_rate"] > 0
+    assert reply.json()["spec"]["draft"] == "windowed-ivsb" and reply.json()["spec"]["acceptance_rate"] > 0
 
 
 def test_a_clip_answers_as_its_frames_shown_in_process_over_http_and_grpc(served):
@@ -195,6 +199,7 @@ def test_the_served_scenario_benchmark_measures_every_row_over_http_with_the_tar
                                                                "ensemble-static": 0}
     answered_by = result["served"]["requests_per_replica"]
     assert sum(answered_by.values()) == 3 * 5 and "?" not in answered_by
+    assert set(result["served"]["resumed"].values()) == {0}   # no step failed under any row
     slowest = result["served"]["slowest_request_s"]
     assert len(slowest) == 3 * 5 and min(slowest.values()) > 0
     cells = {(r["view"], r["category"]): r for r in result["rows"]}
@@ -205,3 +210,21 @@ def test_the_served_scenario_benchmark_measures_every_row_over_http_with_the_tar
     assert max(cells[("multimodal", c)]["mean_accepted_len"] for c in ("single", "clip")) > 1
     assert set(result["aims"]["ensemble_over_best_view"]) == {"single", "text-turn", "clip", "mix"}
     assert (tmp_path / "served.json").exists() and (tmp_path / "served.png").stat().st_size > 0
+
+
+def test_sparrows_served_rows_answer_as_target_only_and_take_each_prefill_from_the_decode_time(served, tmp_path):
+    """A clip of two frames to every row of Sparrow's served bench: each row answers as target-only
+    (float32 greedy), the heads and the draft LM draft, and the decode rate leaves the prefill out."""
+    from dataclasses import replace
+
+    config = replace(FRAMES, json_path=tmp_path / "frames.json", plot_path=tmp_path / "frames.png")
+    result = run_served_multimodal_bench(config, server=served.http_url, progress=False)
+    assert result["served"]["answers_unlike_target_only"] == {"full": 0, "windowed": 0, "windowed+ivsb": 0,
+                                                               "draft-lm": 0}
+    assert set(result["served"]["resumed"].values()) == {0}   # no step failed under any row
+    rows = {r["draft_attention"]: r for r in result["frames"]}
+    assert set(rows) == {"target-only", "full", "windowed", "windowed+ivsb", "draft-lm"} and not result["rows"]
+    assert all(rows[r]["mean_accepted_len"] > 1 and rows[r]["draft_ms_per_token"] > 0 for r in rows if r != "target-only")
+    assert all(r["decode_tokens_per_s"] > r["tokens_per_s"] for r in rows.values())
+    assert {"windowed_speedup_kept", "full_speedup_kept", "ivsb_tau_gain_at_fewest"} <= set(result["frame_aims"])
+    assert (tmp_path / "frames.png").stat().st_size > 0
