@@ -407,6 +407,7 @@ def plot(result: dict, path: Path) -> None:
     categories = list(dict.fromkeys(r["category"] for r in rows))
     by = {(r["view"], r["category"]): r["tokens_per_s"] for r in rows}
     both = bool(rows) and bool(frames)
+    where = f"{result['machine'].get('cpu_model', '?')}, {result['date']}{', served' if result.get('served') else ''}"
     fig, axes = plt.subplots(1, 2 if both else 1, figsize=(15 if both else (11 if rows else 6), 4.5), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 1]} if both else None)
     if rows:
@@ -418,7 +419,7 @@ def plot(result: dict, path: Path) -> None:
                    label=view)
         ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))], categories)
         ax.set_ylabel("tokens/s")
-        ax.set_title(f"TABED views of the reference VLM ({result['machine'].get('cpu_model', '?')}, {result['date']})")
+        ax.set_title(f"TABED views of the reference VLM ({where})")
         ax.legend(ncol=3, fontsize=8)
     if frames:   # Sparrow: the decoding speedup over target-only as pictures ("frames") grow
         ax = axes[0][-1]
@@ -430,8 +431,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("pictures per prompt")
         ax.set_ylabel("decoding speedup over target-only")
-        ax.set_title("Sparrow's rows" if rows else
-                     f"Sparrow's rows ({result['machine'].get('cpu_model', '?')}, {result['date']})")
+        ax.set_title("Sparrow's rows" if rows else f"Sparrow's rows ({where})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

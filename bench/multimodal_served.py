@@ -324,6 +324,8 @@ def frame_table(totals: dict, rows: tuple[str, ...], frames: tuple[int, ...]) ->
             out.append({"draft_attention": row, "frames": f, "tokens_per_s": round(rate, 2),
                         "decode_tokens_per_s": round(decode, 2), "speedup": round(rate / base_rate, 3),
                         "decode_speedup": round(decode / base_decode, 3),
-                        "draft_ms_per_token": round(1e3 * cell["draft_s"] / max(1, cell["drafted"]), 3),
+                        # A row that drafts nothing has no cost per drafted token (a step's draft
+                        # phase, bookkeeping included, is shared by every request in it).
+                        "draft_ms_per_token": round(1e3 * cell["draft_s"] / cell["drafted"], 3) if cell["drafted"] else 0.0,
                         "acceptance_rate": None, "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
     return out
