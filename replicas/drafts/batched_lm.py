@@ -5,7 +5,7 @@ Sessions hold slots of a ``BatchKV`` over the draft model, like requests on the 
 keeps the session's committed tokens between steps (drafted tokens are cropped after each
 proposal), so a step feeds each session only what its cache lacks. A new session takes the lowest
 free slot, else the least recently used one, and a session moves down into a free slot below its
-own (its cache copied; the slot it leaves keeps its tokens, a prefix cache as a released one): a
+own (the two caches swapped: the free slot's prefix cache is kept, in the slot left behind): a
 forward of padded rows runs the whole range of its slots, so a call's slots are kept dense from 0
 (two sessions at either end of the cache would cost a forward of every slot). A session whose slot
 went to another is rebuilt from its tokens, so eviction costs recompute, never correctness.
@@ -44,12 +44,14 @@ class BatchedDraftLM:
             slot = self.owner.index(session_id)
             hole = next((s for s in range(slot) if self.owner[s] is None and s not in taken), None)
             if hole is not None:   # down into a free slot below: the slots of sessions that stay keep dense
-                self.kv.copy_prefix(slot, hole, len(self.kv.tokens[slot]))
+                self.kv.swap(slot, hole)   # the free slot's prefix cache moves up, not lost
                 self.owner[slot], self.owner[hole] = None, session_id
                 slot = hole
         else:   # the lowest free slot, else the least recently used: a call's slots stay a tight range
-            slot = min((s for s in range(self.kv.slots) if s not in taken),
-                       key=lambda s: (1, self._used[s], s) if self.owner[s] is not None else (0, s, 0))
+            open_slots = [s for s in range(self.kv.slots) if s not in taken]
+            slot = next((s for s in open_slots if self.owner[s] is None), None)
+            if slot is None:
+                slot = min(open_slots, key=lambda s: self._used[s])
             self.owner[slot] = session_id
         self._used[slot] = self._tick
         return slot

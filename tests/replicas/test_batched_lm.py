@@ -76,6 +76,7 @@ def test_a_session_moves_down_into_a_freed_slot_and_drafts_as_before():
     contexts = [list(CONTEXTS[0]), list(CONTEXTS[2])]
     batched.propose_chains(asks(contexts, [2, 2]), [None, None])   # s0 in slot 0, s1 in slot 1
     batched.release("s0")
+    released = list(batched.kv.tokens[0])   # s0's prefix cache
     contexts[1].append(7)
     fed = []
     forward = batched.kv.forward
@@ -85,3 +86,5 @@ def test_a_session_moves_down_into_a_freed_slot_and_drafts_as_before():
     assert got.tokens == DraftLM("d", model).propose(contexts[1], 3, GREEDY, None).tokens
     # Its cache came along: the first forward fed slot 0 only the token the context gained.
     assert fed[0] == [(0, 1)]
+    # The released session's prefix cache was not overwritten: it sits in the slot left behind.
+    assert released and batched.kv.tokens[1] == released
