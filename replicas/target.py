@@ -24,6 +24,7 @@ from specserve.replicas.model.batch_kv import BatchKV, Feed
 from specserve.replicas.drafts.hsr_head import decoder_layer
 from specserve.replicas.grammar import GrammarError, GrammarState
 from specserve.replicas.imagegen import guided_logits
+from specserve.replicas.model.image_tokens import is_virtual
 from specserve.replicas.model.kv_session import common_prefix_len
 from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
 from specserve.replicas.logits_processors import RowProcessors
@@ -301,12 +302,14 @@ class Target:
         nll = 0.0
         if rows:
             scored = logits[len(known_next) - rows:len(known_next)] if every else logits[:rows]
-            wanted = torch.tensor(known_next[-rows:], device=logits.device)   # [rows]
-            # A picture's image token (``image_tokens.VIRTUAL_BASE`` on) is no word of the vocabulary:
-            # the rows that predict one are not scored.
-            words = wanted < scored.shape[-1]
-            scored, wanted, rows = scored[words], wanted[words], int(words.sum())
-            nll = float(-torch.log_softmax(scored.float(), -1).gather(-1, wanted[:, None]).sum())
+            # A picture's image token (a virtual id) is no word of the vocabulary: the rows that
+            # predict one are not scored.
+            ids = known_next[-rows:]
+            words = [j for j, t in enumerate(ids) if not is_virtual(t)]
+            if len(words) < rows:
+                scored, rows = scored[words], len(words)
+            wanted = torch.tensor([ids[j] for j in words], device=logits.device)   # [rows]
+            nll = float(-torch.log_softmax(scored.float(), -1).gather(-1, wanted[:, None]).sum()) if rows else 0.0
         prompt = token_logprobs(logits[:len(known_next)], known_next, logprobs) if every else []
         return Prefilled(len(fed), len(missing) - len(fed), nll, rows, prompt)
 
