@@ -298,20 +298,29 @@ def frame_rows(engine: SpecEngine, config: MultimodalBenchConfig, progress: bool
                     cell["accepted"] += stats.accepted
                     cell["rejected"] += stats.rejections
                 bar.update()
-        base = totals["target-only"]
         for row, cell in totals.items():
-            tokens_per_s = cell["tokens"] / cell["seconds"]
-            decode = cell["tokens"] / max(1e-9, cell["seconds"] - cell["prefill"])
-            base_decode = base["tokens"] / max(1e-9, base["seconds"] - base["prefill"])
-            rows.append({"draft_attention": row, "frames": frames, "tokens_per_s": round(tokens_per_s, 2),
-                         "decode_tokens_per_s": round(decode, 2),
-                         "speedup": round(tokens_per_s / (base["tokens"] / base["seconds"]), 3),
-                         "decode_speedup": round(decode / base_decode, 3),
-                         "draft_ms_per_token": round(1e3 * cell["draft_s"] / max(1, cell["drafted"]), 3),
-                         "acceptance_rate": round(cell["accepted"] / max(1, cell["accepted"] + cell["rejected"]), 3),
-                         "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
+            rows.append(frame_row(row, frames, cell, totals["target-only"],
+                                  cell["accepted"] / max(1, cell["accepted"] + cell["rejected"])))
     bar.close()
     return rows
+
+
+def frame_row(row: str, frames: int, cell: dict, base: dict, acceptance_rate: float) -> dict:
+    """One of Sparrow's rows from ``cell`` and target-only's ``base`` (each ``{tokens, seconds,
+    prefill, steps, drafted, draft_s}`` summed over the prompts): decode time is the requests'
+    time less their prefill."""
+    tokens_per_s = cell["tokens"] / cell["seconds"]
+    decode = cell["tokens"] / max(1e-9, cell["seconds"] - cell["prefill"])
+    base_decode = base["tokens"] / max(1e-9, base["seconds"] - base["prefill"])
+    return {"draft_attention": row, "frames": frames, "tokens_per_s": round(tokens_per_s, 2),
+            "decode_tokens_per_s": round(decode, 2),
+            "speedup": round(tokens_per_s / (base["tokens"] / base["seconds"]), 3),
+            "decode_speedup": round(decode / base_decode, 3),
+            # A row that drafts nothing has no cost per drafted token (a step's draft phase,
+            # bookkeeping included, is shared by every request in it).
+            "draft_ms_per_token": round(1e3 * cell["draft_s"] / cell["drafted"], 3) if cell["drafted"] else 0.0,
+            "acceptance_rate": round(acceptance_rate, 3),
+            "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)}
 
 
 def frame_prompt(category: str, frames: int, n: int) -> tuple[str, tuple]:
@@ -389,8 +398,7 @@ def format_table(result: dict) -> str:
         for r in result["frames"]:
             lines.append(f"{r['draft_attention']:<15}{r['frames']:>7}{r['tokens_per_s']:>8.1f}{r['speedup']:>9.2f}"
                          f"{r['decode_speedup']:>16.2f}{r['draft_ms_per_token']:>18.3f}"
-                         + (f"{r['acceptance_rate']:>8.3f}" if r["acceptance_rate"] is not None else f"{'-':>8}")
-                         + f"{r['mean_accepted_len']:>7.2f}")
+                         f"{r['acceptance_rate']:>8.3f}{r['mean_accepted_len']:>7.2f}")
         aim = result["frame_aims"]
         lines.append(", ".join(f"{k} {v}" for k, v in aim.items() if k != "met")
                      + f": {'met' if aim['met'] else 'not met'}")
@@ -423,7 +431,7 @@ def plot(result: dict, path: Path) -> None:
         ax.legend(ncol=3, fontsize=8)
     if frames:   # Sparrow: the decoding speedup over target-only as pictures ("frames") grow
         ax = axes[0][-1]
-        for row in (r for r in dict.fromkeys(r["draft_attention"] for r in frames) if r != "target-only"):
+        for row in (name for name in dict.fromkeys(r["draft_attention"] for r in frames) if name != "target-only"):
             mine = sorted((r for r in frames if r["draft_attention"] == row), key=lambda r: r["frames"])
             if mine:
                 ax.plot([r["frames"] for r in mine], [r["decode_speedup"] for r in mine], marker="o", label=row)

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import httpx
 
-from specserve.bench.multimodal import (MultimodalBenchConfig, aims, format_table, frame_aims, frame_prompt, plot,
-                                        row_ensembles, rows_of, scenario_work, table)
+from specserve.bench.multimodal import (MultimodalBenchConfig, aims, format_table, frame_aims, frame_prompt, frame_row,
+                                        plot, row_ensembles, rows_of, scenario_work, table)
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -70,7 +70,7 @@ def frames_served_config(config: MultimodalBenchConfig, replicas: int = 2) -> di
               *([{"name": "windowed-ivsb", "model": config.ivsb_head, "windowed": True}] if config.ivsb_head else []),
               {"name": "draft-lm", "model": config.draft, "placement": "inside", "ensemble": {"views": ["multimodal"]}}]
     return _fixed_replicas({"target": config.target, "dtype": config.dtype, "drafts": drafts,
-                            "default_draft": "windowed"}, replicas)
+                            "default_draft": "windowed", "max_video_frames": max(config.frames)}, replicas)
 
 
 def _fixed_replicas(app: dict, replicas: int) -> dict:
@@ -92,9 +92,7 @@ def sparrow_rows(config: MultimodalBenchConfig) -> bool:
 
 
 def check_served(config: MultimodalBenchConfig) -> None:
-    if sparrow_rows(config):
-        if not config.frames:
-            raise ValueError("--pictures 0 serves Sparrow's rows: give --frames")
+    if sparrow_rows(config):   # MultimodalBenchConfig asks --frames of --pictures 0
         return
     if not config.scenarios:
         raise ValueError("the served rows run --scenarios (TABED's conversations), --pictures of each at least 1; "
@@ -230,16 +228,36 @@ def run_served_multimodal_bench(config: MultimodalBenchConfig, server: str | Non
     return result
 
 
+def _new_cell() -> dict:
+    return {"tokens": 0, "seconds": 0.0, "prefill": 0.0, "steps": 0, "drafted": 0, "draft_s": 0.0,
+            "accepted_steps": 0.0, "slowest_s": 0.0, "resumed": 0}
+
+
+def _tally(cell: dict, reply: dict, seconds: float) -> list[int]:
+    """Adds one response timed ``seconds`` at the client to ``cell``; its token ids."""
+    spec, tokens = reply.get("spec") or {}, reply["usage"]["completion_tokens"]
+    steps = spec.get("steps") or tokens
+    cell["seconds"] += seconds
+    cell["slowest_s"] = max(cell["slowest_s"], seconds)
+    cell["prefill"] += (spec.get("prefill_ms") or 0.0) / 1e3
+    cell["tokens"] += tokens
+    cell["steps"] += steps
+    cell["drafted"] += sum(spec.get("windows") or ())
+    cell["draft_s"] += (spec.get("draft_ms_per_step") or 0.0) * steps / 1e3
+    cell["accepted_steps"] += (spec.get("acceptance_rate") or 0.0) * steps   # α, weighted by steps
+    cell["resumed"] += bool(spec.get("resumed"))
+    return reply["choices"][0]["token_ids"]
+
+
 def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str, ...], progress: bool
              ) -> tuple[dict, Counter, Counter]:
-    """(``{(row, scenario): {tokens, seconds, steps}}``, requests per replica, answers unlike
-    target-only's per row) over ``config.repeats`` rounds of the scenarios' conversations."""
+    """(``{(row, scenario): cell}``, requests per replica, answers unlike target-only's per row)
+    over ``config.repeats`` rounds of the scenarios' conversations."""
     from tqdm import tqdm
 
     work = scenario_work(config, client.answer)
     random.Random(0).shuffle(work)   # scenarios interleaved, as a replica's traffic is
-    totals = {(row, g): {"tokens": 0, "seconds": 0.0, "steps": 0, "slowest_s": 0.0, "resumed": 0}
-              for row in rows_run for g in config.scenarios}
+    totals = {(row, g): _new_cell() for row in rows_run for g in config.scenarios}
     answered_by, differs = Counter(), Counter()
     bar = tqdm(total=len(work) * len(rows_run) * config.repeats, desc="bench multimodal (served)", disable=not progress)
     for _ in range(config.repeats):
@@ -247,58 +265,49 @@ def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str,
             plain = None
             for row in reversed(rows_run):   # target-only first: the others' answers are checked against it
                 reply, seconds = client.ask(messages, pictures, row)
-                choice, spec = reply["choices"][0], reply.get("spec") or {}
-                cell = totals[(row, scenario)]
-                cell["seconds"] += seconds
-                cell["slowest_s"] = max(cell["slowest_s"], seconds)
-                cell["tokens"] += reply["usage"]["completion_tokens"]
-                cell["steps"] += spec.get("steps") or reply["usage"]["completion_tokens"]
-                cell["resumed"] += bool(spec.get("resumed"))
-                answered_by[spec.get("replica", "?")] += 1
+                ids = _tally(totals[(row, scenario)], reply, seconds)
+                answered_by[(reply.get("spec") or {}).get("replica", "?")] += 1
                 if plain is None:
-                    plain = choice["token_ids"]
-                elif choice["token_ids"] != plain:
+                    plain = ids
+                elif ids != plain:
                     differs[row] += 1
                 bar.update()
     bar.close()
     return totals, answered_by, differs
 
 
+def _clip_messages(config: MultimodalBenchConfig, frames: int, n: int) -> tuple[list[dict], tuple]:
+    """Prompt ``n`` of Sparrow's rows at ``frames`` frames: (the messages, the frames shown)."""
+    question, shown = frame_prompt(config.frame_category, frames, n)
+    return [{"role": "user", "content": [{"type": "video", "frames": len(shown)},
+                                         {"type": "text", "text": question}]}], shown
+
+
 def _measure_frames(client: Client, config: MultimodalBenchConfig, drafts: dict[str, str], progress: bool
                     ) -> tuple[dict, Counter, Counter]:
-    """(``{(row, frames): {tokens, seconds, prefill_s, steps, drafted, draft_s, slowest_s}}``,
-    requests per replica, answers unlike target-only's per row) over ``config.frame_prompts``
-    clips of each frame count, every row in turn on each (target-only first), ``config.repeats``
-    times."""
+    """(``{(row, frames): cell}``, requests per replica, answers unlike target-only's per row) over
+    ``config.frame_prompts`` clips of each frame count, every row in turn on each (target-only
+    first), ``config.repeats`` times, after one untimed request per row (each draft's first call
+    pays its warm-up)."""
     from tqdm import tqdm
 
     rows = ("target-only", *drafts)
-    totals = {(row, f): {"tokens": 0, "seconds": 0.0, "prefill_s": 0.0, "steps": 0, "drafted": 0, "draft_s": 0.0,
-                         "slowest_s": 0.0, "resumed": 0} for row in rows for f in config.frames}
+    warm, shown = _clip_messages(config, min(config.frames), config.frame_prompts)
+    for row in rows:
+        client.ask(warm, shown, row, drafts.get(row, "none"))
+    totals = {(row, f): _new_cell() for row in rows for f in config.frames}
     answered_by, differs = Counter(), Counter()
     bar = tqdm(total=len(config.frames) * config.frame_prompts * len(rows) * config.repeats,
                desc="bench multimodal frames (served)", disable=not progress)
     for _ in range(config.repeats):
         for frames in config.frames:
             for n in range(config.frame_prompts):
-                question, shown = frame_prompt(config.frame_category, frames, n)
-                messages = [{"role": "user", "content": [{"type": "video", "frames": len(shown)},
-                                                         {"type": "text", "text": question}]}]
+                messages, shown = _clip_messages(config, frames, n)
                 plain = None
                 for row in rows:
                     reply, seconds = client.ask(messages, shown, row, drafts.get(row, "none"))
-                    spec, cell = reply.get("spec") or {}, totals[(row, frames)]
-                    steps = spec.get("steps") or reply["usage"]["completion_tokens"]
-                    cell["seconds"] += seconds
-                    cell["slowest_s"] = max(cell["slowest_s"], seconds)
-                    cell["prefill_s"] += (spec.get("prefill_ms") or 0.0) / 1e3
-                    cell["tokens"] += reply["usage"]["completion_tokens"]
-                    cell["steps"] += steps
-                    cell["drafted"] += sum(spec.get("windows") or ())
-                    cell["draft_s"] += (spec.get("draft_ms_per_step") or 0.0) * steps / 1e3
-                    cell["resumed"] += bool(spec.get("resumed"))
-                    answered_by[spec.get("replica", "?")] += 1
-                    ids = reply["choices"][0]["token_ids"]
+                    ids = _tally(totals[(row, frames)], reply, seconds)
+                    answered_by[(reply.get("spec") or {}).get("replica", "?")] += 1
                     if plain is None:
                         plain = ids
                     elif ids != plain:
@@ -309,23 +318,9 @@ def _measure_frames(client: Client, config: MultimodalBenchConfig, drafts: dict[
 
 
 def frame_table(totals: dict, rows: tuple[str, ...], frames: tuple[int, ...]) -> list[dict]:
-    """Sparrow's rows as the in-process bench writes them (``multimodal.frame_rows``), from what the
+    """Sparrow's rows as the in-process bench writes them (``multimodal.frame_row``), from what the
     client timed and each response's ``spec``: decode time is a request's time at the client less
-    its prefill; α is not in a response, so each row carries τ alone."""
-    out = []
-    for f in frames:
-        base = totals[("target-only", f)]
-        base_rate = base["tokens"] / base["seconds"]
-        base_decode = base["tokens"] / max(1e-9, base["seconds"] - base["prefill_s"])
-        for row in rows:
-            cell = totals[(row, f)]
-            rate = cell["tokens"] / cell["seconds"]
-            decode = cell["tokens"] / max(1e-9, cell["seconds"] - cell["prefill_s"])
-            out.append({"draft_attention": row, "frames": f, "tokens_per_s": round(rate, 2),
-                        "decode_tokens_per_s": round(decode, 2), "speedup": round(rate / base_rate, 3),
-                        "decode_speedup": round(decode / base_decode, 3),
-                        # A row that drafts nothing has no cost per drafted token (a step's draft
-                        # phase, bookkeeping included, is shared by every request in it).
-                        "draft_ms_per_token": round(1e3 * cell["draft_s"] / cell["drafted"], 3) if cell["drafted"] else 0.0,
-                        "acceptance_rate": None, "mean_accepted_len": round(cell["tokens"] / max(1, cell["steps"]), 3)})
-    return out
+    its ``prefill_ms``, α the responses' own weighted by their steps."""
+    return [frame_row(row, f, totals[(row, f)], totals[("target-only", f)],
+                      totals[(row, f)]["accepted_steps"] / max(1, totals[(row, f)]["steps"]))
+            for f in frames for row in rows]

@@ -183,6 +183,7 @@ def test_sparrows_served_rows_are_the_heads_and_the_draft_lm_of_one_application_
     assert (drafts["windowed"]["model"], drafts["windowed"]["windowed"]) == ("smollm2-vlm-hsr", True)
     assert (drafts["windowed-ivsb"]["model"], drafts["windowed-ivsb"]["windowed"]) == ("smollm2-vlm-sparrow", True)
     assert drafts["draft-lm"]["ensemble"]["views"] == ["multimodal"] and drafts["draft-lm"]["placement"] == "inside"
+    assert app["args"]["max_video_frames"] == 8   # no clip is sampled down to fewer frames than its row says
     with pytest.raises(ValueError, match="with --pictures 0, Sparrow's rows"):   # neither scenarios nor frames
         check_served(MultimodalBenchConfig(pictures=1, frames=(), scenarios=()))
 
@@ -197,15 +198,18 @@ def test_sparrows_served_rows_are_the_heads_and_the_draft_lm_of_one_application_
 def test_sparrows_served_table_takes_each_requests_prefill_from_its_time_at_the_client():
     from specserve.bench.multimodal_served import frame_table
 
-    def cell(tokens, seconds, prefill, steps, drafted, draft_s):
-        return {"tokens": tokens, "seconds": seconds, "prefill_s": prefill, "steps": steps, "drafted": drafted,
-                "draft_s": draft_s, "slowest_s": seconds}
+    def cell(tokens, seconds, prefill, steps, drafted, draft_s, accepted_steps=0.0):
+        return {"tokens": tokens, "seconds": seconds, "prefill": prefill, "steps": steps, "drafted": drafted,
+                "draft_s": draft_s, "accepted_steps": accepted_steps, "slowest_s": seconds}
 
-    totals = {("target-only", 4): cell(40, 3.0, 1.0, 40, 0, 0.0), ("windowed", 4): cell(40, 2.0, 1.0, 16, 48, 0.096),
-              ("full", 4): cell(40, 2.5, 1.0, 16, 48, 0.192)}
+    # Two requests a row: α 0.5 over 10 steps and 0.25 over 6 (weighted by steps: 6.5 / 16).
+    totals = {("target-only", 4): cell(40, 3.0, 1.0, 40, 0, 0.0),
+              ("windowed", 4): cell(40, 2.0, 1.0, 16, 48, 0.096, 0.5 * 10 + 0.25 * 6),
+              ("full", 4): cell(40, 2.5, 1.0, 16, 48, 0.192, 0.5 * 16)}
     rows = {r["draft_attention"]: r for r in frame_table(totals, ("target-only", "windowed", "full"), (4,))}
     assert rows["target-only"]["speedup"] == 1 and rows["target-only"]["decode_speedup"] == 1
     assert rows["windowed"]["speedup"] == 1.5 and rows["windowed"]["decode_speedup"] == 2.0
     assert rows["full"]["decode_speedup"] == round(40 / 1.5 / 20, 3)
     assert rows["windowed"]["draft_ms_per_token"] == 2.0 and rows["windowed"]["mean_accepted_len"] == 2.5
-    assert rows["windowed"]["acceptance_rate"] is None
+    assert rows["windowed"]["acceptance_rate"] == round(6.5 / 16, 3) and rows["full"]["acceptance_rate"] == 0.5
+    assert rows["target-only"]["draft_ms_per_token"] == 0 and rows["target-only"]["acceptance_rate"] == 0
