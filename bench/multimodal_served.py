@@ -249,6 +249,22 @@ def _tally(cell: dict, reply: dict, seconds: float) -> list[int]:
     return reply["choices"][0]["token_ids"]
 
 
+def _ask_every_row(client: Client, messages: list[dict], pictures: tuple, rows: list[tuple[str, str | None, dict]],
+                   answered_by: Counter, differs: Counter, bar) -> None:
+    """Asks the conversation of each ``(row, draft, cell)`` in turn, tallied into its cell; an
+    answer unlike the first row's (target-only's) counts against its row."""
+    plain = None
+    for row, draft, cell in rows:
+        reply, seconds = client.ask(messages, pictures, row, draft)
+        ids = _tally(cell, reply, seconds)
+        answered_by[(reply.get("spec") or {}).get("replica", "?")] += 1
+        if plain is None:
+            plain = ids
+        elif ids != plain:
+            differs[row] += 1
+        bar.update()
+
+
 def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str, ...], progress: bool
              ) -> tuple[dict, Counter, Counter]:
     """(``{(row, scenario): cell}``, requests per replica, answers unlike target-only's per row)
@@ -262,16 +278,8 @@ def _measure(client: Client, config: MultimodalBenchConfig, rows_run: tuple[str,
     bar = tqdm(total=len(work) * len(rows_run) * config.repeats, desc="bench multimodal (served)", disable=not progress)
     for _ in range(config.repeats):
         for scenario, messages, pictures in work:
-            plain = None
-            for row in reversed(rows_run):   # target-only first: the others' answers are checked against it
-                reply, seconds = client.ask(messages, pictures, row)
-                ids = _tally(totals[(row, scenario)], reply, seconds)
-                answered_by[(reply.get("spec") or {}).get("replica", "?")] += 1
-                if plain is None:
-                    plain = ids
-                elif ids != plain:
-                    differs[row] += 1
-                bar.update()
+            asked = [(row, None, totals[(row, scenario)]) for row in reversed(rows_run)]   # target-only first
+            _ask_every_row(client, messages, pictures, asked, answered_by, differs, bar)
     bar.close()
     return totals, answered_by, differs
 
@@ -303,16 +311,9 @@ def _measure_frames(client: Client, config: MultimodalBenchConfig, drafts: dict[
         for frames in config.frames:
             for n in range(config.frame_prompts):
                 messages, shown = _clip_messages(config, frames, n)
-                plain = None
-                for row in rows:
-                    reply, seconds = client.ask(messages, shown, row, drafts.get(row, "none"))
-                    ids = _tally(totals[(row, frames)], reply, seconds)
-                    answered_by[(reply.get("spec") or {}).get("replica", "?")] += 1
-                    if plain is None:
-                        plain = ids
-                    elif ids != plain:
-                        differs[row] += 1
-                    bar.update()
+                _ask_every_row(client, messages, shown,
+                               [(row, drafts.get(row, "none"), totals[(row, frames)]) for row in rows],
+                               answered_by, differs, bar)
     bar.close()
     return totals, answered_by, differs
 
