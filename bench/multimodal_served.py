@@ -160,8 +160,9 @@ class Client:
         self.http.close()
 
 
-def check_drafts(url: str, headers: dict, drafts: list[str]) -> str:
-    """The served model's id, once it serves every one of ``drafts``."""
+def check_drafts(url: str, headers: dict, drafts: list[str], frames: int = 0) -> str:
+    """The served model's id, once it serves every one of ``drafts`` and reads clips of ``frames``
+    frames whole (not sampled down to fewer)."""
     from specserve.bench.serve import served_model
 
     model = served_model(url, headers)
@@ -170,6 +171,10 @@ def check_drafts(url: str, headers: dict, drafts: list[str]) -> str:
         raise ValueError(f"{url} serves no draft named {', '.join(missing)}: the served rows ask a deployment "
                          f"built by specserve.bench.multimodal_served.served_config or frames_served_config "
                          f"(--served brings one up)")
+    most = model.get("max_video_frames")
+    if frames and (most is None or frames > most):
+        raise ValueError(f"{url} reads {most or 'no'} frames of a clip at most: --frames {frames} would be measured "
+                         f"on fewer (its max_video_frames)")
     return model["id"]
 
 
@@ -195,7 +200,8 @@ def run_served_multimodal_bench(config: MultimodalBenchConfig, server: str | Non
         if started:   # down below stops whatever up started, should up fail half way
             server = local.up(serve).http_url
         url = server.rstrip("/").removesuffix("/v1")
-        client = Client(url, headers, check_drafts(url, headers, list(drafts.values())), config)
+        most = max(config.frames) if sparrow else 0
+        client = Client(url, headers, check_drafts(url, headers, list(drafts.values()), most), config)
         try:
             totals, answered_by, differs = (_measure_frames(client, config, drafts, progress) if sparrow
                                             else _measure(client, config, rows_run, progress))

@@ -124,6 +124,8 @@ class HttpFace:
             "max_model_len": text.max_context if text else None, "drafts": self.config.draft_names,
             "policies": list(POLICIES),
             "input_modalities": ["text", "image", "video"] if text and text.processor is not None else ["text"],
+            # Frames a clip is sampled down to: a client sending more knows what is read.
+            "max_video_frames": self.config.images.max_video_frames if text and text.processor is not None else None,
             "output_modalities": ["text"] if text else ["image"],
             "placement": self.config.placement,
         }]}

@@ -75,6 +75,7 @@ def ask(served, content, **spec):
 def test_models_lists_image_input(served):
     model = httpx.get(f"{served.http_url}/v1/models", timeout=30).json()["data"][0]
     assert model["id"] == MODEL and model["input_modalities"] == ["text", "image", "video"]
+    assert model["max_video_frames"] == 16   # the config's default
 
 
 def test_http_image_parts_answer_as_in_process(served, expected):
@@ -228,3 +229,7 @@ def test_sparrows_served_rows_answer_as_target_only_and_take_each_prefill_from_t
     assert all(r["decode_tokens_per_s"] > r["tokens_per_s"] for r in rows.values())
     assert {"windowed_speedup_kept", "full_speedup_kept", "ivsb_tau_gain_at_fewest"} <= set(result["frame_aims"])
     assert (tmp_path / "frames.png").stat().st_size > 0
+    assert all(r["acceptance_rate"] > 0 for name, r in rows.items() if name != "target-only")
+    # More frames than the server reads of a clip would be measured on fewer: refused before any request.
+    with pytest.raises(ValueError, match="reads 16 frames of a clip at most"):
+        run_served_multimodal_bench(replace(config, frames=(2, 32)), server=served.http_url, progress=False)
