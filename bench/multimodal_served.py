@@ -186,9 +186,12 @@ def run_served_multimodal_bench(config: MultimodalBenchConfig, server: str | Non
 
     check_served(config)
     sparrow = sparrow_rows(config)
-    rows_run = tuple(FRAME_DRAFTS if config.ivsb_head else (r for r in FRAME_DRAFTS if r != "windowed+ivsb")) \
-        if sparrow else rows_of(config.views)
-    drafts = {row: FRAME_DRAFTS[row] if sparrow else row for row in rows_run if row != "target-only"}
+    if sparrow:   # the IVSB row only with an IVSB head
+        rows_run = tuple(r for r in FRAME_DRAFTS if config.ivsb_head or r != "windowed+ivsb")
+        drafts = {row: FRAME_DRAFTS[row] for row in rows_run if row != "target-only"}
+    else:
+        rows_run = rows_of(config.views)
+        drafts = {row: row for row in rows_run if row != "target-only"}
     started = server is None
     if started:
         serve = (frames_served_config if sparrow else served_config)(config, replicas)

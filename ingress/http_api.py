@@ -119,13 +119,14 @@ class HttpFace:
 
     def models(self) -> dict:
         text = self.preparer   # None: an image generator's deployment
+        sees = text is not None and text.processor is not None   # a VLM target: pictures and clips in
         return {"object": "list", "data": [{
             "id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
             "max_model_len": text.max_context if text else None, "drafts": self.config.draft_names,
             "policies": list(POLICIES),
-            "input_modalities": ["text", "image", "video"] if text and text.processor is not None else ["text"],
+            "input_modalities": ["text", "image", "video"] if sees else ["text"],
             # Frames a clip is sampled down to: a client sending more knows what is read.
-            "max_video_frames": self.config.images.max_video_frames if text and text.processor is not None else None,
+            "max_video_frames": self.config.images.max_video_frames if sees else None,
             "output_modalities": ["text"] if text else ["image"],
             "placement": self.config.placement,
         }]}
