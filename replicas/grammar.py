@@ -29,12 +29,21 @@ import logging
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from specserve.replicas.step import Proposal
 
 logger = logging.getLogger("ray.serve")
+
+
+@functools.cache
+def _bitmasks():
+    """llguidance's torch helpers, imported at first use: the module compiles its mask kernel
+    with ``torch.compile``, whose import alone costs every process that never masks (the
+    ingress, the policy service, the drafts) seconds of its start."""
+    import llguidance.torch
+
+    return llguidance.torch
 
 
 class GrammarError(ValueError):
@@ -58,8 +67,8 @@ def warm_up(make_tokenizer) -> None:
         tokenizer = make_tokenizer()
         with torch.inference_mode():
             for rows in (1, 2, 3, 4):
-                masks = llguidance.torch.allocate_token_bitmask(rows, tokenizer.vocab_size)
-                llguidance.torch.apply_token_bitmask_inplace(torch.zeros(rows, tokenizer.vocab_size), masks)
+                masks = _bitmasks().allocate_token_bitmask(rows, tokenizer.vocab_size)
+                _bitmasks().apply_token_bitmask_inplace(torch.zeros(rows, tokenizer.vocab_size), masks)
     except Exception as err:  # noqa: BLE001 - the first structured request then pays for it, or fails alone
         logger.warning("grammar warm-up failed (%s: %s)", type(err).__name__, err)
 
@@ -106,10 +115,10 @@ class GrammarState:
         if proposal.is_chain:
             ok = matcher.validate_tokens(proposal.tokens) if proposal.tokens else 0
             kept = proposal if ok == len(proposal) else proposal.chain_from(0, ok)
-            masks = llguidance.torch.allocate_token_bitmask(len(kept) + 1, self.tokenizer.vocab_size)
+            masks = _bitmasks().allocate_token_bitmask(len(kept) + 1, self.tokenizer.vocab_size)
             consumed = 0   # rows after an ending token are never emitted: they keep its row's mask
             for row, token in enumerate([*kept.tokens, None]):
-                llguidance.torch.fill_next_token_bitmask(matcher, masks, row)
+                _bitmasks().fill_next_token_bitmask(matcher, masks, row)
                 if token is not None and consumed == row and self._moves(token):
                     if not matcher.consume_token(token):
                         self._raise_on_error(" on a drafted token")
@@ -129,8 +138,8 @@ class GrammarState:
             children[parent + 1].append(node)
         kept: list[int] = []
         rows: dict[int, int] = {}   # kept node -> its row in the masks (row 0: the root)
-        masks = llguidance.torch.allocate_token_bitmask(len(proposal) + 1, self.tokenizer.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(matcher, masks, 0)
+        masks = _bitmasks().allocate_token_bitmask(len(proposal) + 1, self.tokenizer.vocab_size)
+        _bitmasks().fill_next_token_bitmask(matcher, masks, 0)
 
         def visit(row: int) -> None:
             for child in children[row]:
@@ -142,7 +151,7 @@ class GrammarState:
                     matcher.consume_token(token)
                 kept.append(child)
                 rows[child] = len(kept)
-                llguidance.torch.fill_next_token_bitmask(matcher, masks, len(kept))
+                _bitmasks().fill_next_token_bitmask(matcher, masks, len(kept))
                 if moves:   # below an ending token nothing is emitted: its subtree is cut
                     visit(child + 1)
                     matcher.rollback(1)
@@ -164,7 +173,7 @@ class GrammarState:
         """rows: [len(admitted proposal) + 1, V] -> float32 rows with what the grammar forbids at −inf."""
         rows = rows.float().clone()
         vocab = min(rows.shape[-1], self.tokenizer.vocab_size)
-        llguidance.torch.apply_token_bitmask_inplace(rows[:, :vocab], self._masks.to(rows.device))
+        _bitmasks().apply_token_bitmask_inplace(rows[:, :vocab], self._masks.to(rows.device))
         if rows.shape[-1] > vocab:   # ids the tokenizer does not have are never text
             rows[:, vocab:] = float("-inf")
         return rows
