@@ -63,7 +63,7 @@ def _config(draft_path: str) -> dict:
     # delay outlasts a replica's start (load, the start-up cost probes): a burst that ends while the
     # new replica starts must not stop it before it runs.
     target["autoscaling_config"].update(min_replicas=1, max_replicas=2, target_ongoing_requests=2,
-                                        upscale_delay_s=1, downscale_delay_s=30, look_back_period_s=3,
+                                        upscale_delay_s=1, downscale_delay_s=45, look_back_period_s=3,
                                         metrics_interval_s=1)
     with_resources(entries[draft_deployment(DRAFT_LM)], {DRAFT_LABEL: 1})
     return config
