@@ -67,33 +67,24 @@ def probe_tokens(vocab: int, count: int = PROBE_CONTEXT, start: int = 0) -> list
 
 def verify_points(target: Target, slot: int, rounds: int = 3, clock=time.perf_counter) -> tuple[tuple[int, float], ...]:
     """(forward tokens, median ms) of one request's verify forward feeding 1 + γ tokens, γ in
-    ``VERIFY_WINDOWS``, on KV slot ``slot`` (reset before and after: its prefix cache is lost).
-    The context is prefilled once: every verify rolls the slot back to it and feeds the root again."""
-    context = probe_tokens(target.vocab)
-    points = []
-    target.kv.reset(slot)
-    try:
-        target.prefill(slot, context[:-1], len(context), next_token=context[-1])
-        for window in VERIFY_WINDOWS:
-            times = []
-            for r in range(rounds + 1):
-                proposal = Proposal.chain(probe_tokens(target.vocab, window, start=r + 1))
-                t0 = clock()
-                target.verify([VerifyItem(slot, context, proposal, SamplingParams())])
-                if r:   # the first round warms up
-                    times.append(1e3 * (clock() - t0))
-            points.append((1 + window, statistics.median(times)))
-    finally:
-        target.kv.reset(slot)
-    return tuple(points)
+    ``VERIFY_WINDOWS``, on KV slot ``slot`` (reset before and after: its prefix cache is lost)."""
+    return _verify_points(target, [slot], VERIFY_WINDOWS, rounds, clock)
 
 
 def loaded_verify_points(target: Target, slots: list[int], rounds: int = 2,
                          clock=time.perf_counter) -> tuple[tuple[int, float], ...]:
     """(forward tokens, median ms) of one verify forward for a request on each of ``slots`` at
     once, each feeding 1 + γ tokens, γ in ``LOADED_WINDOWS``; the slots are reset before and after
-    (their prefix caches are lost). One slot is prefilled and the others copy its cache: what a
-    verify costs does not depend on which tokens the contexts hold."""
+    (their prefix caches are lost)."""
+    return _verify_points(target, slots, LOADED_WINDOWS, rounds, clock)
+
+
+def _verify_points(target: Target, slots: list[int], windows: tuple[int, ...], rounds: int,
+                   clock) -> tuple[tuple[int, float], ...]:
+    """(forward tokens, median ms) of a verify forward with a request on each of ``slots``, per
+    window. The context is prefilled once and the other slots copy its cache (what a verify costs
+    does not depend on which tokens the contexts hold); every verify rolls its slot back to the
+    context and feeds the root again."""
     context = probe_tokens(target.vocab)
     try:
         for slot in slots:
@@ -102,14 +93,14 @@ def loaded_verify_points(target: Target, slots: list[int], rounds: int = 2,
         for slot in slots[1:]:
             target.copy_prefix(slots[0], slot, len(context) - 1)
         points = []
-        for window in LOADED_WINDOWS:
+        for window in windows:
             times = []
             for r in range(rounds + 1):
                 items = [VerifyItem(slot, context, Proposal.chain(probe_tokens(target.vocab, window, start=r + i + 1)),
                                     SamplingParams()) for i, slot in enumerate(slots)]
                 t0 = clock()
-                target.verify(items)   # each slot is rolled back to the context first
-                if r:
+                target.verify(items)
+                if r:   # the first round warms up
                     times.append(1e3 * (clock() - t0))
             points.append((len(slots) * (1 + window), statistics.median(times)))
         return tuple(points)

@@ -1,6 +1,6 @@
 """The start-up cost probe: batch-1 verify points, and the loaded ones, on the slots it borrows."""
 
-from specserve.replicas.cost_probe import LOADED_BATCH, LOADED_WINDOWS, loaded_verify_points, verify_points
+from specserve.replicas.cost_probe import LOADED_BATCH, LOADED_WINDOWS, VERIFY_WINDOWS, loaded_verify_points, verify_points
 from specserve.replicas.target import Target
 from tiny_models import tiny_model
 
@@ -26,7 +26,7 @@ def test_every_verify_feeds_its_root_and_window_on_a_context_prefilled_once():
     verify_points(target, target.slots - 1, rounds=2)
     prefill, *verifies = fed
     assert len(prefill) == 1 and prefill[0] > 8
-    assert verifies == [[1 + w] for w in (0, 2, 4, 6) for _ in range(3)]
+    assert verifies == [[1 + w] for w in VERIFY_WINDOWS for _ in range(3)]
     fed.clear()
     slots = list(range(2, 2 + LOADED_BATCH))
     loaded_verify_points(target, slots, rounds=1)
