@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -106,8 +107,59 @@ def auth_token() -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+# What the ray CLI says when no cluster runs on this host (Ray 2.60's wording).
+NO_CLUSTER = "Could not find any running Ray instance"
+# What ``ray start`` says when its own wait for the node to register ran out (a busy host).
+NODE_START_TIMED_OUT = "timed out during startup"
+
+
 def _ray_running() -> bool:
-    return _ray("status", timeout_s=60).returncode == 0
+    """Whether a Ray cluster runs on this host: ``ray status`` answers, or fails for another reason
+    than finding none (a cluster that is starting, stopping or overloaded is still one: a second
+    started beside it would share its ports)."""
+    result = _ray("status", timeout_s=60)
+    return result.returncode == 0 or NO_CLUSTER not in result.stdout + result.stderr
+
+
+def _port_held(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:   # as Ray tests its dashboard port: address reuse on
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def start_head(*args: str, env: dict | None = None, dashboard_port: int | None = None) -> None:
+    """``ray start --head`` with its dashboard on ``dashboard_port`` (``DASHBOARD_PORT``), and ``args``.
+
+    A held dashboard port is refused first: Ray would start without a dashboard, and the deploy
+    would reach whatever holds the port (a dashboard left by a cluster that failed to start
+    answers 500 to everything). A start that fails stops what it left (``ray stop --force``: no
+    other cluster runs here, or the caller would have joined it); one that failed only because
+    Ray's own wait for the node ran out is tried once more."""
+    dashboard_port = dashboard_port or DASHBOARD_PORT
+    for attempt in range(2):
+        if attempt:   # the dashboard just stopped may hold its port a moment longer
+            deadline = time.monotonic() + 30
+            while _port_held(dashboard_port) and time.monotonic() < deadline:
+                time.sleep(0.5)
+        if _port_held(dashboard_port):
+            raise RuntimeError(f"port {dashboard_port}, the Ray dashboard's, is in use: by a dashboard left behind "
+                               "by a Ray cluster that is gone (`ray stop --force` stops it), or by another program")
+        try:
+            result = _ray("start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+                          *args, timeout_s=300, env=env)
+            said = result.stdout + result.stderr
+        except subprocess.TimeoutExpired as timeout:
+            result, said = None, f"no answer in {timeout.timeout:.0f} s"
+        if result is not None and result.returncode == 0:
+            return
+        _ray("stop", "--force", timeout_s=120)
+        if NODE_START_TIMED_OUT not in said:
+            break
+    raise RuntimeError(f"`ray start --head` failed:\n{said}")
 
 
 def _machine_cpus() -> int:
@@ -129,11 +181,8 @@ def _start_ray(metrics_port: int, num_cpus: int, prometheus_url: str | None = No
     if auth_token() is None:
         _ray("get-auth-token", "--generate", timeout_s=60, check=True)
     env = {**(env or {}), **({"RAY_PROMETHEUS_HOST": prometheus_url} if prometheus_url else {})}
-    result = _ray("start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(DASHBOARD_PORT),
-                  "--metrics-export-port", str(metrics_port), "--num-cpus", str(num_cpus), "--disable-usage-stats",
-                  timeout_s=300, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"`ray start --head` failed:\n{result.stdout}\n{result.stderr}")
+    start_head("--metrics-export-port", str(metrics_port), "--num-cpus", str(num_cpus), "--disable-usage-stats",
+               env=env)
 
 
 def deploy(config: dict, dashboard_url: str) -> None:

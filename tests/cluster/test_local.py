@@ -4,13 +4,14 @@ running is tested end to end (``tests/e2e/test_serve_imagegen.py``)."""
 
 from __future__ import annotations
 
+import socket
 import stat
 
 import pytest
 import redis
 
 from specserve.cluster import local
-from specserve.cluster.redis_server import ping
+from specserve.cluster.redis_server import free_port, ping
 from specserve.cluster.serve_config import app_serve_config, local_serve_config
 
 
@@ -65,6 +66,7 @@ def test_the_head_starts_with_the_grpc_proxys_message_cap(monkeypatch):
 
     monkeypatch.setattr(local, "_ray", ray)
     monkeypatch.setattr(local, "auth_token", lambda: "token")
+    monkeypatch.setattr(local, "DASHBOARD_PORT", free_port())   # whatever this host runs
     config = app_serve_config({**local_serve_config()["applications"][0]["args"], "max_body_bytes": 1 << 20})
     local._start_ray(metrics_port=1, num_cpus=2, prometheus_url="http://127.0.0.1:9", env=local.proxy_env(config))
     assert seen == {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(1 << 20), "RAY_PROMETHEUS_HOST": "http://127.0.0.1:9"}
@@ -97,3 +99,58 @@ def test_the_targets_kv_capacity_comes_from_one_replicas_load_or_is_none(monkeyp
     assert asked == [("target", "app")]
     monkeypatch.setattr(serve, "get_deployment_handle", lambda name, app: Handle(gone))
     assert local.target_kv("app") is None
+
+
+class RayCli:
+    """Stands in for the ``ray`` command: answers each call with the next of ``answers``
+    (returncode, what it printed) and keeps the calls' arguments."""
+
+    def __init__(self, *answers: tuple[int, str]):
+        self.answers, self.calls = list(answers), []
+
+    def __call__(self, *args, **_):
+        self.calls.append(args[0] if args[0] != "start" else "start")
+        code, said = self.answers.pop(0) if args[0] in ("start", "status") else (0, "")
+        return type("Done", (), {"returncode": code, "stdout": said, "stderr": ""})()
+
+
+@pytest.mark.parametrize(("code", "said", "running"), [
+    (0, "Node status ...", True),
+    (1, "ConnectionError: Could not find any running Ray instance. Please specify ...", False),
+    (1, "Failed to get node info b'RPC error: Deadline Exceeded'", True),   # there, but not answering
+])
+def test_only_rays_own_no_instance_answer_means_no_cluster(monkeypatch, code, said, running):
+    monkeypatch.setattr(local, "_ray", RayCli((code, said)))
+    assert local._ray_running() is running
+
+
+def test_a_held_dashboard_port_is_refused_before_ray_starts(monkeypatch):
+    ray = RayCli()
+    monkeypatch.setattr(local, "_ray", ray)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        with pytest.raises(RuntimeError, match=f"port {holder.getsockname()[1]}"):
+            local.start_head(dashboard_port=holder.getsockname()[1])
+    assert ray.calls == []
+
+
+def test_a_failed_head_start_leaves_nothing_and_only_rays_own_timeout_is_tried_again(monkeypatch):
+    port = free_port()
+    timed_out = (1, "Exception: The current node timed out during startup. This could happen because ...")
+    ray = RayCli(timed_out, (0, "Ray runtime started."))
+    monkeypatch.setattr(local, "_ray", ray)
+    local.start_head(dashboard_port=port)
+    assert ray.calls == ["start", "stop", "start"]
+
+    ray = RayCli((1, "ValueError: bad --resources"))
+    monkeypatch.setattr(local, "_ray", ray)
+    with pytest.raises(RuntimeError, match="bad --resources"):
+        local.start_head(dashboard_port=port)
+    assert ray.calls == ["start", "stop"]
+
+    ray = RayCli(timed_out, timed_out)
+    monkeypatch.setattr(local, "_ray", ray)
+    with pytest.raises(RuntimeError, match="timed out during startup"):
+        local.start_head(dashboard_port=port)
+    assert ray.calls == ["start", "stop", "start", "stop"]

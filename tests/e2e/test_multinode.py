@@ -73,11 +73,13 @@ def _start_node(head: bool, gcs_port: int, labels: dict[str, int]) -> int:
     """A raylet on this host (``ray start``), its CPUs and labels given; returns its node-manager
     port, by which its raylet process is found."""
     manager_port = free_port()
-    where = (["--head", "--port", str(gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(local.DASHBOARD_PORT)]
-             if head else ["--address", f"127.0.0.1:{gcs_port}"])
-    result = local._ray("start", *where, "--num-cpus", "2", "--resources", json.dumps(labels),
-                        "--node-manager-port", str(manager_port), "--disable-usage-stats", timeout_s=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    node = ["--num-cpus", "2", "--resources", json.dumps(labels), "--node-manager-port", str(manager_port),
+            "--disable-usage-stats"]
+    if head:
+        local.start_head("--port", str(gcs_port), *node)
+    else:
+        result = local._ray("start", "--address", f"127.0.0.1:{gcs_port}", *node, timeout_s=300)
+        assert result.returncode == 0, result.stdout + result.stderr
     return manager_port
 
 
@@ -109,8 +111,9 @@ def cluster(engine, tmp_path_factory):
     if local.auth_token() is None:
         local._ray("get-auth-token", "--generate", timeout_s=60, check=True)
     gcs_port = free_port()
-    nodes = {"head": _start_node(True, gcs_port, {TARGET_LABEL: 1})}
-    try:
+    nodes = {}
+    try:   # whatever fails, no node (nor a dashboard holding its port) outlives the module
+        nodes["head"] = _start_node(True, gcs_port, {TARGET_LABEL: 1})
         nodes["worker"] = _start_node(False, gcs_port, {TARGET_LABEL: 1, DRAFT_LABEL: 1})
         with local_stack(_config(str(home / DRAFT_LM)), home) as state:
             yield state, nodes, gcs_port
