@@ -14,6 +14,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 # tests/ holds shared helpers (tiny_models.py) imported by plain name.
 sys.path.insert(0, str(Path(__file__).parent))
+# Under pytest-xdist each worker has one core's share: one OpenMP thread in this process (before
+# torch starts its pool) and in what it spawns, or the workers' teams stall each other at every barrier.
+XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if XDIST_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
@@ -58,8 +63,8 @@ def pytest_unconfigure(config):
 def _one_thread_for_tiny_models(request):
     """Tiny models run fastest on one thread; two threads only add OpenMP hand-offs (and, when
     anything else shares the machine, oversubscription stalls). The reference target keeps
-    torch's default."""
-    if request.node.get_closest_marker("reference"):
+    torch's default, except in a pytest-xdist worker."""
+    if request.node.get_closest_marker("reference") and not XDIST_WORKER:
         yield
         return
     threads = torch.get_num_threads()

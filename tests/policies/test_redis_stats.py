@@ -6,11 +6,13 @@ import signal
 import subprocess
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import redis
 
 from specserve.cluster.redis_server import RedisServer, free_port, ping, redis_server_binary
+from specserve.policies import policy_service
 from specserve.policies.policy_service import PolicyService
 from specserve.policies.redis_stats import RedisStats
 from specserve.policies.snapshot_cache import SnapshotCache
@@ -123,9 +125,13 @@ def test_redis_killed_counts_wait_and_arrive_once_after_restart(server, tmp_path
         restarted.stop()
 
 
-def test_the_policy_service_restarted_publishes_the_next_version_from_the_same_counts(server):
+def test_the_policy_service_restarted_publishes_the_next_version_from_the_same_counts(server, monkeypatch):
     store = RedisStats(server.url, "app")
     RedisExporter(collector_with_steps(), store).flush_once()
+    # Counts decay with wall time: both publishes read the same instant, so only a difference in
+    # what the service kept could tell them apart.
+    now = time.time()
+    monkeypatch.setattr(policy_service, "time", SimpleNamespace(time=lambda: now))
     first = Service(server.url, "app").publish()
     second = Service(server.url, "app").publish()     # a new replica of the service: no state of its own
     assert second["version"] == first["version"] + 1
