@@ -121,14 +121,19 @@ def _ray_running() -> bool:
     return result.returncode == 0 or NO_CLUSTER not in result.stdout + result.stderr
 
 
-def _port_held(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as sock:   # as Ray tests its dashboard port: address reuse on
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
+def _port_held(port: int, wait_s: float = 0.0, host: str = "127.0.0.1") -> bool:
+    """Whether ``port`` is still held after waiting up to ``wait_s`` for it to be freed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket() as sock:   # as Ray tests its dashboard port: address reuse on
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+                return False
+            except OSError:
+                if time.monotonic() >= deadline:
+                    return True
+        time.sleep(0.5)
 
 
 def start_head(*args: str, env: dict | None = None, dashboard_port: int | None = None) -> None:
@@ -141,21 +146,19 @@ def start_head(*args: str, env: dict | None = None, dashboard_port: int | None =
     Ray's own wait for the node ran out is tried once more."""
     dashboard_port = dashboard_port or DASHBOARD_PORT
     for attempt in range(2):
-        if attempt:   # the dashboard just stopped may hold its port a moment longer
-            deadline = time.monotonic() + 30
-            while _port_held(dashboard_port) and time.monotonic() < deadline:
-                time.sleep(0.5)
-        if _port_held(dashboard_port):
+        # A dashboard the failed attempt left may hold its port a moment after ``ray stop``.
+        if _port_held(dashboard_port, wait_s=30.0 if attempt else 0.0):
             raise RuntimeError(f"port {dashboard_port}, the Ray dashboard's, is in use: by a dashboard left behind "
                                "by a Ray cluster that is gone (`ray stop --force` stops it), or by another program")
         try:
             result = _ray("start", "--head", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
                           *args, timeout_s=300, env=env)
-            said = result.stdout + result.stderr
         except subprocess.TimeoutExpired as timeout:
-            result, said = None, f"no answer in {timeout.timeout:.0f} s"
-        if result is not None and result.returncode == 0:
-            return
+            said = f"no answer in {timeout.timeout:.0f} s"
+        else:
+            if result.returncode == 0:
+                return
+            said = result.stdout + result.stderr
         _ray("stop", "--force", timeout_s=120)
         if NODE_START_TIMED_OUT not in said:
             break

@@ -102,14 +102,14 @@ def test_the_targets_kv_capacity_comes_from_one_replicas_load_or_is_none(monkeyp
 
 
 class RayCli:
-    """Stands in for the ``ray`` command: answers each call with the next of ``answers``
-    (returncode, what it printed) and keeps the calls' arguments."""
+    """Stands in for the ``ray`` command: answers each ``start`` and ``status`` with the next of
+    ``answers`` (returncode, what it printed) and keeps each call's subcommand."""
 
     def __init__(self, *answers: tuple[int, str]):
         self.answers, self.calls = list(answers), []
 
     def __call__(self, *args, **_):
-        self.calls.append(args[0] if args[0] != "start" else "start")
+        self.calls.append(args[0])
         code, said = self.answers.pop(0) if args[0] in ("start", "status") else (0, "")
         return type("Done", (), {"returncode": code, "stdout": said, "stderr": ""})()
 
