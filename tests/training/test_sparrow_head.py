@@ -82,11 +82,15 @@ def test_the_states_are_the_vlms_own_at_its_second_to_last_and_middle_layers(cor
     layers = vlm.config.text_config.num_hidden_layers
     assert row["states"].shape == (ids.shape[1], vlm.config.text_config.hidden_size)
     assert row["anchor"].shape[0] == int((ids == placeholder).sum()) == 64
-    # Equal up to bfloat16 rounding (the corpus ran the picture's served rows, batched with others).
-    assert relative_error(row["states"], hidden[-2][0]) < 1e-2
-    mid = hidden[sparrow_head.anchor_layer(layers)][0][ids[0] == placeholder]
-    assert relative_error(row["anchor"], mid) < 1e-2
-    assert relative_error(mid, hidden[-2][0][ids[0] == placeholder]) > 0.1
+    # Equal up to bfloat16 rounding: the corpus ran the picture's served rows batched with others,
+    # and bfloat16 products may round a row differently in another batch (over 30 layers that
+    # reaches a few percent on some CPUs). So each is the nearest of the neighbouring layers' too.
+    anchor, image = sparrow_head.anchor_layer(layers), ids[0] == placeholder
+    near = {k: relative_error(row["states"], hidden[k][0]) for k in (-3, -2, -1)}
+    assert near[-2] < 0.1 and near[-2] < min(near[-3], near[-1]) / 2, near
+    mid = {k: relative_error(row["anchor"], hidden[k][0][image]) for k in (anchor - 1, anchor, anchor + 1)}
+    assert mid[anchor] < 0.1 and mid[anchor] < min(mid[anchor - 1], mid[anchor + 1]) / 2, mid
+    assert relative_error(hidden[anchor][0][image], hidden[-2][0][image]) > 0.1
 
 
 @pytest.mark.reference
