@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 "$python" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" >> "$out/gpu.txt"
 cat "$out/gpu.txt"
 SPECSERVE_TEST_DEVICE=cuda timeout "${TEST_SECONDS:-200}" "$python" -m pytest -q -m "not reference" -p no:cacheprovider \
-  tests/replicas/model/test_cuda_graphs.py tests/replicas/model/test_llama_forward.py tests/replicas/test_greedy_equality.py \
+  tests/replicas/model/test_cuda_graphs.py tests/replicas/model/test_fused_elementwise.py tests/replicas/model/test_llama_forward.py tests/replicas/test_greedy_equality.py \
   tests/replicas/test_head_graphs.py tests/replicas/test_sampling_distribution.py > "$out/tests.log" 2>&1
 echo "tests: exit $?"; tail -3 "$out/tests.log"
 timeout "${BENCH_SECONDS:-240}" "$python" -m specserve.cli.main bench decode --shapes 8b,reference --batches 1,16 --profile \

@@ -10,7 +10,9 @@ warms it up: compiles, captures graphs, touches memory). Rows:
   graphs; the prefill stays eager); the warm-up's extra seconds are ``compile_seconds``. CUDA
   only unless forced: inductor on the CPU takes minutes.
 - ``specserve-eager``, ``specserve-graphs``: specserve's engine, target only, without and with
-  CUDA graphs (``BatchKV.use_cuda_graphs``; CUDA only).
+  CUDA graphs (``BatchKV.use_cuda_graphs``; CUDA only), the elementwise pieces fused as served
+  (``fused_elementwise``, on CUDA); ``specserve-graphs-unfused``: graphs over eager torch's
+  elementwise ops, the lever's worth side by side.
 - ``replay``: the verify step's forward of γ + 1 tokens per request, timed alone, turned into
   tokens/s with an assumed mean accepted length τ: batch × τ / verify seconds. A replay, not a
   measurement of acceptance; the draft's cost is left out.
@@ -74,7 +76,7 @@ SHAPES = {   # transformers' LlamaConfig fields
 }
 # Cheapest first. HF's compiled rows last: a compile outlasts every other row, and its CUDA graph
 # pools are then captured after specserve's graphs are done with.
-ROWS = ("specserve-eager", "specserve-graphs", "hf-eager", "replay", "hf-static-compiled")
+ROWS = ("specserve-eager", "specserve-graphs", "specserve-graphs-unfused", "hf-eager", "replay", "hf-static-compiled")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,7 +278,18 @@ def engine_graphs(subject: Subject, device: torch.device, wanted: bool, required
             switch(False)
 
 
-def specserve_row(run: Run, subject: Subject, prompts, graphs: bool) -> dict:
+@contextmanager
+def engine_elementwise(subject: Subject, fused: bool):
+    """The engine's elementwise pieces fused (``BatchKV.use_fused_elementwise``, the default on
+    CUDA) or eager for the block, back to the default after; yields whether fused ones run."""
+    switch = subject.engine.target.kv.use_fused_elementwise
+    try:
+        yield switch(fused)
+    finally:
+        switch(True)
+
+
+def specserve_row(run: Run, subject: Subject, prompts, graphs: bool, fused: bool = True) -> dict:
     engine, tokens = subject.engine, run.config.tokens
     request = GenerateRequest(prompt="", max_tokens=tokens, draft=NO_DRAFT, window=0,
                               params=SamplingParams(ignore_eos=True))
@@ -287,9 +300,10 @@ def specserve_row(run: Run, subject: Subject, prompts, graphs: bool) -> dict:
         if any(len(g.token_ids) != tokens for g in out):
             raise RuntimeError(f"the engine returned {[len(g.token_ids) for g in out]} tokens, not {tokens} each")
 
-    with engine_graphs(subject, run.device, wanted=graphs, required=True) as on:
+    with engine_elementwise(subject, fused) as fused_on, \
+            engine_graphs(subject, run.device, wanted=graphs, required=True) as on:
         warmup, seconds = timed_twice(decode, run.device)
-    return {**decode_fields(len(prompts), tokens, warmup, seconds), "cuda_graphs": on}
+    return {**decode_fields(len(prompts), tokens, warmup, seconds), "cuda_graphs": on, "fused_elementwise": fused_on}
 
 
 def forward_ms(subject: Subject, prompts, width: int, steps: int, device: torch.device) -> float:
@@ -327,6 +341,7 @@ def replay_row(run: Run, subject: Subject, prompts) -> dict:
 RUNNERS = {
     "specserve-eager": lambda *a: specserve_row(*a, graphs=False),
     "specserve-graphs": lambda *a: specserve_row(*a, graphs=True),
+    "specserve-graphs-unfused": lambda *a: specserve_row(*a, graphs=True, fused=False),
     "hf-eager": hf_eager_row,
     "replay": replay_row,
     "hf-static-compiled": hf_compiled_row,

@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specserve.replicas.model import cpu_attention, cuda_graphs, llama_forward
+from specserve.replicas.model import cpu_attention, cuda_graphs, fused_elementwise, llama_forward
 from specserve.replicas.model.image_tokens import VIRTUAL_BASE, embed
 from specserve.replicas.model.kv_session import TREE_NODE, common_prefix_len
 from specserve.replicas.model.tree_attention import ancestor_matrix, node_depths
@@ -258,6 +258,17 @@ class BatchKV:
         if self.graphs is not None:
             self.graphs.enabled = enabled
         return self.graphs is not None and self.graphs.enabled
+
+    def use_fused_elementwise(self, enabled: bool) -> bool:
+        """Run our forward's elementwise pieces as compiled, fused kernels (``fused_elementwise``;
+        the default on CUDA) or as eager torch ops; drops the graphs captured with the other.
+        Returns whether the fused kernels are in use."""
+        if self._fast is None:
+            return False
+        self._fast.elementwise = None if enabled else fused_elementwise.EAGER
+        if self.graphs is not None:
+            self.graphs.clear()
+        return enabled and fused_elementwise.available(self.device)
 
     @torch.inference_mode()
     def capture_graphs(self, widths: tuple[int, ...] = (1,)) -> int:

@@ -7,8 +7,9 @@ matrix products per layer (q, k, v, o, gate, up, down) plus modules, hooks and m
 around them. Here:
 
 - q, k and v are one product (their weights stacked), and gate and up another: four per layer;
-- RMSNorm is one fused kernel (computed in float32, as Hugging Face does, then cast back); on
-  the CPU one C pass with the residual add before it (``cpu_row_ops``);
+- the residual add and the RMSNorm after it are one pass (the norm computed in float32, as
+  Hugging Face does, then cast back): on the CPU a C kernel (``cpu_row_ops``), on CUDA a kernel
+  inductor generates, as it does for rotary and SiLU(gate) * up (``fused_elementwise``);
 - rotary embeddings come from a table built once (the values Hugging Face computes per call:
   float32 ``position * inv_freq``, cos/sin, times ``attention_scaling``, cast to the model's
   dtype), applied to q and k in one go;
@@ -34,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas.model import cpu_attention, cpu_row_ops, image_tokens, mrope, small_gemm
+from specserve.replicas.model import cpu_attention, cpu_row_ops, fused_elementwise, image_tokens, mrope, small_gemm
+from specserve.replicas.model.fused_elementwise import ElementwiseOps
 from specserve.replicas.model.int8_linear import Int8Linear
 
 
@@ -170,20 +172,13 @@ class _Layer:
         self.module = layer
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Hugging Face's order: normalise in float32, cast back, then scale in the model's dtype.
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
-
 def _add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                  kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, its RMSNorm): in one C pass on the CPU (``cpu_row_ops``; h updated in place),
-    else torch's ops."""
-    if kernel:
+                  ops: ElementwiseOps | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, its RMSNorm): ``ops`` None: in one C pass on the CPU (``cpu_row_ops``; h
+    updated in place), else ``ops``'s (``fused_elementwise``)."""
+    if ops is None:
         return h, cpu_row_ops.add_rms_norm(h, delta, weight, eps)
-    if delta is not None:
-        h = h + delta
-    return h, _rms_norm(h, weight, eps)
+    return ops.add_rms_norm(h, delta, weight, eps)
 
 
 # Bytes of float32 scores one block of query rows may take (see ``_attention``).
@@ -215,12 +210,17 @@ def query_blocks(mask: torch.Tensor, heads: int) -> list[tuple[int, int, int]]:
     return blocks
 
 
-def _mlp(layer: _Layer, h: torch.Tensor, attn: torch.Tensor, rows: bool) -> torch.Tensor:
+def _mlp(layer: _Layer, h: torch.Tensor, attn: torch.Tensor,
+         ops: ElementwiseOps | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The rest of a decoder layer after attention (both layouts): output projection, residual,
-    norm, SiLU MLP, residual."""
-    h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, rows)
-    gate, up = layer.gate_up(x).chunk(2, dim=-1)
-    return h + layer.down(F.silu(gate) * up)
+    norm, SiLU MLP. Returns (h, the MLP's output): the last residual add is left to the next
+    norm, which adds it in the same pass (``_add_rms_norm``)."""
+    h, x = _add_rms_norm(h, layer.o(attn), layer.norm2, layer.eps2, ops)
+    gate_up = layer.gate_up(x)
+    if ops is None:   # torch's vectorised exp: cpu_row_ops matches nothing else
+        gate, up = gate_up.chunk(2, dim=-1)
+        return h, layer.down(F.silu(gate) * up)
+    return h, layer.down(ops.silu_mul(gate_up))
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -312,6 +312,8 @@ class LlamaForward:
         # Qwen2-VL's M-RoPE: the dimensions that turn by a token's h and w positions (mrope.py).
         sections = getattr(self._rotary, "mrope_section", None)
         self._mrope_dims = None if sections is None else mrope.section_dims(list(sections), self.head_dim)
+        # The elementwise pieces' implementation (``fused_elementwise``); None: the device's.
+        self.elementwise: ElementwiseOps | None = None
 
     def _rope_table(self, needed: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions 0..needed-1, exactly as the model's rotary module computes them."""
@@ -348,39 +350,47 @@ class LlamaForward:
         cos_t, sin_t = self._rope_table(mask.shape[-1], h.device, h.dtype)
         cos, sin = self._rotary_rows(cos_t, sin_t, positions, spatial)
         cos, sin = cos[:, :, None], sin[:, :, None]             # [B, S, 1, D]
-        half = D // 2
-        rows = cpu_row_ops.usable(h) and not torch.is_grad_enabled()
+        ops = self.elementwise_ops(h)
         blocks = query_blocks(mask, nq)
         grouped = sdpa_mask(mask, nq // nkv) if uses_sdpa(h.device) else None
-        if rows:
+        if ops is None:
             cos_rows, sin_rows = cos[:, :, 0].contiguous(), sin[:, :, 0].contiguous()   # [B, S, D]
+        delta = None   # the last layer's MLP output, added to h by the next norm
         for index, layer in enumerate(self.layers):
-            h, x = _add_rms_norm(h, None, layer.norm1, layer.eps1, rows)
+            h, x = _add_rms_norm(h, delta, layer.norm1, layer.eps1, ops)
             qkv = layer.qkv(x).view(B, S, nq + 2 * nkv, D)
-            if rows:   # one C pass, q and k written in the layout attention and the cache take
+            if ops is None:   # one C pass, q and k written in the layout attention and the cache take
                 q, k = cpu_row_ops.rope(qkv, cos_rows, sin_rows, nq, nkv)
             else:
-                qk = qkv[:, :, : nq + nkv]
-                # Rotary on q and k together: x*cos + rotate_half(x)*sin.
-                rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-                qk = qk * cos + rotated * sin
-                q = qk[:, :, :nq].transpose(1, 2)              # [B, nq, S, D]
-                k = qk[:, :, nq:].transpose(1, 2)              # [B, nkv, S, D]
+                q, k = ops.rope(qkv, cos, sin, nq, nkv)        # [B, nq, S, D], [B, nkv, S, D]
             v = qkv[:, :, nq + nkv:].transpose(1, 2)
             keys, values = cache_layers[index].update(k, v)    # [B, nkv, kv_len, D] views
             attn = _attention(q, keys, values, mask, blocks, grouped).transpose(1, 2).reshape(B, S, nq * D)
-            h = _mlp(layer, h, attn, rows)
+            h, delta = _mlp(layer, h, attn, ops)
             if tap is not None and (tapped := tap.layer_of(layer.module)) is not None:
-                tap.keep(tapped, h.clone() if rows else h)   # the next layer adds to h in place
-        _, x = _add_rms_norm(h[:, -keep:].contiguous(), None, self.norm, self.eps, rows)
+                h, delta = h + delta, None
+                tap.keep(tapped, h.clone() if ops is None else h)   # the C norm adds to h in place
+        last = None if delta is None else delta[:, -keep:].contiguous()
+        _, x = _add_rms_norm(h[:, -keep:].contiguous(), last, self.norm, self.eps, ops)
         logits = self.lm_head(x)
         return logits if self.to_full_vocab is None else self.to_full_vocab(logits)
 
+    def elementwise_ops(self, h: torch.Tensor) -> ElementwiseOps | None:
+        """How this forward runs the pieces between its products (``fused_elementwise``): None for
+        ``cpu_row_ops``' C kernels (the CPU without gradients), else ``self.elementwise`` when set,
+        else the device's (fused on CUDA)."""
+        if self.elementwise is not None and self.elementwise.fused:
+            return self.elementwise
+        if cpu_row_ops.usable(h) and not torch.is_grad_enabled():
+            return None
+        return self.elementwise or fused_elementwise.for_device(h.device)
+
     def flat_usable(self, new_tokens: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a step whose feeds have at most ``new_tokens`` tokens each can run ``flat``: on
-        the CPU with both C kernels (a feed longer than ``cpu_attention.MAX_NEW_TOKENS``, a GPU or
-        no compiler take the padded path)."""
-        return (cpu_attention.usable(device, dtype, new_tokens, self.heads, self.kv_heads, self.head_dim)
+        the CPU with both C kernels (a feed longer than ``cpu_attention.MAX_NEW_TOKENS``, a GPU, no
+        compiler, or fused elementwise kernels asked for take the padded path)."""
+        fused = self.elementwise is not None and self.elementwise.fused
+        return (not fused and cpu_attention.usable(device, dtype, new_tokens, self.heads, self.kv_heads, self.head_dim)
                 and device.type == "cpu" and cpu_row_ops.library() is not None)
 
     def flat(self, ids: torch.Tensor, positions: torch.Tensor, step: FlatStep, buffers, keep: torch.Tensor,
@@ -400,8 +410,9 @@ class LlamaForward:
         cos_t, sin_t = self._rope_table(step.length, h.device, h.dtype)
         cos, sin = self._rotary_rows(cos_t, sin_t, positions, spatial)
         cos, sin = cos[None], sin[None]                           # [1, T, D]
+        delta = None   # as in ``__call__``
         for index, layer in enumerate(self.layers):
-            h, x = _add_rms_norm(h, None, layer.norm1, layer.eps1, True)
+            h, x = _add_rms_norm(h, delta, layer.norm1, layer.eps1, None)
             qkv = layer.qkv(x).view(1, T, nq + 2 * nkv, D)
             q, k = cpu_row_ops.rope(qkv, cos, sin, nq, nkv)    # [1, nq, T, D], [1, nkv, T, D]
             v = qkv[:, :, nq + nkv:].transpose(1, 2)           # [1, nkv, T, D] view
@@ -410,9 +421,10 @@ class LlamaForward:
                     and cpu_attention.write(values, v, step.token_slots, step.columns)):
                 raise RuntimeError("the flat step could not write its keys and values into the slot cache")
             attn = cpu_attention.attention(q[0], keys, values, step.sequences, step.mask, step.length)
-            h = _mlp(layer, h, attn, True)
+            h, delta = _mlp(layer, h, attn, None)
             if tap is not None and (tapped := tap.layer_of(layer.module)) is not None:
+                h, delta = h + delta, None
                 tap.keep(tapped, h[None].clone())   # the next layer adds to h in place
-        _, x = _add_rms_norm(h[keep], None, self.norm, self.eps, True)
+        _, x = _add_rms_norm(h[keep], None if delta is None else delta[keep], self.norm, self.eps, None)
         logits = self.lm_head(x)
         return logits if self.to_full_vocab is None else self.to_full_vocab(logits)

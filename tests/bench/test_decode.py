@@ -29,7 +29,9 @@ def test_a_tiny_cpu_run_writes_every_row(tmp_path):
             assert row["tokens_per_s"] > 0 and row["ms_per_step"] > 0
         # Exactly batch x tokens: no EOS ends a row early.
         assert rows[(batch, "hf-eager")]["tokens"] == rows[(batch, "specserve-eager")]["tokens"] == batch * 4
-        for name in ("specserve-graphs", "hf-static-compiled"):   # CUDA only, unless forced
+        # Fused elementwise kernels are CUDA's: the CPU keeps its C kernels.
+        assert rows[(batch, "specserve-eager")]["fused_elementwise"] is False
+        for name in ("specserve-graphs", "specserve-graphs-unfused", "hf-static-compiled"):   # CUDA only, unless forced
             assert rows[(batch, name)]["status"] == "skipped" and rows[(batch, name)]["reason"]
         replay = rows[(batch, "replay")]
         assert replay["replay"] is True and "not a measurement" in replay["note"]

@@ -7,7 +7,7 @@ the same tests replay real graphs (``SPECSERVE_TEST_DEVICE=cuda``); off CUDA gra
 import pytest
 import torch
 
-from specserve.replicas.model import cuda_graphs, llama_forward
+from specserve.replicas.model import cuda_graphs, fused_elementwise, llama_forward
 from specserve.replicas.model.batch_kv import BatchKV, Feed
 from specserve.replicas.target import feature_tap
 from tiny_models import tiny_model
@@ -153,3 +153,35 @@ def test_sdpa_attention_takes_the_kernels_output_in_any_memory_order(monkeypatch
 
     monkeypatch.setattr(llama_forward.F, "scaled_dot_product_attention", rows_major)
     torch.testing.assert_close(llama_forward.sdpa_attention(q, keys, values, grouped), want, rtol=0, atol=0)
+
+
+def test_bucketed_steps_with_fused_elementwise_kernels_give_hugging_faces_logits():
+    """The padded step with its elementwise pieces compiled (``fused_elementwise``; on CUDA
+    inside the captured graphs): chains, a tree and the feature tap as with the eager pieces."""
+    model = tiny_model("llama", seed=6, layers=3)
+    tap = feature_tap(model)
+    tap.watch(1)
+    plain, fused = padded(BatchKV(model, slots=3)), bucketed(model, slots=3)
+    fused._fast.elementwise = fused_elementwise.compiled()
+    with torch.inference_mode():
+        assert fused._fast.elementwise_ops(torch.zeros(1, device=fused.device)) is fused._fast.elementwise
+    assert not fused._fast.flat_usable(1, fused.device, fused._dtype)   # the flat step is the C kernels'
+    steps = [
+        [Feed(0, PREFIX), Feed(2, PREFIX[:4])],
+        [Feed(0, [9, 4, 77], 3), Feed(2, [20, 21, 22], 3, [-1, -1, 0])],
+        [Feed(0, [5]), Feed(1, PREFIX[:2])],
+    ]
+    outputs = []
+    for feeds in steps:
+        want = plain.forward(feeds)
+        want_tap = [plain.fed_rows(tap.last[1], i).clone() for i in range(len(feeds))]
+        got = fused.forward(feeds)
+        outputs.append(got)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+        for i, w in enumerate(want_tap):
+            torch.testing.assert_close(fused.fed_rows(tap.last[1], i), w, rtol=0, atol=1e-5)
+    tree = outputs[1][1]
+    for node, path in ((0, [20]), (1, [21]), (2, [20, 22])):
+        torch.testing.assert_close(tree[node], hf_logits(model, PREFIX[:4] + path)[-1], rtol=0, atol=1e-4)
+    torch.testing.assert_close(outputs[2][0], hf_logits(model, PREFIX + [9, 4, 77, 5])[-1:], rtol=0, atol=1e-4)
