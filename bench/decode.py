@@ -12,7 +12,9 @@ warms it up: compiles, captures graphs, touches memory). Rows:
 - ``specserve-eager``, ``specserve-graphs``: specserve's engine, target only, without and with
   CUDA graphs (``BatchKV.use_cuda_graphs``; CUDA only), the elementwise pieces fused as served
   (``fused_elementwise``, on CUDA); ``specserve-graphs-unfused``: graphs over eager torch's
-  elementwise ops, the lever's worth side by side.
+  elementwise ops, the lever's worth side by side; ``specserve-compiled``: the same buckets with
+  the whole forward under ``torch.compile(mode="reduce-overhead")`` instead of the manual capture
+  (``StepGraphs.set_mode``; CUDA only); the warm-up's extra seconds are ``compile_seconds``.
 - ``replay``: the verify step's forward of γ + 1 tokens per request, timed alone, turned into
   tokens/s with an assumed mean accepted length τ: batch × τ / verify seconds. A replay, not a
   measurement of acceptance; the draft's cost is left out.
@@ -74,9 +76,11 @@ SHAPES = {   # transformers' LlamaConfig fields
                  intermediate_size=128, vocab_size=49152, max_position_embeddings=1024,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True),
 }
-# Cheapest first. HF's compiled rows last: a compile outlasts every other row, and its CUDA graph
-# pools are then captured after specserve's graphs are done with.
-ROWS = ("specserve-eager", "specserve-graphs", "specserve-graphs-unfused", "hf-eager", "replay", "hf-static-compiled")
+# Cheapest first. The compiled rows last: a compile outlasts every other row, and torch's CUDA
+# graph pools are then captured after specserve's own graphs are done with.
+ROWS = ("specserve-eager", "specserve-graphs", "specserve-graphs-unfused", "hf-eager", "replay", "specserve-compiled",
+        "hf-static-compiled")
+FIRST_COMPILED = "specserve-compiled"   # the chat rows run before it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -289,7 +293,20 @@ def engine_elementwise(subject: Subject, fused: bool):
         switch(True)
 
 
-def specserve_row(run: Run, subject: Subject, prompts, graphs: bool, fused: bool = True) -> dict:
+@contextmanager
+def graphs_mode(subject: Subject, mode: str):
+    """The engine's bucketed steps in ``mode`` (``StepGraphs.set_mode``) for the block, captured after."""
+    graphs = subject.engine.target.kv.graphs
+    if graphs is not None:
+        graphs.set_mode(mode)
+    try:
+        yield
+    finally:
+        if graphs is not None:
+            graphs.set_mode("capture")
+
+
+def specserve_row(run: Run, subject: Subject, prompts, graphs: bool, fused: bool = True, mode: str = "capture") -> dict:
     engine, tokens = subject.engine, run.config.tokens
     request = GenerateRequest(prompt="", max_tokens=tokens, draft=NO_DRAFT, window=0,
                               params=SamplingParams(ignore_eos=True))
@@ -301,9 +318,12 @@ def specserve_row(run: Run, subject: Subject, prompts, graphs: bool, fused: bool
             raise RuntimeError(f"the engine returned {[len(g.token_ids) for g in out]} tokens, not {tokens} each")
 
     with engine_elementwise(subject, fused) as fused_on, \
-            engine_graphs(subject, run.device, wanted=graphs, required=True) as on:
+            engine_graphs(subject, run.device, wanted=graphs, required=True) as on, graphs_mode(subject, mode):
         warmup, seconds = timed_twice(decode, run.device)
-    return {**decode_fields(len(prompts), tokens, warmup, seconds), "cuda_graphs": on, "fused_elementwise": fused_on}
+    fields = {**decode_fields(len(prompts), tokens, warmup, seconds), "cuda_graphs": on, "fused_elementwise": fused_on}
+    if mode == "compile":
+        fields.update(graphs="torch.compile reduce-overhead", compile_seconds=round(warmup - seconds, 3))
+    return fields
 
 
 def forward_ms(subject: Subject, prompts, width: int, steps: int, device: torch.device) -> float:
@@ -342,6 +362,7 @@ RUNNERS = {
     "specserve-eager": lambda *a: specserve_row(*a, graphs=False),
     "specserve-graphs": lambda *a: specserve_row(*a, graphs=True),
     "specserve-graphs-unfused": lambda *a: specserve_row(*a, graphs=True, fused=False),
+    "specserve-compiled": lambda *a: specserve_row(*a, graphs=True, fused=False, mode="compile"),
     "hf-eager": hf_eager_row,
     "replay": replay_row,
     "hf-static-compiled": hf_compiled_row,
@@ -536,7 +557,7 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
                 run.report["shapes"][shape]["profile"] = {"error": f"{type(err).__name__}: {err}"}
             run.log(f"{shape} profile: {run.report['shapes'][shape]['profile']}")
     for kind in ROWS:
-        if kind == ROWS[-1] and "reference" in config.shapes:
+        if kind == FIRST_COMPILED and "reference" in config.shapes:
             speculation_rows(run)
         for shape, subject in subjects.items():
             for batch in config.batches:

@@ -89,8 +89,10 @@ def write(cache: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, column
     """cache[slots[b, s], :, columns[b, s]] = states[b, :, s] for cache [slots, H, capacity, D]
     and states [B, H, S, D] on the CPU (``slots``, ``columns`` [B, S] int64, contiguous). False
     (nothing written) where the kernel cannot take it: the caller assigns with torch."""
+    if cache.device.type != "cpu":   # decided before the library is looked up: a traced step reads no C library
+        return False
     lib = library()
-    if (lib is None or cache.device.type != "cpu" or states.dtype != cache.dtype or cache.stride(-1) != 1
+    if (lib is None or states.dtype != cache.dtype or cache.stride(-1) != 1
             or states.stride(-1) != 1 or not cache.is_contiguous() or columns.dtype != torch.int64
             or not columns.is_contiguous() or slots.dtype != torch.int64 or not slots.is_contiguous()):
         return False

@@ -21,6 +21,10 @@ above the largest bucket, keys beyond the cache) run eagerly. A graph is capture
 its bucket is used (``capture`` captures chosen buckets at start), from that step's own inputs:
 the warm-up forwards before the capture compute that step exactly, writing the keys and values it
 would write anyway.
+
+The alternative, ``torch.compile(mode="reduce-overhead")`` of the whole forward (inductor fuses
+it, and its CUDA graph trees capture it), runs over the same buckets in ``mode="compile"``, for
+``bench decode`` to measure beside the manual capture (docs/design.md §9).
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.replicas.model import fused_elementwise
+
 # Tokens per row: decode (1), chains and trees up to 15 drafted tokens; longer feeds run eagerly.
 TOKEN_BUCKETS = (1, 2, 4, 8, 16)
 # Keys per row: powers of two from this up to the cache's capacity, and the capacity itself.
 SMALLEST_KEY_BUCKET = 256
 # Graphs kept per model: each holds its own static inputs and outputs (the pool is shared).
 MAX_GRAPHS = 256
+MODES = ("capture", "buffers", "compile")
 # Set to 0 to run every step eagerly on CUDA (a debugging switch; the config's is ``cuda_graphs``).
 ENV_SWITCH = "SPECSERVE_CUDA_GRAPHS"
 
@@ -91,16 +98,18 @@ class _Graph:
 class StepGraphs:
     """The bucketed graphs of one ``BatchKV``'s forward (``llama_forward.LlamaForward``)."""
 
-    def __init__(self, forward, device: torch.device, slots: int, capture: bool = True):
-        """``capture``: False runs each bucket's forward eagerly over the same padded buffers (the
-        bucketed layout without graphs, which any device can check)."""
+    def __init__(self, forward, device: torch.device, slots: int, mode: str = "capture"):
+        """``mode``: ``"capture"``, CUDA graphs captured here; ``"buffers"``, each bucket's forward
+        run eagerly over the same padded buffers (the bucketed layout without graphs, which any
+        device can check); ``"compile"``, see ``set_mode``."""
         self.forward = forward
         self.device = device
-        self.capture = capture
         self.batch_buckets = batch_buckets(slots)
         self.enabled = True
         self._graphs: dict[tuple[Bucket, frozenset[int]], _Graph] = {}
         self._pool = None
+        self._compiled = None
+        self.set_mode(mode)
         self.replays = 0     # steps served by a graph
         self.eager = 0       # padded steps that fit no bucket
 
@@ -118,6 +127,20 @@ class StepGraphs:
             self.eager += 1
             return None
         return Bucket(B, S, L)
+
+    def set_mode(self, mode: str) -> None:
+        """How buckets run from now on (``__init__``); drops the graphs of the mode before.
+        ``"compile"``: the whole forward under ``torch.compile(mode="reduce-overhead", fullgraph=
+        True)``, one compile per bucket (static shapes, as a graph has), over the cache's buffers
+        marked as static addresses; inductor fuses the elementwise pieces itself, so the forward
+        runs the eager ones (``fused_elementwise.EAGER``). No feature tap: for measuring beside
+        the capture, not for serving."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.clear()
+        if mode == "compile":
+            self.forward.elementwise = fused_elementwise.EAGER
 
     def clear(self) -> None:
         """Forget every graph (the cache they read was reallocated)."""
@@ -144,13 +167,15 @@ class StepGraphs:
             static.copy_(value, non_blocking=True)
         plan.lo, plan.hi, plan.kv_len = 0, bucket.rows, bucket.keys
         plan.rows, plan.columns = graph.rows, graph.columns
-        if not self.capture:
+        if self.mode == "buffers":
             self._record(graph, cache_layers, tap)
+        elif self.mode == "compile":
+            self._compiled_step(graph, cache_layers, tap, fresh)
         elif fresh:
             self._capture(graph, cache_layers, tap)
         if fresh:
             self._graphs[key] = graph
-        if self.capture:
+        if self.mode == "capture":
             graph.graph.replay()
         self.replays += 1
         if tap is not None:
@@ -177,6 +202,25 @@ class StepGraphs:
         graph.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph.graph, pool=self._pool):
             self._record(graph, cache_layers, tap)
+
+    def _compiled_step(self, graph: _Graph, cache_layers, tap, fresh: bool) -> None:
+        """The step through the compiled forward (``set_mode``); a new bucket first runs once
+        eagerly, which allocates the cache and builds the rotary table outside the trace (and
+        writes what the step writes)."""
+        if tap is not None:
+            raise ValueError("a compiled step keeps no feature tap (mode 'compile' is for target-only measurements)")
+        if fresh:
+            self._record(graph, cache_layers, None)
+            for static in (graph.ids, graph.positions, graph.mask, graph.rows, graph.columns,
+                           *(buf for layer in cache_layers for buf in layer.buffers)):
+                torch._dynamo.mark_static_address(static)
+        if self._compiled is None:
+            self._compiled = torch.compile(self._plain_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
+        torch.compiler.cudagraph_mark_step_begin()   # the last step's outputs are read: its graph may run again
+        graph.logits = self._compiled(graph.ids, graph.positions, graph.mask, cache_layers)
+
+    def _plain_step(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache_layers) -> torch.Tensor:
+        return self.forward(ids, positions, mask, cache_layers, ids.shape[1])
 
     def _record(self, graph: _Graph, cache_layers, tap) -> None:
         """One forward over the graph's buffers, keeping its logits and the watched layers' outputs."""

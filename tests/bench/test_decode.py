@@ -31,7 +31,8 @@ def test_a_tiny_cpu_run_writes_every_row(tmp_path):
         assert rows[(batch, "hf-eager")]["tokens"] == rows[(batch, "specserve-eager")]["tokens"] == batch * 4
         # Fused elementwise kernels are CUDA's: the CPU keeps its C kernels.
         assert rows[(batch, "specserve-eager")]["fused_elementwise"] is False
-        for name in ("specserve-graphs", "specserve-graphs-unfused", "hf-static-compiled"):   # CUDA only, unless forced
+        for name in ("specserve-graphs", "specserve-graphs-unfused", "specserve-compiled",
+                     "hf-static-compiled"):   # CUDA only, unless forced
             assert rows[(batch, name)]["status"] == "skipped" and rows[(batch, name)]["reason"]
         replay = rows[(batch, "replay")]
         assert replay["replay"] is True and "not a measurement" in replay["note"]

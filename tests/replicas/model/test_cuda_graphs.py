@@ -7,7 +7,7 @@ the same tests replay real graphs (``SPECSERVE_TEST_DEVICE=cuda``); off CUDA gra
 import pytest
 import torch
 
-from specserve.replicas.model import cuda_graphs, fused_elementwise, llama_forward
+from specserve.replicas.model import cpu_attention, cpu_row_ops, cuda_graphs, fused_elementwise, llama_forward, small_gemm
 from specserve.replicas.model.batch_kv import BatchKV, Feed
 from specserve.replicas.target import feature_tap
 from tiny_models import tiny_model
@@ -31,7 +31,7 @@ def bucketed(model, slots: int, capacity: int = 512) -> BatchKV:
     buffers run eagerly."""
     kv = padded(BatchKV(model, slots=slots, capacity=capacity))
     if kv.graphs is None:
-        kv.graphs = cuda_graphs.StepGraphs(kv._fast, kv.device, slots, capture=False)
+        kv.graphs = cuda_graphs.StepGraphs(kv._fast, kv.device, slots, mode="buffers")
     return kv
 
 
@@ -185,3 +185,34 @@ def test_bucketed_steps_with_fused_elementwise_kernels_give_hugging_faces_logits
     for node, path in ((0, [20]), (1, [21]), (2, [20, 22])):
         torch.testing.assert_close(tree[node], hf_logits(model, PREFIX[:4] + path)[-1], rtol=0, atol=1e-4)
     torch.testing.assert_close(outputs[2][0], hf_logits(model, PREFIX + [9, 4, 77, 5])[-1:], rtol=0, atol=1e-4)
+
+
+def test_the_forward_compiled_whole_over_the_buckets_gives_the_plain_steps_logits(monkeypatch):
+    """``mode="compile"``: torch.compile of the whole forward (on CUDA with its own CUDA graphs),
+    traced without a break (``fullgraph``), computes the plain padded step. Off CUDA the CPU's C
+    kernels, which no trace enters, are switched off: the step is torch's, as on CUDA."""
+    for module in (cpu_row_ops, cpu_attention, small_gemm):
+        monkeypatch.setattr(module, "library", lambda: None)
+    model = tiny_model("llama", seed=8, layers=2)
+    plain, compiled = padded(BatchKV(model, slots=2)), bucketed(model, slots=2)
+    compiled.graphs.set_mode("compile")
+    assert compiled._fast.elementwise is fused_elementwise.EAGER   # inductor fuses the whole forward
+    steps = [
+        [Feed(0, PREFIX[:6]), Feed(1, PREFIX[:3])],
+        [Feed(0, [9]), Feed(1, [4])],
+        [Feed(0, [7]), Feed(1, [61])],                 # the same bucket: no new compile
+        [Feed(0, [5, 6, 1], 3), Feed(1, [2])],
+    ]
+    for feeds in steps:
+        want = plain.forward(feeds)
+        got = compiled.forward(feeds)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    assert compiled.graphs.replays == len(steps) and len(compiled.graphs) == 3
+    torch.testing.assert_close(got[0], hf_logits(model, PREFIX[:6] + [9, 7, 5, 6, 1])[-3:], rtol=0, atol=1e-4)
+    tap = feature_tap(model)
+    tap.watch(0)
+    with pytest.raises(ValueError, match="no feature tap"):
+        compiled.forward([Feed(0, [3]), Feed(1, [3])])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        compiled.graphs.set_mode("trace")
