@@ -80,7 +80,7 @@ SHAPES = {   # transformers' LlamaConfig fields
 # graph pools are then captured after specserve's own graphs are done with.
 ROWS = ("specserve-eager", "specserve-graphs", "specserve-graphs-unfused", "hf-eager", "replay", "specserve-compiled",
         "hf-static-compiled")
-FIRST_COMPILED = "specserve-compiled"   # the chat rows run before it
+COMPILED_ROWS = ("specserve-compiled", "hf-static-compiled")   # the chat rows run before them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +99,8 @@ class DecodeBenchConfig:
     replay_tau: float = 2.35  # the τ to replay: the zoo's EAGLE-3 head served on chat at window 4 (docs/benchmarks.md §6.0c)
     budget_s: float | None = None    # rows not started this many seconds into the run are skipped
     profile: bool = False     # where a one-token forward's time goes, per shape
+    rows: tuple[str, ...] = ROWS   # which rows, run in ``ROWS``' order
+    chat: bool = True         # the chat rows, where the reference shape runs with its real weights
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.shapes if s not in SHAPES]
@@ -110,6 +112,9 @@ class DecodeBenchConfig:
             raise ValueError(f"--tokens and --prompt-len must be >= 1, got {self.tokens}, {self.prompt_len}")
         if not 1.0 <= self.replay_tau <= GAMMA + 1:
             raise ValueError(f"--replay-tau must be in [1, {GAMMA + 1}] (γ + 1 tokens at most), got {self.replay_tau}")
+        unknown = [r for r in self.rows if r not in ROWS]
+        if unknown or not self.rows:
+            raise ValueError(f"--rows: unknown {unknown or 'none given'}; choose from {', '.join(ROWS)}")
         if self.budget_s is not None and self.budget_s <= 0:
             raise ValueError(f"--budget-s must be > 0, got {self.budget_s}")
 
@@ -556,13 +561,17 @@ def run_decode_bench(config: DecodeBenchConfig) -> dict:
             except Exception as err:  # noqa: BLE001 - the rows still run
                 run.report["shapes"][shape]["profile"] = {"error": f"{type(err).__name__}: {err}"}
             run.log(f"{shape} profile: {run.report['shapes'][shape]['profile']}")
-    for kind in ROWS:
-        if kind == FIRST_COMPILED and "reference" in config.shapes:
+    chat = config.chat and "reference" in config.shapes
+    for kind in (k for k in ROWS if k in config.rows):
+        if chat and kind in COMPILED_ROWS:
             speculation_rows(run)
+            chat = False
         for shape, subject in subjects.items():
             for batch in config.batches:
                 run.row({"shape": shape, "batch": batch, "row": kind},
                         lambda: RUNNERS[kind](run, subject, prompts[(shape, batch)]))
+    if chat:
+        speculation_rows(run)
     plot(run.report, config.plot_path)
     run.log(f"wrote {config.json_path} and {config.plot_path}")
     return run.report

@@ -116,6 +116,8 @@ def bench_decode(
     budget_s: Optional[float] = typer.Option(None, "--budget-s", help="Rows not started this many seconds into the run are skipped."),
     profile: bool = typer.Option(False, "--profile",
                                  help="Also where a one-token forward's time goes, per shape (kernels by time)."),
+    rows: Optional[str] = typer.Option(None, "--rows", help="Comma-separated rows (default: all, cheapest first)."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="The chat rows (speculation on the reference's real weights)."),
 ) -> None:
     """Decode speed on one device: HF eager and compiled against specserve eager and with CUDA
     graphs, per shape and batch, beside the memory-bandwidth limit; a verify-step replay. JSON + plot."""
@@ -135,6 +137,8 @@ def bench_decode(
             replay_tau=replay_tau,
             budget_s=budget_s,
             profile=profile,
+            chat=chat,
+            **({"rows": names(rows) or ()} if rows is not None else {}),
         ))
     except (ValueError, FileNotFoundError, ImportError) as err:
         fail(str(err))

@@ -10,7 +10,7 @@ from specserve.bench.decode import GAMMA, ROWS, DecodeBenchConfig, run_decode_be
 
 
 @pytest.mark.parametrize("settings", [{"shapes": ("70b",)}, {"shapes": ()}, {"batches": (0,)}, {"tokens": 0},
-                                      {"replay_tau": GAMMA + 2}, {"budget_s": 0}])
+                                      {"replay_tau": GAMMA + 2}, {"budget_s": 0}, {"rows": ("warp",)}, {"rows": ()}])
 def test_bad_settings_fail_when_made(settings):
     with pytest.raises(ValueError):
         DecodeBenchConfig(**settings)
@@ -64,3 +64,12 @@ def test_a_profile_says_where_a_one_token_forwards_time_goes(tmp_path):
     assert 0 < profile["products_ms_per_forward"] <= profile["busy_ms_per_forward"]
     shares = [k["ms_per_forward"] for k in profile["top"]]
     assert shares == sorted(shares, reverse=True) and any(k["name"] == "aten::mm" for k in profile["top"])
+
+
+def test_chosen_rows_run_in_the_benchs_order(tmp_path):
+    config = DecodeBenchConfig(json_path=tmp_path / "decode.json", plot_path=tmp_path / "decode.png",
+                               shapes=("tiny",), batches=(1,), tokens=2, prompt_len=4, device="cpu",
+                               rows=("hf-eager", "specserve-eager"))
+    rows = run_decode_bench(config)["rows"]
+    assert [r["row"] for r in rows] == ["specserve-eager", "hf-eager"]
+    assert all(r["status"] == "ok" for r in rows)
