@@ -5,8 +5,9 @@ Why: on a GPU a decode step's products run at the memory's bandwidth, and under 
 launch costs only its kernel's length; what a step spends beyond its products is the small
 kernels between them (docs/benchmarks.md §10.2's profile): the residual add, RMSNorm in float32
 with a cast on each side and the scale, rotary on q and k, SiLU(gate) * up, each pass reading and
-writing the activations again. Fused, those are three kernels per layer instead of about fifteen
-(the C kernels of ``cpu_row_ops`` fuse the same pieces on the CPU, which keeps them).
+writing the activations again. Fused, those are four kernels per layer (the norm runs twice)
+instead of seventeen (the C kernels of ``cpu_row_ops`` fuse the same pieces on the CPU, which
+keeps them).
 
 The maths is Hugging Face's eager recipe: the residual sum rounded to the model's dtype, the norm
 in float32, cast back, then scaled; rotary as ``x * cos + rotate_half(x) * sin``. Compiled, each
