@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
+# Compiles kept per function (``compiled``).
+RECOMPILE_LIMIT = 64
 # Set to 0 to run the elementwise pieces as eager torch ops on CUDA too (a debugging switch).
 ENV_SWITCH = "SPECSERVE_FUSED_ELEMENTWISE"
 
@@ -79,7 +81,11 @@ def compile_one(fn: Callable) -> Callable:
 
 @functools.cache
 def compiled() -> ElementwiseOps:
-    """The three pieces compiled (lazily: each compiles on its first call)."""
+    """The three pieces compiled (lazily: each compiles on its first call). Dynamo keeps a few
+    compiles per function and runs it eagerly past them; a replica's models (dtypes, epsilons,
+    sizes 1 and more, with and without a residual) need more than its default of 8."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
     return ElementwiseOps(*(_falls_back(compile_one(fn), fn) for fn in (add_rms_norm, rope, silu_mul)), fused=True)
 
 
@@ -105,8 +111,12 @@ def _falls_back(fast: Callable, eager: Callable) -> Callable:
 def available(device: torch.device) -> bool:
     """Whether the fused kernels run on ``device``: CUDA with Triton (inductor's GPU backend),
     unless switched off by env. The CPU keeps ``cpu_row_ops``."""
-    return (device.type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0"
-            and importlib.util.find_spec("triton") is not None)
+    return device.type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def for_device(device: torch.device, wanted: bool = True) -> ElementwiseOps:

@@ -23,6 +23,8 @@ def inputs(B: int, S: int, dtype: torch.dtype, q_heads: int = 4, kv_heads: int =
 def test_each_compiled_piece_computes_the_eager_ops(dtype):
     fused, eager = fused_elementwise.compiled(), fused_elementwise.EAGER
     assert fused.fused and not eager.fused
+    # A replica's models need more compiles per function than dynamo's default keeps.
+    assert torch._dynamo.config.recompile_limit >= fused_elementwise.RECOMPILE_LIMIT
     # Batch and width 1 (a decode step at batch 1) and wider, and another head count: dynamic
     # shapes, one compile for all but inductor's size-1 specialisations.
     for B, S, heads in ((1, 1, (4, 2)), (3, 5, (4, 2)), (2, 3, (6, 3))):
