@@ -40,9 +40,14 @@ def test_each_compiled_piece_computes_the_eager_ops(dtype):
         assert q.shape == (B, heads[0], S, 16) and k.shape == (B, heads[1], S, 16)
         assert q.is_contiguous() and k.is_contiguous()   # as attention and the cache write take them
         # Every rounding is eager torch's: only the norm's float32 sum may run in another order.
-        tolerance = 1e-6 if dtype == torch.float32 else 0.0
+        # (On CUDA eager torch's own kernels compute exp and the norm otherwise: a last-bit
+        # difference before a rounding to bfloat16 may move a value by one bfloat16 step.)
+        if dtype == torch.float32:
+            rtol, atol = 0.0, 1e-6 if DEVICE.type == "cpu" else 1e-5
+        else:
+            rtol, atol = (0.0, 0.0) if DEVICE.type == "cpu" else (2 ** -7, 1e-3)
         for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=tolerance)
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
 
 
 def test_rope_is_rotate_half():
