@@ -376,12 +376,15 @@ class LlamaForward:
         return logits if self.to_full_vocab is None else self.to_full_vocab(logits)
 
     def elementwise_ops(self, h: torch.Tensor) -> ElementwiseOps | None:
-        """How this forward runs the pieces between its products (``fused_elementwise``): None for
-        ``cpu_row_ops``' C kernels (the CPU without gradients), else ``self.elementwise`` when set,
-        else the device's (fused on CUDA)."""
+        """How this forward runs the pieces between its products (``fused_elementwise``): compiled
+        when ``self.elementwise`` asks for them; with gradients torch's eager ops; else None for
+        ``cpu_row_ops``' C kernels on the CPU, else ``self.elementwise`` when set, else the
+        device's (compiled on CUDA)."""
         if self.elementwise is not None and self.elementwise.fused:
             return self.elementwise
-        if cpu_row_ops.usable(h) and not torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            return fused_elementwise.EAGER
+        if cpu_row_ops.usable(h):
             return None
         return self.elementwise or fused_elementwise.for_device(h.device)
 

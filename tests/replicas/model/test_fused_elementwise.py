@@ -82,3 +82,16 @@ def test_fused_kernels_are_cudas_and_switch_off_by_env(monkeypatch):
     assert fused_elementwise.for_device(torch.device("cuda"), wanted=False) is fused_elementwise.EAGER
     monkeypatch.setenv(fused_elementwise.ENV_SWITCH, "0")
     assert not fused_elementwise.available(torch.device("cuda"))
+
+
+def test_a_forward_with_gradients_runs_the_eager_pieces():
+    from specserve.replicas.model import llama_forward
+    from tiny_models import tiny_model
+
+    forward = llama_forward.for_model(tiny_model("llama", seed=1))
+    h = torch.zeros(1, 1, 8, device=DEVICE)
+    with torch.enable_grad():
+        assert forward.elementwise_ops(h) is fused_elementwise.EAGER
+    forward.elementwise = fused_elementwise.compiled()   # asked for: compiled either way
+    with torch.enable_grad():
+        assert forward.elementwise_ops(h) is forward.elementwise
