@@ -231,7 +231,7 @@ class DraftServer:
                     replies[i] = proposal
         for i, ask in enumerate(asks):
             if replies[i] is None:
-                with self.pool.using(ask.session_id, ask.context) as draft:
+                with self.pool.using(ask.session_id, ask.context, ask.cache_salt) as draft:
                     replies[i] = self._propose_one(draft, ask)
         return replies
 

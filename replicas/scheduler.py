@@ -243,16 +243,12 @@ class Scheduler:
             best = max(free, key=lambda i: (shared(i), -len(kv.tokens[i]), -i))
             if best != free[0]:
                 self.target.swap(best, free[0])
-            if kv.salts[free[0]] != salt:
-                kv.reset(free[0])
-                kv.salts[free[0]] = salt
+            kv.claim(free[0], salt)
             state.slot = free[0]
             self.slots[free[0]] = state
             if state.request.guidance is not None:   # its unconditional row: the next free slot
                 guide = free[1]
-                if kv.salts[guide] != salt:
-                    kv.reset(guide)
-                    kv.salts[guide] = salt
+                kv.claim(guide, salt)
                 state.guide_slot = guide
                 self.slots[guide] = state
 

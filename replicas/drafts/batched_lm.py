@@ -69,6 +69,7 @@ class BatchedDraftLM:
             taken.add(slots[-1])
         feeds = []
         for slot, ask in zip(slots, asks):
+            self.kv.claim(slot, ask.cache_salt)   # a slot's prefix cache serves its own tenant only
             missing = self.kv.sync(slot, ask.context)
             if not missing:   # all cached, but the root's logits were not kept: feed the root again
                 self.kv.crop(slot, len(ask.context) - 1)

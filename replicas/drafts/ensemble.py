@@ -404,6 +404,7 @@ class EnsembleDraftLM(BatchedDraftLM):
                 row.append(slot)
                 tokens = self._view_context(session, view, ask.context, ask.image_placeholder)
                 lengths[-1].append(len(tokens))
+                self.kv.claim(slot, ask.cache_salt)   # a slot's prefix cache serves its own tenant only
                 missing = self.kv.sync(slot, tokens)
                 if not missing:   # all cached, but the root's logits were not kept: feed the root again
                     self.kv.crop(slot, len(tokens) - 1)

@@ -190,6 +190,13 @@ class BatchKV:
         for s in range(self.slots) if slot is None else [slot]:
             self.tokens[s] = []
 
+    def claim(self, slot: int, salt: str | None) -> None:
+        """``slot`` now serves a request of ``salt`` (its ``cache_salt``): a cache another salt
+        left there is forgotten, never read, so no tenant's prefix speeds up another's."""
+        if self.salts[slot] != salt:
+            self.reset(slot)
+            self.salts[slot] = salt
+
     # ---- slot moves ---------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -88,3 +88,34 @@ def test_a_session_moves_down_into_a_freed_slot_and_drafts_as_before():
     assert fed[0] == [(0, 1)]
     # The released session's prefix cache was not overwritten: it sits in the slot left behind.
     assert released and batched.kv.tokens[1] == released
+
+
+def fed_per_forward(batched: BatchedDraftLM) -> list[int]:
+    """Tokens fed by each of the draft cache's forwards from now on (the real forward runs)."""
+    fed, forward = [], batched.kv.forward
+
+    def counting(feeds):
+        fed.append(sum(len(f.tokens) for f in feeds))
+        return forward(feeds)
+
+    batched.kv.forward = counting
+    return fed
+
+
+def test_a_slots_prefix_cache_serves_only_requests_of_its_own_salt():
+    model = tiny_model("llama", seed=3)
+    batched = BatchedDraftLM("d", model, slots=1)
+    prompt = list(range(20, 45))
+    first = ProposeRequest("a", prompt, 2, None, GREEDY, cache_salt="tenant-a")
+    want = batched.propose_chains([first], [None])[0].tokens
+    batched.release("a")
+    fed = fed_per_forward(batched)
+    # Another tenant, the same prompt: the slot's cache is forgotten, the whole prompt is fed.
+    other = ProposeRequest("b", prompt, 2, None, GREEDY, cache_salt="tenant-b")
+    assert batched.propose_chains([other], [None])[0].tokens == want
+    assert fed[0] == len(prompt) and batched.kv.salts[0] == "tenant-b"
+    batched.release("b")
+    # The same tenant again: the cached prompt is read, only its last token is fed again.
+    again = ProposeRequest("c", prompt, 2, None, GREEDY, cache_salt="tenant-b")
+    assert batched.propose_chains([again], [None])[0].tokens == want
+    assert fed[2] == 1

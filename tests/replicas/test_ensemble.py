@@ -139,6 +139,20 @@ def test_an_ask_ahead_of_a_verify_neither_scores_nor_is_scored():
     assert len(session.scores) == 2 and session.pending is not block
 
 
+def test_a_views_slot_reads_a_cache_of_its_own_salt_only():
+    draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER)
+    prompt = [1, 1, 1, 2, 5, 11, 4, 9]
+    draft.propose_chains([ProposeRequest("a", prompt, 2, None, SamplingParams(), cache_salt="x")], [None])
+    draft.release("a")
+    fed, forward = [], draft.kv.forward
+    draft.kv.forward = lambda feeds: fed.append(sum(len(f.tokens) for f in feeds)) or forward(feeds)
+    draft.propose_chains([ProposeRequest("b", prompt, 2, None, SamplingParams(), cache_salt="y")], [None])
+    views = sum(len(tokens) > 0 for tokens in draft.kv.tokens)
+    # Every view of the other tenant's request fed its whole context: no slot's cache was read.
+    assert fed[0] == sum(len(t) for t in draft.kv.tokens if t) and views >= 1
+    assert {draft.kv.salts[s] for s, t in enumerate(draft.kv.tokens) if t} == {"y"}
+
+
 def test_a_finished_session_leaves_each_candidates_hits_and_its_positions():
     draft = EnsembleDraftLM("e", tiny_model("llama", seed=1), turn_marker=MARKER)
     # Token 5 under a mix is 0.6 w_full against 1 − 0.6 w_full for token 50: only w_full > 5/6

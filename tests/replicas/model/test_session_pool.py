@@ -13,10 +13,13 @@ from specserve.replicas.model.session_pool import SessionPool
 class FakeSession:
     tokens: list[int] = field(default_factory=list)
 
+    def reset(self) -> None:
+        self.tokens = []
+
 
 @dataclass
 class Holder:
-    """Stands in for a Target or DraftLM: the pool only reads ``.session.tokens``."""
+    """Stands in for a Target or DraftLM: the pool only reads ``.session.tokens`` and resets it."""
 
     session: FakeSession = field(default_factory=FakeSession)
 
@@ -41,6 +44,18 @@ def test_new_session_takes_the_idle_cache_with_the_longest_common_prefix():
     # [1, 2, 3, 4, 5] shares 4 tokens with long_, 2 with short.
     assert pool.acquire("next", [1, 2, 3, 4, 5]) is long_
     assert pool.acquire("other", [7]) is short      # no prefix shared: the remaining idle one
+
+
+def test_an_idle_cache_is_a_prefix_cache_for_its_own_salt_only():
+    pool = SessionPool(Holder, keep_idle=4)
+    mine, theirs = pool.acquire("m", [], salt="a"), pool.acquire("t", [], salt="b")
+    mine.session.tokens, theirs.session.tokens = [1, 2], [1, 2, 3, 4]
+    pool.release("m")
+    pool.release("t")
+    # Tenant a's prompt shares more with b's cache, but only a's cache may serve it.
+    assert pool.acquire("next-a", [1, 2, 3, 4, 5], salt="a") is mine and mine.session.tokens == [1, 2]
+    # Only b's cache is left: a request of c gets it cleared, never reading b's tokens.
+    assert pool.acquire("next-c", [1, 2, 3, 4, 5], salt="c") is theirs and theirs.session.tokens == []
 
 
 def test_idle_caches_beyond_keep_idle_are_dropped_oldest_first():
