@@ -90,7 +90,7 @@ def compiled() -> ElementwiseOps:
 
 
 def _falls_back(fast: Callable, eager: Callable) -> Callable:
-    """``fast``, or ``eager`` from the first call on whose compile failed (no compiler for the
+    """``fast``, or ``eager`` from the first call on that ``fast`` failed (no compiler for the
     device, an inductor bug): the same maths, unfused, logged once."""
     state = {"failed": False}
 
@@ -102,7 +102,7 @@ def _falls_back(fast: Callable, eager: Callable) -> Callable:
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise   # inside a capture nothing may compile: the warm-up should have
                 state["failed"] = True
-                log.warning("%s runs unfused: its compile failed (%s)", eager.__name__, err)
+                log.warning("%s runs unfused from now on: its compiled kernel failed (%s)", eager.__name__, err)
         return eager(*args)
 
     return call
@@ -119,6 +119,6 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def for_device(device: torch.device, wanted: bool = True) -> ElementwiseOps:
-    """The compiled pieces where ``available`` and ``wanted``, else the eager ones."""
-    return compiled() if wanted and available(device) else EAGER
+def for_device(device: torch.device) -> ElementwiseOps:
+    """The compiled pieces where ``available``, else the eager ones."""
+    return compiled() if available(device) else EAGER

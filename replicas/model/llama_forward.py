@@ -378,15 +378,15 @@ class LlamaForward:
     def elementwise_ops(self, h: torch.Tensor) -> ElementwiseOps | None:
         """How this forward runs the pieces between its products (``fused_elementwise``): compiled
         when ``self.elementwise`` asks for them; with gradients torch's eager ops; else None for
-        ``cpu_row_ops``' C kernels on the CPU, else ``self.elementwise`` when set, else the
-        device's (compiled on CUDA)."""
+        ``cpu_row_ops``' C kernels on the CPU, else the eager ops when ``self.elementwise`` asks
+        for them, else the device's (compiled on CUDA)."""
         if self.elementwise is not None and self.elementwise.fused:
             return self.elementwise
         if torch.is_grad_enabled():
             return fused_elementwise.EAGER
         if cpu_row_ops.usable(h):
             return None
-        return self.elementwise or fused_elementwise.for_device(h.device)
+        return fused_elementwise.EAGER if self.elementwise is not None else fused_elementwise.for_device(h.device)
 
     def flat_usable(self, new_tokens: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a step whose feeds have at most ``new_tokens`` tokens each can run ``flat``: on
