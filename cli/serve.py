@@ -75,6 +75,10 @@ def status(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
         capacity = (f"{kv['kv_slots']} slots x {kv['kv_max_len']} positions = {kv['kv_capacity_tokens']} tokens "
                     f"({kv['kv_sized_by']})" if kv else "unknown (no replica answered)")
         typer.echo(f"  kv  {name}: {capacity}")
+        if kv and kv.get("cuda_graphs") is not None:   # graphs are CUDA's alone
+            fused = "fused" if kv.get("fused_elementwise") else "eager"
+            typer.echo(f"  step {name}: CUDA graphs ({kv['cuda_graphs']['held']} held, "
+                       f"{kv['cuda_graphs']['replays']} steps replayed), elementwise kernels {fused}")
     for key in ("http", "grpc", "dashboard", "metrics"):
         typer.echo(f"{key:10s} {report[key]}")
     if report.get("prometheus"):

@@ -332,17 +332,19 @@ def status() -> dict:
 
 # What ``TargetDeployment.load`` says of a replica's KV capacity.
 KV_FIELDS = ("kv_slots", "kv_max_len", "kv_capacity_tokens", "kv_sized_by")
+STEP_FIELDS = ("cuda_graphs", "fused_elementwise")   # how its steps run, where a replica reports it
 
 
 def target_kv(app_name: str, deployment: str = TARGET_DEPLOYMENT, timeout_s: float = 10.0) -> dict | None:
-    """The KV capacity of the target replica one call reaches (``KV_FIELDS`` of its ``load``);
-    replicas share the configuration, but one on a device with less free memory may hold fewer
-    slots. None when no replica answers in time."""
+    """The KV capacity of the target replica one call reaches (``KV_FIELDS`` of its ``load``,
+    and ``STEP_FIELDS``: its CUDA graphs and fused kernels); replicas share the configuration,
+    but one on a device with less free memory may hold fewer slots. None when no replica answers
+    in time."""
     from ray import serve
 
     try:
         load = serve.get_deployment_handle(deployment, app_name).load.remote().result(timeout_s=timeout_s)
-        return {key: load[key] for key in KV_FIELDS}
+        return {key: load[key] for key in KV_FIELDS + STEP_FIELDS if key in load}
     except Exception:  # noqa: BLE001 - a status report names what it cannot reach, whatever the reason
         return None
 

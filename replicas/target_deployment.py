@@ -416,6 +416,7 @@ class TargetDeployment:
                 # Steps replayed as CUDA graphs and padded steps that fit no bucket (None: no graphs here).
                 "cuda_graphs": None if kv.graphs is None else {"held": len(kv.graphs), "replays": kv.graphs.replays,
                                                                "eager": kv.graphs.eager},
+                "fused_elementwise": kv.fused_elementwise,   # inductor's kernels between the products (CUDA)
                 "failed_steps_in_a_row": self.loop.failures}
 
     def _probe(self) -> None:

@@ -275,7 +275,12 @@ class BatchKV:
         self._fast.elementwise = None if enabled else fused_elementwise.EAGER
         if self.graphs is not None:
             self.graphs.clear()
-        return enabled and fused_elementwise.available(self.device)
+        return self.fused_elementwise
+
+    @property
+    def fused_elementwise(self) -> bool:
+        """Whether our forward's steps here run the compiled elementwise pieces."""
+        return self._fast is not None and self._fast.fuses(self.device)
 
     @torch.inference_mode()
     def capture_graphs(self, widths: tuple[int, ...] = (1,)) -> int:

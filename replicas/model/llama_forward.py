@@ -388,6 +388,10 @@ class LlamaForward:
             return None
         return fused_elementwise.EAGER if self.elementwise is not None else fused_elementwise.for_device(h.device)
 
+    def fuses(self, device: torch.device) -> bool:
+        """Whether steps without gradients on ``device`` run compiled elementwise pieces."""
+        return self.elementwise.fused if self.elementwise is not None else fused_elementwise.available(device)
+
     def flat_usable(self, new_tokens: int, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether a step whose feeds have at most ``new_tokens`` tokens each can run ``flat``: on
         the CPU with both C kernels (a feed longer than ``cpu_attention.MAX_NEW_TOKENS``, a GPU, no

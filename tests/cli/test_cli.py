@@ -111,7 +111,10 @@ def test_status_says_whether_the_replicas_learn_together(monkeypatch, status, bo
     ({"kv_slots": 12, "kv_max_len": 2048, "kv_capacity_tokens": 24576, "kv_sized_by": "device memory"},
      "  kv  target: 12 slots x 2048 positions = 24576 tokens (device memory)"),
     (None, "  kv  target: unknown (no replica answered)"),
-], ids=["answered", "no-answer"])
+    ({"kv_slots": 12, "kv_max_len": 2048, "kv_capacity_tokens": 24576, "kv_sized_by": "device memory",
+      "cuda_graphs": {"held": 40, "replays": 7, "eager": 0}, "fused_elementwise": True},
+     "  step target: CUDA graphs (40 held, 7 steps replayed), elementwise kernels fused"),
+], ids=["answered", "no-answer", "cuda"])
 def test_status_prints_the_targets_kv_capacity(monkeypatch, kv, line):
     from specserve.cluster import local
 

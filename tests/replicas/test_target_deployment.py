@@ -97,7 +97,7 @@ def test_max_model_len_allocates_the_whole_cache_at_start_and_refuses_longer_req
         assert start["kv_max_len"] == 256 and start["kv_bytes_allocated"] == 3 * 256 * per_position
         # On the CPU the configuration sizes the cache: max_batch + kv_sessions_idle slots.
         assert (start["kv_slots"], start["kv_capacity_tokens"], start["kv_sized_by"]) == (3, 3 * 256, "config")
-        assert start["cuda_graphs"] is None   # graphs are CUDA's alone
+        assert start["cuda_graphs"] is None and start["fused_elementwise"] is False   # both CUDA's alone
         async for _ in replica.generate(SpecRequest(prompt(replica, "Name three rivers."), 24, request_id="a")):
             pass
         assert (await replica.load())["kv_bytes_allocated"] == start["kv_bytes_allocated"]
