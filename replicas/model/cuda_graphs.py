@@ -42,6 +42,7 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16)
 SMALLEST_KEY_BUCKET = 256
 # Graphs kept per model: each holds its own static inputs and outputs (the pool is shared).
 MAX_GRAPHS = 256
+# How a bucket's step runs (``StepGraphs.set_mode``).
 MODES = ("capture", "buffers", "compile")
 # Set to 0 to run every step eagerly on CUDA (a debugging switch; the config's is ``cuda_graphs``).
 ENV_SWITCH = "SPECSERVE_CUDA_GRAPHS"

@@ -396,8 +396,7 @@ class LlamaForward:
         """Whether a step whose feeds have at most ``new_tokens`` tokens each can run ``flat``: on
         the CPU with both C kernels (a feed longer than ``cpu_attention.MAX_NEW_TOKENS``, a GPU, no
         compiler, or fused elementwise kernels asked for take the padded path)."""
-        fused = self.elementwise is not None and self.elementwise.fused
-        return (not fused and cpu_attention.usable(device, dtype, new_tokens, self.heads, self.kv_heads, self.head_dim)
+        return (not self.fuses(device) and cpu_attention.usable(device, dtype, new_tokens, self.heads, self.kv_heads, self.head_dim)
                 and device.type == "cpu" and cpu_row_ops.library() is not None)
 
     def flat(self, ids: torch.Tensor, positions: torch.Tensor, step: FlatStep, buffers, keep: torch.Tensor,
