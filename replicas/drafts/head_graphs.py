@@ -1,4 +1,4 @@
-"""A hidden-state-reuse head's chain step as a CUDA graph.
+"""A hidden-state-reuse head's chain step, and a draft tree's level, as CUDA graphs.
 
 Why: on a GPU one drafted token of the head (EAGLE-3's, Sparrow's) is one decoder layer and an
 output layer, yet the module path launches ~40 small kernels for it, each paying Python and
@@ -11,6 +11,14 @@ bucket's buffers once, then each drafted token writes its key and value at the n
 attends over the first L keys, masked past its own. The token, its input state, its rotary
 position and its write index are copied into the graph's inputs before each replay. The maths
 is the module path's (``HSRHead.step``); the masked keys add exact zeros to the softmax.
+
+A tree (EAGLE-2's, ``tree_growth``) feeds a level of nodes at once: the level's rows are padded
+up to a power-of-two **width** and replay that width's graph over the same bucket. Each row
+carries its token, rotary position, key index and the row of its parent's output state in the
+bucket's ``tree_hidden`` (row 0 the root's), where its own output goes too; the level's mask
+(which keys each row sees: the exact cache, its ancestors, itself) is copied in before each
+replay. A padding row writes its key after the level's real ones and sees the cache and itself
+only, so no real row reads it; the next level's keys overwrite it.
 
 The buckets are the head's, shared by its sessions: one proposal runs at a time per head (a
 draft server proposes in turn). Off CUDA the same buffers run eagerly (``capture=False``), which
@@ -30,6 +38,9 @@ SMALLEST_BUCKET = 64
 # large heads), allocated after the KV slots were sized, so the largest is bounded; longer
 # contexts draft through the module path.
 MAX_BUCKETS = 10
+_ATTRIBUTE = "_specserve_head_graphs"   # where a head keeps its graphs
+# A tree of more nodes drafts through the module path; a level's rows pad up to a power of two.
+MAX_TREE_NODES = 256
 
 
 def bucket_for(positions: int) -> int | None:
@@ -58,6 +69,37 @@ class _Bucket:
         self.indices = torch.arange(size, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None        # hidden [1, 1, H], logits [K]
+        # Trees: output states (row 0 the root, 1 + i node i, then padding rows' scratch) and
+        # each width's level step, made on a tree's first use of the bucket.
+        self.tree_hidden: torch.Tensor | None = None
+        self.levels: dict[int, _Level] = {}
+
+    def tree_states(self, head) -> torch.Tensor:
+        """``tree_hidden``, made on first use."""
+        if self.tree_hidden is None:
+            self.tree_hidden = torch.zeros(1 + 2 * MAX_TREE_NODES, head.config.hidden_size, dtype=self.keys.dtype,
+                                           device=self.keys.device)
+        return self.tree_hidden
+
+    def level(self, width: int) -> "_Level":
+        if width not in self.levels:
+            self.levels[width] = _Level(self, width)
+        return self.levels[width]
+
+
+class _Level:
+    """Static inputs and outputs of a tree level's step of ``width`` rows over a bucket, and its graph."""
+
+    TOKEN, POSITION, KEY, PARENT, OUT = range(5)   # the rows of ``ints``
+
+    def __init__(self, bucket: _Bucket, width: int):
+        device = bucket.keys.device
+        self.width = width
+        self.ints = torch.zeros(5, width, dtype=torch.long, device=device)
+        self.allowed = torch.zeros(width, bucket.size, dtype=torch.bool, device=device)   # [rows, keys]
+        self.proposal = -1   # the proposal whose exact-cache columns ``allowed`` holds
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None   # logits [width, V]
 
 
 class HeadGraphs:
@@ -69,16 +111,29 @@ class HeadGraphs:
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None
         self.steps = 0   # chain steps run (replayed, or eagerly off CUDA)
+        self.levels = 0  # tree levels run
+        self.proposals = 0   # trees begun
+        self._captured = None
 
     @staticmethod
     def for_head(head) -> "HeadGraphs | None":
-        """The head's graphs, built once, where steps on its device run as graphs (CUDA)."""
-        if not cuda_graphs.available(head.device):
-            return None
-        graphs = head.__dict__.get("_specserve_head_graphs")
-        if graphs is None:
-            graphs = head.__dict__["_specserve_head_graphs"] = HeadGraphs(head)
+        """The head's graphs, built once, where steps on its device run as graphs (CUDA), or
+        those ``attach`` gave it."""
+        graphs = head.__dict__.get(_ATTRIBUTE)
+        if graphs is None and cuda_graphs.available(head.device):
+            graphs = HeadGraphs.attach(head)
         return graphs
+
+    @staticmethod
+    def attach(head, capture: bool = True) -> "HeadGraphs":
+        """New graphs for ``head``, which its drafts made from now on use; ``capture=False`` runs
+        the buckets eagerly, on any device (the bucketed layout, checkable on the CPU)."""
+        graphs = head.__dict__[_ATTRIBUTE] = HeadGraphs(head, capture)
+        return graphs
+
+    @staticmethod
+    def detach(head) -> None:
+        head.__dict__.pop(_ATTRIBUTE, None)
 
     def chain(self, keys: torch.Tensor, values: torch.Tensor, steps: int) -> "ChainSteps | None":
         """``steps`` drafted tokens after the session's exact cache ``keys``, ``values`` [1, kv
@@ -87,21 +142,49 @@ class HeadGraphs:
         size = bucket_for(n + steps)
         if size is None:
             return None
-        bucket = self._buckets.get(size)
-        if bucket is None:
-            bucket = self._buckets[size] = _Bucket(self.head, size)
+        bucket = self._bucket(size)
         bucket.keys[:, :, :n].copy_(keys)
         bucket.values[:, :, :n].copy_(values)
         return ChainSteps(self, bucket, n)
 
+    def tree(self, keys: torch.Tensor, values: torch.Tensor, nodes: int, root: torch.Tensor) -> "TreeLevels | None":
+        """A tree of at most ``nodes`` nodes after the session's exact cache ``keys``, ``values``
+        [1, kv heads, n, d] (copied into the bucket's buffers), grown from the root's output
+        state ``root`` [H]; None when it is too large for the buckets."""
+        n = keys.shape[2]
+        size = bucket_for(n + 2 * nodes)   # a level's padding keys sit after its real ones
+        if nodes > MAX_TREE_NODES or size is None:
+            return None
+        bucket = self._bucket(size)
+        bucket.keys[:, :, :n].copy_(keys)
+        bucket.values[:, :, :n].copy_(values)
+        bucket.tree_states(self.head)[0].copy_(root)
+        self.proposals += 1
+        return TreeLevels(self, bucket, n, self.proposals)
+
+    def _bucket(self, size: int) -> _Bucket:
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            bucket = self._buckets[size] = _Bucket(self.head, size)
+        return bucket
+
     def run(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         self.steps += 1
+        return self._replay(bucket, lambda: self._step(bucket))
+
+    def run_level(self, bucket: _Bucket, level: _Level) -> torch.Tensor:
+        self.levels += 1
+        return self._replay(level, lambda: self._level_step(bucket, level))
+
+    def _replay(self, holder, step):
+        """``holder``'s graph replayed (captured on first use), or ``step`` run eagerly off CUDA."""
         if not self.capture:
-            return self._step(bucket)
-        if bucket.graph is None:
-            self._capture(bucket)
-        bucket.graph.replay()
-        return bucket.out
+            return step()
+        if holder.graph is None:
+            holder.graph = self._capture(step)
+            holder.out = self._captured
+        holder.graph.replay()
+        return holder.out
 
     def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """``HSRHead.step`` for one token over the bucket's buffers, then the head's logits."""
@@ -117,21 +200,39 @@ class HeadGraphs:
         out = layer.feed_forward(z + attn.out(attended))
         return out, head.head_logits(out)[0, -1]
 
-    def _capture(self, bucket: _Bucket) -> None:
-        """Warm up on a side stream (lazy initialisations stay outside the graph), then capture.
-        The warm-ups compute the step from its present inputs: they write what it writes."""
+    def _level_step(self, b: _Bucket, level: _Level) -> torch.Tensor:
+        """``HSRHead.step`` for a tree level's rows over the bucket's buffers, then the head's
+        logits over the full vocabulary [width, V]."""
+        head = self.head
+        layer, attn = head.layer, head.layer.self_attn
+        token, position, key, parent, out_row = level.ints
+        z = head.inputs(token[None], b.tree_hidden.index_select(0, parent)[None])   # Eq. 4: the parent's output
+        cos, sin = head.rope(position, z.dtype)
+        q, k, v = attn.qkv(layer.input_layernorm(z), cos, sin, repeat_kv=False)
+        b.keys.index_copy_(2, key, k)
+        b.values.index_copy_(2, key, v)
+        attended = F.scaled_dot_product_attention(q, b.keys, b.values, attn_mask=level.allowed, enable_gqa=True)
+        out = layer.feed_forward(z + attn.out(attended))
+        b.tree_hidden.index_copy_(0, out_row, out[0])
+        return head.full_logits(out)[0]
+
+    def _capture(self, step) -> torch.cuda.CUDAGraph:
+        """Warm up on a side stream (lazy initialisations stay outside the graph), then capture;
+        the captured step's outputs are left in ``_captured``. The warm-ups compute the step from
+        its present inputs: they write what it writes."""
         stream = torch.cuda.Stream(self.head.device)
         stream.wait_stream(torch.cuda.current_stream(self.head.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._step(bucket)
+                step()
         torch.cuda.current_stream(self.head.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        bucket.graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
         # Thread-local: the target may run a step on its own thread while a draft captures.
-        with torch.cuda.graph(bucket.graph, pool=self._pool, capture_error_mode="thread_local"):
-            bucket.out = self._step(bucket)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._captured = step()
+        return graph
 
 
 class ChainSteps:
@@ -154,3 +255,44 @@ class ChainSteps:
         self._next += 1
         out, logits = self._graphs.run(b)
         return out, logits
+
+
+def width_for(rows: int) -> int:
+    """A level's rows padded up to a power of two."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+class TreeLevels:
+    """One proposal's tree through a bucket: ``step`` feeds a level's nodes and returns their
+    logits over the full vocabulary (valid until the next step)."""
+
+    def __init__(self, graphs: HeadGraphs, bucket: _Bucket, cached: int, proposal: int):
+        self._graphs, self._bucket, self._cached, self._proposal = graphs, bucket, cached, proposal
+
+    def step(self, tokens: list[int], parents: list[int], positions: list[int], first: int,
+             sees: torch.Tensor) -> torch.Tensor:
+        """Nodes ``first..first+F-1``: their tokens, parents (-1 the root), rotary positions and
+        ``sees`` [F, first+F] (which tree nodes each row attends to: its ancestors and itself)
+        -> logits [F, V]."""
+        rows, n, b = len(tokens), self._cached, self._bucket
+        level = b.level(width_for(rows))
+        width, pad = level.width, level.width - len(tokens)
+        if first + rows > MAX_TREE_NODES or n + first + width > b.size:
+            raise IndexError(f"the tree outgrew its bucket of {b.size} positions")
+        ints = torch.zeros(5, width, dtype=torch.long)
+        ints[_Level.TOKEN, :rows] = torch.tensor(tokens)
+        ints[_Level.POSITION, :rows] = torch.tensor(positions)
+        ints[_Level.KEY] = torch.arange(n + first, n + first + width)
+        ints[_Level.PARENT, :rows] = torch.tensor(parents) + 1
+        ints[_Level.OUT, :rows] = torch.arange(1 + first, 1 + first + rows)
+        ints[_Level.OUT, rows:] = torch.arange(1 + MAX_TREE_NODES, 1 + MAX_TREE_NODES + pad)
+        mask = torch.zeros(width, first + width, dtype=torch.bool)
+        mask[:rows, :first + rows] = sees
+        mask[torch.arange(rows, width), torch.arange(first + rows, first + width)] = True   # padding: itself
+        if level.proposal != self._proposal:   # every row sees the exact cache; later keys by the mask
+            level.allowed[:, :n] = True
+            level.allowed[:, n:] = False
+            level.proposal = self._proposal
+        level.ints.copy_(ints)
+        level.allowed[:, n:n + first + width].copy_(mask)
+        return self._graphs.run_level(b, level)[:rows]

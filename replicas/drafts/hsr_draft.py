@@ -175,7 +175,8 @@ class HSRDraft:
     def propose_tree(self, context: list[int], shape: TreeShape, features: torch.Tensor | None = None,
                      features_start: int = 0, image_placeholder: int | None = None) -> Proposal:
         """An EAGLE-2-style tree (``TreeGrowth``). A node is fed its parent's output and sees the
-        exact cache plus its own ancestors."""
+        exact cache plus its own ancestors; where the head runs graphs, a level is one replay
+        (``head_graphs``)."""
         self.session.placeholder = image_placeholder
         self.session.sync(context, features, features_start)
         with torch.inference_mode():
@@ -186,28 +187,28 @@ class HSRDraft:
             exact = self.session.cache_len
             keys, values = self.session.keys, self.session.values
             growth = TreeGrowth(shape)
-            outputs: list[torch.Tensor] = []      # [H] per fed node, in node order
-            frontier_hidden = root[0]             # [F, H]
+            levels = None if self.graphs is None else self.graphs.tree(keys, values, shape.budget, root[0, 0])
+            outputs: list[torch.Tensor] = []      # [H] per fed node, in node order (module path)
+            frontier_logits = self.head.full_logits(root[0])   # [1, V]
             for level in range(shape.depth):
                 if not growth.growing:   # budget spent, or every candidate pruned (SAGE's θ)
                     break
-                first_new = growth.grow(self.head.full_logits(frontier_hidden))
+                first = growth.grow(frontier_logits)
                 if not growth.more_levels(level):
+                    break
+                tokens, parents = growth.tokens[first:], growth.parents[first:]
+                depths = node_depths(growth.parents)[first:]
+                positions = [len(context) - 1 + d for d in depths]
+                sees = growth.sees(first)     # [F, first + F]: ancestors and itself
+                if levels is not None:
+                    frontier_logits = levels.step(tokens, parents, positions, first, sees)
                     continue
-                tokens, parents, frontier = growth.tokens, growth.parents, growth.frontier
-                prev = torch.stack([root[0, 0] if parents[i] < 0 else outputs[parents[i]] for i in frontier])
-                depths = node_depths(parents)
-                positions = torch.tensor([len(context) - 1 + depths[i] for i in frontier], device=device)
                 # Keys so far: the exact cache, then every fed tree node in node order.
-                allowed = torch.zeros(len(frontier), exact + len(tokens), dtype=torch.bool, device=device)
-                allowed[:, :exact] = True
-                for row, node in enumerate(frontier):
-                    while node >= 0:
-                        allowed[row, exact + node] = True
-                        node = parents[node]
-                z = self.head.inputs(torch.tensor([tokens[first_new:]], device=device), prev[None])
-                out, k, v = self.head.step(z, positions, keys, values, allowed)
+                allowed = torch.cat([torch.ones(len(tokens), exact, dtype=torch.bool), sees], dim=1).to(device)
+                prev = torch.stack([root[0, 0] if p < 0 else outputs[p] for p in parents])
+                z = self.head.inputs(torch.tensor([tokens], device=device), prev[None])
+                out, k, v = self.head.step(z, torch.tensor(positions, device=device), keys, values, allowed)
                 keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
                 outputs.extend(out[0])
-                frontier_hidden = out[0]
+                frontier_logits = self.head.full_logits(out[0])
         return growth.proposal()

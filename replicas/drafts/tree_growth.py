@@ -68,6 +68,8 @@ class TreeGrowth:
         self.frontier: list[int] = [-1]    # -1: the root
         self.level = 0                     # levels grown so far
         self.root_probs: list[float] | None = None
+        self._lineage = torch.zeros(0, 0, dtype=torch.bool)   # [i, j]: node j is node i or its ancestor
+        self._lineage_rows = 0                                 # nodes whose row is filled
 
     @property
     def room(self) -> int:
@@ -107,6 +109,28 @@ class TreeGrowth:
             self.score.append(float(cand[flat]))
         self.frontier = list(range(first, len(self.tokens)))
         return first
+
+    def sees(self, first: int) -> torch.Tensor:
+        """[N - first, N] bool on the host (N nodes so far): row r marks node ``first + r`` and its
+        ancestors, the tree nodes that node attends to when fed. Filled a level at a time, a few
+        tensor operations each, whatever the level's width."""
+        n = len(self.tokens)
+        if self._lineage.shape[0] < n:
+            size, old = max(n, 2 * self._lineage.shape[0]), self._lineage.shape[0]
+            grown = torch.zeros(size, size, dtype=torch.bool)
+            grown[:old, :old] = self._lineage
+            self._lineage = grown
+        while self._lineage_rows < n:   # the rows whose parents' rows are filled, at once
+            start = self._lineage_rows
+            parents = torch.tensor(self.parents[start:n])
+            inside = (parents >= start).nonzero()
+            end = n if len(inside) == 0 else start + int(inside[0])
+            rows, parents = torch.arange(start, end), parents[:end - start]
+            below = parents >= 0
+            self._lineage[rows[below]] = self._lineage[parents[below]]
+            self._lineage[rows, rows] = True
+            self._lineage_rows = end
+        return self._lineage[first:n, :n]
 
     @property
     def growing(self) -> bool:

@@ -191,6 +191,19 @@ def test_default_tree_shape_keeps_the_eagle2_level_of_k_best():
     assert growth.parents == [-1, -1, -1, -1, 0, 1, 0, 1]
 
 
+def test_what_each_node_sees_is_itself_and_its_ancestors():
+    from specserve.replicas.model.tree_attention import ancestor_matrix
+
+    growth = TreeGrowth(TreeShape(4, 3, 11))
+    growth.grow(logits_of(ROOT))
+    assert growth.sees(0).tolist() == torch.eye(3, dtype=torch.bool).tolist()
+    growth.grow(logits_of(CHILD, CHILD, CHILD))
+    growth.grow(logits_of(ROOT, CHILD, ROOT))
+    first = len(growth.tokens) - 3
+    assert torch.equal(growth.sees(first), ancestor_matrix(growth.parents)[first:])
+    assert torch.equal(growth.sees(0), ancestor_matrix(growth.parents))   # every row, asked again
+
+
 def test_a_fully_pruned_level_ends_the_tree():
     growth = TreeGrowth(TreeShape(3, 2, 20, width_decay=True, threshold=0.9))
     growth.grow(logits_of(ROOT))   # θ_1 = 0.3: only 0.5 passes

@@ -1,7 +1,8 @@
-"""A hidden-state-reuse head's chain step through static buckets (``head_graphs``) proposes what
-the module path proposes: the same greedy tokens, the same sampled q, across bucket boundaries
-and for a head that fuses several layers (EAGLE-3), and decoding through it equals target-only.
-On the CPU the buckets run eagerly; with ``SPECSERVE_TEST_DEVICE=cuda`` they replay graphs."""
+"""A hidden-state-reuse head's chain step and tree levels through static buckets (``head_graphs``)
+propose what the module path proposes: the same greedy tokens and trees, the same sampled q,
+across bucket boundaries and for a head that fuses several layers (EAGLE-3), and decoding
+through them equals target-only. On the CPU the buckets run eagerly; with
+``SPECSERVE_TEST_DEVICE=cuda`` they replay graphs."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from specserve.replicas.drafts.head_graphs import HeadGraphs
 from specserve.replicas.drafts.hsr_draft import HSRDraft
 from specserve.replicas.engine import speculative_generate
 from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import TreeShape
 from specserve.replicas.target import Target
 from tiny_hsr import FUSED_LAYERS, one_thread, trained_hsr_head
 from tiny_models import DEVICE, VOCAB, tiny_model
@@ -75,11 +77,79 @@ def test_a_sampled_chain_draws_from_the_module_paths_q(target, head):
     torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=0, atol=1e-5)
 
 
+@pytest.fixture
+def attached(head):
+    """The head's graphs as its served drafts use them (each session's draft is made anew)."""
+    graphs = HeadGraphs.attach(head, capture=CAPTURE)
+    yield graphs
+    HeadGraphs.detach(head)
+
+
 @pytest.mark.parametrize("window", [3, 6])
-def test_decoding_through_the_buckets_equals_target_only(target, head, window):
+def test_decoding_through_the_buckets_equals_target_only(target, head, attached, window):
     for prompt in ([5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6], list(range(20, 90))):
         expected = speculative_generate(Target(target), None, prompt, 40, GREEDY).token_ids
-        _, bucketed = drafts(head)
-        got = speculative_generate(Target(target), bucketed, prompt, 40, GREEDY, window=window)
+        steps = attached.steps
+        got = speculative_generate(Target(target), HSRDraft("bucketed", head), prompt, 40, GREEDY, window=window)
         assert_greedy_equal(target, prompt, got.token_ids, expected, f"bucketed head γ={window}")
-        assert got.stats.accepted > 0
+        assert got.stats.accepted > 0 and attached.steps > steps
+
+
+# EAGLE-2's rule with a level width that is no power of two (padding rows), a wide first level,
+# and SAGE's width decay (levels as wide as the budget allows).
+TREES = [TreeShape(4, 3, 10), TreeShape(3, 10, 24), TreeShape(4, 4, 20, width_decay=True)]
+
+
+@pytest.mark.parametrize("length", [5, 40, 63, 130])
+@pytest.mark.parametrize("shape", TREES, ids=str)
+def test_a_tree_proposes_the_module_paths_tree(target, head, length, shape):
+    """Lengths on both sides of a bucket's end once the tree's nodes are counted."""
+    layers = head.config.feature_layers or [-2]
+    context = [(11 * i + 2) % (VOCAB - 1) + 1 for i in range(length)]
+    features = states(target, context, layers)
+    module, bucketed = drafts(head)
+    want = module.propose_tree(context, shape, features=features[:-1])
+    got = bucketed.propose_tree(context, shape, features=features[:-1])
+    assert (got.tokens, got.parents) == (want.tokens, want.parents) and len(got.tokens) > shape.top_k
+    assert got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
+    assert bucketed.graphs.levels == shape.depth - 1   # every level but the last is fed
+
+
+def test_a_tree_after_a_longer_one_sees_none_of_its_keys(target, head):
+    """The buckets' buffers and masks outlive a proposal: a second, shorter context in the same
+    bucket (64 positions: the cache and twice the nodes) must not attend to what the first left
+    past its own cache."""
+    layers = head.config.feature_layers or [-2]
+    long, short = ([(13 * i + 5) % (VOCAB - 1) + 1 for i in range(n)] for n in (40, 16))
+    module, bucketed = drafts(head)
+    shape = TreeShape(4, 3, 12)
+    for context in (long, short):
+        features = states(target, context, layers)
+        module.session.reset()
+        bucketed.session.reset()
+        want = module.propose_tree(context, shape, features=features[:-1])
+        got = bucketed.propose_tree(context, shape, features=features[:-1])
+        assert (got.tokens, got.parents) == (want.tokens, want.parents)
+        assert got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
+    assert list(bucketed.graphs._buckets) == [head_graphs.SMALLEST_BUCKET]
+
+
+def test_a_tree_too_large_for_the_buckets_drafts_through_the_module_path(target, head):
+    layers = head.config.feature_layers or [-2]
+    context = list(range(3, 30))
+    features = states(target, context, layers)
+    module, bucketed = drafts(head)
+    shape = TreeShape(2, 2, head_graphs.MAX_TREE_NODES + 1)
+    got = bucketed.propose_tree(context, shape, features=features[:-1])
+    assert got.tokens == module.propose_tree(context, shape, features=features[:-1]).tokens
+    assert bucketed.graphs.levels == 0
+
+
+@pytest.mark.parametrize("shape", [TreeShape(4, 3, 10), TreeShape(5, 4, 24)], ids=str)
+def test_decoding_with_trees_through_the_buckets_equals_target_only(target, head, attached, shape):
+    for prompt in ([5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6], list(range(20, 90))):
+        expected = speculative_generate(Target(target), None, prompt, 40, GREEDY).token_ids
+        levels = attached.levels
+        got = speculative_generate(Target(target), HSRDraft("bucketed", head), prompt, 40, GREEDY, tree=shape)
+        assert_greedy_equal(target, prompt, got.token_ids, expected, f"bucketed head tree {shape}")
+        assert got.stats.accepted > 0 and attached.levels > levels
