@@ -218,8 +218,8 @@ class TargetDeployment:
                         neighbours=neighbours)
         if self.kv_sizing.max_model_len is not None:
             target.kv.reserve()
-            # On CUDA every bucket's graph now, before any request: a first step then waits on no capture.
-            target.kv.capture_graphs(cuda_graphs.TOKEN_BUCKETS)
+            # On CUDA the buckets of decode and windows now, before any request: a first step then waits on no capture.
+            target.kv.capture_graphs(cuda_graphs.START_WIDTHS)
         self.stats_name = config.stats_name or Path(config.model).name.removesuffix(".gguf")
         # The router's features read text: a generator's requests keep the draft they name.
         self.routing = (None if router is None or self.tokenizer is None

@@ -296,7 +296,7 @@ class BatchKV:
         for keys in cuda_graphs.key_buckets(self.capacity):
             for rows in self.graphs.batch_buckets:
                 for tokens in sorted(buckets):
-                    if keys < tokens:
+                    if keys < tokens or rows * tokens > cuda_graphs.MAX_BUCKET_TOKENS:
                         continue
                     for slot in range(rows):
                         self.tokens[slot] = [TREE_NODE] * (keys - tokens)

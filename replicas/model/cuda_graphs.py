@@ -36,8 +36,15 @@ import torch
 
 from specserve.replicas.model import fused_elementwise
 
-# Tokens per row: decode (1), chains and trees up to 15 drafted tokens; longer feeds run eagerly.
-TOKEN_BUCKETS = (1, 2, 4, 8, 16)
+# Tokens per row: decode (1), chains and trees up to 63 drafted tokens (EAGLE-2's trees of 60
+# nodes); longer feeds run eagerly.
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Rows x tokens of a bucket at most: a graph keeps logits for all of them, so wide feeds take
+# graphs at small batches only (a batch of 16 trees of 60 nodes runs eagerly).
+MAX_BUCKET_TOKENS = 256
+# The widths a replica captures at start (decode, and windows up to 15); wider buckets are
+# captured the first time a step uses them.
+START_WIDTHS = (1, 2, 4, 8, 16)
 # Keys per row: powers of two from this up to the cache's capacity, and the capacity itself.
 SMALLEST_KEY_BUCKET = 256
 # Graphs kept per model: each holds its own static inputs and outputs (the pool is shared).
@@ -123,6 +130,8 @@ class StepGraphs:
             return None
         B = smallest_at_least(hi, self.batch_buckets)
         S = smallest_at_least(width, TOKEN_BUCKETS)
+        if B is not None and S is not None and B * S > MAX_BUCKET_TOKENS:
+            S = None
         L = None if B is None or S is None else smallest_at_least(max(cached[:B]) + S, key_buckets(capacity))
         if L is None:
             self.eager += 1

@@ -40,7 +40,23 @@ def test_buckets():
     assert cuda_graphs.batch_buckets(1) == (1,)
     assert cuda_graphs.key_buckets(1000) == (256, 512, 1000)
     assert cuda_graphs.smallest_at_least(5, cuda_graphs.TOKEN_BUCKETS) == 8
-    assert cuda_graphs.smallest_at_least(17, cuda_graphs.TOKEN_BUCKETS) is None
+    assert cuda_graphs.smallest_at_least(61, cuda_graphs.TOKEN_BUCKETS) == 64   # EAGLE-2's 60 nodes and the root
+    assert cuda_graphs.smallest_at_least(65, cuda_graphs.TOKEN_BUCKETS) is None
+
+
+def test_a_wide_tree_replays_a_graph_at_small_batches_and_runs_eagerly_at_large_ones():
+    """A tree of 40 nodes verifies in a 64-token bucket at batch 1 and matches the plain step; a
+    bucket of more rows x tokens than ``MAX_BUCKET_TOKENS`` is not made."""
+    model = tiny_model("llama", seed=6, layers=2)
+    plain, graphed = padded(BatchKV(model, slots=8)), bucketed(model, slots=8)
+    parents = [-1, -1, -1, -1] + [i // 3 for i in range(36)]   # four roots' children, three each below
+    tree = [Feed(0, [(3 * i + 1) % 90 + 1 for i in range(41)], 41, [-1] + [p + 1 for p in parents])]
+    for feeds in ([Feed(0, PREFIX)], tree):
+        for w, g in zip(plain.forward(feeds), graphed.forward(feeds)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    assert graphed.graphs.replays == 2 and graphed.graphs.eager == 0
+    assert graphed.graphs.bucket(8, 41, [0] * 8, graphed.capacity) is None   # 8 x 64 > 256
+    assert graphed.graphs.bucket(4, 41, [0] * 8, graphed.capacity).tokens == 64
 
 
 def test_graphs_are_off_the_cpu_and_switch_off_on_cuda(monkeypatch):
