@@ -100,13 +100,12 @@ class TreeGrowth:
             allowed &= cand > math.log(shape.threshold * self.level / shape.depth)
         # EAGLE-2 keeps the level's k best; SAGE keeps every node its width and θ allow.
         limit = self.room if shape.width_decay else min(self.room, k)
-        order = [i for i in cand.argsort(descending=True).tolist() if allowed[i]][:limit]
+        ranked = cand.argsort(descending=True)
+        order = ranked[allowed[ranked]][:limit]
         first = len(self.tokens)
-        for flat in order:
-            row, col = divmod(flat, k)
-            self.tokens.append(int(indices[row, col]))
-            self.parents.append(self.frontier[row])
-            self.score.append(float(cand[flat]))
+        self.tokens += indices.flatten()[order].tolist()
+        self.parents += [self.frontier[flat // k] for flat in order.tolist()]
+        self.score += cand[order].tolist()
         self.frontier = list(range(first, len(self.tokens)))
         return first
 
