@@ -12,6 +12,14 @@ attends over the first L keys, masked past its own. The token, its input state, 
 position and its write index are copied into the graph's inputs before each replay. The maths
 is the module path's (``HSRHead.step``); the masked keys add exact zeros to the softmax.
 
+Before drafting, each step feeds the head the positions verification accepted, with the
+target's states (up to the root): that **feed** of up to ``MAX_FEED`` rows replays a graph too,
+in the bucket the proposal then drafts in, so the exact cache is copied in once and the new
+positions' keys are written where the chain or tree reads them. Its rows are padded up to a
+power of two like a tree level's; padding rows write after the real ones, where the drafted
+tokens' keys overwrite them. A longer feed (a request's first, over its prompt) runs the module
+path.
+
 A tree (EAGLE-2's, ``tree_growth``) feeds a level of nodes at once: the level's rows are padded
 up to a power-of-two **width** and replay that width's graph over the same bucket. Each row
 carries its token, rotary position, key index and the row of its parent's output state in the
@@ -28,6 +36,8 @@ step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +51,8 @@ MAX_BUCKETS = 10
 _ATTRIBUTE = "_specserve_head_graphs"   # where a head keeps its graphs
 # A tree of more nodes drafts through the module path; a level's rows pad up to a power of two.
 MAX_TREE_NODES = 256
+# A feed up to the root of more positions runs the module path (a step accepts at most a window).
+MAX_FEED = 16
 
 
 def bucket_for(positions: int) -> int | None:
@@ -73,6 +85,7 @@ class _Bucket:
         # each width's level step, made on a tree's first use of the bucket.
         self.tree_hidden: torch.Tensor | None = None
         self.levels: dict[int, _Level] = {}
+        self.feeds: dict[int, _Feed] = {}   # the feed up to the root, per padded width
 
     def tree_states(self, head) -> torch.Tensor:
         """``tree_hidden``, made on first use."""
@@ -85,6 +98,32 @@ class _Bucket:
         if width not in self.levels:
             self.levels[width] = _Level(self, width)
         return self.levels[width]
+
+
+class _Feed:
+    """Static inputs and outputs of a feed of ``width`` rows up to the root, and its graph."""
+
+    TOKEN, POSITION, KEY = range(3)   # the rows of ``ints``
+
+    def __init__(self, head, bucket: _Bucket, width: int):
+        device = bucket.keys.device
+        self.width = width
+        self.ints = torch.zeros(3, width, dtype=torch.long, device=device)
+        self.states = torch.zeros(1, width, head.config.hidden_size, dtype=bucket.keys.dtype, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None   # output states [1, width, H]
+
+
+@dataclass
+class Fed:
+    """A feed run in a bucket: the fed positions' output states, keys and values (the caller's
+    to keep), and the bucket, whose first ``cached`` keys are now the session's exact cache."""
+
+    out: torch.Tensor      # [1, T, H]
+    keys: torch.Tensor     # [1, kv heads, T, d]
+    values: torch.Tensor
+    bucket: _Bucket
+    cached: int
 
 
 class _Level:
@@ -103,7 +142,8 @@ class _Level:
 
 
 class HeadGraphs:
-    """The chain steps of one head (``hsr_head.HSRHead``), a bucket per cache length."""
+    """The feeds up to the root, chain steps and tree levels of one head (``hsr_head.HSRHead``),
+    a bucket per cache length."""
 
     def __init__(self, head, capture: bool = True):
         self.head = head
@@ -113,6 +153,7 @@ class HeadGraphs:
         self.steps = 0   # chain steps run (replayed, or eagerly off CUDA)
         self.levels = 0  # tree levels run
         self.proposals = 0   # trees begun
+        self.feeds = 0   # feeds up to the root run in a bucket
         self._captured = None
 
     @staticmethod
@@ -135,10 +176,42 @@ class HeadGraphs:
     def detach(head) -> None:
         head.__dict__.pop(_ATTRIBUTE, None)
 
-    def chain(self, keys: torch.Tensor, values: torch.Tensor, steps: int) -> "ChainSteps | None":
+    def feed(self, keys: torch.Tensor | None, values: torch.Tensor | None, tokens: list[int], states: torch.Tensor,
+             positions: list[int], room: int) -> Fed | None:
+        """Feed ``tokens`` (their target states ``states`` [T, H], rotary ``positions``) after the
+        session's exact cache ``keys``, ``values`` [1, kv heads, n, d] (or None), in a bucket with
+        ``room`` positions to spare after them (the proposal's); None when no bucket takes it."""
+        n, rows = 0 if keys is None else keys.shape[2], len(tokens)
+        width = width_for(rows)
+        size = bucket_for(n + max(width, rows + room))
+        if rows > MAX_FEED or size is None:
+            return None
+        bucket = self._bucket(size)
+        if n:
+            bucket.keys[:, :, :n].copy_(keys)
+            bucket.values[:, :, :n].copy_(values)
+        feed = bucket.feeds.get(width)
+        if feed is None:
+            feed = bucket.feeds[width] = _Feed(self.head, bucket, width)
+        ints = torch.zeros(3, width, dtype=torch.long)
+        ints[_Feed.TOKEN, :rows] = torch.tensor(tokens)
+        ints[_Feed.POSITION, :rows] = torch.tensor(positions)
+        ints[_Feed.KEY] = torch.arange(n, n + width)
+        feed.ints.copy_(ints)
+        feed.states[0, :rows].copy_(states)
+        self.feeds += 1
+        out = self._replay(feed, lambda: self._rows_step(bucket, feed.ints[_Feed.TOKEN][None], feed.states,
+                                                          feed.ints[_Feed.POSITION], feed.ints[_Feed.KEY]))
+        return Fed(out[:, :rows], bucket.keys[:, :, n:n + rows].clone(), bucket.values[:, :, n:n + rows].clone(),
+                   bucket, n + rows)
+
+    def chain(self, keys: torch.Tensor, values: torch.Tensor, steps: int, fed: Fed | None = None) -> "ChainSteps | None":
         """``steps`` drafted tokens after the session's exact cache ``keys``, ``values`` [1, kv
-        heads, n, d] (copied into the bucket's buffers); None when no bucket holds them."""
+        heads, n, d] (copied into the bucket's buffers, unless ``fed`` left them in a bucket with
+        room for the chain); None when no bucket holds them."""
         n = keys.shape[2]
+        if fed is not None and fed.cached == n and n + steps <= fed.bucket.size:
+            return ChainSteps(self, fed.bucket, n)
         size = bucket_for(n + steps)
         if size is None:
             return None
@@ -147,17 +220,24 @@ class HeadGraphs:
         bucket.values[:, :, :n].copy_(values)
         return ChainSteps(self, bucket, n)
 
-    def tree(self, keys: torch.Tensor, values: torch.Tensor, nodes: int, root: torch.Tensor) -> "TreeLevels | None":
+    def tree(self, keys: torch.Tensor, values: torch.Tensor, nodes: int, root: torch.Tensor,
+             fed: Fed | None = None) -> "TreeLevels | None":
         """A tree of at most ``nodes`` nodes after the session's exact cache ``keys``, ``values``
-        [1, kv heads, n, d] (copied into the bucket's buffers), grown from the root's output
-        state ``root`` [H]; None when it is too large for the buckets."""
+        [1, kv heads, n, d] (copied into the bucket's buffers, unless ``fed`` left them in a
+        bucket with room for the tree), grown from the root's output state ``root`` [H]; None
+        when it is too large for the buckets."""
         n = keys.shape[2]
-        size = bucket_for(n + 2 * nodes)   # a level's padding keys sit after its real ones
-        if nodes > MAX_TREE_NODES or size is None:
+        if nodes > MAX_TREE_NODES:
             return None
-        bucket = self._bucket(size)
-        bucket.keys[:, :, :n].copy_(keys)
-        bucket.values[:, :, :n].copy_(values)
+        if fed is not None and fed.cached == n and n + 2 * nodes <= fed.bucket.size:
+            bucket = fed.bucket
+        else:
+            size = bucket_for(n + 2 * nodes)   # a level's padding keys sit after its real ones
+            if size is None:
+                return None
+            bucket = self._bucket(size)
+            bucket.keys[:, :, :n].copy_(keys)
+            bucket.values[:, :, :n].copy_(values)
         bucket.tree_states(self.head)[0].copy_(root)
         self.proposals += 1
         return TreeLevels(self, bucket, n, self.proposals)
@@ -186,19 +266,26 @@ class HeadGraphs:
         holder.graph.replay()
         return holder.out
 
-    def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """``HSRHead.step`` for one token over the bucket's buffers, then the head's logits."""
+    def _rows_step(self, b: _Bucket, token: torch.Tensor, hidden: torch.Tensor, position: torch.Tensor,
+                   at: torch.Tensor) -> torch.Tensor:
+        """``HSRHead.step`` for rows ``token`` [1, W] with input states ``hidden`` [1, W, H] at
+        ``position`` [W], their keys written at ``at`` [W] (ascending), each attending over the
+        bucket's keys up to its own index: output states [1, W, H]."""
         head = self.head
         layer, attn = head.layer, head.layer.self_attn
-        z = head.inputs(b.token, b.hidden)
-        cos, sin = head.rope(b.position, z.dtype)
+        z = head.inputs(token, hidden)
+        cos, sin = head.rope(position, z.dtype)
         q, k, v = attn.qkv(layer.input_layernorm(z), cos, sin, repeat_kv=False)
-        b.keys.index_copy_(2, b.at, k)
-        b.values.index_copy_(2, b.at, v)
-        allowed = (b.indices <= b.at)[None]   # [1, L]: the exact cache, the chain so far, itself
+        b.keys.index_copy_(2, at, k)
+        b.values.index_copy_(2, at, v)
+        allowed = b.indices[None, :] <= at[:, None]   # [W, L]: the exact cache, the rows so far, itself
         attended = F.scaled_dot_product_attention(q, b.keys, b.values, attn_mask=allowed, enable_gqa=True)
-        out = layer.feed_forward(z + attn.out(attended))
-        return out, head.head_logits(out)[0, -1]
+        return layer.feed_forward(z + attn.out(attended))
+
+    def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chain's drafted token over the bucket's buffers, then the head's logits."""
+        out = self._rows_step(b, b.token, b.hidden, b.position, b.at)
+        return out, self.head.head_logits(out)[0, -1]
 
     def _level_step(self, b: _Bucket, level: _Level) -> torch.Tensor:
         """``HSRHead.step`` for a tree level's rows over the bucket's buffers, then the head's

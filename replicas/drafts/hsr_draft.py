@@ -30,7 +30,7 @@ import bisect
 import torch
 
 from specserve.replicas.drafts.base import DraftInputs, draft_chain
-from specserve.replicas.drafts.head_graphs import HeadGraphs
+from specserve.replicas.drafts.head_graphs import Fed, HeadGraphs
 from specserve.replicas.drafts.tree_growth import TreeGrowth
 from specserve.replicas.model.kv_session import common_prefix_len
 from specserve.replicas.sampling import SamplingParams
@@ -60,6 +60,7 @@ class HSRSession:
         self.values: torch.Tensor | None = None
         self.fed = 0                                 # M: positions 1..M are fed (or skipped: ``windowed``)
         self.cached: list[int] = []                  # the positions in the cache, ascending (C of them)
+        self.bucket: Fed | None = None               # where the last feed ran, when in the head's graphs
 
     @property
     def cache_len(self) -> int:
@@ -71,7 +72,7 @@ class HSRSession:
 
     def reset(self) -> None:
         self.tokens, self.features, self.keys, self.values = [], None, None, None
-        self.fed, self.cached = 0, []
+        self.fed, self.cached, self.bucket = 0, [], None
 
     def _crop(self, tokens: int, features: int) -> None:
         self.tokens = self.tokens[:tokens]
@@ -104,9 +105,12 @@ class HSRSession:
         self.features = rows if self.features is None else torch.cat([self.features, rows])
 
     @torch.inference_mode()
-    def root_hidden(self) -> torch.Tensor | None:
+    def root_hidden(self, graphs: HeadGraphs | None = None, room: int = 0) -> torch.Tensor | None:
         """Feed every position the cache lacks up to the root; the root's output [1, 1, H], or
-        None while the target's states do not reach the root (the first step)."""
+        None while the target's states do not reach the root (the first step). ``graphs``: feed
+        through a bucket of the head's graphs with ``room`` positions to spare for the proposal,
+        left in ``bucket`` (None when the feed ran the module path)."""
+        self.bucket = None
         root = len(self.tokens) - 1
         if root < 1 or self.known < root:
             return None
@@ -117,12 +121,17 @@ class HSRSession:
             fresh = [p for p in fresh if self.tokens[p] != self.placeholder or p == root]
         fresh = list(fresh)
         device = self.head.device
-        positions = torch.tensor(fresh, device=device)
-        tokens = torch.tensor([[self.tokens[p] for p in fresh]], device=device)
-        states = self.features[torch.tensor(fresh, device=self.features.device) - 1][None]
+        tokens = [self.tokens[p] for p in fresh]
+        states = self.features[torch.tensor(fresh, device=self.features.device) - 1]
         # Causal over the cache's order (ascending positions, gaps where pictures were skipped);
         # rotary angles come from the true positions.
-        out, k, v = self.head.step(self.head.inputs(tokens, states), positions, self.keys, self.values)
+        if graphs is not None:
+            self.bucket = graphs.feed(self.keys, self.values, tokens, states, fresh, room)
+        if self.bucket is not None:
+            out, k, v = self.bucket.out, self.bucket.keys, self.bucket.values
+        else:
+            out, k, v = self.head.step(self.head.inputs(torch.tensor([tokens], device=device), states[None]),
+                                       torch.tensor(fresh, device=device), self.keys, self.values)
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
         self.cached.extend(fresh)
@@ -150,13 +159,14 @@ class HSRDraft:
         if window <= 0:
             return Proposal.empty()
         with torch.inference_mode():
-            hidden = self.session.root_hidden()
+            hidden = self.session.root_hidden(self.graphs, room=window - 1)
             if hidden is None:
                 return Proposal.empty()
             keys, values = self.session.keys, self.session.values
             position = len(context) - 1
             device = self.head.device
-            steps = None if self.graphs is None or window < 2 else self.graphs.chain(keys, values, window - 1)
+            steps = (None if self.graphs is None or window < 2
+                     else self.graphs.chain(keys, values, window - 1, fed=self.session.bucket))
 
             def next_logits(tok: int) -> torch.Tensor:
                 # Eq. 4: past the root, the head's own output stands in for the target's state.
@@ -180,14 +190,15 @@ class HSRDraft:
         self.session.placeholder = image_placeholder
         self.session.sync(context, features, features_start)
         with torch.inference_mode():
-            root = self.session.root_hidden()
+            root = self.session.root_hidden(self.graphs, room=2 * shape.budget)
             if root is None:
                 return Proposal.empty()
             device = self.head.device
             exact = self.session.cache_len
             keys, values = self.session.keys, self.session.values
             growth = TreeGrowth(shape)
-            levels = None if self.graphs is None else self.graphs.tree(keys, values, shape.budget, root[0, 0])
+            levels = (None if self.graphs is None
+                      else self.graphs.tree(keys, values, shape.budget, root[0, 0], fed=self.session.bucket))
             outputs: list[torch.Tensor] = []      # [H] per fed node, in node order (module path)
             frontier_logits = self.head.full_logits(root[0])   # [1, V]
             for level in range(shape.depth):

@@ -95,6 +95,39 @@ def test_decoding_through_the_buckets_equals_target_only(target, head, attached,
         assert got.stats.accepted > 0 and attached.steps > steps
 
 
+PICTURE = 3   # a VLM request's image placeholder, as the windowed head reads it
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["text", "windowed"])
+@pytest.mark.parametrize("tree", [None, TreeShape(4, 3, 10)], ids=["chain", "tree"])
+def test_the_feed_up_to_the_root_runs_in_the_bucket_the_proposal_drafts_in(target, head, tree, windowed):
+    """Step after step the context grows by what a verify accepted (1 to 5 tokens, and the
+    same context again): each feed runs in a bucket and leaves the session the module path's
+    exact cache, and each proposal is the module path's. Windowed (Sparrow's text anchors), the
+    placeholders inside an accepted run are skipped, so the cache's positions have gaps."""
+    layers = head.config.feature_layers or [-2]
+    context = [PICTURE if 20 <= i < 28 or 34 <= i < 35 else (7 * i + 5) % (VOCAB - 1) + 1 for i in range(90)]
+    features = states(target, context, layers)
+    module, bucketed = HSRDraft("module", head, windowed), HSRDraft("bucketed", head, windowed)
+    module.graphs, bucketed.graphs = None, HeadGraphs(head, capture=CAPTURE)
+    for end in (30, 31, 33, 33, 36, 40, 45, 62, 63, 64, 66):   # across the 64- and 128-key buckets
+        inputs = dict(features=features[:end - 1], features_start=0, image_placeholder=PICTURE)
+        if tree is None:
+            want = module.propose(context[:end], 4, GREEDY, None, **inputs)
+            got = bucketed.propose(context[:end], 4, GREEDY, None, **inputs)
+        else:
+            want = module.propose_tree(context[:end], tree, **inputs)
+            got = bucketed.propose_tree(context[:end], tree, **inputs)
+        assert (got.tokens, got.parents) == (want.tokens, want.parents), end
+        assert got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
+        torch.testing.assert_close(bucketed.session.keys, module.session.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(bucketed.session.values, module.session.values, rtol=0, atol=1e-5)
+    assert bucketed.session.cached == module.session.cached
+    assert (PICTURE in [context[p] for p in bucketed.session.cached[:-1]]) != windowed
+    # Every step but the first (the prompt) and 45 -> 62, longer than a feed bucket takes.
+    assert bucketed.graphs.feeds == 9
+
+
 # EAGLE-2's rule with a level width that is no power of two (padding rows), a wide first level,
 # and SAGE's width decay (levels as wide as the budget allows).
 TREES = [TreeShape(4, 3, 10), TreeShape(3, 10, 24), TreeShape(4, 4, 20, width_decay=True)]
