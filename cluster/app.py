@@ -51,7 +51,7 @@ def build_app(args: AppConfig) -> Application:
             name=draft_deployment(spec.name), request_router_config=SESSION_AFFINITY
         ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle,
                ensemble=spec.ensemble.model_dump() if spec.ensemble else None, windowed=spec.windowed,
-               measure_cost=True, quantization=spec.quantization)
+               measure_cost=True, quantization=spec.quantization, max_model_len=config.max_model_len)
         for spec in config.drafts
     }
     target_config = TargetConfig(

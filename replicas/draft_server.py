@@ -32,6 +32,7 @@ from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.ensemble import EnsembleDraftLM, user_turn_marker
 from specserve.replicas.drafts.ensemble_carry import valid_ending
 from specserve.replicas.drafts.factory import draft_from_model
+from specserve.replicas.drafts.head_graphs import HeadGraphs
 from specserve.replicas.drafts.hsr_draft import MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead, feature_layers
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
@@ -62,7 +63,7 @@ class DraftServer:
                  kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None,
                  method: str | None = None, seed_outputs: str | None = None, ensemble: dict | None = None,
                  tokenizer=None, images=None, windowed: bool = False, measure_cost: bool = False,
-                 quantization: str | None = None):
+                 quantization: str | None = None, max_model_len: int | None = None):
         """``model``: a draft LM or HSR head to load; None: the model-free ``method``, prompt lookup
         or suffix (its index seeded with the answers in ``seed_outputs``). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
@@ -76,7 +77,10 @@ class DraftServer:
         (Sparrow's text-anchored window, ``HSRDraft``). ``measure_cost``: a model draft times its
         own drafted position on its own thread and hardware before it serves (``cost_probe``),
         and ``info`` reports it: what a target prices a draft deployment with before using it.
-        ``quantization``: how the loaded ``model``'s weights are rounded (``model_store.load_causal_lm``)."""
+        ``quantization``: how the loaded ``model``'s weights are rounded (``model_store.load_causal_lm``).
+        ``max_model_len``: the longest context served (None: the model's); a loaded
+        hidden-state-reuse head on CUDA captures its graphs for the buckets up to it now
+        (``head_graphs``), so that no request waits on a capture."""
         self.name = name
         self.images = images
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
@@ -92,6 +96,7 @@ class DraftServer:
         self._feature_layers: list[int] | None = None
         # A suffix draft learns from finished outputs: the target replica feeds it (``remember``).
         self.suffix: SuffixDraft | None = None
+        self._head_graphs: HeadGraphs | None = None   # a hidden-state-reuse head's, on CUDA
         if make_draft is not None:
             probe = make_draft()
             self._needs_features = needs_features(probe)
@@ -121,6 +126,10 @@ class DraftServer:
             self.pool = SessionPool(lambda: draft_from_model(name, loaded.model, windowed), keep_idle=kv_sessions_idle)
             if ensemble:
                 self._ensemble(loaded.model, ensemble, loaded.tokenizer)
+            if self._needs_features and (graphs := HeadGraphs.for_head(loaded.model)) is not None:
+                self._head_graphs = graphs
+                held = self._worker.call(graphs.capture_buckets, max_model_len)
+                logger.info("draft %s: %d graphs captured, up to %s positions", name, held, max_model_len or "all")
         self.ms_per_position: float | None = None
         if measure_cost and (self.pool is not None or self._batched is not None):
             self.ms_per_position = self._worker.call(draft_ms_per_position, self.propose_now,
@@ -203,6 +212,11 @@ class DraftServer:
     def worker(self):
         """The thread this draft's model work runs on (the target's, when it shares it)."""
         return self._worker
+
+    @property
+    def graphs_captured(self) -> int:
+        """The CUDA graphs a hidden-state-reuse head holds (``head_graphs``); 0 for the others."""
+        return 0 if self._head_graphs is None else self._head_graphs.captured
 
     @property
     def features_size(self) -> int | None:

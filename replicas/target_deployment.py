@@ -199,7 +199,8 @@ class TargetDeployment:
                 resolved[name] = DraftServer(name, d["model"], config.dtype, kv_sessions_idle=config.kv_sessions_idle,
                                              worker=worker, method=d.get("method"), seed_outputs=d.get("seed_outputs"),
                                              ensemble=d.get("ensemble"), images=self.images,
-                                             windowed=d.get("windowed", False), quantization=d.get("quantization"))
+                                             windowed=d.get("windowed", False), quantization=d.get("quantization"),
+                                             max_model_len=config.max_model_len)
             else:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).

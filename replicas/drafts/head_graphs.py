@@ -99,6 +99,11 @@ class _Bucket:
             self.levels[width] = _Level(self, width)
         return self.levels[width]
 
+    def feed(self, head, width: int) -> "_Feed":
+        if width not in self.feeds:
+            self.feeds[width] = _Feed(head, self, width)
+        return self.feeds[width]
+
 
 class _Feed:
     """Static inputs and outputs of a feed of ``width`` rows up to the root, and its graph."""
@@ -190,9 +195,7 @@ class HeadGraphs:
         if n:
             bucket.keys[:, :, :n].copy_(keys)
             bucket.values[:, :, :n].copy_(values)
-        feed = bucket.feeds.get(width)
-        if feed is None:
-            feed = bucket.feeds[width] = _Feed(self.head, bucket, width)
+        feed = bucket.feed(self.head, width)
         ints = torch.zeros(3, width, dtype=torch.long)
         ints[_Feed.TOKEN, :rows] = torch.tensor(tokens)
         ints[_Feed.POSITION, :rows] = torch.tensor(positions)
@@ -200,8 +203,7 @@ class HeadGraphs:
         feed.ints.copy_(ints)
         feed.states[0, :rows].copy_(states)
         self.feeds += 1
-        out = self._replay(feed, lambda: self._rows_step(bucket, feed.ints[_Feed.TOKEN][None], feed.states,
-                                                          feed.ints[_Feed.POSITION], feed.ints[_Feed.KEY]))
+        out = self._replay(feed, lambda: self._feed_step(bucket, feed))
         return Fed(out[:, :rows], bucket.keys[:, :, n:n + rows].clone(), bucket.values[:, :, n:n + rows].clone(),
                    bucket, n + rows)
 
@@ -242,6 +244,48 @@ class HeadGraphs:
         self.proposals += 1
         return TreeLevels(self, bucket, n, self.proposals)
 
+    @torch.inference_mode()
+    def capture_buckets(self, positions: int | None = None) -> int:
+        """Every graph of every bucket up to ``positions`` keys (None: all ``MAX_BUCKETS``): the
+        chain step, each feed width and each tree-level width a bucket can hold, before any
+        proposal, so that no request waits on a capture. Returns the graphs held; off CUDA
+        (``capture=False``) each step runs once eagerly instead, building the same buffers.
+
+        Placeholder rows write keys ``0..width-1`` and each sees its own key only, since a row
+        that sees no key has no softmax (some attention kernels leave NaNs, which a later
+        proposal's masked keys would still multiply). What they write is stale like an earlier
+        proposal's keys, and the next tree sets its level's whole mask."""
+        sizes = [SMALLEST_BUCKET << i for i in range(MAX_BUCKETS)]
+        if positions is not None:
+            sizes = [size for size in sizes if size <= (bucket_for(positions) or sizes[-1])]
+        feed_widths = sorted({width_for(rows) for rows in range(1, MAX_FEED + 1)})
+        level_widths = sorted({width_for(rows) for rows in range(1, MAX_TREE_NODES + 1)})
+        for size in sizes:
+            b = self._bucket(size)
+            for placeholder in (b.token, b.hidden, b.position, b.at):
+                placeholder.zero_()
+            self._replay(b, lambda: self._step(b), replay=False)
+            for width in feed_widths:
+                feed = b.feed(self.head, width)
+                feed.ints.zero_()
+                feed.ints[_Feed.KEY] = torch.arange(width)
+                self._replay(feed, lambda: self._feed_step(b, feed), replay=False)
+            b.tree_states(self.head)
+            for width in (w for w in level_widths if w < size):   # a level follows at least one cached key
+                level = b.level(width)
+                level.ints.zero_()
+                level.ints[_Level.KEY] = torch.arange(width)
+                level.allowed.zero_()
+                level.allowed[:, :width].fill_diagonal_(True)
+                self._replay(level, lambda: self._level_step(b, level), replay=False)
+        return self.captured
+
+    @property
+    def captured(self) -> int:
+        """Graphs held: each bucket's chain step, feeds and tree levels captured so far."""
+        return sum((b.graph is not None) + sum(f.graph is not None for f in b.feeds.values())
+                   + sum(lv.graph is not None for lv in b.levels.values()) for b in self._buckets.values())
+
     def _bucket(self, size: int) -> _Bucket:
         bucket = self._buckets.get(size)
         if bucket is None:
@@ -256,14 +300,16 @@ class HeadGraphs:
         self.levels += 1
         return self._replay(level, lambda: self._level_step(bucket, level))
 
-    def _replay(self, holder, step):
-        """``holder``'s graph replayed (captured on first use), or ``step`` run eagerly off CUDA."""
+    def _replay(self, holder, step, replay: bool = True):
+        """``holder``'s graph replayed (captured on first use), or ``step`` run eagerly off CUDA;
+        ``replay=False`` captures it only."""
         if not self.capture:
             return step()
         if holder.graph is None:
             holder.graph = self._capture(step)
             holder.out = self._captured
-        holder.graph.replay()
+        if replay:
+            holder.graph.replay()
         return holder.out
 
     def _rows_step(self, b: _Bucket, token: torch.Tensor, hidden: torch.Tensor, position: torch.Tensor,
@@ -281,6 +327,10 @@ class HeadGraphs:
         allowed = b.indices[None, :] <= at[:, None]   # [W, L]: the exact cache, the rows so far, itself
         attended = F.scaled_dot_product_attention(q, b.keys, b.values, attn_mask=allowed, enable_gqa=True)
         return layer.feed_forward(z + attn.out(attended))
+
+    def _feed_step(self, b: _Bucket, feed: _Feed) -> torch.Tensor:
+        return self._rows_step(b, feed.ints[_Feed.TOKEN][None], feed.states, feed.ints[_Feed.POSITION],
+                               feed.ints[_Feed.KEY])
 
     def _step(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """A chain's drafted token over the bucket's buffers, then the head's logits."""

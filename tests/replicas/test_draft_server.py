@@ -17,7 +17,7 @@ from specserve.replicas.request import StaticPolicy
 from specserve.replicas.model_worker import InlineWorker
 from specserve.replicas.request import SpecRequest
 from specserve.replicas.scheduler import Scheduler
-from specserve.replicas.step import ProposeRequest
+from specserve.replicas.step import ProposeRequest, TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.engine import speculative_generate
 from tiny_hsr import save_tiny_pair, trained_hsr_head
@@ -79,6 +79,22 @@ def test_the_step_loop_resends_states_to_a_cold_draft_replica(pair):
 
     asyncio.run(run())
     assert state.out == expected and state.stats.accepted > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a head's steps run as graphs on CUDA only")
+def test_a_served_head_captures_its_graphs_before_its_first_proposal(pair):
+    target_model, head_dir = pair
+    server = DraftServer("hsr", str(head_dir), dtype="float32", max_model_len=100)
+    held = server.graphs_captured
+    assert held == 25   # the buckets of 64 and 128 positions: chain, feeds, tree levels
+    target = Target(target_model)
+    context = PROMPT + target.verify_one(PROMPT, Proposal.empty(), GREEDY).emitted_tokens
+    asks = [ProposeRequest("chain", context, 3, None, GREEDY, features=target.features(context, 0), features_start=0),
+            ProposeRequest("tree", context, 0, TreeShape(4, 3, 10), GREEDY, features=target.features(context, 0),
+                           features_start=0)]
+    chain, tree = asyncio.run(server.propose_batch(asks))
+    assert len(chain.tokens) == 3 and len(tree.tokens) == 10
+    assert server.graphs_captured == held
 
 
 @pytest.mark.slow

@@ -186,3 +186,27 @@ def test_decoding_with_trees_through_the_buckets_equals_target_only(target, head
         got = speculative_generate(Target(target), HSRDraft("bucketed", head), prompt, 40, GREEDY, tree=shape)
         assert_greedy_equal(target, prompt, got.token_ids, expected, f"bucketed head tree {shape}")
         assert got.stats.accepted > 0 and attached.levels > levels
+
+
+def test_graphs_captured_before_any_proposal_serve_chains_and_trees(target, head):
+    """``capture_buckets`` makes every graph of the buckets a length admits (on the CPU it runs
+    each step once eagerly over placeholders); proposals afterwards are the module path's and,
+    on CUDA, capture nothing more."""
+    layers = head.config.feature_layers or [-2]
+    module, bucketed = drafts(head)
+    held = bucketed.graphs.capture_buckets(100)
+    assert list(bucketed.graphs._buckets) == [64, 128]
+    # Each bucket: its chain step, 5 feed widths, and the tree-level widths below its size.
+    assert held == (2 + 2 * 5 + 6 + 7 if CAPTURE else 0)
+    context = [(3 * i + 4) % (VOCAB - 1) + 1 for i in range(70)]
+    features = states(target, context, layers)
+    for end in (20, 21, 24, 60, 61, 70):
+        inputs = dict(features=features[:end - 1], features_start=0)
+        want = module.propose(context[:end], 4, GREEDY, None, **inputs)
+        got = bucketed.propose(context[:end], 4, GREEDY, None, **inputs)
+        assert got.tokens == want.tokens and got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
+        want = module.propose_tree(context[:end], TreeShape(4, 3, 10), **inputs)
+        got = bucketed.propose_tree(context[:end], TreeShape(4, 3, 10), **inputs)
+        assert (got.tokens, got.parents) == (want.tokens, want.parents), end
+        assert got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
+    assert bucketed.graphs.captured == held and bucketed.graphs.feeds > 0
