@@ -52,6 +52,8 @@ import torch
 
 from specserve.bench.engine import BASELINE, RowConfig, generate_once, machine_info
 from specserve.data.prompts import load_prompts
+from specserve.replicas.drafts.base import draft_model, needs_features
+from specserve.replicas.drafts.head_graphs import HeadGraphs
 from specserve.replicas.model import cuda_graphs
 from specserve.replicas.model.batch_kv import Feed
 from specserve.replicas.engine import NO_DRAFT, GenerateRequest, SpecEngine
@@ -519,13 +521,15 @@ def speculation_rows(run: Run) -> None:
             engine = SpecEngine.load(REFERENCE_TARGET, draft_models=drafts, dtype=run.dtype_name, device=str(run.device),
                                      suffix_seed=ANSWERS_DIR)
             # As a served replica starts: the cache at its full length and every bucket's graph,
-            # so that no timed step grows the cache (which drops the graphs) or waits on the
-            # target's capture. A head's chain buckets are captured on first use (head_graphs).
+            # the target's and the head's, so that no timed step grows the cache (which drops the
+            # graphs) or waits on a capture.
             kv, start = engine.target.kv, time.monotonic()
             if kv.graphs is not None:
                 kv.reserve()
-                run.report["meta"]["chat_graphs"] = {"captured": kv.capture_graphs(cuda_graphs.TOKEN_BUCKETS),
-                                                     "seconds": round(time.monotonic() - start, 2)}
+                captured = kv.capture_graphs(cuda_graphs.TOKEN_BUCKETS)
+                heads = [HeadGraphs.for_head(draft_model(d)) for d in engine.drafts.values() if needs_features(d)]
+                captured += sum(graphs.capture_buckets(kv.max_len) for graphs in heads if graphs is not None)
+                run.report["meta"]["chat_graphs"] = {"captured": captured, "seconds": round(time.monotonic() - start, 2)}
             loaded.update(engine=engine, prompts=[engine.encode(t, chat=True) for t in load_prompts("chat", CHAT_PROMPTS)])
         return chat_row(loaded["engine"], row, loaded["prompts"], run.config.tokens)
 
