@@ -85,14 +85,17 @@ def attached(head):
     HeadGraphs.detach(head)
 
 
-@pytest.mark.parametrize("window", [3, 6])
-def test_decoding_through_the_buckets_equals_target_only(target, head, attached, window):
+@pytest.mark.parametrize("speculation", [dict(window=3), dict(window=6), dict(tree=TreeShape(4, 3, 10)),
+                                         dict(tree=TreeShape(5, 4, 24))], ids=str)
+def test_decoding_through_the_buckets_equals_target_only(target, head, attached, speculation):
+    """Chains and trees, through the buckets the served drafts use."""
+    counter = "levels" if "tree" in speculation else "steps"
     for prompt in ([5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6], list(range(20, 90))):
         expected = speculative_generate(Target(target), None, prompt, 40, GREEDY).token_ids
-        steps = attached.steps
-        got = speculative_generate(Target(target), HSRDraft("bucketed", head), prompt, 40, GREEDY, window=window)
-        assert_greedy_equal(target, prompt, got.token_ids, expected, f"bucketed head γ={window}")
-        assert got.stats.accepted > 0 and attached.steps > steps
+        before = getattr(attached, counter)
+        got = speculative_generate(Target(target), HSRDraft("bucketed", head), prompt, 40, GREEDY, **speculation)
+        assert_greedy_equal(target, prompt, got.token_ids, expected, f"bucketed head {speculation}")
+        assert got.stats.accepted > 0 and getattr(attached, counter) > before
 
 
 PICTURE = 3   # a VLM request's image placeholder, as the windowed head reads it
@@ -176,16 +179,6 @@ def test_a_tree_too_large_for_the_buckets_drafts_through_the_module_path(target,
     got = bucketed.propose_tree(context, shape, features=features[:-1])
     assert got.tokens == module.propose_tree(context, shape, features=features[:-1]).tokens
     assert bucketed.graphs.levels == 0
-
-
-@pytest.mark.parametrize("shape", [TreeShape(4, 3, 10), TreeShape(5, 4, 24)], ids=str)
-def test_decoding_with_trees_through_the_buckets_equals_target_only(target, head, attached, shape):
-    for prompt in ([5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6], list(range(20, 90))):
-        expected = speculative_generate(Target(target), None, prompt, 40, GREEDY).token_ids
-        levels = attached.levels
-        got = speculative_generate(Target(target), HSRDraft("bucketed", head), prompt, 40, GREEDY, tree=shape)
-        assert_greedy_equal(target, prompt, got.token_ids, expected, f"bucketed head tree {shape}")
-        assert got.stats.accepted > 0 and attached.levels > levels
 
 
 def test_graphs_captured_before_any_proposal_serve_chains_and_trees(target, head):
