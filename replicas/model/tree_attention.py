@@ -9,6 +9,7 @@ dtype's minimum elsewhere (checked against sequential decoding in tests/replicas
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -24,15 +25,18 @@ def node_depths(parents: list[int]) -> list[int]:
 
 def ancestor_matrix(parents: list[int]) -> torch.Tensor:
     """[n, n] bool: ``[i, j]`` is True when node ``j`` is ``i`` itself or one of its ancestors."""
+    # Each row as a Python int's bits (its parent's row and its own bit), unpacked at once: a
+    # verify step builds this on the host, where a tensor operation per node costs a dispatch each.
     n = len(parents)
-    allowed = torch.zeros(n, n, dtype=torch.bool)
+    rows: list[int] = []
     for i, p in enumerate(parents):
         if p >= i:
             raise ValueError(f"node {i} has parent {p}: parents must come before children")
-        allowed[i, i] = True
-        if p >= 0:
-            allowed[i] |= allowed[p]   # ancestors of i = p and p's ancestors
-    return allowed
+        rows.append((rows[p] if p >= 0 else 0) | 1 << i)
+    width = (n + 7) // 8
+    packed = np.frombuffer(b"".join(row.to_bytes(width, "little") for row in rows), dtype=np.uint8)
+    bits = np.unpackbits(packed.reshape(n, width), axis=1, count=n, bitorder="little")
+    return torch.from_numpy(bits.astype(bool))
 
 
 def tree_attention_mask(
