@@ -153,8 +153,9 @@ class BatchKV:
                     f"batched KV caches need full-attention layers; {type(model).__name__} has {type(layer).__name__}"
                 )
         self.cache.layers = [SlotLayer(self._plan, slots, min(capacity, self.max_len)) for _ in self.cache.layers]
-        # transformers' ``model.dtype`` walks the parameters on every read: read it once.
-        self._dtype = model.dtype
+        # transformers' ``model.dtype`` and ``model.device`` walk the parameters on every read:
+        # read them once.
+        self._dtype, self._device = model.dtype, model.device
         # Llama-family models run our own forward (fewer, larger operations); others run theirs.
         self._fast = llama_forward.for_model(model) if llama_forward.supports(model) else None
         # On CUDA our forward's padded steps replay captured graphs (``cuda_graphs``).
@@ -169,7 +170,7 @@ class BatchKV:
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self._device
 
     @property
     def capacity(self) -> int:
