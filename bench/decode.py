@@ -388,9 +388,9 @@ CHAT_ROWS = (RowConfig(BASELINE, "specserve"),
 
 def chat_row(engine: SpecEngine, row: RowConfig, prompts: list[list[int]], tokens: int) -> dict:
     """One configuration over the chat prompts, each alone; the EOS ends them, as served. Every
-    prompt runs once untimed first: each graph the row's steps use (the target's buckets, the
-    draft head's buckets as its cache grows) is then captured, as on a replica that has served a
-    while. In-process, the suffix draft learns nothing from these runs."""
+    prompt runs once untimed first, as on a replica that has served a while: whatever is made on
+    first use (a graph outside the buckets captured at load, an allocation) is then made before
+    the timed runs. In-process, the suffix draft learns nothing from these runs."""
     for ids in prompts:
         generate_once(engine, row, ids, tokens)
     runs = [generate_once(engine, row, ids, tokens) for ids in prompts]
