@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.replicas.drafts.device_growth import DeviceGrowth
 from specserve.replicas.model import cuda_graphs
 
 SMALLEST_BUCKET = 64
@@ -412,10 +413,8 @@ class TreeLevels:
         ``sees`` [F, first+F] (which tree nodes each row attends to: its ancestors and itself)
         -> logits [F, V]."""
         rows, n, b = len(tokens), self._cached, self._bucket
-        level = b.level(width_for(rows))
+        level = self._level(rows, first)
         width, pad = level.width, level.width - len(tokens)
-        if first + rows > MAX_TREE_NODES or n + first + width > b.size:
-            raise IndexError(f"the tree outgrew its bucket of {b.size} positions")
         ints = torch.zeros(5, width, dtype=torch.long)
         ints[_Level.TOKEN, :rows] = torch.tensor(tokens)
         ints[_Level.POSITION, :rows] = torch.tensor(positions)
@@ -426,10 +425,37 @@ class TreeLevels:
         mask = torch.zeros(width, first + width, dtype=torch.bool)
         mask[:rows, :first + rows] = sees
         mask[torch.arange(rows, width), torch.arange(first + rows, first + width)] = True   # padding: itself
+        level.ints.copy_(ints)
+        level.allowed[:, n:n + first + width].copy_(mask)
+        return self._graphs.run_level(b, level)[:rows]
+
+    def step_grown(self, growth: DeviceGrowth, first: int, rows: int, position: int) -> torch.Tensor:
+        """``step`` for the level ``growth`` grew last (nodes ``first..first+rows-1``, all at
+        rotary ``position``), its inputs and mask written from the growth's tensors on the
+        device: nothing waits for the host -> logits [rows, V]."""
+        n, b = self._cached, self._bucket
+        level = self._level(rows, first)
+        width, device = level.width, b.keys.device
+        level.ints[_Level.TOKEN, :rows] = growth.tokens[first:first + rows]
+        level.ints[_Level.POSITION].fill_(position)
+        level.ints[_Level.KEY] = torch.arange(n + first, n + first + width, device=device)
+        level.ints[_Level.PARENT, :rows] = growth.parents[first:first + rows] + 1
+        level.ints[_Level.OUT, :rows] = torch.arange(1 + first, 1 + first + rows, device=device)
+        level.ints[_Level.OUT, rows:] = torch.arange(1 + MAX_TREE_NODES, 1 + MAX_TREE_NODES + width - rows, device=device)
+        lineage = growth.lineage[first:first + width]   # padding rows: themselves only
+        columns = min(lineage.shape[1], b.size - n)
+        level.allowed[:, n:n + columns].copy_(lineage[:, :columns])
+        return self._graphs.run_level(b, level)[:rows]
+
+    def _level(self, rows: int, first: int) -> _Level:
+        """The level step of ``rows`` padded rows from node ``first``, its mask's exact-cache
+        columns set for this proposal."""
+        n, b = self._cached, self._bucket
+        level = b.level(width_for(rows))
+        if first + rows > MAX_TREE_NODES or n + first + level.width > b.size:
+            raise IndexError(f"the tree outgrew its bucket of {b.size} positions")
         if level.proposal != self._proposal:   # every row sees the exact cache; later keys by the mask
             level.allowed[:, :n] = True
             level.allowed[:, n:] = False
             level.proposal = self._proposal
-        level.ints.copy_(ints)
-        level.allowed[:, n:n + first + width].copy_(mask)
-        return self._graphs.run_level(b, level)[:rows]
+        return level

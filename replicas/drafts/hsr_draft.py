@@ -30,6 +30,7 @@ import bisect
 import torch
 
 from specserve.replicas.drafts.base import DraftInputs, draft_chain
+from specserve.replicas.drafts.device_growth import DeviceGrowth
 from specserve.replicas.drafts.head_graphs import Fed, HeadGraphs
 from specserve.replicas.drafts.tree_growth import TreeGrowth
 from specserve.replicas.model.kv_session import common_prefix_len
@@ -196,11 +197,19 @@ class HSRDraft:
             device = self.head.device
             exact = self.session.cache_len
             keys, values = self.session.keys, self.session.values
-            growth = TreeGrowth(shape)
             levels = (None if self.graphs is None
                       else self.graphs.tree(keys, values, shape.budget, root[0, 0], fed=self.session.bucket))
-            outputs: list[torch.Tensor] = []      # [H] per fed node, in node order (module path)
             frontier_logits = self.head.full_logits(root[0])   # [1, V]
+            if levels is not None and DeviceGrowth.grows(shape):   # no level waits for the host
+                grown = DeviceGrowth(shape, device)
+                while True:
+                    first, size = grown.grow(frontier_logits)
+                    if not grown.more_levels:
+                        return grown.proposal()
+                    # A node at depth d sits at position len(context) - 1 + d.
+                    frontier_logits = levels.step_grown(grown, first, size, len(context) - 1 + grown.level)
+            growth = TreeGrowth(shape)
+            outputs: list[torch.Tensor] = []      # [H] per fed node, in node order (module path)
             for level in range(shape.depth):
                 if not growth.growing:   # budget spent, or every candidate pruned (SAGE's θ)
                     break

@@ -1,5 +1,6 @@
 """A hidden-state-reuse head's chain step and tree levels through static buckets (``head_graphs``)
-propose what the module path proposes: the same greedy tokens and trees, the same sampled q,
+propose what the module path proposes: the same greedy tokens and trees (EAGLE-2's grown on the
+device, ``device_growth``; SAGE's on the host), the same sampled q,
 across bucket boundaries and for a head that fuses several layers (EAGLE-3), and decoding
 through them equals target-only. On the CPU the buckets run eagerly; with
 ``SPECSERVE_TEST_DEVICE=cuda`` they replay graphs."""
@@ -86,9 +87,11 @@ def attached(head):
 
 
 @pytest.mark.parametrize("speculation", [dict(window=3), dict(window=6), dict(tree=TreeShape(4, 3, 10)),
-                                         dict(tree=TreeShape(5, 4, 24))], ids=str)
+                                         dict(tree=TreeShape(5, 4, 24)),
+                                         dict(tree=TreeShape(4, 4, 20, width_decay=True))], ids=str)
 def test_decoding_through_the_buckets_equals_target_only(target, head, attached, speculation):
-    """Chains and trees, through the buckets the served drafts use."""
+    """Chains and trees (EAGLE-2's grown on the device, SAGE's on the host), through the buckets
+    the served drafts use."""
     counter = "levels" if "tree" in speculation else "steps"
     for prompt in ([5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6], list(range(20, 90))):
         expected = speculative_generate(Target(target), None, prompt, 40, GREEDY).token_ids
@@ -203,3 +206,33 @@ def test_graphs_captured_before_any_proposal_serve_chains_and_trees(target, head
         assert (got.tokens, got.parents) == (want.tokens, want.parents), end
         assert got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
     assert bucketed.graphs.captured == held and bucketed.graphs.feeds > 0
+
+
+@pytest.mark.skipif(not CAPTURE, reason="what waits for the host is seen on CUDA only")
+def test_a_tree_grown_on_the_device_waits_for_the_host_only_at_its_end(target, head, monkeypatch):
+    """EAGLE-2's tree through the graphs: a level's choice and the next level's inputs run on the
+    device, so nothing between the root and the read of the whole tree synchronises."""
+    from specserve.replicas.drafts.device_growth import DeviceGrowth
+    from specserve.replicas.drafts.head_graphs import TreeLevels
+
+    def no_sync(method):
+        def checked(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return checked
+
+    layers = head.config.feature_layers or [-2]
+    context = [(11 * i + 2) % (VOCAB - 1) + 1 for i in range(40)]
+    features = states(target, context, layers)
+    module, bucketed = drafts(head)
+    shape = TreeShape(6, 10, 60)
+    bucketed.propose_tree(context, shape, features=features[:-1])   # captures the level graphs
+    bucketed.session.reset()
+    monkeypatch.setattr(DeviceGrowth, "grow", no_sync(DeviceGrowth.grow))
+    monkeypatch.setattr(TreeLevels, "step_grown", no_sync(TreeLevels.step_grown))
+    got = bucketed.propose_tree(context, shape, features=features[:-1])
+    want = module.propose_tree(context, shape, features=features[:-1])
+    assert (got.tokens, got.parents) == (want.tokens, want.parents) and len(got.tokens) == 60
