@@ -378,9 +378,14 @@ RUNNERS = {
 # The EAGLE-3 head's trees: EAGLE's own default (60 nodes, top-10: six levels as grown here,
 # ``tree_growth``) and a narrower one of the same depth.
 HEAD_TREES = (TreeShape(depth=6, top_k=10, budget=60), TreeShape(depth=6, top_k=4, budget=24))
+# EAGLE's default tree again, its levels chosen on the host: a threshold far below any kept node's
+# path probability prunes nothing, but SAGE's threshold keeps a tree off the device
+# (``device_growth``), so the row measures what growing on the device saves.
+HOST_GROWN = TreeShape(depth=6, top_k=10, budget=60, threshold=1e-300)
 # Target-only and the head first (the GPU path's aim compares them), then the model-free drafts.
 CHAT_ROWS = (RowConfig(BASELINE, "specserve"),
              *(RowConfig(f"{EAGLE3}-tree-d{t.depth}k{t.top_k}n{t.budget}", "specserve", EAGLE3, tree=t) for t in HEAD_TREES),
+             RowConfig(f"{EAGLE3}-tree-d6k10n60-host-grown", "specserve", EAGLE3, tree=HOST_GROWN),
              RowConfig(f"{EAGLE3}-{GAMMA}", "specserve", EAGLE3, GAMMA),
              RowConfig(f"prompt-lookup-{GAMMA}", "specserve", "prompt-lookup", GAMMA),
              RowConfig(f"suffix-{GAMMA}", "specserve", "suffix", GAMMA))

@@ -73,3 +73,25 @@ def test_chosen_rows_run_in_the_benchs_order(tmp_path):
     rows = run_decode_bench(config)["rows"]
     assert [r["row"] for r in rows] == ["specserve-eager", "hf-eager"]
     assert all(r["status"] == "ok" for r in rows)
+
+
+def test_the_host_grown_chat_row_grows_eagles_default_tree_on_the_host():
+    """Its threshold prunes nothing, even of candidates the size of float32's smallest
+    log-probabilities, yet keeps the tree off the device: the row differs from the default
+    tree's in where its levels are chosen only."""
+    import torch
+
+    from specserve.bench.decode import HEAD_TREES, HOST_GROWN
+    from specserve.replicas.drafts.device_growth import DeviceGrowth
+    from specserve.replicas.drafts.tree_growth import TreeGrowth
+
+    assert not DeviceGrowth.grows(HOST_GROWN) and DeviceGrowth.grows(HEAD_TREES[0])
+    generator = torch.Generator().manual_seed(0)
+    host, default = TreeGrowth(HOST_GROWN), TreeGrowth(HEAD_TREES[0])
+    logits = torch.randn(1, 500, generator=generator) * 40   # peaked rows: log-probabilities far below -100
+    for level in range(HOST_GROWN.depth):
+        assert host.grow(logits) == default.grow(logits)
+        if not default.more_levels(level):
+            break
+        logits = torch.randn(len(default.frontier), 500, generator=generator) * 40
+    assert (host.tokens, host.parents) == (default.tokens, default.parents) and len(host.tokens) == 60
