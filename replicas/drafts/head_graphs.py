@@ -24,9 +24,11 @@ A tree (EAGLE-2's, ``tree_growth``) feeds a level of nodes at once: the level's 
 up to a power-of-two **width** and replay that width's graph over the same bucket. Each row
 carries its token, rotary position, key index and the row of its parent's output state in the
 bucket's ``tree_hidden`` (row 0 the root's), where its own output goes too; the level's mask
-(which keys each row sees: the exact cache, its ancestors, itself) is copied in before each
+(which keys each row sees: the exact cache, its ancestors, itself) is written before each
 replay. A padding row writes its key after the level's real ones and sees the cache and itself
-only, so no real row reads it; the next level's keys overwrite it.
+only, so no real row reads it; the next level's keys overwrite it. An EAGLE-2 tree's inputs are
+written on the device from the tree as it grows there (``device_growth``, ``step_grown``); a
+SAGE tree's are chosen on the host and copied in (``step``).
 
 The buckets are the head's, shared by its sessions: one proposal runs at a time per head (a
 draft server proposes in turn). Off CUDA the same buffers run eagerly (``capture=False``), which
