@@ -37,7 +37,9 @@ from specserve.replicas.drafts.hsr_draft import MissingFeatures
 from specserve.replicas.drafts.hsr_head import HSRHead, feature_layers
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
+from specserve.replicas.model import cuda_graphs
 from specserve.replicas.model.image_tokens import draft_view
+from specserve.replicas.model.kv_memory import DRAFT_KV_FRACTION, draft_reservation
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.model.session_pool import SessionPool
@@ -78,9 +80,11 @@ class DraftServer:
         own drafted position on its own thread and hardware before it serves (``cost_probe``),
         and ``info`` reports it: what a target prices a draft deployment with before using it.
         ``quantization``: how the loaded ``model``'s weights are rounded (``model_store.load_causal_lm``).
-        ``max_model_len``: the longest context served (None: the model's); a loaded
-        hidden-state-reuse head on CUDA captures its graphs for the buckets up to it now
-        (``head_graphs``), so that no request waits on a capture."""
+        ``max_model_len``: the longest context served (None: the model's); on CUDA a loaded
+        hidden-state-reuse head captures its graphs for the buckets up to it now
+        (``head_graphs``), and a loaded draft LM reserves its cache at that length and captures
+        its graphs where the device holds them (``_reserve_cache``), so that no request waits on a
+        capture."""
         self.name = name
         self.images = images
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
@@ -130,6 +134,8 @@ class DraftServer:
                 self._head_graphs = graphs
                 held = self._worker.call(graphs.capture_buckets, max_model_len)
                 logger.info("draft %s: %d graphs captured, up to %s positions", name, held, max_model_len or "all")
+            elif self._batched is not None and self._batched.kv.graphs is not None:
+                self._worker.call(self._reserve_cache, loaded.model, max_model_len)
         self.ms_per_position: float | None = None
         if measure_cost and (self.pool is not None or self._batched is not None):
             self.ms_per_position = self._worker.call(draft_ms_per_position, self.propose_now,
@@ -157,6 +163,22 @@ class DraftServer:
                                      "pictures, and this image store was built without one")
                 self.images.captions.readers.add(self.name)   # its requests' pictures get captioned
             self._batched.kv.images = self.images
+
+    def _reserve_cache(self, model, max_model_len: int | None) -> None:
+        """A draft LM on CUDA: its slots at the longest context served and its graphs of decode
+        and windows captured now, where the device holds them (``kv_memory.draft_reservation``);
+        otherwise its cache grows on demand, each growth dropping the graphs."""
+        kv = self._batched.kv
+        length = draft_reservation(kv.slots, max_model_len, device=kv.device, model_config=model.config,
+                                   dtype=model.dtype)
+        if length is None:
+            logger.info("draft %s: its KV cache grows on demand (%d slots at max_model_len take more than %.0f%% "
+                        "of the device)", self.name, kv.slots, 100 * DRAFT_KV_FRACTION)
+            return
+        kv.reserve(length)
+        held = kv.capture_graphs(cuda_graphs.START_WIDTHS)
+        logger.info("draft %s: %d KV slots of %d positions reserved, %d graphs captured", self.name, kv.slots,
+                    length, held)
 
     def _reads(self, head) -> None:
         """A hidden-state-reuse head: which of the target's layers it reads, and their width."""

@@ -240,11 +240,12 @@ class BatchKV:
 
     # ---- the batched forward ------------------------------------------------------------------
 
-    def reserve(self) -> None:
-        """Every slot's capacity at ``max_len`` from now on (allocated by the next forward), so the
-        cache never grows under load: what a replica holds is known when it starts."""
+    def reserve(self, positions: int | None = None) -> None:
+        """Every slot's capacity at ``max_len`` (or ``positions``, if fewer) from now on (allocated
+        by the next forward), so the cache does not grow under load: what a replica holds is known
+        when it starts."""
         for layer in self.cache.layers:
-            layer.grow(self.max_len)
+            layer.grow(self.max_len if positions is None else min(positions, self.max_len))
 
     @property
     def allocated_bytes(self) -> int:

@@ -28,6 +28,11 @@ GiB = 1 << 30
 # graphs captured, which no formula here follows (vLLM measures it with a profiling forward).
 ACTIVATION_FRACTION = 0.05
 
+# A draft LM's cache on CUDA is reserved at start, at the longest context served, when its slots
+# take at most this fraction of the device (and fit in what is free); its graphs are then captured
+# once. A larger one grows on demand instead, and a growth drops its graphs.
+DRAFT_KV_FRACTION = 0.1
+
 SIZED_BY_DEVICE = "device memory"
 SIZED_BY_CONFIG = "config"
 
@@ -144,3 +149,20 @@ def choose_slots(max_batch: int, kv_sessions_idle: int, max_model_len: int | Non
                        weights_bytes=weights_bytes, bytes_per_token=per_token, max_model_len=length)
     slots = min(configured, budget.slots)
     return KVSlots(slots, min(max_batch, slots), length, SIZED_BY_DEVICE)
+
+
+def draft_reservation(slots: int, max_model_len: int | None, *, device: torch.device, model_config,
+                      dtype: torch.dtype, mem_get_info: Callable[[torch.device], tuple[int, int]] = free_device_memory
+                      ) -> int | None:
+    """The positions a draft LM's ``slots`` reserve each on CUDA: ``max_model_len`` (None: the
+    model's context), when that many for every slot take at most ``DRAFT_KV_FRACTION`` of the
+    device and fit in its free memory; None otherwise, and off CUDA (the cache grows on demand)."""
+    if torch.device(device).type != "cuda":
+        return None
+    context = getattr(_text_config(model_config), "max_position_embeddings", None)
+    length = context if max_model_len is None else max_model_len if context is None else min(max_model_len, context)
+    if length is None:
+        return None
+    free_bytes, total_bytes = mem_get_info(device)
+    needed = slots * length * kv_bytes_per_token(model_config, dtype)
+    return length if needed <= min(DRAFT_KV_FRACTION * total_bytes, free_bytes) else None

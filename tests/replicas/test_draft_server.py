@@ -97,6 +97,18 @@ def test_a_served_head_captures_its_graphs_before_its_first_proposal(pair):
     assert server.graphs_captured == held
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a draft LM's cache is reserved on CUDA only")
+def test_a_served_draft_lm_reserves_its_cache_and_captures_its_graphs_at_start(pair):
+    _, head_dir = pair
+    server = DraftServer("lm", str(head_dir.parent / "target"), dtype="float32", max_model_len=200)
+    kv = server._batched.kv
+    held = len(kv.graphs)
+    assert kv.capacity == 200 and held > 0
+    [proposal] = asyncio.run(server.propose_batch([ProposeRequest("s", PROMPT, 3, None, GREEDY)]))
+    assert len(proposal.tokens) == 3
+    assert kv.capacity == 200 and len(kv.graphs) == held   # no growth, no capture while serving
+
+
 @pytest.mark.slow
 def test_a_pooled_target_cache_never_hands_out_another_requests_states(pair):
     target = Target(pair[0])

@@ -1,13 +1,14 @@
 """A target replica's KV slots: on CUDA as many as the device's memory holds after what is in use
 (vLLM's ``gpu_memory_utilization``), at most as configured, never none; elsewhere as configured.
-Device memory comes in as numbers, so every case runs on the CPU."""
+A draft LM reserves its cache at start where its slots take a tenth of the device. Device memory
+comes in as numbers, so every case runs on the CPU."""
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
 from specserve.replicas.model.kv_memory import (SIZED_BY_CONFIG, SIZED_BY_DEVICE, KVBudget, KVSlots, check_utilization,
-                                          choose_slots, kv_budget, kv_bytes_per_token)
+                                          choose_slots, draft_reservation, kv_budget, kv_bytes_per_token)
 
 # 2 layers, 2 KV heads of 64 / 4 = 16 dimensions: 2 (K, V) x 2 x 2 x 16 = 128 elements a position.
 TINY = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -114,3 +115,25 @@ def test_on_cuda_a_batch_that_cannot_have_one_position_each_is_an_error():
     with pytest.raises(ValueError, match="lower max_batch, set max_model_len or raise gpu_memory_utilization"):
         choose_slots(4, 2, None, device=CUDA, model_config=TINY, dtype=torch.float32, weights_bytes=WEIGHTS,
                      gpu_memory_utilization=0.9, mem_get_info=device(free=150_000))
+
+
+# A draft LM of TINY's shape: 512 positions x 512 bytes = 256 KiB a slot.
+SLOT_BYTES = 512 * PER_TOKEN
+
+
+@pytest.mark.parametrize("slots, free, total, max_model_len, want", [
+    (2, 10 * SLOT_BYTES, 20 * SLOT_BYTES, None, 512),           # 2 slots: 10% of 20 slots' bytes, the context
+    (2, 10 * SLOT_BYTES, 20 * SLOT_BYTES, 4096, 512),           # never past the model's context
+    (4, 10 * SLOT_BYTES, 20 * SLOT_BYTES, 256, 256),            # 4 half-length slots: 2 full ones' bytes
+    (3, 10 * SLOT_BYTES, 20 * SLOT_BYTES, None, None),          # over a tenth of the device: grown on demand
+    (2, SLOT_BYTES, 40 * SLOT_BYTES, None, None),               # a tenth, but not free
+], ids=["fits", "capped-by-context", "max-model-len", "over-a-tenth", "not-free"])
+def test_a_draft_lm_reserves_its_cache_where_its_slots_take_a_tenth_of_the_device(slots, free, total, max_model_len,
+                                                                                  want):
+    assert draft_reservation(slots, max_model_len, device=CUDA, model_config=TINY, dtype=torch.float32,
+                             mem_get_info=device(free, total)) == want
+
+
+def test_a_draft_lm_off_cuda_grows_its_cache_on_demand():
+    assert draft_reservation(2, 256, device=torch.device("cpu"), model_config=TINY, dtype=torch.float32,
+                             mem_get_info=no_device) is None
