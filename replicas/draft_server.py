@@ -173,7 +173,7 @@ class DraftServer:
                                    dtype=model.dtype)
         if length is None:
             logger.info("draft %s: its KV cache grows on demand (%d slots at max_model_len take more than %.0f%% "
-                        "of the device)", self.name, kv.slots, 100 * DRAFT_KV_FRACTION)
+                        "of the device, or more than is free)", self.name, kv.slots, 100 * DRAFT_KV_FRACTION)
             return
         kv.reserve(length)
         held = kv.capture_graphs(cuda_graphs.START_WIDTHS)

@@ -42,6 +42,11 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _capped(max_model_len: int, context: int | None) -> int:
+    """A slot holds at most the model's context, whatever max_model_len says (``BatchKV.max_len``)."""
+    return max_model_len if context is None else min(max_model_len, context)
+
+
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes one cached position takes in every layer: keys and values, each ``kv_heads x
     head_dim`` elements of ``dtype`` (the defaults as ``llama_forward.LlamaForward`` reads them)."""
@@ -133,10 +138,9 @@ def choose_slots(max_batch: int, kv_sessions_idle: int, max_model_len: int | Non
         return KVSlots(configured, max_batch, max_model_len, SIZED_BY_CONFIG)
     free_bytes, total_bytes = mem_get_info(device)
     per_token = kv_bytes_per_token(model_config, dtype)
-    # A slot holds at most the model's context, whatever max_model_len says (``BatchKV.max_len``).
     context = getattr(_text_config(model_config), "max_position_embeddings", None)
     if max_model_len is not None:
-        length = max_model_len if context is None else min(max_model_len, context)
+        length = _capped(max_model_len, context)
     else:
         tokens = max(kv_budget_bytes(total_bytes, free_bytes, gpu_memory_utilization=gpu_memory_utilization,
                                      weights_bytes=weights_bytes), 0) // per_token
@@ -160,7 +164,7 @@ def draft_reservation(slots: int, max_model_len: int | None, *, device: torch.de
     if torch.device(device).type != "cuda":
         return None
     context = getattr(_text_config(model_config), "max_position_embeddings", None)
-    length = context if max_model_len is None else max_model_len if context is None else min(max_model_len, context)
+    length = context if max_model_len is None else _capped(max_model_len, context)
     if length is None:
         return None
     free_bytes, total_bytes = mem_get_info(device)
