@@ -135,7 +135,7 @@ class DraftServer:
                 held = self._worker.call(graphs.capture_buckets, max_model_len)
                 logger.info("draft %s: %d graphs captured, up to %s positions", name, held, max_model_len or "all")
             elif self._batched is not None and self._batched.kv.graphs is not None:
-                self._worker.call(self._reserve_cache, loaded.model, max_model_len)
+                self._worker.call(self._reserve_cache, max_model_len)
         self.ms_per_position: float | None = None
         if measure_cost and (self.pool is not None or self._batched is not None):
             self.ms_per_position = self._worker.call(draft_ms_per_position, self.propose_now,
@@ -164,13 +164,13 @@ class DraftServer:
                 self.images.captions.readers.add(self.name)   # its requests' pictures get captioned
             self._batched.kv.images = self.images
 
-    def _reserve_cache(self, model, max_model_len: int | None) -> None:
+    def _reserve_cache(self, max_model_len: int | None) -> None:
         """A draft LM on CUDA: its slots at the longest context served and its graphs of decode
         and windows captured now, where the device holds them (``kv_memory.draft_reservation``);
         otherwise its cache grows on demand, each growth dropping the graphs."""
         kv = self._batched.kv
-        length = draft_reservation(kv.slots, max_model_len, device=kv.device, model_config=model.config,
-                                   dtype=model.dtype)
+        length = draft_reservation(kv.slots, max_model_len, device=kv.device, model_config=kv.model.config,
+                                   dtype=kv.model.dtype)
         if length is None:
             logger.info("draft %s: its KV cache grows on demand (%d slots at max_model_len take more than %.0f%% "
                         "of the device, or more than is free)", self.name, kv.slots, 100 * DRAFT_KV_FRACTION)

@@ -416,14 +416,12 @@ class TreeLevels:
         -> logits [F, V]."""
         rows, n, b = len(tokens), self._cached, self._bucket
         level = self._level(rows, first)
-        width, pad = level.width, level.width - len(tokens)
+        width = level.width
         ints = torch.zeros(5, width, dtype=torch.long)
         ints[_Level.TOKEN, :rows] = torch.tensor(tokens)
         ints[_Level.POSITION, :rows] = torch.tensor(positions)
-        ints[_Level.KEY] = torch.arange(n + first, n + first + width)
         ints[_Level.PARENT, :rows] = torch.tensor(parents) + 1
-        ints[_Level.OUT, :rows] = torch.arange(1 + first, 1 + first + rows)
-        ints[_Level.OUT, rows:] = torch.arange(1 + MAX_TREE_NODES, 1 + MAX_TREE_NODES + pad)
+        ints[_Level.KEY], ints[_Level.OUT] = self._places(first, rows, width, ints.device)
         mask = torch.zeros(width, first + width, dtype=torch.bool)
         mask[:rows, :first + rows] = sees
         mask[torch.arange(rows, width), torch.arange(first + rows, first + width)] = True   # padding: itself
@@ -440,14 +438,21 @@ class TreeLevels:
         width, device = level.width, b.keys.device
         level.ints[_Level.TOKEN, :rows] = growth.tokens[first:first + rows]
         level.ints[_Level.POSITION].fill_(position)
-        level.ints[_Level.KEY] = torch.arange(n + first, n + first + width, device=device)
         level.ints[_Level.PARENT, :rows] = growth.parents[first:first + rows] + 1
-        level.ints[_Level.OUT, :rows] = torch.arange(1 + first, 1 + first + rows, device=device)
-        level.ints[_Level.OUT, rows:] = torch.arange(1 + MAX_TREE_NODES, 1 + MAX_TREE_NODES + width - rows, device=device)
+        level.ints[_Level.KEY], level.ints[_Level.OUT] = self._places(first, rows, width, device)
         lineage = growth.lineage[first:first + width]   # padding rows: themselves only
         columns = min(lineage.shape[1], b.size - n)
         level.allowed[:, n:n + columns].copy_(lineage[:, :columns])
         return self._graphs.run_level(b, level)[:rows]
+
+    def _places(self, first: int, rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a level's ``width`` padded rows from node ``first`` write: their key indices
+        (after the exact cache and the earlier nodes) and their output-state rows in
+        ``tree_hidden`` (a node's at 1 + its index, padding rows' past ``MAX_TREE_NODES``)."""
+        n = self._cached
+        out = torch.cat([torch.arange(1 + first, 1 + first + rows, device=device),
+                         torch.arange(1 + MAX_TREE_NODES, 1 + MAX_TREE_NODES + width - rows, device=device)])
+        return torch.arange(n + first, n + first + width, device=device), out
 
     def _level(self, rows: int, first: int) -> _Level:
         """The level step of ``rows`` padded rows from node ``first``, its mask's exact-cache
