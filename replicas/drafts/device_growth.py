@@ -87,12 +87,28 @@ class DeviceGrowth:
         self.level += 1
         return first, size
 
-    def proposal(self) -> Proposal:
-        """The tree grown so far, read to the host at once."""
+    def restart(self) -> None:
+        """Grow the next tree in the same tensors: every level's rows are written again, and the
+        lineage of a node depends on its parent's row only."""
+        self.level = 0
+
+    def packed(self) -> torch.Tensor:
+        """The tree grown so far as one float64 tensor (tokens, parents, scores, root
+        probabilities), made on the device, so that reading it waits for the device once."""
         nodes = sum(self.sizes[:self.level])
-        tokens, parents = self.tokens[:nodes].tolist(), self.parents[:nodes].tolist()
-        score = self.score[:nodes].tolist()
+        parts = [self.tokens[:nodes], self.parents[:nodes], self.score[:nodes]]
+        if self.root_probs is not None:
+            parts.append(self.root_probs)
+        return torch.cat([part.double() for part in parts])
+
+    def proposal(self, packed: torch.Tensor | None = None) -> Proposal:
+        """The tree read to the host at once, from ``packed`` (``packed()``'s tensor) or now."""
+        values = (self.packed() if packed is None else packed).tolist()
+        nodes = sum(self.sizes[:self.level])
+        tokens = [int(t) for t in values[:nodes]]
+        parents = [int(p) for p in values[nodes:2 * nodes]]
+        score = values[2 * nodes:3 * nodes]
         # q(node | parent) = exp(score(node) - score(parent)), as TreeGrowth reports it.
         probs = [math.exp(s - (0.0 if p < 0 else score[p])) for s, p in zip(score, parents)]
-        return Proposal(tokens, parents, token_probs=probs,
-                        root_probs=None if self.root_probs is None else self.root_probs.tolist())
+        root_probs = values[3 * nodes:] if self.root_probs is not None else None
+        return Proposal(tokens, parents, token_probs=probs, root_probs=root_probs)

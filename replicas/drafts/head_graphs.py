@@ -26,9 +26,18 @@ carries its token, rotary position, key index and the row of its parent's output
 bucket's ``tree_hidden`` (row 0 the root's), where its own output goes too; the level's mask
 (which keys each row sees: the exact cache, its ancestors, itself) is written before each
 replay. A padding row writes its key after the level's real ones and sees the cache and itself
-only, so no real row reads it; the next level's keys overwrite it. An EAGLE-2 tree's inputs are
-written on the device from the tree as it grows there (``device_growth``, ``step_grown``); a
-SAGE tree's are chosen on the host and copied in (``step``).
+only, so no real row reads it; the next level's keys overwrite it. A SAGE tree's levels are
+chosen on the host and copied in (``TreeLevels.step``).
+
+An EAGLE-2 tree grows on the device (``device_growth``): every level's size follows from the
+tree's shape, so the whole tree — the root's logits, each level's choice, the next level's
+inputs and mask written from it, the level's step — is **one graph per bucket and shape**
+(``TreeLevels.grow``), its exact cache length and root position read from the bucket's
+``tree_at``; the host fills those, replays once and reads the tree once (launched from Python
+kernel by kernel, a level's choice, inputs and mask keep the device waiting on the host).
+Shapes change online (the tree policies), so a shape's graph is captured on its first tree in a
+bucket (the served default's at start, ``capture_buckets``), up to ``MAX_TREE_GRAPHS`` per head;
+past them a tree replays its levels' graphs one by one, its growth launched between them.
 
 The buckets are the head's, shared by its sessions: one proposal runs at a time per head (a
 draft server proposes in turn). Off CUDA the same buffers run eagerly (``capture=False``), which
@@ -43,8 +52,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.replicas.drafts.device_growth import DeviceGrowth
+from specserve.replicas.drafts.device_growth import DeviceGrowth, level_sizes
 from specserve.replicas.model import cuda_graphs
+from specserve.replicas.step import Proposal, TreeShape
 
 SMALLEST_BUCKET = 64
 # Up to 32k positions: each bucket size reached keeps its buffers (a few MB to a few hundred for
@@ -56,6 +66,9 @@ _ATTRIBUTE = "_specserve_head_graphs"   # where a head keeps its graphs
 MAX_TREE_NODES = 256
 # A feed up to the root of more positions runs the module path (a step accepts at most a window).
 MAX_FEED = 16
+# Whole-tree graphs a head holds (each bucket and shape its own): with the EAGLE-2 depth policy's
+# depths over the buckets of an 8k context, a few shapes' worth.
+MAX_TREE_GRAPHS = 64
 
 
 def bucket_for(positions: int) -> int | None:
@@ -89,6 +102,9 @@ class _Bucket:
         self.tree_hidden: torch.Tensor | None = None
         self.levels: dict[int, _Level] = {}
         self.feeds: dict[int, _Feed] = {}   # the feed up to the root, per padded width
+        # An EAGLE-2 tree's exact cache length and root position, and its whole-tree graphs per shape.
+        self.tree_at = torch.zeros(2, dtype=torch.long, device=device)
+        self.trees: dict[TreeShape, _Tree] = {}
 
     def tree_states(self, head) -> torch.Tensor:
         """``tree_hidden``, made on first use."""
@@ -149,6 +165,17 @@ class _Level:
         self.out: torch.Tensor | None = None   # logits [width, V]
 
 
+class _Tree:
+    """A whole EAGLE-2 tree of one shape over a bucket: the growth's tensors, and its graph."""
+
+    CACHED, POSITION = range(2)   # the entries of the bucket's ``tree_at``
+
+    def __init__(self, shape: TreeShape, device: torch.device):
+        self.growth = DeviceGrowth(shape, device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None   # the tree, packed (``DeviceGrowth.packed``)
+
+
 class HeadGraphs:
     """The feeds up to the root, chain steps and tree levels of one head (``hsr_head.HSRHead``),
     a bucket per cache length."""
@@ -162,6 +189,9 @@ class HeadGraphs:
         self.levels = 0  # tree levels run
         self.proposals = 0   # trees begun
         self.feeds = 0   # feeds up to the root run in a bucket
+        self.trees = 0   # EAGLE-2 trees run whole (one replay each on CUDA)
+        # False: EAGLE-2 trees replay level by level (what the whole-tree graph saves, measured).
+        self.whole_trees = True
         self._captured = None
 
     @staticmethod
@@ -248,11 +278,12 @@ class HeadGraphs:
         return TreeLevels(self, bucket, n, self.proposals)
 
     @torch.inference_mode()
-    def capture_buckets(self, positions: int | None = None) -> int:
+    def capture_buckets(self, positions: int | None = None, trees: tuple[TreeShape, ...] = ()) -> int:
         """Every graph of every bucket up to ``positions`` keys (None: all ``MAX_BUCKETS``): the
-        chain step, each feed width and each tree-level width a bucket can hold, before any
-        proposal, so that no request waits on a capture. Returns the graphs held; off CUDA
-        (``capture=False``) each step runs once eagerly instead, building the same buffers.
+        chain step, each feed width and each tree-level width a bucket can hold, and the whole
+        tree of each EAGLE-2 shape in ``trees``, before any proposal, so that no request waits on
+        a capture. Returns the graphs held; off CUDA (``capture=False``) each step runs once
+        eagerly instead, building the same buffers.
 
         Placeholder rows write keys ``0..width-1`` and each sees its own key only, since a row
         that sees no key has no softmax (some attention kernels leave NaNs, which a later
@@ -281,13 +312,65 @@ class HeadGraphs:
                 level.allowed.zero_()
                 level.allowed[:, :width].fill_diagonal_(True)
                 self._replay(level, lambda: self._level_step(b, level), replay=False)
+            b.tree_at.zero_()
+            for shape in trees:
+                if DeviceGrowth.grows(shape) and shape.budget <= MAX_TREE_NODES and 2 * shape.budget < size:
+                    tree = self._tree(b, shape)
+                    if tree is not None:
+                        self._replay(tree, lambda: self._grow(b, tree.growth, self._level_step), replay=False)
         return self.captured
 
     @property
     def captured(self) -> int:
-        """Graphs held: each bucket's chain step, feeds and tree levels captured so far."""
+        """Graphs held: each bucket's chain step, feeds, tree levels and whole trees captured so far."""
         return sum((b.graph is not None) + sum(f.graph is not None for f in b.feeds.values())
-                   + sum(lv.graph is not None for lv in b.levels.values()) for b in self._buckets.values())
+                   + sum(lv.graph is not None for lv in b.levels.values())
+                   + sum(t.graph is not None for t in b.trees.values()) for b in self._buckets.values())
+
+    def _tree(self, b: _Bucket, shape: TreeShape) -> _Tree | None:
+        """The bucket's whole-tree holder for ``shape``, made while the head holds fewer than
+        ``MAX_TREE_GRAPHS``; None past them."""
+        tree = b.trees.get(shape)
+        if tree is None and sum(len(other.trees) for other in self._buckets.values()) < MAX_TREE_GRAPHS:
+            tree = b.trees[shape] = _Tree(shape, b.keys.device)
+        return tree
+
+    def grow(self, b: _Bucket, shape: TreeShape) -> tuple[DeviceGrowth, torch.Tensor]:
+        """An EAGLE-2 tree of ``shape`` from the root in ``b`` (``tree_at``, ``tree_hidden``
+        row 0): one replay of the shape's whole-tree graph, else each level's graph replayed
+        with its growth launched between them. The growth and its packed tree (unread)."""
+        self.levels += len(level_sizes(shape)) - 1   # every level but the last is fed
+        tree = self._tree(b, shape) if self.whole_trees else None
+        if tree is None:
+            growth = DeviceGrowth(shape, b.keys.device)
+            return growth, self._grow(b, growth, lambda bucket, level: self.run_level(bucket, level, count=False))
+        self.trees += 1
+        return tree.growth, self._replay(tree, lambda: self._grow(b, tree.growth, self._level_step))
+
+    def _grow(self, b: _Bucket, growth: DeviceGrowth, run_level) -> torch.Tensor:
+        """The tree's body: the root's logits; then per level its choice (``growth``), its nodes'
+        inputs and mask written from it, the level run (``run_level(b, level)``), until the last
+        level; the tree packed. Nothing here waits for the device."""
+        growth.restart()
+        logits = self.head.full_logits(b.tree_hidden[:1])
+        while True:
+            first, rows = growth.grow(logits)
+            if not growth.more_levels:
+                return growth.packed()
+            level = b.level(width_for(rows))
+            ints, width = level.ints, level.width
+            ints[_Level.TOKEN, :rows] = growth.tokens[first:first + rows]
+            ints[_Level.POSITION] = b.tree_at[_Tree.POSITION] + growth.level   # a node at depth d: root + d
+            ints[_Level.PARENT, :rows] = growth.parents[first:first + rows] + 1
+            keys, ints[_Level.OUT] = _places(first, rows, width, b.keys.device)
+            cached = b.tree_at[_Tree.CACHED]
+            ints[_Level.KEY] = keys + cached
+            # Each row sees the exact cache, then the tree's keys its lineage marks (padding rows: itself).
+            lineage = growth.lineage[first:first + width]            # [width, 2N]
+            column = b.indices - cached                               # a key's index after the exact cache
+            marked = lineage.gather(1, column.clamp(0, lineage.shape[1] - 1).expand(width, -1))
+            level.allowed.copy_((column < 0) | (marked & (column < lineage.shape[1])))
+            logits = run_level(b, level)[:rows]
 
     def _bucket(self, size: int) -> _Bucket:
         bucket = self._buckets.get(size)
@@ -299,8 +382,8 @@ class HeadGraphs:
         self.steps += 1
         return self._replay(bucket, lambda: self._step(bucket))
 
-    def run_level(self, bucket: _Bucket, level: _Level) -> torch.Tensor:
-        self.levels += 1
+    def run_level(self, bucket: _Bucket, level: _Level, count: bool = True) -> torch.Tensor:
+        self.levels += count
         return self._replay(level, lambda: self._level_step(bucket, level))
 
     def _replay(self, holder, step, replay: bool = True):
@@ -421,7 +504,8 @@ class TreeLevels:
         ints[_Level.TOKEN, :rows] = torch.tensor(tokens)
         ints[_Level.POSITION, :rows] = torch.tensor(positions)
         ints[_Level.PARENT, :rows] = torch.tensor(parents) + 1
-        ints[_Level.KEY], ints[_Level.OUT] = self._places(first, rows, width, ints.device)
+        keys, ints[_Level.OUT] = _places(first, rows, width, ints.device)
+        ints[_Level.KEY] = keys + n
         mask = torch.zeros(width, first + width, dtype=torch.bool)
         mask[:rows, :first + rows] = sees
         mask[torch.arange(rows, width), torch.arange(first + rows, first + width)] = True   # padding: itself
@@ -429,30 +513,20 @@ class TreeLevels:
         level.allowed[:, n:n + first + width].copy_(mask)
         return self._graphs.run_level(b, level)[:rows]
 
-    def step_grown(self, growth: DeviceGrowth, first: int, rows: int, position: int) -> torch.Tensor:
-        """``step`` for the level ``growth`` grew last (nodes ``first..first+rows-1``, all at
-        rotary ``position``), its inputs and mask written from the growth's tensors on the
-        device: nothing waits for the host -> logits [rows, V]."""
-        n, b = self._cached, self._bucket
-        level = self._level(rows, first)
-        width, device = level.width, b.keys.device
-        level.ints[_Level.TOKEN, :rows] = growth.tokens[first:first + rows]
-        level.ints[_Level.POSITION].fill_(position)
-        level.ints[_Level.PARENT, :rows] = growth.parents[first:first + rows] + 1
-        level.ints[_Level.KEY], level.ints[_Level.OUT] = self._places(first, rows, width, device)
-        lineage = growth.lineage[first:first + width]   # padding rows: themselves only
-        columns = min(lineage.shape[1], b.size - n)
-        level.allowed[:, n:n + columns].copy_(lineage[:, :columns])
-        return self._graphs.run_level(b, level)[:rows]
+    def grow(self, shape: TreeShape, position: int) -> Proposal:
+        """An EAGLE-2 tree of ``shape`` (``DeviceGrowth.grows``) from the root at rotary
+        ``position``, grown on the device (``HeadGraphs.grow``) and read to the host once."""
+        growth, packed = self.grown(shape, position)
+        return growth.proposal(packed)
 
-    def _places(self, first: int, rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where a level's ``width`` padded rows from node ``first`` write: their key indices
-        (after the exact cache and the earlier nodes) and their output-state rows in
-        ``tree_hidden`` (a node's at 1 + its index, padding rows' past ``MAX_TREE_NODES``)."""
-        n = self._cached
-        out = torch.cat([torch.arange(1 + first, 1 + first + rows, device=device),
-                         torch.arange(1 + MAX_TREE_NODES, 1 + MAX_TREE_NODES + width - rows, device=device)])
-        return torch.arange(n + first, n + first + width, device=device), out
+    def grown(self, shape: TreeShape, position: int) -> tuple[DeviceGrowth, torch.Tensor]:
+        """``grow``'s tree before it is read: nothing here waits for the device."""
+        n, b = self._cached, self._bucket
+        if shape.budget > MAX_TREE_NODES or n + 2 * shape.budget > b.size:
+            raise IndexError(f"a tree of {shape.budget} nodes outgrows the bucket of {b.size} positions")
+        b.tree_at[_Tree.CACHED].fill_(n)
+        b.tree_at[_Tree.POSITION].fill_(position)
+        return self._graphs.grow(b, shape)
 
     def _level(self, rows: int, first: int) -> _Level:
         """The level step of ``rows`` padded rows from node ``first``, its mask's exact-cache
@@ -466,3 +540,12 @@ class TreeLevels:
             level.allowed[:, n:] = False
             level.proposal = self._proposal
         return level
+
+
+def _places(first: int, rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a tree level's ``width`` padded rows from node ``first`` write: their key indices
+    after the exact cache (after the earlier nodes) and their output-state rows in
+    ``tree_hidden`` (a node's at 1 + its index, padding rows' past ``MAX_TREE_NODES``)."""
+    out = torch.cat([torch.arange(1 + first, 1 + first + rows, device=device),
+                     torch.arange(1 + MAX_TREE_NODES, 1 + MAX_TREE_NODES + width - rows, device=device)])
+    return torch.arange(first, first + width, device=device), out

@@ -186,8 +186,8 @@ class HSRDraft:
     def propose_tree(self, context: list[int], shape: TreeShape, features: torch.Tensor | None = None,
                      features_start: int = 0, image_placeholder: int | None = None) -> Proposal:
         """An EAGLE-2-style tree (``TreeGrowth``). A node is fed its parent's output and sees the
-        exact cache plus its own ancestors; where the head runs graphs, a level is one replay
-        (``head_graphs``)."""
+        exact cache plus its own ancestors; where the head runs graphs, an EAGLE-2 tree is one
+        replay and a SAGE tree's level one (``head_graphs``)."""
         self.session.placeholder = image_placeholder
         self.session.sync(context, features, features_start)
         with torch.inference_mode():
@@ -199,15 +199,9 @@ class HSRDraft:
             keys, values = self.session.keys, self.session.values
             levels = (None if self.graphs is None
                       else self.graphs.tree(keys, values, shape.budget, root[0, 0], fed=self.session.bucket))
+            if levels is not None and DeviceGrowth.grows(shape):   # grown on the device, read once
+                return levels.grow(shape, len(context) - 1)
             frontier_logits = self.head.full_logits(root[0])   # [1, V]
-            if levels is not None and DeviceGrowth.grows(shape):   # no level waits for the host
-                grown = DeviceGrowth(shape, device)
-                while True:
-                    first, size = grown.grow(frontier_logits)
-                    if not grown.more_levels:
-                        return grown.proposal()
-                    # A node at depth d sits at position len(context) - 1 + d.
-                    frontier_logits = levels.step_grown(grown, first, size, len(context) - 1 + grown.level)
             growth = TreeGrowth(shape)
             outputs: list[torch.Tensor] = []      # [H] per fed node, in node order (module path)
             for level in range(shape.depth):

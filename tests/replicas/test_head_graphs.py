@@ -154,6 +154,31 @@ def test_a_tree_proposes_the_module_paths_tree(target, head, length, shape):
     assert bucketed.graphs.levels == shape.depth - 1   # every level but the last is fed
 
 
+@pytest.mark.parametrize("held", [head_graphs.MAX_TREE_GRAPHS, 1, 0], ids=["whole", "one-whole", "per-level"])
+def test_trees_past_the_whole_tree_graphs_replay_their_levels(target, head, monkeypatch, held):
+    """An EAGLE-2 tree runs whole (one graph per bucket and shape) while the head holds fewer
+    than ``MAX_TREE_GRAPHS``, else level by level (as when ``whole_trees`` is off); shapes and
+    trees of SAGE's kind interleaved in one bucket, each proposal is the module path's."""
+    monkeypatch.setattr(head_graphs, "MAX_TREE_GRAPHS", held)
+    layers = head.config.feature_layers or [-2]
+    context = [(5 * i + 3) % (VOCAB - 1) + 1 for i in range(30)]
+    features = states(target, context, layers)
+    module, bucketed = drafts(head)
+    shapes = [TreeShape(4, 3, 10), TreeShape(3, 4, 12), TreeShape(4, 3, 10, width_decay=True), TreeShape(3, 4, 12)]
+    for shape in shapes:
+        module.session.reset()
+        bucketed.session.reset()
+        want = module.propose_tree(context, shape, features=features[:-1])
+        got = bucketed.propose_tree(context, shape, features=features[:-1])
+        assert (got.tokens, got.parents) == (want.tokens, want.parents), shape
+        assert got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
+        assert got.root_probs == pytest.approx(want.root_probs, abs=1e-5)
+    trees = bucketed.graphs._buckets[head_graphs.SMALLEST_BUCKET].trees
+    assert list(trees) == [TreeShape(4, 3, 10), TreeShape(3, 4, 12)][:held]
+    assert bucketed.graphs.trees == {0: 0, 1: 1}.get(held, 3)
+    assert bucketed.graphs.levels == 3 + 2 + 3 + 2
+
+
 def test_a_tree_after_a_longer_one_sees_none_of_its_keys(target, head):
     """The buckets' buffers and masks outlive a proposal: a second, shorter context in the same
     bucket (64 positions: the cache and twice the nodes) must not attend to what the first left
@@ -190,10 +215,13 @@ def test_graphs_captured_before_any_proposal_serve_chains_and_trees(target, head
     on CUDA, capture nothing more."""
     layers = head.config.feature_layers or [-2]
     module, bucketed = drafts(head)
-    held = bucketed.graphs.capture_buckets(100)
+    shape = TreeShape(4, 3, 10)
+    held = bucketed.graphs.capture_buckets(100, trees=(shape, TreeShape(4, 3, 10, width_decay=True)))
     assert list(bucketed.graphs._buckets) == [64, 128]
-    # Each bucket: its chain step, 5 feed widths, and the tree-level widths below its size.
-    assert held == (2 + 2 * 5 + 6 + 7 if CAPTURE else 0)
+    # Each bucket: its chain step, 5 feed widths, the tree-level widths below its size, and the
+    # EAGLE-2 shape's whole tree (SAGE's grows on the host).
+    assert held == (2 + 2 * 5 + 6 + 7 + 2 if CAPTURE else 0)
+    assert all(list(b.trees) == [shape] for b in bucketed.graphs._buckets.values())
     context = [(3 * i + 4) % (VOCAB - 1) + 1 for i in range(70)]
     features = states(target, context, layers)
     for end in (20, 21, 24, 60, 61, 70):
@@ -201,18 +229,20 @@ def test_graphs_captured_before_any_proposal_serve_chains_and_trees(target, head
         want = module.propose(context[:end], 4, GREEDY, None, **inputs)
         got = bucketed.propose(context[:end], 4, GREEDY, None, **inputs)
         assert got.tokens == want.tokens and got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
-        want = module.propose_tree(context[:end], TreeShape(4, 3, 10), **inputs)
-        got = bucketed.propose_tree(context[:end], TreeShape(4, 3, 10), **inputs)
+        want = module.propose_tree(context[:end], shape, **inputs)
+        got = bucketed.propose_tree(context[:end], shape, **inputs)
         assert (got.tokens, got.parents) == (want.tokens, want.parents), end
         assert got.token_probs == pytest.approx(want.token_probs, abs=1e-5)
-    assert bucketed.graphs.captured == held and bucketed.graphs.feeds > 0
+    assert bucketed.graphs.captured == held and bucketed.graphs.feeds > 0 and bucketed.graphs.trees == 6
+    assert all(list(b.trees) == [shape] for b in bucketed.graphs._buckets.values())
 
 
 @pytest.mark.skipif(not CAPTURE, reason="what waits for the host is seen on CUDA only")
-def test_a_tree_grown_on_the_device_waits_for_the_host_only_at_its_end(target, head, monkeypatch):
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "per-level"])
+def test_a_tree_grown_on_the_device_waits_for_the_host_only_at_its_end(target, head, monkeypatch, whole):
     """EAGLE-2's tree through the graphs: a level's choice and the next level's inputs run on the
-    device, so nothing between the root and the read of the whole tree synchronises."""
-    from specserve.replicas.drafts.device_growth import DeviceGrowth
+    device, so nothing between the root and the read of the whole tree synchronises, whether the
+    tree replays as one graph or level by level."""
     from specserve.replicas.drafts.head_graphs import TreeLevels
 
     def no_sync(method):
@@ -228,11 +258,13 @@ def test_a_tree_grown_on_the_device_waits_for_the_host_only_at_its_end(target, h
     context = [(11 * i + 2) % (VOCAB - 1) + 1 for i in range(40)]
     features = states(target, context, layers)
     module, bucketed = drafts(head)
+    bucketed.graphs.whole_trees = whole
     shape = TreeShape(6, 10, 60)
-    bucketed.propose_tree(context, shape, features=features[:-1])   # captures the level graphs
+    bucketed.propose_tree(context, shape, features=features[:-1])   # captures the graphs
     bucketed.session.reset()
-    monkeypatch.setattr(DeviceGrowth, "grow", no_sync(DeviceGrowth.grow))
-    monkeypatch.setattr(TreeLevels, "step_grown", no_sync(TreeLevels.step_grown))
+    captured = bucketed.graphs.captured
+    monkeypatch.setattr(TreeLevels, "grown", no_sync(TreeLevels.grown))
     got = bucketed.propose_tree(context, shape, features=features[:-1])
     want = module.propose_tree(context, shape, features=features[:-1])
     assert (got.tokens, got.parents) == (want.tokens, want.parents) and len(got.tokens) == 60
+    assert bucketed.graphs.captured == captured and bucketed.graphs.trees == (2 if whole else 0)
