@@ -51,13 +51,15 @@ def build_app(args: AppConfig) -> Application:
             name=draft_deployment(spec.name), request_router_config=SESSION_AFFINITY
         ).bind(spec.name, spec.model, config.dtype, spec.torch_threads, config.kv_sessions_idle,
                ensemble=spec.ensemble.model_dump() if spec.ensemble else None, windowed=spec.windowed,
-               measure_cost=True, quantization=spec.quantization, max_model_len=config.max_model_len)
+               measure_cost=True, quantization=spec.quantization, max_model_len=config.max_model_len,
+               trees=(config.tree_shape,))
         for spec in config.drafts
     }
     target_config = TargetConfig(
         model=config.target, dtype=config.dtype, torch_threads=config.torch_threads, share_cores=config.share_cores,
         kv_sessions_idle=config.kv_sessions_idle, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
         stats_name=config.model_id, default_draft=config.default_draft, max_model_len=config.max_model_len,
+        default_tree=config.tree_shape,
         gpu_memory_utilization=config.gpu_memory_utilization,
         draft_ahead=config.draft_ahead, grammar_draft=config.grammar_draft,
     )

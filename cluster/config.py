@@ -288,10 +288,14 @@ class AppConfig(BaseModel):
     def draft_names(self) -> list[str]:
         return [d.name for d in self.drafts]
 
+    @property
+    def tree_shape(self) -> TreeShape:
+        """``default_tree`` as the replicas take it."""
+        return TreeShape(self.default_tree.depth, self.default_tree.top_k, self.default_tree.budget)
+
     def ingress_config(self) -> IngressConfig:
-        tree = TreeShape(self.default_tree.depth, self.default_tree.top_k, self.default_tree.budget)
         return IngressConfig(self.target, self.model_id, self.draft_names, self.default_draft, self.default_window,
-                             policy=self.policy, default_tree=tree,
+                             policy=self.policy, default_tree=self.tree_shape,
                              api_keys_file=self.api_keys_file, max_model_len=self.max_model_len, max_body_bytes=self.max_body_bytes,
                              stream_interval=self.stream_interval, tool_parser=self.tool_parser,
                              resume_attempts=self.resume_attempts, resume_timeout_s=self.resume_timeout_s,

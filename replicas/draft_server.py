@@ -43,7 +43,7 @@ from specserve.replicas.model.kv_memory import DRAFT_KV_FRACTION, draft_reservat
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.model.session_pool import SessionPool
-from specserve.replicas.step import Proposal, ProposeRequest
+from specserve.replicas.step import Proposal, ProposeRequest, TreeShape
 
 # Served, it logs through Ray Serve's replica logger (the Serve log of its deployment).
 logger = logging.getLogger("ray.serve")
@@ -65,7 +65,8 @@ class DraftServer:
                  kv_sessions_idle: int = 4, worker=None, make_draft: Callable[[], Draft] | None = None,
                  method: str | None = None, seed_outputs: str | None = None, ensemble: dict | None = None,
                  tokenizer=None, images=None, windowed: bool = False, measure_cost: bool = False,
-                 quantization: str | None = None, max_model_len: int | None = None):
+                 quantization: str | None = None, max_model_len: int | None = None,
+                 trees: tuple[TreeShape, ...] = ()):
         """``model``: a draft LM or HSR head to load; None: the model-free ``method``, prompt lookup
         or suffix (its index seeded with the answers in ``seed_outputs``). ``make_draft``: build
         the per-session drafts from a factory instead (in-process use). ``worker``: the thread
@@ -84,7 +85,8 @@ class DraftServer:
         hidden-state-reuse head captures its graphs for the buckets up to it now
         (``head_graphs``), and a loaded draft LM reserves its cache at that length and captures
         its graphs where the device holds them (``_reserve_cache``), so that no request waits on a
-        capture."""
+        capture. ``trees``: the tree shapes requests start from, whose whole-tree graphs such a
+        head captures then too."""
         self.name = name
         self.images = images
         self._worker = worker or ModelWorker(f"draft-{name}", threads=torch_threads)
@@ -132,7 +134,7 @@ class DraftServer:
                 self._ensemble(loaded.model, ensemble, loaded.tokenizer)
             if self._needs_features and (graphs := HeadGraphs.for_head(loaded.model)) is not None:
                 self._head_graphs = graphs
-                held = self._worker.call(graphs.capture_buckets, max_model_len)
+                held = self._worker.call(graphs.capture_buckets, max_model_len, tuple(trees))
                 logger.info("draft %s: %d graphs captured, up to %s positions", name, held, max_model_len or "all")
             elif self._batched is not None and self._batched.kv.graphs is not None:
                 self._worker.call(self._reserve_cache, max_model_len)

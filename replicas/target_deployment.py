@@ -55,6 +55,7 @@ from specserve.replicas.model.native_memory import release_free_memory
 from specserve.replicas.request import AUTO_DRAFT, NO_DRAFT, Policy, RequestState, SpecRequest, StreamItem
 from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.remote_draft import RemoteDraft
+from specserve.replicas.step import TreeShape
 from specserve.replicas.step_loop import StepLoop
 from specserve.replicas.target import Target
 
@@ -108,6 +109,9 @@ class TargetConfig:
     # the model's context capped so that ``max_batch`` slots fit in the device's memory, allocated
     # at start too, since a cache that grows on a GPU runs out of memory mid-request.
     max_model_len: int | None = None
+    # The tree a request starts from (the deployment's ``default_tree``): a hidden-state-reuse
+    # head inside the replica captures its whole-tree graphs at start (``head_graphs``).
+    default_tree: TreeShape | None = None
     # On CUDA, the fraction of the device's memory in use once the KV cache is allocated, counting
     # what was in use before it (weights, CUDA context, other processes) and an allowance for
     # activations (vLLM's rule): the slots are as many as fit, at most ``max_batch +
@@ -200,7 +204,8 @@ class TargetDeployment:
                                              worker=worker, method=d.get("method"), seed_outputs=d.get("seed_outputs"),
                                              ensemble=d.get("ensemble"), images=self.images,
                                              windowed=d.get("windowed", False), quantization=d.get("quantization"),
-                                             max_model_len=config.max_model_len)
+                                             max_model_len=config.max_model_len,
+                                             trees=(config.default_tree,) if config.default_tree else ())
             else:
                 # Every call of this replica goes to one draft replica, which then holds the KV
                 # caches of all its sessions (any replica would be correct, from the tokens).

@@ -84,9 +84,9 @@ def test_the_step_loop_resends_states_to_a_cold_draft_replica(pair):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a head's steps run as graphs on CUDA only")
 def test_a_served_head_captures_its_graphs_before_its_first_proposal(pair):
     target_model, head_dir = pair
-    server = DraftServer("hsr", str(head_dir), dtype="float32", max_model_len=100)
+    server = DraftServer("hsr", str(head_dir), dtype="float32", max_model_len=100, trees=(TreeShape(4, 3, 10),))
     held = server.graphs_captured
-    assert held == 25   # the buckets of 64 and 128 positions: chain, feeds, tree levels
+    assert held == 27   # the buckets of 64 and 128 positions: chain, feeds, tree levels, the whole tree
     target = Target(target_model)
     context = PROMPT + target.verify_one(PROMPT, Proposal.empty(), GREEDY).emitted_tokens
     asks = [ProposeRequest("chain", context, 3, None, GREEDY, features=target.features(context, 0), features_start=0),
