@@ -382,9 +382,13 @@ HEAD_TREES = (TreeShape(depth=6, top_k=10, budget=60), TreeShape(depth=6, top_k=
 # path probability prunes nothing, but SAGE's threshold keeps a tree off the device
 # (``device_growth``), so the row measures what growing on the device saves.
 HOST_GROWN = TreeShape(depth=6, top_k=10, budget=60, threshold=1e-300)
+# EAGLE's default tree grown on the device but replayed level by level (``HeadGraphs.whole_trees``
+# off): beside the default row, what one graph for the whole tree saves.
+PER_LEVEL = f"{EAGLE3}-tree-d6k10n60-per-level"
 # Target-only and the head first (the GPU path's aim compares them), then the model-free drafts.
 CHAT_ROWS = (RowConfig(BASELINE, "specserve"),
              *(RowConfig(f"{EAGLE3}-tree-d{t.depth}k{t.top_k}n{t.budget}", "specserve", EAGLE3, tree=t) for t in HEAD_TREES),
+             RowConfig(PER_LEVEL, "specserve", EAGLE3, tree=HEAD_TREES[0]),
              RowConfig(f"{EAGLE3}-tree-d6k10n60-host-grown", "specserve", EAGLE3, tree=HOST_GROWN),
              RowConfig(f"{EAGLE3}-{GAMMA}", "specserve", EAGLE3, GAMMA),
              RowConfig(f"prompt-lookup-{GAMMA}", "specserve", "prompt-lookup", GAMMA),
@@ -529,13 +533,17 @@ def speculation_rows(run: Run) -> None:
             # the target's and the head's, so that no timed step grows the cache (which drops the
             # graphs) or waits on a capture.
             kv, start = engine.target.kv, time.monotonic()
+            heads = [HeadGraphs.for_head(draft_model(d)) for d in engine.drafts.values() if needs_features(d)]
+            heads = [graphs for graphs in heads if graphs is not None]
             if kv.graphs is not None:
                 kv.reserve()
                 captured = kv.capture_graphs(cuda_graphs.TOKEN_BUCKETS)
-                heads = [HeadGraphs.for_head(draft_model(d)) for d in engine.drafts.values() if needs_features(d)]
-                captured += sum(graphs.capture_buckets(kv.max_len) for graphs in heads if graphs is not None)
+                captured += sum(graphs.capture_buckets(kv.max_len, trees=HEAD_TREES) for graphs in heads)
                 run.report["meta"]["chat_graphs"] = {"captured": captured, "seconds": round(time.monotonic() - start, 2)}
-            loaded.update(engine=engine, prompts=[engine.encode(t, chat=True) for t in load_prompts("chat", CHAT_PROMPTS)])
+            loaded.update(engine=engine, heads=heads,
+                          prompts=[engine.encode(t, chat=True) for t in load_prompts("chat", CHAT_PROMPTS)])
+        for graphs in loaded["heads"]:
+            graphs.whole_trees = row.name != PER_LEVEL
         return chat_row(loaded["engine"], row, loaded["prompts"], run.config.tokens)
 
     for row in CHAT_ROWS:
