@@ -66,8 +66,8 @@ _ATTRIBUTE = "_specserve_head_graphs"   # where a head keeps its graphs
 MAX_TREE_NODES = 256
 # A feed up to the root of more positions runs the module path (a step accepts at most a window).
 MAX_FEED = 16
-# Whole-tree graphs a head holds (each bucket and shape its own): with the EAGLE-2 depth policy's
-# depths over the buckets of an 8k context, a few shapes' worth.
+# Whole-tree graphs a head holds (each bucket and shape its own): the EAGLE-2 depth policy's eight
+# depths at one top-k and budget, over the eight buckets of an 8k context.
 MAX_TREE_GRAPHS = 64
 
 
