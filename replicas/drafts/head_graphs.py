@@ -193,6 +193,7 @@ class HeadGraphs:
         # False: EAGLE-2 trees replay level by level (what the whole-tree graph saves, measured).
         self.whole_trees = True
         self._captured = None
+        self._rotary_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def for_head(head) -> "HeadGraphs | None":
@@ -406,13 +407,27 @@ class HeadGraphs:
         head = self.head
         layer, attn = head.layer, head.layer.self_attn
         z = head.inputs(token, hidden)
-        cos, sin = head.rope(position, z.dtype)
+        cos, sin = self._rotary(position, z.dtype)
         q, k, v = attn.qkv(layer.input_layernorm(z), cos, sin, repeat_kv=False)
         b.keys.index_copy_(2, at, k)
         b.values.index_copy_(2, at, v)
         allowed = b.indices[None, :] <= at[:, None]   # [W, L]: the exact cache, the rows so far, itself
         attended = F.scaled_dot_product_attention(q, b.keys, b.values, attn_mask=allowed, enable_gqa=True)
         return layer.feed_forward(z + attn.out(attended))
+
+    def _rotary(self, position: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``HSRHead.rope``'s cos and sin for ``position`` [W], read from a table of every position
+        the head serves, built once: two gathers, where computing them is a dozen kernels. The
+        table holds the same values (each entry is computed alone, by the same operations).
+        Positions past the head's context cannot arrive (a served length is capped at the
+        model's); the clamp keeps one from reading outside the table."""
+        table = self._rotary_tables.get(dtype)
+        if table is None:
+            positions = torch.arange(self.head.config.max_position_embeddings, device=self.head.device)
+            table = self._rotary_tables[dtype] = self.head.rope(positions, dtype)
+        cos, sin = table
+        position = position.clamp(max=cos.shape[0] - 1)
+        return cos.index_select(0, position), sin.index_select(0, position)
 
     def _feed_step(self, b: _Bucket, feed: _Feed) -> torch.Tensor:
         return self._rows_step(b, feed.ints[_Feed.TOKEN][None], feed.states, feed.ints[_Feed.POSITION],
@@ -430,7 +445,7 @@ class HeadGraphs:
         layer, attn = head.layer, head.layer.self_attn
         token, position, key, parent, out_row = level.ints
         z = head.inputs(token[None], b.tree_hidden.index_select(0, parent)[None])   # Eq. 4: the parent's output
-        cos, sin = head.rope(position, z.dtype)
+        cos, sin = self._rotary(position, z.dtype)
         q, k, v = attn.qkv(layer.input_layernorm(z), cos, sin, repeat_kv=False)
         b.keys.index_copy_(2, key, k)
         b.values.index_copy_(2, key, v)

@@ -51,6 +51,16 @@ def test_buckets_are_powers_of_two_and_end():
     assert head_graphs.bucket_for(head_graphs.SMALLEST_BUCKET << head_graphs.MAX_BUCKETS) is None
 
 
+def test_the_rotary_table_holds_the_heads_own_angles(head):
+    """The buckets read cos and sin from a table built once: the values ``HSRHead.rope``
+    computes for each position, bit for bit; a position past the head's context reads the last."""
+    last = head.config.max_position_embeddings - 1
+    positions = torch.tensor([0, 1, 63, 1000, last, last + 5], device=head.device)
+    cos, sin = HeadGraphs(head, capture=False)._rotary(positions, head.dtype)
+    want_cos, want_sin = head.rope(positions.clamp(max=last), head.dtype)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin) and torch.equal(cos[-1], cos[-2])
+
+
 @pytest.mark.parametrize("length", [5, 60, 63, 64, 130])
 @pytest.mark.parametrize("window", [2, 5])
 def test_a_greedy_chain_proposes_the_module_paths_tokens(target, head, length, window):
