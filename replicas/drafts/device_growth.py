@@ -50,8 +50,14 @@ class DeviceGrowth:
         self.parents = torch.full((nodes,), -1, dtype=torch.long, device=device)
         self.score = torch.zeros(nodes, dtype=torch.float32, device=device)   # cumulative log q per node
         # [i, j]: node j is node i or one of its ancestors. Twice the budget: a fed level padded to
-        # a power of two has its padding rows after its nodes, each seeing itself only.
-        self.lineage = torch.eye(2 * nodes, dtype=torch.bool, device=device)
+        # a power of two has its padding rows after its nodes, each seeing itself only. Two more
+        # columns, the same in every row: ``never`` false, ``always`` true, so that a row's mask
+        # over other keys too is one gather from ``marks`` (``head_graphs``).
+        self.never, self.always = 2 * nodes, 2 * nodes + 1
+        self.marks = torch.zeros(2 * nodes, 2 * nodes + 2, dtype=torch.bool, device=device)
+        self.marks[:, :2 * nodes] = torch.eye(2 * nodes, dtype=torch.bool, device=device)
+        self.marks[:, self.always] = True
+        self.lineage = self.marks[:, :2 * nodes]
         self.root_probs: torch.Tensor | None = None
 
     @staticmethod
@@ -69,7 +75,7 @@ class DeviceGrowth:
         level's nodes); returns the level's first node and its size."""
         level, k = self.level, self.shape.top_k
         first, size = self.firsts[level], self.sizes[level]
-        logp = torch.log_softmax(frontier_logits.float(), -1)               # [F, V]
+        logp = torch.log_softmax(frontier_logits, -1, dtype=torch.float32)   # [F, V], cast inside
         if level == 0:
             self.root_probs = logp[0].topk(min(ROOT_TOP_PROBS, logp.shape[-1])).values.exp()
             parent_scores = logp.new_zeros(1)
@@ -82,7 +88,7 @@ class DeviceGrowth:
         if level > 0:
             parents = self.firsts[level - 1] + kept.indices // k
             self.parents[first:first + size] = parents
-            self.lineage[first:first + size] = self.lineage[parents]
+            self.marks[first:first + size] = self.marks[parents]
             self.lineage[first:first + size, first:first + size].fill_diagonal_(True)
         self.level += 1
         return first, size

@@ -171,7 +171,10 @@ class _Tree:
     CACHED, POSITION = range(2)   # the entries of the bucket's ``tree_at``
 
     def __init__(self, shape: TreeShape, device: torch.device):
-        self.growth = DeviceGrowth(shape, device)
+        self.growth = growth = DeviceGrowth(shape, device)
+        # Each fed level's key offsets and output rows (``_places``): constants of the shape.
+        self.places = [_places(first, rows, width_for(rows), device)
+                       for first, rows in zip(growth.firsts[:-1], growth.sizes[:-1])]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None   # the tree, packed (``DeviceGrowth.packed``)
 
@@ -318,7 +321,8 @@ class HeadGraphs:
                 if DeviceGrowth.grows(shape) and shape.budget <= MAX_TREE_NODES and 2 * shape.budget < size:
                     tree = self._tree(b, shape)
                     if tree is not None:
-                        self._replay(tree, lambda: self._grow(b, tree.growth, self._level_step), replay=False)
+                        self._replay(tree, lambda: self._grow(b, tree.growth, self._level_step, tree.places),
+                                     replay=False)
         return self.captured
 
     @property
@@ -346,13 +350,19 @@ class HeadGraphs:
             growth = DeviceGrowth(shape, b.keys.device)
             return growth, self._grow(b, growth, lambda bucket, level: self.run_level(bucket, level, count=False))
         self.trees += 1
-        return tree.growth, self._replay(tree, lambda: self._grow(b, tree.growth, self._level_step))
+        return tree.growth, self._replay(tree, lambda: self._grow(b, tree.growth, self._level_step, tree.places))
 
-    def _grow(self, b: _Bucket, growth: DeviceGrowth, run_level) -> torch.Tensor:
+    def _grow(self, b: _Bucket, growth: DeviceGrowth, run_level, places=None) -> torch.Tensor:
         """The tree's body: the root's logits; then per level its choice (``growth``), its nodes'
         inputs and mask written from it, the level run (``run_level(b, level)``), until the last
-        level; the tree packed. Nothing here waits for the device."""
+        level; the tree packed. ``places``: each fed level's ``_places``, made beforehand. Nothing
+        here waits for the device."""
         growth.restart()
+        cached = b.tree_at[_Tree.CACHED]
+        column = b.indices - cached   # a key's index after the exact cache
+        # The column of the growth's marks each key reads: every row sees the exact cache, the
+        # tree's keys by lineage (a padding row: itself), nothing past them.
+        pick = torch.where(column < 0, growth.always, column.clamp(max=growth.never))
         logits = self.head.full_logits(b.tree_hidden[:1])
         while True:
             first, rows = growth.grow(logits)
@@ -363,14 +373,10 @@ class HeadGraphs:
             ints[_Level.TOKEN, :rows] = growth.tokens[first:first + rows]
             ints[_Level.POSITION] = b.tree_at[_Tree.POSITION] + growth.level   # a node at depth d: root + d
             ints[_Level.PARENT, :rows] = growth.parents[first:first + rows] + 1
-            keys, ints[_Level.OUT] = _places(first, rows, width, b.keys.device)
-            cached = b.tree_at[_Tree.CACHED]
+            keys, ints[_Level.OUT] = (places[growth.level - 1] if places is not None
+                                      else _places(first, rows, width, b.keys.device))
             ints[_Level.KEY] = keys + cached
-            # Each row sees the exact cache, then the tree's keys its lineage marks (padding rows: itself).
-            lineage = growth.lineage[first:first + width]            # [width, 2N]
-            column = b.indices - cached                               # a key's index after the exact cache
-            marked = lineage.gather(1, column.clamp(0, lineage.shape[1] - 1).expand(width, -1))
-            level.allowed.copy_((column < 0) | (marked & (column < lineage.shape[1])))
+            torch.gather(growth.marks[first:first + width], 1, pick.expand(width, -1), out=level.allowed)
             logits = run_level(b, level)[:rows]
 
     def _bucket(self, size: int) -> _Bucket:
