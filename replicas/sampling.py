@@ -146,6 +146,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     here, not left to ``multinomial``: on CUDA a NaN there is a device-side assert, which ends
     every request of the process)."""
     total = probs.sum()
-    if not (bool(torch.isfinite(total)) and float(total) > 0.0) or bool((probs < 0).any()):
+    if not bool(torch.isfinite(total) & (total > 0) & (probs >= 0).all()):   # one read from the device
         raise NonFiniteScores("the probabilities to sample from are not finite, or sum to 0")
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -84,13 +84,20 @@ class ChainBuilder:
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` [V] (or [K], the tokens of ``head``)."""
         if self.params.greedy:
-            index = int(logits.argmax())
-            self.token_probs.append(float(torch.softmax(logits.float(), -1)[index]))
-            top = logits.topk(min(2, logits.shape[-1])).indices.tolist()
-            second = top[0] if top[0] != index else top[-1]
-            ids = None if self.head is None else self.head.head_token_ids(logits.device)
-            tok = index if ids is None else int(ids[index])
-            self.alternatives.append(-1 if second == index else (second if ids is None else int(ids[second])))
+            # One read from the device a token (on a GPU each read waits for it): the argmax, the
+            # top two and the argmax's probability; for a head, the picks' vocabulary ids.
+            picks = torch.cat([logits.argmax()[None], logits.topk(min(2, logits.shape[-1])).indices])
+            parts = [torch.softmax(logits.float(), -1)[picks[:1]].double(), picks.double()]
+            if self.head is not None:
+                parts.append(self.head.head_token_ids(logits.device)[picks].double())
+            prob, *read = torch.cat(parts).tolist()
+            n = len(picks)
+            places, ids = [int(v) for v in read[:n]], [int(v) for v in read[n:]] or None
+            index = places[0]
+            second = 1 if places[1] != index else n - 1   # the runner-up's place in ``picks``
+            self.token_probs.append(prob)
+            tok = index if ids is None else ids[0]
+            self.alternatives.append(-1 if places[second] == index else (ids or places)[second])
         else:
             if self.head is not None:
                 logits = self.head.to_full_vocab(logits)
