@@ -50,10 +50,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specserve.replicas.drafts.device_growth import DeviceGrowth, level_sizes
-from specserve.replicas.model import cuda_graphs
+from specserve.replicas.model import cuda_graphs, llama_forward
 from specserve.replicas.step import Proposal, TreeShape
 
 SMALLEST_BUCKET = 64
@@ -418,7 +417,7 @@ class HeadGraphs:
         b.keys.index_copy_(2, at, k)
         b.values.index_copy_(2, at, v)
         allowed = b.indices[None, :] <= at[:, None]   # [W, L]: the exact cache, the rows so far, itself
-        attended = F.scaled_dot_product_attention(q, b.keys, b.values, attn_mask=allowed, enable_gqa=True)
+        attended = self._attention(q, b, allowed)
         return layer.feed_forward(z + attn.out(attended))
 
     def _rotary(self, position: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,6 +433,14 @@ class HeadGraphs:
         cos, sin = table
         position = position.clamp(max=cos.shape[0] - 1)
         return cos.index_select(0, position), sin.index_select(0, position)
+
+    def _attention(self, q: torch.Tensor, b: _Bucket, allowed: torch.Tensor) -> torch.Tensor:
+        """Rows ``q`` [1, heads, W, d] over the bucket's keys, ``allowed`` [W, L] saying which
+        each row sees, as the target's forward attends (``llama_forward.sdpa_attention``: a kv
+        head's query heads stacked as its rows). Grouped keys with a mask would take the fused
+        kernels' slow fallback (``enable_gqa`` with a mask: unfused, the keys repeated per head)."""
+        groups = q.shape[1] // b.keys.shape[1]
+        return llama_forward.sdpa_attention(q, b.keys, b.values, llama_forward.sdpa_mask(allowed[None, None], groups))
 
     def _feed_step(self, b: _Bucket, feed: _Feed) -> torch.Tensor:
         return self._rows_step(b, feed.ints[_Feed.TOKEN][None], feed.states, feed.ints[_Feed.POSITION],
@@ -455,7 +462,7 @@ class HeadGraphs:
         q, k, v = attn.qkv(layer.input_layernorm(z), cos, sin, repeat_kv=False)
         b.keys.index_copy_(2, key, k)
         b.values.index_copy_(2, key, v)
-        attended = F.scaled_dot_product_attention(q, b.keys, b.values, attn_mask=level.allowed, enable_gqa=True)
+        attended = self._attention(q, b, level.allowed)
         out = layer.feed_forward(z + attn.out(attended))
         b.tree_hidden.index_copy_(0, out_row, out[0])
         return head.full_logits(out)[0]
