@@ -96,9 +96,10 @@ class HSRForward:
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         s = keys.shape[2]
-        if allowed is None and t > 1:   # query i sits at cache index s - t + i and sees every key up to its own
+        causal = allowed is None and 1 < t == s   # a first feed: causal without a mask (HSRHead.step)
+        if allowed is None and t > 1 and not causal:   # query i sits at cache index s - t + i and sees every key up to its own
             allowed = torch.ones(t, s, dtype=torch.bool, device=z.device).tril(diagonal=s - t)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal, enable_gqa=True)
         hidden = z + self.o(attended.transpose(1, 2).reshape(1, t, -1))
         h = cpu_row_ops.add_rms_norm(hidden, None, norm2, eps2)
         gate_up = self.gate_up(h)

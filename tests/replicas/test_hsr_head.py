@@ -37,6 +37,21 @@ def states(target, tokens: list[int]) -> torch.Tensor:
         return target(torch.tensor([tokens], device=target.device), output_hidden_states=True).hidden_states[-2][0]
 
 
+def test_a_first_feed_is_causal_over_its_own_positions(target, head):
+    """Without a cache a feed runs the fused kernels' causal attention: what the explicit mask
+    of each position seeing itself and those before gives."""
+    tokens = list(range(30, 50))
+    z = head.inputs(torch.tensor([tokens[1:]], device=head.device), states(target, tokens)[None, :-1])
+    positions = torch.arange(1, len(tokens), device=head.device)
+    causal = torch.ones(len(positions), len(positions), dtype=torch.bool, device=head.device).tril()
+    with torch.inference_mode():
+        fed, masked = head.step(z, positions, None, None), head.step(z, positions, None, None, causal)
+        shifted = head.step(z, positions, None, None, causal.roll(1, 1))
+    for a, b in zip(fed, masked):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert not torch.allclose(fed[0], shifted[0], atol=1e-3)   # the mask matters here
+
+
 @pytest.mark.parametrize("drafted", [1, 2, 3])
 @pytest.mark.parametrize("exact", [1, 6, 17])
 @pytest.mark.slow
