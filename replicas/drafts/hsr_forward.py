@@ -96,7 +96,7 @@ class HSRForward:
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
         s = keys.shape[2]
-        causal = allowed is None and 1 < t == s   # a first feed: causal without a mask (HSRHead.step)
+        causal = allowed is None and t == s   # a first feed: causal without a mask (HSRHead.step)
         if allowed is None and t > 1 and not causal:   # query i sits at cache index s - t + i and sees every key up to its own
             allowed = torch.ones(t, s, dtype=torch.bool, device=z.device).tril(diagonal=s - t)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal, enable_gqa=True)
