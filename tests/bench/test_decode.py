@@ -95,3 +95,40 @@ def test_the_host_grown_chat_row_grows_eagles_default_tree_on_the_host():
             break
         logits = torch.randn(len(default.frontier), 500, generator=generator) * 40
     assert (host.tokens, host.parents) == (default.tokens, default.parents) and len(host.tokens) == 60
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+def test_chat_rows_run_at_every_batch_and_count_outputs_equal_to_target_onlys(tmp_path, monkeypatch):
+    """At batch 2 two chat prompts decode at once in one batch; each speculation row's greedy
+    outputs equal target-only's at the same batch (float32 on the CPU), and its speedup is over
+    target-only at that batch. Fewer rows than the bench's, for time: a chain, a tree and a
+    model-free draft."""
+    from specserve.bench import decode
+
+    rows = (decode.CHAT_ROWS[0], *(r for r in decode.CHAT_ROWS if r.name in
+                                   (f"{decode.EAGLE3}-tree-d6k4n24", f"{decode.EAGLE3}-4", "prompt-lookup-4")))
+    assert len(rows) == 4
+    monkeypatch.setattr(decode, "CHAT_ROWS", rows)
+    monkeypatch.setattr(decode, "CHAT_PROMPTS", 2)
+    config = DecodeBenchConfig(json_path=tmp_path / "decode.json", plot_path=tmp_path / "decode.png",
+                               shapes=("reference",), batches=(1, 2), tokens=3, prompt_len=4, device="cpu",
+                               rows=("specserve-eager",))
+    measured = {(r["batch"], r["row"]): r for r in run_decode_bench(config)["rows"]}
+    for batch in (1, 2):
+        base = measured[(batch, "chat-target-only")]
+        assert base["status"] == "ok", base
+        assert base["prompts"] == 2 and 0 < base["tokens"] <= 2 * 3
+        assert "outputs_equal_to_target_only" not in base and "outputs" not in base
+        for row in rows[1:]:
+            r = measured[(batch, f"chat-{row.name}")]
+            assert r["status"] == "ok", r
+            assert r["outputs_equal_to_target_only"] == 2, r
+            assert r["tokens"] == base["tokens"] and r["mean_accepted_len"] >= 1
+            assert r["target_only_row"] == "chat-target-only" and r["speedup_vs_target_only"] > 0
+
+    def steps(row: dict) -> float:
+        return row["seconds"] / row["ms_per_step"] * 1e3
+
+    # A batch's steps are its longest request's: two prompts at once take about half the steps.
+    assert steps(measured[(2, "chat-target-only")]) == pytest.approx(steps(measured[(1, "chat-target-only")]) / 2, rel=0.1)
