@@ -46,17 +46,19 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     relaxation: Relaxation | None = None,
+    choice: list[int] | None = None,
 ) -> tuple[list[int], int]:
     """Returns ``(accepted_path, bonus_token)``; ``accepted_path`` indexes ``proposal.tokens``.
     Raises ``NonFiniteScores`` when a row it reads is not a distribution (the caller fails that
     request alone). ``relaxation``: a relaxed rule the request asked for; None: exact.
+    ``choice``: under the exact greedy rule, the rows' argmaxes already read (``greedy_choices``).
 
     target_logits: [len(proposal) + 1, V]
     """
     if params.greedy:
         if relaxation is not None:
             return _verify_greedy_relaxed(target_logits, proposal, relaxation)
-        return _verify_greedy(target_logits, proposal)
+        return _verify_greedy(target_logits, proposal, choice)
     if proposal.draft_probs is not None:
         return _verify_sampled_chain(target_logits, proposal, params, generator, relaxation)
     return _verify_point_masses(target_logits, proposal, params, generator, relaxation)
@@ -70,18 +72,31 @@ def _children(proposal: Proposal) -> list[list[int]]:
     return children
 
 
-def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal) -> tuple[list[int], int]:
-    # Only the argmax matters: no softmax over the vocabulary. On the CPU a C pass per row
-    # (torch's bfloat16 argmax is a scalar loop).
-    # A row holding NaN has no argmax to follow (torch would pick the NaN).
-    if cpu_row_ops.usable(target_logits):
-        choice = cpu_row_ops.argmax(target_logits, nan=-1)
-        if -1 in choice:
-            raise NonFiniteScores("the target's logits are not finite")
-    else:
-        choice = target_logits.argmax(-1).tolist()
-        if target_logits[torch.arange(len(choice)), choice].isnan().any():
-            raise NonFiniteScores("the target's logits are not finite")
+def greedy_choices(rows: list[torch.Tensor]) -> list[list[int]]:
+    """Each tensor's rows' argmaxes (torch's rule: the first largest), -1 for a row holding NaN,
+    which has no argmax to follow (torch would pick the NaN); rows: tensors [n_i, V] of one
+    forward. Off the CPU, several requests' rows are read from the device at once: a read per
+    request would wait for the device again each time (docs/design.md §9)."""
+    if all(cpu_row_ops.usable(r) for r in rows):   # a C pass per row: torch's bfloat16 argmax is a scalar loop
+        return [cpu_row_ops.argmax(r, nan=-1) for r in rows]
+    # max carries a NaN through as the row's value, at its index; its index is argmax's.
+    values, best = zip(*(r.max(-1) for r in rows))
+    values, best = torch.cat(values), torch.cat(best)
+    flat = torch.where(values.isnan(), -1, best).tolist()
+    out, at = [], 0
+    for r in rows:
+        out.append(flat[at:at + len(r)])
+        at += len(r)
+    return out
+
+
+def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal,
+                   choice: list[int] | None = None) -> tuple[list[int], int]:
+    # Only the argmax matters: no softmax over the vocabulary.
+    if choice is None:
+        choice = greedy_choices([target_logits])[0]
+    if -1 in choice:
+        raise NonFiniteScores("the target's logits are not finite")
     children = _children(proposal)
     path: list[int] = []
     row = 0

@@ -30,7 +30,7 @@ from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
 from specserve.replicas.model.mrope import MRope
-from specserve.replicas.rejection_sampler import verify
+from specserve.replicas.rejection_sampler import greedy_choices, verify
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams
 from specserve.replicas.step import Proposal, StepResult, TokenLogprob
 
@@ -365,6 +365,10 @@ class Target:
         guide_feeds = [self._feed(items[i].guide.slot, items[i].guide.context, items[i].proposal)[0] for i in guided]
         logits = self.kv.forward(feeds + guide_feeds)   # per feed: [n + 1, V]
         unconditional = dict(zip(guided, logits[len(feeds):]))
+        # The exact greedy rule reads only the rows' argmaxes: every such request's at once.
+        plain = [i for i, (item, failure) in enumerate(zip(items, failures)) if failure is None and item.params.greedy
+                 and item.lantern is None and item.guide is None and item.grammar is None and item.processors is None]
+        choices = dict(zip(plain, greedy_choices([logits[i] for i in plain])))
         results: list[StepResult] = []
         kept: list[list[int]] = []
         for index, (item, feed, rows, error, failure) in enumerate(zip(items, feeds, logits, errors, failures)):
@@ -381,7 +385,7 @@ class Target:
                     if item.processors is not None:
                         rows = item.processors.apply(rows, item.context, proposal)
                     if item.lantern is None:
-                        path, bonus = verify(rows, proposal, item.params, item.generator)
+                        path, bonus = verify(rows, proposal, item.params, item.generator, choice=choices.get(index))
                     elif self.neighbours is None:
                         raise NoCodebook("relaxed acceptance needs an image generator's codebook; this target has none")
                     else:

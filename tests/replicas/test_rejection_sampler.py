@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.replicas.rejection_sampler import verify
+from specserve.replicas.rejection_sampler import greedy_choices, verify
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import Proposal
 
@@ -51,6 +51,53 @@ def test_greedy_tree_follows_the_matching_branch():
     proposal = Proposal(tokens=[1, 3, 4], parents=[-1, -1, 1])
     logits = one_hot_logits([3, 0, 4, 5])  # rows: root, node0, node1, node2
     assert verify(logits, proposal, GREEDY) == ([1, 2], 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
+                         ids=["float32 (C pass)", "bfloat16 (C pass)", "float64 (torch, as off the CPU)"])
+def test_greedy_choices_are_each_rows_first_argmax_and_mark_rows_holding_nan(dtype):
+    """Several requests' rows read at once: per tensor, each row's first largest index, as torch's
+    argmax; a row holding NaN (anywhere, even below its largest value) is -1, its neighbours not."""
+    generator = torch.Generator().manual_seed(0)
+    big = torch.randn(7, 50, generator=generator)
+    big[1, [4, 9]] = 10.0                  # a tie: the first one
+    big[3, 20] = float("nan")              # NaN below the row's largest
+    big[5] = float("-inf")                 # every value the same: index 0
+    rows = [big[:2], big[2:5], big[5:], big[::2][:2]]   # views, one of them strided
+    rows = [r.to(dtype) for r in rows]
+    got = greedy_choices(rows)
+    want = [[-1 if r[i].isnan().any() else int(r[i].argmax()) for i in range(len(r))] for r in rows]
+    assert got == want and got[0][1] == 4 and got[1][1] == -1 and got[2][0] == 0
+    assert greedy_choices([]) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
+def test_greedy_choices_wait_for_the_device_once_for_every_request():
+    import warnings
+
+    logits = torch.randn(20, 1000, device="cuda")
+    logits[7, 3] = float("nan")
+    rows = [logits[:5], logits[5:6], logits[6:14], logits[14:]]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = greedy_choices(rows)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in seen if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in seen]
+    assert got == [[-1 if r[i].isnan().any() else int(r[i].argmax()) for i in range(len(r))] for r in rows]
+
+
+def test_greedy_verify_with_choices_read_beforehand_follows_them():
+    proposal = Proposal(tokens=[1, 3, 4], parents=[-1, -1, 1])
+    logits = one_hot_logits([3, 0, 4, 5])
+    assert verify(logits, proposal, GREEDY, choice=greedy_choices([logits])[0]) == ([1, 2], 5)
+    # The rows given are the ones followed (the caller read them from these logits).
+    assert verify(logits, proposal, GREEDY, choice=[1, 2, 0, 0]) == ([0], 2)
+    with pytest.raises(Exception, match="not finite"):
+        verify(logits, proposal, GREEDY, choice=[3, 0, -1, 5])
 
 
 def test_sampled_chain_all_accepted_gets_bonus_from_the_row_after_the_last_token():
