@@ -13,8 +13,9 @@ if the target had sampled them one by one):
   with probability ``p(x)``; on rejection set ``p(x) = 0``, renormalise and try the next child;
   when all are rejected the bonus token comes from what is left of ``p``. This is sampling from
   ``p`` by elimination, so the output distribution is exactly ``p`` (the multi-candidate case of
-  SpecInfer's recursive rejection sampling with point-mass drafts). Under greedy ``p`` is one-hot
-  and the rule reduces to "follow the child equal to the target's argmax".
+  SpecInfer's recursive rejection sampling with point-mass drafts), and it is drawn so: one token
+  y ~ p a row, following the child equal to y, y the bonus when none is. Under greedy ``p`` is
+  one-hot and the rule reduces to "follow the child equal to the target's argmax".
 
 A request that asked for a relaxed rule (``Relaxation``: LANTERN's for image tokens,
 ``lantern.py``) runs the same rules with x's mass raised to ``relaxation.mass(p, x)`` and the
@@ -138,6 +139,18 @@ def _verify_point_masses(
     children = _children(proposal)
     path: list[int] = []
     row = 0
+    if relaxation is None:
+        # Trying the children in turn, each accepted with its renormalised p(x), and the bonus
+        # from what is left, is sampling from p by elimination: the same as one token y ~ p,
+        # following the child equal to y, y the bonus when none is. One draw and one read from
+        # the device a row, as target-only decoding draws (a seeded request emits its tokens).
+        while True:
+            y = sample(logits_to_probs(target_logits[row], params), generator)
+            nxt = next((c for c in children[row] if proposal.tokens[c] == y), None)
+            if nxt is None:
+                return path, y
+            path.append(nxt)
+            row = nxt + 1
     while True:
         p = logits_to_probs(target_logits[row], params)
         for child in children[row]:
@@ -166,11 +179,21 @@ def _verify_sampled_chain(
     assert proposal.is_chain, "draft_probs are only defined for a chain proposal"
     q = proposal.draft_probs
     p = logits_to_probs(target_logits, params)          # [γ + 1, V]
-    for i, x in enumerate(proposal.tokens):
-        u = uniform(generator)
-        mass = p[i, x].item() if relaxation is None else relaxation.mass(p[i], x)[0]
+    tokens = proposal.tokens
+    if relaxation is None:   # every position's u, p(x) and q(x) in one read from the device
+        n = len(tokens)
+        us = torch.rand(n, generator=generator, device=None if generator is None else generator.device)
+        px = torch.stack([p[i, x] for i, x in enumerate(tokens)]) if n else p.new_empty(0)
+        qx = torch.stack([q[i, x] for i, x in enumerate(tokens)]).to(px.dtype) if n else px
+        values = torch.cat([us.to(px.device, px.dtype), px, qx]).tolist()
+        tests = list(zip(values[:n], values[n:2 * n], values[2 * n:]))
+    for i, x in enumerate(tokens):
+        if relaxation is None:
+            u, mass, qx = tests[i]
+        else:
+            u, mass, qx = uniform(generator), relaxation.mass(p[i], x)[0], q[i, x].item()
         # q(x) > 0 because x was drawn from q; p(x) >= q(x): always accept.
-        if u * q[i, x].item() < mass:
+        if u * qx < mass:
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)
         total = residual.sum()

@@ -146,6 +146,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     here, not left to ``multinomial``: on CUDA a NaN there is a device-side assert, which ends
     every request of the process)."""
     total = probs.sum()
-    if not bool(torch.isfinite(total) & (total > 0) & (probs >= 0).all()):   # one read from the device
+    valid = torch.isfinite(total) & (total > 0) & (probs >= 0).all()
+    # Drawn from ``probs`` where valid, else from a stand-in multinomial accepts, so that the check
+    # and the token come back in one read from the device; the stand-in's token is never used.
+    token = torch.multinomial(torch.where(valid, probs, 1.0), 1, generator=generator)
+    valid, token = torch.cat([valid.view(1).to(token.dtype), token]).tolist()
+    if not valid:
         raise NonFiniteScores("the probabilities to sample from are not finite, or sum to 0")
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(token)

@@ -105,15 +105,17 @@ def proposal_error(proposal: Proposal, vocab: int, device: torch.device) -> str 
             return f"draft_probs are on {q.device}, the target on {device}"
         # The rejection test divides by q(x) and takes max(0, p − q) as a distribution: q must be
         # one, and give each proposed token the mass it was drawn with (q(x) > 0).
-        if n:
+        if n:   # the three tests in one read from the device
             low, high = torch.aminmax(q)   # one pass; a NaN propagates and fails both tests
-            if not (float(low) >= 0.0 and float(high) <= 1.0):
+            sums = ((q.sum(-1, dtype=torch.float32) - 1).abs() < 1e-3).all()
+            picked = (torch.stack([q[i, x] for i, x in enumerate(proposal.tokens)]) > 0).all()
+            low, high, sums, picked = torch.stack([low.float(), high.float(), sums.float(), picked.float()]).tolist()
+            if not (low >= 0.0 and high <= 1.0):
                 return "draft_probs must be finite and within [0, 1]"
-            if not bool(((q.sum(-1, dtype=torch.float32) - 1).abs() < 1e-3).all()):
+            if not sums:
                 return "draft_probs rows must each sum to 1"
-        picked = q[torch.arange(n, device=q.device), torch.tensor(proposal.tokens, dtype=torch.long, device=q.device)]
-        if not bool((picked > 0).all()):
-            return "draft_probs give a proposed token no probability (q(x) = 0)"
+            if not picked:
+                return "draft_probs give a proposed token no probability (q(x) = 0)"
     return None
 
 

@@ -90,6 +90,35 @@ def test_greedy_choices_wait_for_the_device_once_for_every_request():
     assert got == [[-1 if r[i].isnan().any() else int(r[i].argmax()) for i in range(len(r))] for r in rows]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
+def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_walks():
+    """A sampled chain: the warp's check, one read of every position's u, p(x) and q(x), and the
+    bonus's draw, whatever the window; a point-mass tree: the warp's check and the draw of each
+    row on its accepted path."""
+    import warnings
+
+    def syncs(run):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                out = run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return out, len([w for w in seen if "synchroniz" in str(w.message)])
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(6, 50, device="cuda")
+    q = torch.softmax(torch.randn(5, 50, device="cuda"), -1)
+    chain = Proposal.chain([int(t) for t in q.argmax(-1)], draft_probs=q)
+    _, waits = syncs(lambda: verify(logits, chain, SAMPLE, generator))
+    assert waits == 3
+    tree = Proposal(tokens=[1, 2, 3, 4, 5], parents=[-1, -1, 0, 2, 3])
+    (path, _), waits = syncs(lambda: verify(point_mass_logits([1, 3, 0, 4, 5, 2]).cuda(), tree, SAMPLE, generator))
+    assert path == [0, 2, 3, 4] and waits == 2 * (len(path) + 1)
+
+
 def test_greedy_verify_with_choices_read_beforehand_follows_them():
     proposal = Proposal(tokens=[1, 3, 4], parents=[-1, -1, 1])
     logits = one_hot_logits([3, 0, 4, 5])

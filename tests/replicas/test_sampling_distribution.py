@@ -140,3 +140,21 @@ def goodness_of_fit(target, prompt, draft, params, tree, seeds, window: int, ens
         counts[gen.token_ids[0], gen.token_ids[1]] += 1
         accepted += gen.stats.accepted
     return chi_square_pvalue(counts, exact_joint(target, prompt, params)), accepted
+
+
+@pytest.mark.parametrize("make, window, tree", [
+    (lambda model: PromptLookupDraft(), 4, None),
+    (lambda model: DraftLM("near", perturbed(model, seed=1, noise=0.1)), 0, TreeShape(depth=3, top_k=3, budget=8)),
+], ids=["prompt-lookup-chain", "draft-lm-tree"])
+def test_a_seeded_request_with_a_point_mass_draft_emits_target_onlys_tokens(target, make, window, tree):
+    """Point-mass proposals are verified by drawing each row's token from the target's p, as
+    target-only decoding draws it, and following the child equal to it: the same seed emits the
+    same tokens, proposals accepted or not (float32, where verifying several rows rounds as one)."""
+    from specserve.replicas.engine import speculative_generate
+
+    model, prompt = target
+    params = SamplingParams(temperature=0.6, top_k=5, seed=5)
+    alone = speculative_generate(Target(model), None, prompt, 40, params)
+    spec = speculative_generate(Target(model), make(model), prompt, 40, params, window=window, tree=tree)
+    assert spec.token_ids == alone.token_ids and len(alone.token_ids) == 40
+    assert spec.stats.accepted > 5, spec.stats   # proposals were accepted along the way
