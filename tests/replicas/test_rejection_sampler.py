@@ -115,7 +115,8 @@ def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_
     _, waits = syncs(lambda: verify(logits, chain, SAMPLE, generator))
     assert waits == 3
     tree = Proposal(tokens=[1, 2, 3, 4, 5], parents=[-1, -1, 0, 2, 3])
-    (path, _), waits = syncs(lambda: verify(point_mass_logits([1, 3, 0, 4, 5, 2]).cuda(), tree, SAMPLE, generator))
+    rows = point_mass_logits([1, 3, 0, 4, 5, 2]).cuda()
+    (path, _), waits = syncs(lambda: verify(rows, tree, SAMPLE, generator))
     assert path == [0, 2, 3, 4] and waits == 2 * (len(path) + 1)
 
 
