@@ -248,13 +248,18 @@ class Target:
         """After a forward: each feed's tapped rows (``keep[i]``: which of its tokens) at ``firsts[i]``."""
         if self._tap is None:
             return
-        for layer in self._features[0]:
-            out = self._tap.last.get(layer)
-            if out is None:   # watched since the last forward
-                continue
-            for i, feed in enumerate(feeds):
+        outs = [(layer, out) for layer in self._features[0] if (out := self._tap.last.get(layer)) is not None]
+        if not outs:   # none watched since the last forward
+            return
+        for i, feed in enumerate(feeds):
+            kept = None if keep is None else keep[i]
+            # Kept rows rise from 0 (the uncached tail, then the accepted path): a chain's are a
+            # prefix, a slice; a tree's are gathered with an index made once for every layer.
+            if kept is not None:
+                kept = slice(len(kept)) if not kept or kept[-1] == len(kept) - 1 else torch.tensor(kept, device=outs[0][1].device)
+            for layer, out in outs:
                 fed = self.kv.fed_rows(out, i)   # [n, H], padding dropped
-                self._features[feed.slot][layer].put(firsts[i], fed if keep is None else fed[keep[i]])
+                self._features[feed.slot][layer].put(firsts[i], fed if kept is None else fed[kept])
 
     def swap(self, a: int, b: int) -> None:
         """Slots ``a`` and ``b`` exchange caches and hidden states (the scheduler keeps busy slots

@@ -80,6 +80,25 @@ def test_the_target_keeps_the_layers_side_by_side_as_transformers_computes_them(
     assert torch.allclose(t.features(context, 4, 1, layers=[-2, 1]), stack_features(hidden, [-2, 1])[0, 4:], atol=1e-5)
 
 
+def test_after_a_tree_verify_the_target_keeps_its_accepted_branchs_states(target):
+    """The accepted path of a tree skips its rejected sibling: the states kept are those of the
+    path's own positions, as transformers computes them for the context it makes."""
+    t = Target(target, slots=1)
+    assert t.tap_features(FUSED_LAYERS)
+    prompt = torch.randint(1, VOCAB, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    first = t.verify_one(prompt, Proposal.empty(), GREEDY).emitted_tokens[0]
+    context = prompt + [first]
+    greedy = target.generate(torch.tensor([context]), max_new_tokens=2, do_sample=False)[0, len(context):].tolist()
+    wrong = (greedy[0] + 1) % VOCAB or 1
+    # node 0: a wrong child of the root; node 1: the target's token; node 2: its next, under node 1
+    result = t.verify_one(context, Proposal(tokens=[wrong, greedy[0], greedy[1]], parents=[-1, -1, 1]), GREEDY)
+    assert result.accepted_path == [1, 2]
+    context += result.emitted_tokens
+    kept = t.features(context, layers=FUSED_LAYERS)
+    assert kept.shape[0] == len(context) - 1
+    assert torch.allclose(kept, stack_features(hidden_states(target, context[:-1]), FUSED_LAYERS)[0], atol=1e-5)
+
+
 def test_a_layer_tapped_late_has_no_rows_until_a_slot_is_read_from_the_start(target):
     t = Target(target)   # taps -2 only
     t.verify_one(PROMPT, Proposal.empty(), GREEDY)
