@@ -143,9 +143,10 @@ def _verify_point_masses(
         # Trying the children in turn, each accepted with its renormalised p(x), and the bonus
         # from what is left, is sampling from p by elimination: the same as one token y ~ p,
         # following the child equal to y, y the bonus when none is. One draw and one read from
-        # the device a row, as target-only decoding draws (a seeded request emits its tokens).
+        # the device a row (the draw's check refuses a row that is not finite), as target-only
+        # decoding draws (a seeded request emits its tokens).
         while True:
-            y = sample(logits_to_probs(target_logits[row], params), generator)
+            y = sample(logits_to_probs(target_logits[row], params, check=False), generator)
             nxt = next((c for c in children[row] if proposal.tokens[c] == y), None)
             if nxt is None:
                 return path, y

@@ -97,7 +97,7 @@ class NonFiniteScores(ValueError):
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, check: bool = True) -> torch.Tensor:
     """Warped next-token probabilities, float32. logits: [..., V] -> probs: [..., V].
 
     Greedy becomes a one-hot on the argmax, so the rejection rule ``min(1, p/q)`` reduces to
@@ -107,13 +107,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     shift-invariant, so p is unchanged): ``(l − max) / T <= 0`` can only underflow to −inf, never
     overflow, for every temperature down to the smallest float — a tiny T samples the limit
     distribution (uniform over the tied maxima), not NaN. A row with a non-finite maximum
-    (NaN or +inf logits) is ``NonFiniteScores``.
+    (NaN or +inf logits) is ``NonFiniteScores``; with ``check`` off it warps to NaN instead, for a
+    caller that draws from the result (``sample`` refuses it), sparing a read from the device.
     """
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     top = logits.amax(-1, keepdim=True)
-    if not bool(torch.isfinite(top).all()):
+    if check and not bool(torch.isfinite(top).all()):
         raise NonFiniteScores("the target's logits are not finite")
     logits = (logits - top) / max(params.temperature, MIN_TEMPERATURE)
     if params.min_p > 0.0:

@@ -93,8 +93,8 @@ def test_greedy_choices_wait_for_the_device_once_for_every_request():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
 def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_walks():
     """A sampled chain: the warp's check, one read of every position's u, p(x) and q(x), and the
-    bonus's draw, whatever the window; a point-mass tree: the warp's check and the draw of each
-    row on its accepted path."""
+    bonus's draw, whatever the window; a point-mass tree: the draw of each row on its accepted
+    path (which checks the row)."""
     import warnings
 
     def syncs(run):
@@ -117,7 +117,26 @@ def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_
     tree = Proposal(tokens=[1, 2, 3, 4, 5], parents=[-1, -1, 0, 2, 3])
     rows = point_mass_logits([1, 3, 0, 4, 5, 2]).cuda()
     (path, _), waits = syncs(lambda: verify(rows, tree, SAMPLE, generator))
-    assert path == [0, 2, 3, 4] and waits == 2 * (len(path) + 1)
+    assert path == [0, 2, 3, 4] and waits == len(path) + 1
+
+
+@pytest.mark.parametrize("bad", ["nan", "+inf", "all -inf"])
+@pytest.mark.parametrize("params", [SAMPLE, SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.5),
+                                    SamplingParams(temperature=1.0, min_p=0.1)], ids=["plain", "top-k", "top-p", "min-p"])
+def test_a_row_that_is_not_finite_is_refused_on_a_point_mass_path(bad, params):
+    """The walk warps without the warp's own check: the draw refuses what it would have."""
+    from specserve.replicas.sampling import NonFiniteScores
+
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    logits[0] = point_mass_logits([2])[0]   # the root surely accepts node 0 (token 2)
+    if bad == "nan":
+        logits[1, 4] = float("nan")
+    elif bad == "+inf":
+        logits[1, 4] = float("inf")
+    else:
+        logits[1] = float("-inf")
+    with pytest.raises(NonFiniteScores):
+        verify(logits, Proposal.chain([2, 5]), params, torch.Generator().manual_seed(1))
 
 
 def test_greedy_verify_with_choices_read_beforehand_follows_them():
