@@ -181,12 +181,13 @@ def _verify_sampled_chain(
     q = proposal.draft_probs
     p = logits_to_probs(target_logits, params)          # [γ + 1, V]
     tokens = proposal.tokens
-    if relaxation is None:   # every position's u, p(x) and q(x) in one read from the device
+    if relaxation is None and tokens:   # every position's u, p(x) and q(x) in one read from the device
         n = len(tokens)
         us = torch.rand(n, generator=generator, device=None if generator is None else generator.device)
-        px = torch.stack([p[i, x] for i, x in enumerate(tokens)]) if n else p.new_empty(0)
-        qx = torch.stack([q[i, x] for i, x in enumerate(tokens)]).to(px.dtype) if n else px
-        values = torch.cat([us.to(px.device, px.dtype), px, qx]).tolist()
+        # Stacked views, not an index list (which a GPU would be sent first).
+        ps = torch.stack([p[i, x] for i, x in enumerate(tokens)])
+        qs = torch.stack([q[i, x] for i, x in enumerate(tokens)]).to(p.dtype)
+        values = torch.cat([us.to(p.device, p.dtype), ps, qs]).tolist()
         tests = list(zip(values[:n], values[n:2 * n], values[2 * n:]))
     for i, x in enumerate(tokens):
         if relaxation is None:
