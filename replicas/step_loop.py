@@ -139,6 +139,7 @@ class StepLoop:
         self._ahead: dict[str, list[_Ahead]] = {}     # request id -> the chains drafted ahead for it
         self._outcome_sessions: dict[str, set[tuple[str, str]]] = {}   # request id -> (draft, session) drafted ahead in
         self._last_verify_s = 0.0
+        self._verify_s: deque[float] = deque(maxlen=CALL_HISTORY)   # recent verifies' seconds
         self._chores: set[asyncio.Task] = set()   # releases waiting for a draft ahead to answer
         self.on_draft_costs = on_draft_costs
         self.on_carried = on_carried
@@ -285,12 +286,15 @@ class StepLoop:
     def _ahead_budget(self, name: str) -> float:
         """Drafted positions that fit in one verify at the draft's measured pace (its recent calls'
         median seconds per position; a verify's time as yet unmeasured: none), times
-        ``AHEAD_SHARE``: what drafting ahead may ask of it without the next step waiting."""
+        ``AHEAD_SHARE``: what drafting ahead may ask of it without the next step waiting. A verify
+        lasts the shorter of the last one and the recent median: one preempted verify does not
+        widen the budget, and a batch that shrank narrows it at once."""
         paces = self._position_s.get(name)
-        if not paces or self._last_verify_s <= 0:
+        if not paces or not self._verify_s:
             return 0.0
         pace = sorted(paces)[len(paces) // 2]
-        return AHEAD_SHARE * self._last_verify_s / max(pace, 1e-6)
+        verify_s = min(self._last_verify_s, sorted(self._verify_s)[len(self._verify_s) // 2])
+        return AHEAD_SHARE * verify_s / max(pace, 1e-6)
 
     def _ahead_asks(self, plan: StepPlan, proposals: dict[str, Proposal]) -> dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]:
         """The asks of drafting ahead, built before the step's forward changes any context, as many
@@ -461,6 +465,7 @@ class StepLoop:
         self._deliver()   # the previous step's tokens stream while this step's forward runs
         record = await work
         self._last_verify_s = self._clock() - t_verify
+        self._verify_s.append(self._last_verify_s)
         # Sessions of finished requests, and of drafts a request switched away from.
         sessions = [(s.request.draft, s) for s in plan.decode if s.done] + self.scheduler.released
         self.scheduler.released = []

@@ -158,6 +158,30 @@ def test_nothing_is_drafted_ahead_that_does_not_fit_in_a_verify(target):
     assert loop.ahead.drafted <= 2, loop.ahead   # at most before the pace is known
 
 
+def test_one_slow_verify_does_not_widen_what_is_drafted_ahead(target):
+    """A verify delayed once (the host preempted, say) is not the next verify's length: the
+    budget stays what the usual quick verify leaves, and nothing is drafted ahead after it."""
+    draft = DraftLM("close", perturbed(target, seed=1, noise=0.1))
+    verifies = [0]
+
+    def one_slow_verify(loop):
+        execute = loop.scheduler.execute
+
+        def slow_once(*args):
+            verifies[0] += 1
+            if verifies[0] == 4:
+                time.sleep(0.5)
+            return execute(*args)
+
+        loop.scheduler.execute = slow_once
+
+    outs, loop = run(target, draft, [SpecRequest(PROMPTS[0], 20, GREEDY, "close", 3, None, "slow")], verify_s=0.0,
+                     loop_hook=one_slow_verify)
+    assert outs[0] == speculative_generate(Target(target), None, PROMPTS[0], 20, GREEDY).token_ids
+    assert verifies[0] > 5
+    assert loop.ahead.drafted <= 2, loop.ahead
+
+
 def test_without_draft_ahead_nothing_is_drafted_ahead(target):
     draft = DraftLM("near", perturbed(target, seed=1))
     outs, loop = run(target, draft, [SpecRequest(PROMPTS[0], 20, GREEDY, "near", 3, None, "off")], draft_ahead=False)
