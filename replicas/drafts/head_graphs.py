@@ -10,7 +10,9 @@ A graph runs fixed shapes at fixed addresses, so a chain's keys live in static b
 bucket's buffers once, then each drafted token writes its key and value at the next index and
 attends over the first L keys, masked past its own. The token, its input state, its rotary
 position and its write index are copied into the graph's inputs before each replay. The maths
-is the module path's (``HSRHead.step``); the masked keys add exact zeros to the softmax.
+is the module path's (``HSRHead.step``); the masked keys add exact zeros to the softmax. q/k/v,
+and gate/up, run as one product each: the layer's projections become views of one stacked weight
+(``_stacked``), so nothing is copied and the module path reads the same values.
 
 Before drafting, each step feeds the head the positions verification accepted, with the
 target's states (up to the root): that **feed** of up to ``MAX_FEED`` rows replays a graph too,
@@ -50,8 +52,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from specserve.replicas.drafts.device_growth import DeviceGrowth, level_sizes
+from specserve.replicas.drafts.hsr_head import apply_rope
 from specserve.replicas.model import cuda_graphs, llama_forward
 from specserve.replicas.step import Proposal, TreeShape
 
@@ -196,6 +200,10 @@ class HeadGraphs:
         self.whole_trees = True
         self._captured = None
         self._rotary_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        attn, mlp = head.layer.self_attn, head.layer.mlp
+        with torch.no_grad():
+            self._qkv = _stacked(attn.q_proj, attn.k_proj, attn.v_proj)
+            self._gate_up = _stacked(mlp["gate_proj"], mlp["up_proj"])
 
     @staticmethod
     def for_head(head) -> "HeadGraphs | None":
@@ -409,16 +417,26 @@ class HeadGraphs:
         """``HSRHead.step`` for rows ``token`` [1, W] with input states ``hidden`` [1, W, H] at
         ``position`` [W], their keys written at ``at`` [W] (ascending), each attending over the
         bucket's keys up to its own index: output states [1, W, H]."""
-        head = self.head
-        layer, attn = head.layer, head.layer.self_attn
-        z = head.inputs(token, hidden)
+        allowed = b.indices[None, :] <= at[:, None]   # [W, L]: the exact cache, the rows so far, itself
+        return self._layer(b, self.head.inputs(token, hidden), position, at, allowed)
+
+    def _layer(self, b: _Bucket, z: torch.Tensor, position: torch.Tensor, at: torch.Tensor,
+               allowed: torch.Tensor) -> torch.Tensor:
+        """The head's decoder layer on inputs ``z`` [1, W, H] at ``position`` [W], their keys
+        written at ``at`` [W], row i attending over the bucket's keys ``allowed[i]``: output
+        states [1, W, H]. ``HSRHead.step``'s maths with q/k/v and gate/up as one product each, and
+        the queries and keys rotated together."""
+        layer, attn = self.head.layer, self.head.layer.self_attn
+        w = z.shape[1]
         cos, sin = self._rotary(position, z.dtype)
-        q, k, v = attn.qkv(layer.input_layernorm(z), cos, sin, repeat_kv=False)
+        qkv = F.linear(layer.input_layernorm(z), self._qkv).view(1, w, attn.heads + 2 * attn.kv_heads, attn.head_dim)
+        qk, v = qkv.transpose(1, 2).split([attn.heads + attn.kv_heads, attn.kv_heads], dim=1)
+        q, k = apply_rope(qk, cos, sin).split([attn.heads, attn.kv_heads], dim=1)   # both rotated at once
         b.keys.index_copy_(2, at, k)
         b.values.index_copy_(2, at, v)
-        allowed = b.indices[None, :] <= at[:, None]   # [W, L]: the exact cache, the rows so far, itself
-        attended = self._attention(q, b, allowed)
-        return layer.feed_forward(z + attn.out(attended))
+        h = z + attn.out(self._attention(q, b, allowed))
+        gate, up = F.linear(layer.post_attention_layernorm(h), self._gate_up).chunk(2, dim=-1)
+        return h + layer.mlp["down_proj"](F.silu(gate) * up)
 
     def _rotary(self, position: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``HSRHead.rope``'s cos and sin for ``position`` [W], read from a table of every position
@@ -454,18 +472,11 @@ class HeadGraphs:
     def _level_step(self, b: _Bucket, level: _Level) -> torch.Tensor:
         """``HSRHead.step`` for a tree level's rows over the bucket's buffers, then the head's
         logits over the full vocabulary [width, V]."""
-        head = self.head
-        layer, attn = head.layer, head.layer.self_attn
         token, position, key, parent, out_row = level.ints
-        z = head.inputs(token[None], b.tree_hidden.index_select(0, parent)[None])   # Eq. 4: the parent's output
-        cos, sin = self._rotary(position, z.dtype)
-        q, k, v = attn.qkv(layer.input_layernorm(z), cos, sin, repeat_kv=False)
-        b.keys.index_copy_(2, key, k)
-        b.values.index_copy_(2, key, v)
-        attended = self._attention(q, b, level.allowed)
-        out = layer.feed_forward(z + attn.out(attended))
+        z = self.head.inputs(token[None], b.tree_hidden.index_select(0, parent)[None])   # Eq. 4: the parent's output
+        out = self._layer(b, z, position, key, level.allowed)
         b.tree_hidden.index_copy_(0, out_row, out[0])
-        return head.full_logits(out)[0]
+        return self.head.full_logits(out)[0]
 
     def _capture(self, step) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (lazy initialisations stay outside the graph), then capture;
@@ -506,6 +517,19 @@ class ChainSteps:
         self._next += 1
         out, logits = self._graphs.run(b)
         return out, logits
+
+
+def _stacked(*linears: torch.nn.Linear) -> torch.Tensor:
+    """The linears' weights stacked into one [sum of outputs, inputs], each linear's weight made a
+    view of its rows: one product where there were several, with no second copy of the weights
+    (their values, and the module path's results, unchanged)."""
+    weight = torch.cat([linear.weight for linear in linears])
+    at = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = weight[at:at + rows]
+        at += rows
+    return weight
 
 
 def width_for(rows: int) -> int:

@@ -61,6 +61,19 @@ def test_the_rotary_table_holds_the_heads_own_angles(head):
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin) and torch.equal(cos[-1], cos[-2])
 
 
+def test_the_buckets_stack_the_projections_without_copying_the_weights(target):
+    """q/k/v and gate/up run as one product each over the layer's own weights: its projections
+    become views of one stacked tensor each, their values unchanged."""
+    head = trained_hsr_head(target, steps=0)
+    attn, mlp = head.layer.self_attn, head.layer.mlp
+    groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [mlp["gate_proj"], mlp["up_proj"]]]
+    before = [[linear.weight.clone() for linear in group] for group in groups]
+    HeadGraphs(head, capture=False)
+    for group, values in zip(groups, before):
+        assert len({linear.weight.untyped_storage().data_ptr() for linear in group}) == 1
+        assert all(torch.equal(linear.weight, value) for linear, value in zip(group, values))
+
+
 @pytest.mark.parametrize("length", [5, 60, 63, 64, 130])
 @pytest.mark.parametrize("window", [2, 5])
 def test_a_greedy_chain_proposes_the_module_paths_tokens(target, head, length, window):
