@@ -372,25 +372,33 @@ class Target:
         guide_feeds = [self._feed(items[i].guide.slot, items[i].guide.context, items[i].proposal)[0] for i in guided]
         logits = self.kv.forward(feeds + guide_feeds)   # per feed: [n + 1, V]
         unconditional = dict(zip(guided, logits[len(feeds):]))
-        # The exact greedy rule reads only the rows' argmaxes: every such request's at once.
-        plain = [i for i, (item, failure) in enumerate(zip(items, failures)) if failure is None and item.params.greedy
-                 and item.lantern is None and item.guide is None and item.grammar is None and item.processors is None]
-        choices = dict(zip(plain, greedy_choices([logits[i] for i in plain])))
-        results: list[StepResult] = []
-        kept: list[list[int]] = []
-        for index, (item, feed, rows, error, failure) in enumerate(zip(items, feeds, logits, errors, failures)):
-            proposal = item.proposal
+        # Each request's rows as its own rules see them: guided, masked by its grammar, processed.
+        raws: list[torch.Tensor] = []
+        ruled: list[torch.Tensor] = []
+        for index, (item, rows) in enumerate(zip(items, logits)):
             # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
             if item.guide is not None:
                 rows = guided_logits(rows, unconditional[index], item.guide.scale, item.guide.vocab)
-            raw = rows
+            raws.append(rows)
+            try:
+                if failures[index] is None and item.grammar is not None:
+                    rows = item.grammar.mask(rows)
+                if failures[index] is None and item.processors is not None:
+                    rows = item.processors.apply(rows, item.context, item.proposal)
+            except (NonFiniteScores, GrammarError) as err:   # this request's own rows: it fails alone
+                failures[index] = f"{type(err).__name__}: {err}"
+            ruled.append(rows)
+        # The exact greedy rule reads only the rows' argmaxes: every such request's at once.
+        greedy = [i for i, (item, failure) in enumerate(zip(items, failures))
+                  if failure is None and item.params.greedy and item.lantern is None]
+        choices = dict(zip(greedy, greedy_choices([ruled[i] for i in greedy])))
+        results: list[StepResult] = []
+        kept: list[list[int]] = []
+        for index, (item, feed, rows, raw, error, failure) in enumerate(zip(items, feeds, ruled, raws, errors, failures)):
+            proposal = item.proposal
             path, bonus = [], None
             try:
                 if failure is None:
-                    if item.grammar is not None:
-                        rows = item.grammar.mask(rows)
-                    if item.processors is not None:
-                        rows = item.processors.apply(rows, item.context, proposal)
                     if item.lantern is None:
                         path, bonus = verify(rows, proposal, item.params, item.generator, choice=choices.get(index))
                     elif self.neighbours is None:

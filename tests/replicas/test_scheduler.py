@@ -416,15 +416,15 @@ def test_a_copied_prefix_carries_its_hidden_states_and_verifies_as_the_original(
     torch.testing.assert_close(target.features(prompt + [1], slot=1), target.features(prompt + [1], slot=0))
 
 
-def test_a_steps_plain_greedy_requests_have_their_argmaxes_read_at_once(monkeypatch):
-    """One read of the target's argmaxes per verify for every greedy request whose rows are the
-    forward's own (no processors, grammar or guidance), beside requests that read their own rows;
-    the greedy ones still decode as alone."""
+def test_a_steps_greedy_requests_have_their_argmaxes_read_at_once(monkeypatch):
+    """One read of the target's argmaxes per verify for every greedy request, over its rows after
+    its own processors, beside a sampled request that reads its own rows; each greedy request
+    still decodes as alone."""
     import specserve.replicas.target as target_module
 
     model = tiny_model("llama", seed=0)
     target = Target(model, slots=4)
-    reads, plain = [], []
+    reads, greedy = [], []
     choices, verify = target_module.greedy_choices, target.verify
 
     def counted(rows):
@@ -432,17 +432,19 @@ def test_a_steps_plain_greedy_requests_have_their_argmaxes_read_at_once(monkeypa
         return choices(rows)
 
     def verify_counted(items):
-        plain.append(sum(1 for i in items if i.params.greedy and i.processors is None))
+        greedy.append(sum(1 for i in items if i.params.greedy))
         return verify(items)
 
     monkeypatch.setattr(target_module, "greedy_choices", counted)
     target.verify = verify_counted
+    penalized = SamplingParams(repetition_penalty=1.3)
     requests = [SpecRequest(PROMPTS[0], NEW_TOKENS, GREEDY, "near", 3, None, "a"),
                 SpecRequest(PROMPTS[1], NEW_TOKENS, GREEDY, "prompt-lookup", 4, None, "b"),
-                SpecRequest(PROMPTS[2], NEW_TOKENS, SamplingParams(repetition_penalty=1.3), "near", 2, None, "c"),
+                SpecRequest(PROMPTS[2], NEW_TOKENS, penalized, "near", 2, None, "c"),
                 SpecRequest(PROMPTS[3], NEW_TOKENS, SamplingParams(temperature=0.8, seed=1), "near", 2, None, "d")]
     gens = run_batch(target, servers(model), requests)
-    assert reads == plain and max(reads) == 2 and len(reads) >= NEW_TOKENS // 5
+    assert reads == greedy and max(reads) == 3 and len(reads) >= NEW_TOKENS // 5
     for i in (0, 1):
         assert gens[i].token_ids == alone(model, PROMPTS[i])
-    assert all(len(g.token_ids) == NEW_TOKENS for g in gens[2:])
+    assert gens[2].token_ids == speculative_generate(Target(model), None, PROMPTS[2], NEW_TOKENS, penalized).token_ids
+    assert len(gens[3].token_ids) == NEW_TOKENS
