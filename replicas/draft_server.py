@@ -39,7 +39,7 @@ from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.drafts.suffix import SuffixDraft
 from specserve.replicas.model import cuda_graphs
 from specserve.replicas.model.image_tokens import draft_view
-from specserve.replicas.model.kv_memory import DRAFT_KV_FRACTION, draft_reservation
+from specserve.replicas.model.kv_memory import DRAFT_KV_FRACTION, MIN_DRAFT_RESERVATION, draft_reservation
 from specserve.replicas.model_store import load_causal_lm
 from specserve.replicas.model_worker import ModelWorker
 from specserve.replicas.model.session_pool import SessionPool
@@ -167,15 +167,17 @@ class DraftServer:
             self._batched.kv.images = self.images
 
     def _reserve_cache(self, max_model_len: int | None) -> None:
-        """A draft LM on CUDA: its slots at the longest context served and its graphs of decode
-        and windows captured now, where the device holds them (``kv_memory.draft_reservation``);
-        otherwise its cache grows on demand, each growth dropping the graphs."""
+        """A draft LM on CUDA: its slots at the longest context served (or as many positions as
+        its share of the device holds, ``kv_memory.draft_reservation``) and its graphs of decode
+        and windows captured now; a longer context grows the cache, each growth dropping the
+        graphs."""
         kv = self._batched.kv
         length = draft_reservation(kv.slots, max_model_len, device=kv.device, model_config=kv.model.config,
                                    dtype=kv.model.dtype)
         if length is None:
-            logger.info("draft %s: its KV cache grows on demand (%d slots at max_model_len take more than %.0f%% "
-                        "of the device, or more than is free)", self.name, kv.slots, 100 * DRAFT_KV_FRACTION)
+            logger.info("draft %s: its KV cache grows on demand (%d slots of %d positions take more than %.0f%% "
+                        "of the device, or more than is free)", self.name, kv.slots, MIN_DRAFT_RESERVATION,
+                        100 * DRAFT_KV_FRACTION)
             return
         kv.reserve(length)
         held = kv.capture_graphs(cuda_graphs.START_WIDTHS)

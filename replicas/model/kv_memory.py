@@ -28,10 +28,12 @@ GiB = 1 << 30
 # graphs captured, which no formula here follows (vLLM measures it with a profiling forward).
 ACTIVATION_FRACTION = 0.05
 
-# A draft LM's cache on CUDA is reserved at start, at the longest context served, when its slots
-# take at most this fraction of the device (and fit in what is free); its graphs are then captured
-# once. A larger one grows on demand instead, and a growth drops its graphs.
+# A draft LM's cache on CUDA is reserved at start, at the longest context served or as many
+# positions as this fraction of the device holds (and its free memory), and its graphs captured
+# once; a context past a reservation grows the cache, which drops the graphs. Fewer positions than
+# MIN_DRAFT_RESERVATION are not reserved: the first prompts would outgrow them.
 DRAFT_KV_FRACTION = 0.1
+MIN_DRAFT_RESERVATION = 256
 
 SIZED_BY_DEVICE = "device memory"
 SIZED_BY_CONFIG = "config"
@@ -159,8 +161,9 @@ def draft_reservation(slots: int, max_model_len: int | None, *, device: torch.de
                       dtype: torch.dtype, mem_get_info: Callable[[torch.device], tuple[int, int]] = free_device_memory
                       ) -> int | None:
     """The positions a draft LM's ``slots`` reserve each on CUDA: ``max_model_len`` (None: the
-    model's context), when that many for every slot take at most ``DRAFT_KV_FRACTION`` of the
-    device and fit in its free memory; None otherwise, and off CUDA (the cache grows on demand)."""
+    model's context), or fewer, as many as ``DRAFT_KV_FRACTION`` of the device and its free memory
+    hold for every slot; None where that is under ``MIN_DRAFT_RESERVATION``, and off CUDA (the
+    cache grows on demand)."""
     if torch.device(device).type != "cuda":
         return None
     context = getattr(_text_config(model_config), "max_position_embeddings", None)
@@ -168,5 +171,6 @@ def draft_reservation(slots: int, max_model_len: int | None, *, device: torch.de
     if length is None:
         return None
     free_bytes, total_bytes = mem_get_info(device)
-    needed = slots * length * kv_bytes_per_token(model_config, dtype)
-    return length if needed <= min(DRAFT_KV_FRACTION * total_bytes, free_bytes) else None
+    fits = int(min(DRAFT_KV_FRACTION * total_bytes, free_bytes) // (slots * kv_bytes_per_token(model_config, dtype)))
+    positions = min(length, fits)
+    return positions if positions >= min(length, MIN_DRAFT_RESERVATION) else None

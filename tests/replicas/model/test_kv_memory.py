@@ -125,11 +125,12 @@ SLOT_BYTES = 512 * PER_TOKEN
     (2, 10 * SLOT_BYTES, 20 * SLOT_BYTES, None, 512),           # 2 slots: 10% of 20 slots' bytes, the context
     (2, 10 * SLOT_BYTES, 20 * SLOT_BYTES, 4096, 512),           # never past the model's context
     (4, 10 * SLOT_BYTES, 20 * SLOT_BYTES, 256, 256),            # 4 half-length slots: 2 full ones' bytes
-    (3, 10 * SLOT_BYTES, 20 * SLOT_BYTES, None, None),          # over a tenth of the device: grown on demand
-    (2, SLOT_BYTES, 40 * SLOT_BYTES, None, None),               # a tenth, but not free
-], ids=["fits", "capped-by-context", "max-model-len", "over-a-tenth", "not-free"])
-def test_a_draft_lm_reserves_its_cache_where_its_slots_take_a_tenth_of_the_device(slots, free, total, max_model_len,
-                                                                                  want):
+    (3, 10 * SLOT_BYTES, 20 * SLOT_BYTES, None, 341),           # over a tenth of the device: what a tenth holds
+    (2, SLOT_BYTES, 40 * SLOT_BYTES, None, 256),                # a tenth, but not free: what is free holds
+    (5, 10 * SLOT_BYTES, 20 * SLOT_BYTES, None, None),          # 204 positions: outgrown at once, none reserved
+    (5, 10 * SLOT_BYTES, 20 * SLOT_BYTES, 128, 128),            # ... unless every context served is shorter
+], ids=["fits", "capped-by-context", "max-model-len", "over-a-tenth", "not-free", "too-few", "short-contexts"])
+def test_a_draft_lm_reserves_what_a_tenth_of_the_device_holds(slots, free, total, max_model_len, want):
     assert draft_reservation(slots, max_model_len, device=CUDA, model_config=TINY, dtype=torch.float32,
                              mem_get_info=device(free, total)) == want
 
