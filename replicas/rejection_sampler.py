@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from specserve.replicas.model import cpu_row_ops
-from specserve.replicas.sampling import NonFiniteScores, SamplingParams, logits_to_probs, sample, uniform
+from specserve.replicas.sampling import NonFiniteScores, SamplingParams, draws, logits_to_probs, sample, uniform
 from specserve.replicas.step import Proposal
 
 
@@ -52,7 +52,8 @@ def verify(
     """Returns ``(accepted_path, bonus_token)``; ``accepted_path`` indexes ``proposal.tokens``.
     Raises ``NonFiniteScores`` when a row it reads is not a distribution (the caller fails that
     request alone). ``relaxation``: a relaxed rule the request asked for; None: exact.
-    ``choice``: under the exact greedy rule, the rows' argmaxes already read (``greedy_choices``).
+    ``choice``: the rows' tokens already read, under the exact greedy rule their argmaxes
+    (``greedy_choices``), under the exact point-mass rule one draw from each (``sampled_choices``).
 
     target_logits: [len(proposal) + 1, V]
     """
@@ -62,7 +63,7 @@ def verify(
         return _verify_greedy(target_logits, proposal, choice)
     if proposal.draft_probs is not None:
         return _verify_sampled_chain(target_logits, proposal, params, generator, relaxation)
-    return _verify_point_masses(target_logits, proposal, params, generator, relaxation)
+    return _verify_point_masses(target_logits, proposal, params, generator, relaxation, choice)
 
 
 def _children(proposal: Proposal) -> list[list[int]]:
@@ -84,6 +85,32 @@ def greedy_choices(rows: list[torch.Tensor]) -> list[list[int]]:
     values, best = zip(*(r.max(-1) for r in rows))
     values, best = torch.cat(values), torch.cat(best)
     flat = torch.where(values.isnan(), -1, best).tolist()
+    out, at = [], 0
+    for r in rows:
+        out.append(flat[at:at + len(r)])
+        at += len(r)
+    return out
+
+
+def draws_every_row(rows: torch.Tensor) -> bool:
+    """Whether a point-mass walk over ``rows`` has them all drawn beforehand (``sampled_choices``):
+    off the CPU, where each row's draw on arrival is a wait for the device; on the CPU the rows a
+    walk skips cost more than the reads."""
+    return rows.device.type != "cpu"
+
+
+def sampled_choices(rows: list[torch.Tensor], params: list[SamplingParams],
+                    generators: list[torch.Generator | None]) -> list[list[int]]:
+    """One token drawn from each row's warped distribution p, -1 for a row that is not one; rows:
+    tensors [n_i, V] of one forward, each request's own params and generator. The point-mass walk
+    visits one row per depth and follows the draw there, independent of the draws that led to it,
+    so drawing every row beforehand samples exactly what drawing each row on arrival does: the
+    rows it skips cost work, not correctness. Every request's draws are read from the device at
+    once, where a walk waits for the device at each row (docs/design.md §9)."""
+    if not rows:
+        return []
+    flat = torch.cat([draws(logits_to_probs(r, p, check=False), g) for r, p, g in zip(rows, params, generators)])
+    flat = flat.tolist()
     out, at = [], 0
     for r in rows:
         out.append(flat[at:at + len(r)])
@@ -135,6 +162,7 @@ def _verify_point_masses(
     params: SamplingParams,
     generator: torch.Generator | None,
     relaxation: Relaxation | None = None,
+    choice: list[int] | None = None,
 ) -> tuple[list[int], int]:
     children = _children(proposal)
     path: list[int] = []
@@ -144,9 +172,12 @@ def _verify_point_masses(
         # from what is left, is sampling from p by elimination: the same as one token y ~ p,
         # following the child equal to y, y the bonus when none is. One draw and one read from
         # the device a row (the draw's check refuses a row that is not finite), as target-only
-        # decoding draws (a seeded request emits its tokens).
+        # decoding draws (a seeded request emits its tokens); or each row's draw made beforehand.
         while True:
-            y = sample(logits_to_probs(target_logits[row], params, check=False), generator)
+            if choice is None:
+                y = sample(logits_to_probs(target_logits[row], params, check=False), generator)
+            elif (y := choice[row]) < 0:
+                raise NonFiniteScores("the probabilities to sample from are not finite, or sum to 0")
             nxt = next((c for c in children[row] if proposal.tokens[c] == y), None)
             if nxt is None:
                 return path, y

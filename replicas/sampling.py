@@ -143,22 +143,28 @@ def uniform(generator: torch.Generator | None) -> float:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id from a 1-D probability vector; ``NonFiniteScores`` when it is not one.
+    """One token id from a 1-D probability vector (``draws``, read); ``NonFiniteScores`` when it
+    is not one. The check and the token come back in one read from the device."""
+    token = int(draws(probs[None], generator)[0])
+    if token < 0:
+        raise NonFiniteScores("the probabilities to sample from are not finite, or sum to 0")
+    return token
+
+
+def draws(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A token id per row of ``probs`` [R, V], -1 for a row that is not a probability vector
+    (non-finite, negative, or of no mass); [R] on the rows' device, unread.
 
     Drawn by inverting the cumulative sum in float64 (the first token whose cumulative mass
     exceeds u · total): a token of no mass is never drawn, and each token's chance is its mass to
     float64's rounding. torch's ``multinomial`` draws one exponential per token of the vocabulary
     even for a single sample, many times this on the CPU (docs/benchmarks.md §10.7), and on CUDA
-    a NaN inside it is a device-side assert, which ends every request of the process. The check
-    and the token come back in one read from the device."""
-    cumulative = probs.cumsum(0, dtype=torch.float64)
-    total = cumulative[-1:]
-    valid = torch.isfinite(total) & (total > 0) & (probs.amin() >= 0)   # a NaN fails each test
-    u = torch.rand(1, dtype=torch.float64, generator=generator, device=probs.device) * total
+    a NaN inside it is a device-side assert, which ends every request of the process."""
+    cumulative = probs.cumsum(-1, dtype=torch.float64)
+    total = cumulative[:, -1:].contiguous()
+    valid = torch.isfinite(total[:, 0]) & (total[:, 0] > 0) & (probs.amin(-1) >= 0)   # a NaN fails each test
+    u = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator, device=probs.device) * total
     # u may round up to the total itself: the last token with mass is the largest draw.
     last = torch.searchsorted(cumulative, total)
-    token = torch.minimum(torch.searchsorted(cumulative, u, right=True), last)
-    valid, token = torch.cat([valid.to(token.dtype), token]).tolist()
-    if not valid:
-        raise NonFiniteScores("the probabilities to sample from are not finite, or sum to 0")
-    return int(token)
+    token = torch.minimum(torch.searchsorted(cumulative, u, right=True), last)[:, 0]
+    return torch.where(valid, token, -1)

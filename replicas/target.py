@@ -30,7 +30,7 @@ from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
 from specserve.replicas.model.mrope import MRope
-from specserve.replicas.rejection_sampler import greedy_choices, verify
+from specserve.replicas.rejection_sampler import draws_every_row, greedy_choices, sampled_choices, verify
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams
 from specserve.replicas.step import Proposal, StepResult, TokenLogprob
 
@@ -392,6 +392,14 @@ class Target:
         greedy = [i for i, (item, failure) in enumerate(zip(items, failures))
                   if failure is None and item.params.greedy and item.lantern is None]
         choices = dict(zip(greedy, greedy_choices([ruled[i] for i in greedy])))
+        # Every row of an unseeded request walked by point masses drawn at once where that pays
+        # (``draws_every_row``), all such requests' draws read together; a seeded request draws
+        # each row on arrival, as target-only decoding does.
+        drawn = [i for i, (item, failure) in enumerate(zip(items, failures))
+                 if failure is None and not item.params.greedy and item.params.seed is None and item.lantern is None
+                 and item.proposal.draft_probs is None and draws_every_row(ruled[i])]
+        choices.update(zip(drawn, sampled_choices([ruled[i] for i in drawn], [items[i].params for i in drawn],
+                                                  [items[i].generator for i in drawn])))
         results: list[StepResult] = []
         kept: list[list[int]] = []
         for index, (item, feed, rows, raw, error, failure) in enumerate(zip(items, feeds, ruled, raws, errors, failures)):

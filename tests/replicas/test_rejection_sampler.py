@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.replicas.rejection_sampler import greedy_choices, verify
-from specserve.replicas.sampling import SamplingParams
+from specserve.replicas.rejection_sampler import greedy_choices, sampled_choices, verify
+from specserve.replicas.sampling import SamplingParams, logits_to_probs
 from specserve.replicas.step import Proposal
 
 GREEDY = SamplingParams()
@@ -90,6 +90,47 @@ def test_greedy_choices_wait_for_the_device_once_for_every_request():
     assert got == [[-1 if r[i].isnan().any() else int(r[i].argmax()) for i in range(len(r))] for r in rows]
 
 
+@pytest.mark.parametrize("params", [SAMPLE, SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.5),
+                                    SamplingParams(temperature=1.0, min_p=0.1)], ids=["plain", "top-k", "top-p", "min-p"])
+def test_sampled_choices_draw_each_row_within_its_warp_and_mark_rows_that_are_not_distributions(params):
+    """Several requests' rows drawn at once: each token one the row's warp keeps; a row holding
+    NaN or +inf, or all -inf, is -1, its neighbours drawn."""
+    generator = torch.Generator().manual_seed(0)
+    big = torch.randn(9, 40, generator=generator)
+    big[2, 7] = float("nan")
+    big[4, 1] = float("inf")
+    big[6] = float("-inf")
+    rows = [big[:3], big[3:5], big[5:], big[::2][:2]]   # views, one of them strided
+    got = sampled_choices(rows, [params] * 4, [torch.Generator().manual_seed(i) for i in range(4)])
+    for r, tokens, at in zip(rows, got, [[0, 1, 2], [3, 4], [5, 6, 7, 8], [0, 2]]):
+        assert len(tokens) == len(r)
+        for i, token in zip(at, tokens):
+            if i in (2, 4, 6):
+                assert token == -1
+            else:
+                assert logits_to_probs(big[i], params)[token] > 0
+    assert sampled_choices([], [], []) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
+def test_sampled_choices_wait_for_the_device_once_for_every_request():
+    import warnings
+
+    logits = torch.randn(20, 1000, device="cuda")
+    rows = [logits[:5], logits[5:6], logits[6:14], logits[14:]]
+    generators = [torch.Generator(device="cuda").manual_seed(i) for i in range(4)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = sampled_choices(rows, [SamplingParams(temperature=0.8, top_k=50)] * 4, generators)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in seen if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in seen]
+    assert [len(tokens) for tokens in got] == [5, 1, 8, 6] and min(min(tokens) for tokens in got) >= 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
 def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_walks():
     """A sampled chain: the warp's check, one read of every position's u, p(x) and q(x), and the
@@ -123,7 +164,8 @@ def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_
 @pytest.mark.parametrize("bad", ["nan", "+inf", "all -inf"])
 @pytest.mark.parametrize("params", [SAMPLE, SamplingParams(temperature=0.7, top_k=3), SamplingParams(temperature=1.0, top_p=0.5),
                                     SamplingParams(temperature=1.0, min_p=0.1)], ids=["plain", "top-k", "top-p", "min-p"])
-def test_a_row_that_is_not_finite_is_refused_on_a_point_mass_path(bad, params):
+@pytest.mark.parametrize("beforehand", [False, True], ids=["drawn-on-arrival", "drawn-beforehand"])
+def test_a_row_that_is_not_finite_is_refused_on_a_point_mass_path(bad, params, beforehand):
     """The walk warps without the warp's own check: the draw refuses what it would have."""
     from specserve.replicas.sampling import NonFiniteScores
 
@@ -135,8 +177,10 @@ def test_a_row_that_is_not_finite_is_refused_on_a_point_mass_path(bad, params):
         logits[1, 4] = float("inf")
     else:
         logits[1] = float("-inf")
+    generator = torch.Generator().manual_seed(1)
+    choice = sampled_choices([logits], [params], [generator])[0] if beforehand else None
     with pytest.raises(NonFiniteScores):
-        verify(logits, Proposal.chain([2, 5]), params, torch.Generator().manual_seed(1))
+        verify(logits, Proposal.chain([2, 5]), params, generator, choice=choice)
 
 
 def test_greedy_verify_with_choices_read_beforehand_follows_them():
@@ -224,8 +268,9 @@ def test_sampled_chain_second_token_is_distributed_as_p():
     assert tv < 0.03 and pvalue > 1e-4, (tv, pvalue)
 
 
+@pytest.mark.parametrize("beforehand", [False, True], ids=["drawn-on-arrival", "drawn-beforehand"])
 @pytest.mark.parametrize("children", [[2], [2, 5, 0], [7, 3]])
-def test_point_mass_tree_preserves_target_distribution(children, p_q):
+def test_point_mass_tree_preserves_target_distribution(children, p_q, beforehand):
     p, _ = p_q
     p = p.clone()
     p[0, 7] = 0.0   # a candidate the target never emits must never be accepted
@@ -236,7 +281,8 @@ def test_point_mass_tree_preserves_target_distribution(children, p_q):
     logits = torch.cat([p[:1].log(), torch.zeros(len(children), 8)])
     counts = torch.zeros(8)
     for _ in range(n):
-        path, bonus = verify(logits, proposal, SAMPLE, gen)
+        choice = sampled_choices([logits], [SAMPLE], [gen])[0] if beforehand else None
+        path, bonus = verify(logits, proposal, SAMPLE, gen, choice=choice)
         counts[children[path[0]] if path else bonus] += 1
     tv, pvalue = empirical(counts, p[0], n)
     assert tv < 0.03 and pvalue > 1e-4, (tv, pvalue)

@@ -124,14 +124,17 @@ def test_first_two_tokens_follow_the_target(request, target, hsr_head, case, par
         assert accepted > RUNS // 20, f"{case}: only {accepted} accepted draft tokens"
 
 
-def goodness_of_fit(target, prompt, draft, params, tree, seeds, window: int, ensemble: dict | None = None
-                    ) -> tuple[float, int]:
+def goodness_of_fit(target, prompt, draft, params, tree, seeds, window: int, ensemble: dict | None = None,
+                    seeded: bool = True) -> tuple[float, int]:
     """Chi-square p-value of the sampled (t1, t2) pairs against the exact joint, and the number
     of accepted draft tokens. One request per seed, all through one batched scheduler.
-    ``ensemble``: the draft LM's chains as a TABED ensemble with these settings."""
+    ``ensemble``: the draft LM's chains as a TABED ensemble with these settings. ``seeded=False``:
+    the requests name no seed, each drawing from a generator of fresh entropy (not reproducible:
+    a correct sampler fails two blocks about once in a million runs)."""
     name = "none" if draft is None else draft.name
     servers = {} if draft is None else {name: in_process_server(name, draft, ensemble)}
-    requests = [SpecRequest(prompt, window + 1, SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed),
+    requests = [SpecRequest(prompt, window + 1, SamplingParams(params.temperature, params.top_p, params.top_k,
+                                                               seed=seed if seeded else None),
                             name, window, tree, f"seed-{seed}") for seed in seeds]
     gens = run_batch(Target(target, slots=BATCH), servers, requests)
     counts = torch.zeros(VOCAB, VOCAB)
@@ -140,6 +143,37 @@ def goodness_of_fit(target, prompt, draft, params, tree, seeds, window: int, ens
         counts[gen.token_ids[0], gen.token_ids[1]] += 1
         accepted += gen.stats.accepted
     return chi_square_pvalue(counts, exact_joint(target, prompt, params)), accepted
+
+
+@pytest.mark.parametrize("case", ["plain", "draft-lm-tree", "prompt-lookup-chain", "hsr-tree"])
+@pytest.mark.slow
+def test_rows_drawn_before_the_walk_keep_the_first_two_tokens_the_targets(monkeypatch, target, hsr_head, case):
+    """Unseeded point-mass requests with every row drawn beforehand, all requests' draws read at
+    once (``sampled_choices``, the path off the CPU), forced here on the CPU."""
+    import specserve.replicas.target as target_module
+    from specserve.replicas import rejection_sampler
+
+    calls = []
+
+    def counted(rows, params, generators):
+        calls.append(len(rows))
+        return rejection_sampler.sampled_choices(rows, params, generators)
+
+    monkeypatch.setattr(target_module, "draws_every_row", lambda rows: True)
+    monkeypatch.setattr(target_module, "sampled_choices", counted)
+    model, prompt = target
+    draft = {"plain": None, "draft-lm-tree": DraftLM("near", perturbed(model, seed=1)),
+             "prompt-lookup-chain": PromptLookupDraft(), "hsr-tree": HSRDraft("hsr", hsr_head)}[case]
+    tree = TreeShape(2, 3, 6) if case.endswith("tree") else None
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20)
+    pvalue, accepted = goodness_of_fit(model, prompt, draft, params, tree, range(RUNS), 2, seeded=False)
+    if pvalue <= 1e-3:   # as in the seeded test: a second, disjoint block decides
+        pvalue, accepted = goodness_of_fit(model, prompt, draft, params, tree, range(RUNS, 2 * RUNS), 2,
+                                           seeded=False)
+    assert pvalue > 1e-3, f"{case}: chi-square p={pvalue:.2e} on two disjoint blocks"
+    assert max(calls) == BATCH, calls   # a full batch's draws read at once
+    if draft is not None:
+        assert accepted > RUNS // 20, f"{case}: only {accepted} accepted draft tokens"
 
 
 @pytest.mark.parametrize("make, window, tree", [
