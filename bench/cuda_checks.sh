@@ -26,14 +26,15 @@ decode() {   # decode SECONDS NAME ARGS...: one bench decode run, its JSON and l
   echo "$name: exit $?"; tail -12 "$out/$name.log"
 }
 SPECSERVE_TEST_DEVICE=cuda timeout "${TEST_SECONDS:-170}" "$python" -m pytest -q -m "not reference" -p no:cacheprovider \
-  tests/replicas/model/test_cuda_graphs.py tests/replicas/model/test_fused_elementwise.py tests/replicas/model/test_llama_forward.py \
-  tests/replicas/test_greedy_equality.py tests/replicas/test_head_graphs.py tests/replicas/test_sampling_distribution.py \
-  tests/replicas/test_chain_builder.py \
   tests/replicas/test_rejection_sampler.py::test_greedy_choices_wait_for_the_device_once_for_every_request \
   tests/replicas/test_rejection_sampler.py::test_sampled_choices_wait_for_the_device_once_for_every_request \
+  tests/replicas/test_logprobs.py::test_token_logprobs_wait_for_the_device_once \
   tests/replicas/test_rejection_sampler.py::test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_walks \
   tests/replicas/test_draft_server.py::test_a_served_head_captures_its_graphs_before_its_first_proposal \
   tests/replicas/test_draft_server.py::test_a_served_draft_lm_reserves_its_cache_and_captures_its_graphs_at_start \
+  tests/replicas/model/test_cuda_graphs.py tests/replicas/model/test_fused_elementwise.py tests/replicas/model/test_llama_forward.py \
+  tests/replicas/test_greedy_equality.py tests/replicas/test_head_graphs.py tests/replicas/test_chain_builder.py \
+  tests/replicas/test_sampling_distribution.py \
   > "$out/tests.log" 2>&1
 echo "tests: exit $?"; tail -3 "$out/tests.log"
 decode "${DECODE_8B_SECONDS:-200}" decode-8b --shapes 8b --batches 1 --profile --no-chat \

@@ -14,16 +14,27 @@ MAX_TOP_LOGPROBS = 20   # OpenAI's bound on top_logprobs
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """rows: [len(tokens), V] logits, row i the one that predicted ``tokens[i]``; ``top``
-    alternatives per token (0: the token's own only)."""
+    alternatives per token (0: the token's own only). One read from the device: the tokens' own
+    log-probabilities and the alternatives' come back together."""
     if not tokens:
         return []
     logp = torch.log_softmax(rows.float(), -1)
-    chosen = logp[torch.arange(len(tokens), device=logp.device),
-                  torch.tensor(tokens, dtype=torch.long, device=logp.device)].tolist()
-    if not top:
-        return [TokenLogprob(lp) for lp in chosen]
-    values, ids = logp.topk(min(top, logp.shape[-1]), -1)
-    return [TokenLogprob(lp, tuple(zip(i, v))) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
+    parts = [logp.gather(-1, _sent(tokens, logp.device)[:, None])]
+    k = min(top, logp.shape[-1])
+    if k:
+        values, ids = logp.topk(k, -1)
+        parts += [values, ids]   # ids exact in float64
+    packed = torch.cat([part.double() for part in parts], -1).tolist()
+    if not k:
+        return [TokenLogprob(row[0]) for row in packed]
+    return [TokenLogprob(row[0], tuple(zip(map(int, row[1 + k:]), row[1:1 + k]))) for row in packed]
+
+
+def _sent(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as a long tensor on ``device``; to a GPU from pinned memory, without waiting for
+    the work queued there (a copy from pageable memory waits for it)."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
 
 
 def joined(first: list | None, later: list | None) -> list | None:

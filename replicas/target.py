@@ -429,7 +429,8 @@ class Target:
             if item.logprobs is not None and failure is None:
                 # Emitted token j was predicted by row 0 (the root's) or by the row of the path's
                 # node before it.
-                logprobs = token_logprobs(raw[[0] + [i + 1 for i in path]], emitted, item.logprobs)
+                # Stacked views, not an index list (which a GPU would be sent first, waiting for it).
+                logprobs = token_logprobs(torch.stack([raw[0]] + [raw[i + 1] for i in path]), emitted, item.logprobs)
             results.append(StepResult(
                 proposed=len(proposal),
                 accepted=len(path),

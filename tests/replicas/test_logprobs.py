@@ -8,6 +8,7 @@ import torch
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.engine import in_process_server, run_batch
+from specserve.replicas.logprobs import token_logprobs
 from specserve.replicas.request import SpecRequest, StreamItem
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TokenLogprob, TreeShape
@@ -66,6 +67,38 @@ def test_prompt_logprobs_are_the_plain_forwards_through_chunks_and_a_cached_pref
         assert got[i].logprob == pytest.approx(float(rows[i - 1, longer[i]]), abs=1e-4)
         assert [t for t, _ in got[i].top] == rows[i - 1].topk(2).indices.tolist()
     assert gens[0].prompt_logprobs is None and gens[0].logprobs is None
+
+
+@pytest.mark.parametrize("top", [0, 1, 5])
+def test_token_logprobs_are_the_rows_log_softmax_exactly(top):
+    """Read back in one piece, every value is the float32 log-softmax's own, each alternative's id
+    its own."""
+    rows = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 4
+    tokens = [7, 299, 0, 7]
+    got = token_logprobs(rows, tokens, top)
+    logp = torch.log_softmax(rows, -1)
+    assert [lp.logprob for lp in got] == [logp[i, t].item() for i, t in enumerate(tokens)]
+    values, ids = logp.topk(top, -1)
+    assert [list(lp.top) for lp in got] == [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    assert all(isinstance(t, int) for lp in got for t, _ in lp.top)
+    assert token_logprobs(rows[:0], [], top) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
+def test_token_logprobs_wait_for_the_device_once():
+    import warnings
+
+    rows = torch.randn(6, 1000, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = token_logprobs(rows, [1, 2, 3, 4, 5, 6], 3)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in seen if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in seen]
+    assert len(got) == 6 and all(len(lp.top) == 3 for lp in got)
 
 
 def test_items_joined_keep_their_logprobs_in_order():
