@@ -61,8 +61,13 @@ def verify(
         if relaxation is not None:
             return _verify_greedy_relaxed(target_logits, proposal, relaxation)
         return _verify_greedy(target_logits, proposal, choice)
+    if proposal.draft_probs is not None and relaxation is None:
+        verdict = sampled_chain_verdicts([target_logits], [proposal], [params], [generator])[0]
+        if isinstance(verdict, NonFiniteScores):
+            raise verdict
+        return verdict
     if proposal.draft_probs is not None:
-        return _verify_sampled_chain(target_logits, proposal, params, generator, relaxation)
+        return _verify_relaxed_chain(target_logits, proposal, params, generator, relaxation)
     return _verify_point_masses(target_logits, proposal, params, generator, relaxation, choice)
 
 
@@ -201,36 +206,78 @@ def _verify_point_masses(
             return path, sample(p, generator)
 
 
-def _verify_sampled_chain(
+def sampled_chain_verdicts(rows: list[torch.Tensor], proposals: list[Proposal], params: list[SamplingParams],
+                           generators: list[torch.Generator | None]) -> list[tuple[list[int], int] | NonFiniteScores]:
+    """Sampled chains verified by the exact rule, several requests at once: each request's rows
+    ``[γ + 1, V]``, its chain (``draft_probs`` its q), params and generator. Two reads from the
+    device for them all: every position's u, p(x), q(x) and each row's validity; then every
+    bonus token, drawn from ``norm(max(0, p − q))`` at the first rejection, or from the row
+    after the chain. Each request draws from its own generator in its own order (its u's, then
+    its bonus), as verifying it alone does. A request with a row that is not finite gets
+    ``NonFiniteScores`` in place of its verdict; the others go on."""
+    probs, reads = [], []
+    for r, proposal, prm, generator in zip(rows, proposals, params, generators):
+        assert proposal.is_chain, "draft_probs are only defined for a chain proposal"
+        p = logits_to_probs(r, prm, check=False)   # [γ + 1, V]; a row that is not finite is all NaN
+        q, tokens = proposal.draft_probs, proposal.tokens
+        us = torch.rand(len(tokens), generator=generator, device=None if generator is None else generator.device)
+        parts = [p[:, 0], us.to(p.device, p.dtype)]
+        if tokens:   # stacked views, not an index list (which a GPU would be sent first)
+            parts += [torch.stack([p[i, x] for i, x in enumerate(tokens)]),
+                      torch.stack([q[i, x] for i, x in enumerate(tokens)]).to(p.dtype)]
+        probs.append(p)
+        reads.append(torch.cat(parts))
+    values = torch.cat(reads).tolist() if reads else []
+    verdicts: list = []
+    bonus_rows = []
+    at = 0
+    for p, proposal, generator in zip(probs, proposals, generators):
+        n = len(proposal.tokens)
+        firsts, tests = values[at:at + n + 1], values[at + n + 1:at + 4 * n + 1]
+        at += 4 * n + 1
+        if any(v != v for v in firsts):   # NaN
+            verdicts.append(NonFiniteScores("the target's logits are not finite"))
+            continue
+        us, ps, qs = tests[:n], tests[n:2 * n], tests[2 * n:]
+        # q(x) > 0 because x was drawn from q; p(x) >= q(x): always accept.
+        accepted = next((i for i in range(n) if not us[i] * qs[i] < ps[i]), n)
+        if accepted < n:
+            # A rejection implies p(x) < q(x), so p − q has positive mass somewhere; p itself
+            # stands in only when float round-off leaves none.
+            residual = torch.clamp(p[accepted] - proposal.draft_probs[accepted], min=0.0)
+            row = torch.where(residual.sum() > 0, residual, p[accepted])
+        else:
+            row = p[n]
+        verdicts.append(list(range(accepted)))
+        bonus_rows.append(draws(row[None], generator))
+    bonuses = iter(torch.cat(bonus_rows).tolist() if bonus_rows else [])
+    out: list = []
+    for verdict in verdicts:
+        if isinstance(verdict, NonFiniteScores):
+            out.append(verdict)
+        elif (bonus := next(bonuses)) < 0:
+            out.append(NonFiniteScores("the probabilities to sample from are not finite, or sum to 0"))
+        else:
+            out.append((verdict, bonus))
+    return out
+
+
+def _verify_relaxed_chain(
     target_logits: torch.Tensor,
     proposal: Proposal,
     params: SamplingParams,
     generator: torch.Generator | None,
-    relaxation: Relaxation | None = None,
+    relaxation: Relaxation,
 ) -> tuple[list[int], int]:
-    assert proposal.is_chain, "draft_probs are only defined for a chain proposal"
+    """A sampled chain under a relaxed rule: x accepted against its raised mass, read a position
+    at a time."""
     q = proposal.draft_probs
     p = logits_to_probs(target_logits, params)          # [γ + 1, V]
-    tokens = proposal.tokens
-    if relaxation is None and tokens:   # every position's u, p(x) and q(x) in one read from the device
-        n = len(tokens)
-        us = torch.rand(n, generator=generator, device=None if generator is None else generator.device)
-        # Stacked views, not an index list (which a GPU would be sent first).
-        ps = torch.stack([p[i, x] for i, x in enumerate(tokens)])
-        qs = torch.stack([q[i, x] for i, x in enumerate(tokens)]).to(p.dtype)
-        values = torch.cat([us.to(p.device, p.dtype), ps, qs]).tolist()
-        tests = list(zip(values[:n], values[n:2 * n], values[2 * n:]))
-    for i, x in enumerate(tokens):
-        if relaxation is None:
-            u, mass, qx = tests[i]
-        else:
-            u, mass, qx = uniform(generator), relaxation.mass(p[i], x)[0], q[i, x].item()
-        # q(x) > 0 because x was drawn from q; p(x) >= q(x): always accept.
+    for i, x in enumerate(proposal.tokens):
+        u, mass, qx = uniform(generator), relaxation.mass(p[i], x)[0], q[i, x].item()
         if u * qx < mass:
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)
         total = residual.sum()
-        # A rejection implies p(x) < q(x), so p − q has positive mass somewhere; the guard only
-        # catches float round-off when p and q are equal to within it.
         return list(range(i)), sample(residual / total if total > 0 else p[i], generator)
     return list(range(len(proposal))), sample(p[len(proposal)], generator)

@@ -30,7 +30,8 @@ from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.logprobs import token_logprobs
 from specserve.replicas.model.mrope import MRope
-from specserve.replicas.rejection_sampler import draws_every_row, greedy_choices, sampled_choices, verify
+from specserve.replicas.rejection_sampler import (draws_every_row, greedy_choices, sampled_chain_verdicts,
+                                                  sampled_choices, verify)
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams
 from specserve.replicas.step import Proposal, StepResult, TokenLogprob
 
@@ -400,6 +401,13 @@ class Target:
                  and item.proposal.draft_probs is None and draws_every_row(ruled[i])]
         choices.update(zip(drawn, sampled_choices([ruled[i] for i in drawn], [items[i].params for i in drawn],
                                                   [items[i].generator for i in drawn])))
+        # Sampled chains: every request's tests read at once, then every bonus token.
+        chains = [i for i, (item, failure) in enumerate(zip(items, failures))
+                  if failure is None and not item.params.greedy and item.lantern is None
+                  and item.proposal.draft_probs is not None]
+        verdicts = dict(zip(chains, sampled_chain_verdicts(
+            [ruled[i] for i in chains], [items[i].proposal for i in chains], [items[i].params for i in chains],
+            [items[i].generator for i in chains])))
         results: list[StepResult] = []
         kept: list[list[int]] = []
         for index, (item, feed, rows, raw, error, failure) in enumerate(zip(items, feeds, ruled, raws, errors, failures)):
@@ -407,7 +415,11 @@ class Target:
             path, bonus = [], None
             try:
                 if failure is None:
-                    if item.lantern is None:
+                    if index in verdicts:
+                        if isinstance(verdict := verdicts[index], NonFiniteScores):
+                            raise verdict
+                        path, bonus = verdict
+                    elif item.lantern is None:
                         path, bonus = verify(rows, proposal, item.params, item.generator, choice=choices.get(index))
                     elif self.neighbours is None:
                         raise NoCodebook("relaxed acceptance needs an image generator's codebook; this target has none")

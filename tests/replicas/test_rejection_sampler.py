@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.replicas.rejection_sampler import greedy_choices, sampled_choices, verify
+from specserve.replicas.rejection_sampler import greedy_choices, sampled_chain_verdicts, sampled_choices, verify
 from specserve.replicas.sampling import SamplingParams, logits_to_probs
 from specserve.replicas.step import Proposal
 
@@ -133,9 +133,9 @@ def test_sampled_choices_wait_for_the_device_once_for_every_request():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
 def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_walks():
-    """A sampled chain: the warp's check, one read of every position's u, p(x) and q(x), and the
-    bonus's draw, whatever the window; a point-mass tree: the draw of each row on its accepted
-    path (which checks the row)."""
+    """A sampled chain: one read of every position's u, p(x), q(x) and its rows' validity, and one
+    of the bonus's draw, whatever the window and however many chains; a point-mass tree: the draw
+    of each row on its accepted path (which checks the row)."""
     import warnings
 
     def syncs(run):
@@ -154,7 +154,10 @@ def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_
     q = torch.softmax(torch.randn(5, 50, device="cuda"), -1)
     chain = Proposal.chain([int(t) for t in q.argmax(-1)], draft_probs=q)
     _, waits = syncs(lambda: verify(logits, chain, SAMPLE, generator))
-    assert waits == 3
+    assert waits == 2
+    # Several chains: still two reads for all of them.
+    _, waits = syncs(lambda: sampled_chain_verdicts([logits] * 4, [chain] * 4, [SAMPLE] * 4, [generator] * 4))
+    assert waits == 2
     tree = Proposal(tokens=[1, 2, 3, 4, 5], parents=[-1, -1, 0, 2, 3])
     rows = point_mass_logits([1, 3, 0, 4, 5, 2]).cuda()
     (path, _), waits = syncs(lambda: verify(rows, tree, SAMPLE, generator))
@@ -181,6 +184,37 @@ def test_a_row_that_is_not_finite_is_refused_on_a_point_mass_path(bad, params, b
     choice = sampled_choices([logits], [params], [generator])[0] if beforehand else None
     with pytest.raises(NonFiniteScores):
         verify(logits, Proposal.chain([2, 5]), params, generator, choice=choice)
+
+
+def test_sampled_chains_verified_together_are_each_verified_as_alone():
+    """Each request draws from its own generator in its own order, so verifying chains together
+    gives each the verdict it gets alone; a request whose rows are not finite fails alone."""
+    from specserve.replicas.sampling import NonFiniteScores
+
+    g = torch.Generator().manual_seed(0)
+    params = [SAMPLE, SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.2, top_p=0.8), SAMPLE, SAMPLE]
+    rows, proposals = [], []
+    for window in (3, 1, 4, 2, 0):
+        rows.append(torch.randn(window + 1, 12, generator=g))
+        q = torch.softmax(torch.randn(window, 12, generator=g) * 3, -1)
+        proposals.append(Proposal.chain([int(torch.multinomial(q[i], 1, generator=g)) for i in range(window)],
+                                        draft_probs=q))
+    rows[3][1, 5] = float("nan")
+
+    def generators():
+        return [torch.Generator().manual_seed(10 + i) for i in range(len(rows))]
+
+    together = sampled_chain_verdicts(rows, proposals, params, generators())
+    alone = []
+    for r, proposal, prm, generator in zip(rows, proposals, params, generators()):
+        try:
+            alone.append(verify(r, proposal, prm, generator))
+        except NonFiniteScores as err:
+            alone.append(err)
+    assert isinstance(together[3], NonFiniteScores) and isinstance(alone[3], NonFiniteScores)
+    assert together[:3] + together[4:] == alone[:3] + alone[4:]
+    assert {len(path) for path, _ in together[:3]} != {0}   # something was accepted somewhere
+    assert sampled_chain_verdicts([], [], [], []) == []
 
 
 def test_greedy_verify_with_choices_read_beforehand_follows_them():
