@@ -86,6 +86,8 @@ def test_the_matcher_follows_the_output_through_any_proposals_and_rollbacks(refe
 
 def plain_under_grammar(loaded, tokenizer, prompt: list[int], grammar: str, max_tokens: int) -> list[int]:
     """Greedy decoding with the grammar's mask, the whole prefix through the model for every token."""
+    import llguidance.torch   # a submodule: imported by the grammar's first mask, not before
+
     matcher = llguidance.LLMatcher(tokenizer, grammar)
     mask = llguidance.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
     out: list[int] = []
