@@ -23,6 +23,15 @@ from specserve.replicas.sampling import NonFiniteScores, SamplingParams
 from specserve.replicas.step import Proposal
 
 
+NO_TOKEN_LEFT = ("the request's logits processors leave no token to choose "
+                 "(allowed_token_ids, min_tokens and the stop tokens exclude every one)")
+
+
+def choosable(rows: torch.Tensor) -> torch.Tensor:
+    """Whether every row of processed logits keeps some token: a 0-d bool tensor, unread."""
+    return (rows.amax(-1) > float("-inf")).all()
+
+
 def row_prefixes(proposal: Proposal) -> list[list[int]]:
     """For each scored row, the proposal tokens between the root and the token that row predicts:
     ``[]`` for row 0, the path to node ``i`` (inclusive) for row ``i + 1``."""
@@ -58,9 +67,10 @@ class RowProcessors:
             self._blocked = torch.ones(vocab, dtype=torch.bool, device=device)
             self._blocked[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = False
 
-    def apply(self, rows: torch.Tensor, context: list[int], proposal: Proposal) -> torch.Tensor:
+    def apply(self, rows: torch.Tensor, context: list[int], proposal: Proposal, check: bool = True) -> torch.Tensor:
         """rows: [len(proposal) + 1, V] -> float32 rows of p' logits. ``context`` ends with the
-        root. ``NonFiniteScores`` when the processors leave a row no token at all."""
+        root. ``NonFiniteScores`` when the processors leave a row no token at all; with ``check``
+        off the caller reads ``choosable`` itself (several requests' at once)."""
         p = self.params
         rows = rows.float().clone()
         vocab = rows.shape[-1]
@@ -78,9 +88,8 @@ class RowProcessors:
                      torch.tensor(self.stop_ids, device=rows.device)[None, :]] = float("-inf")
         if p.penalized:
             self._penalize(rows, context, prefixes)
-        if not bool((rows.amax(-1) > float("-inf")).all()):
-            raise NonFiniteScores("the request's logits processors leave no token to choose "
-                                  "(allowed_token_ids, min_tokens and the stop tokens exclude every one)")
+        if check and not bool(choosable(rows)):
+            raise NonFiniteScores(NO_TOKEN_LEFT)
         return rows
 
     def _penalize(self, rows: torch.Tensor, context: list[int], prefixes: list[list[int]]) -> None:

@@ -15,7 +15,7 @@ CUDA an out-of-range id never becomes a device-side assert.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -27,8 +27,8 @@ from specserve.replicas.imagegen import guided_logits
 from specserve.replicas.model.image_tokens import is_virtual
 from specserve.replicas.model.kv_session import common_prefix_len
 from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
-from specserve.replicas.logits_processors import RowProcessors
-from specserve.replicas.logprobs import token_logprobs
+from specserve.replicas.logits_processors import NO_TOKEN_LEFT, RowProcessors, choosable
+from specserve.replicas.logprobs import packed_logprobs, read_logprobs, token_logprobs
 from specserve.replicas.model.mrope import MRope
 from specserve.replicas.rejection_sampler import (draws_every_row, greedy_choices, sampled_chain_verdicts,
                                                   sampled_choices, verify)
@@ -87,7 +87,40 @@ def vocab_size(model) -> int:
 
 
 def proposal_error(proposal: Proposal, vocab: int, device: torch.device) -> str | None:
-    """Why ``proposal`` cannot be verified, or None. Checked before any tensor work."""
+    """Why ``proposal`` cannot be verified, or None (``proposal_errors`` for one)."""
+    return proposal_errors([proposal], vocab, device)[0]
+
+
+def proposal_errors(proposals: list[Proposal], vocab: int, device: torch.device) -> list[str | None]:
+    """Why each proposal cannot be verified, or None. Checked before any tensor work; the
+    ``draft_probs`` of every proposal that has them are checked in one read from the device."""
+    errors = [_shape_error(proposal, vocab, device) for proposal in proposals]
+    checked = [i for i, (proposal, error) in enumerate(zip(proposals, errors))
+               if error is None and proposal.draft_probs is not None and proposal.tokens]
+    if not checked:
+        return errors
+    # The rejection test divides by q(x) and takes max(0, p − q) as a distribution: q must be
+    # one, and give each proposed token the mass it was drawn with (q(x) > 0).
+    flags = []
+    for i in checked:
+        q, tokens = proposals[i].draft_probs, proposals[i].tokens
+        low, high = torch.aminmax(q)   # one pass; a NaN propagates and fails both tests
+        sums = ((q.sum(-1, dtype=torch.float32) - 1).abs() < 1e-3).all()
+        picked = (torch.stack([q[j, x] for j, x in enumerate(tokens)]) > 0).all()   # views: no index list sent
+        flags.append(torch.stack([low.float(), high.float(), sums.float(), picked.float()]).to(device))
+    for i, (low, high, sums, picked) in zip(checked, torch.stack(flags).tolist()):
+        if not (low >= 0.0 and high <= 1.0):
+            errors[i] = "draft_probs must be finite and within [0, 1]"
+        elif not sums:
+            errors[i] = "draft_probs rows must each sum to 1"
+        elif not picked:
+            errors[i] = "draft_probs give a proposed token no probability (q(x) = 0)"
+    return errors
+
+
+def _shape_error(proposal: Proposal, vocab: int, device: torch.device) -> str | None:
+    """What makes ``proposal`` malformed before its values are read: its tokens, parents and the
+    shape and device of its ``draft_probs``."""
     n = len(proposal.tokens)
     if len(proposal.parents) != n:
         return f"{n} tokens but {len(proposal.parents)} parents"
@@ -104,19 +137,6 @@ def proposal_error(proposal: Proposal, vocab: int, device: torch.device) -> str 
             return f"draft_probs have shape {tuple(q.shape)}, expected ({n}, {vocab})"
         if q.device.type != device.type:
             return f"draft_probs are on {q.device}, the target on {device}"
-        # The rejection test divides by q(x) and takes max(0, p − q) as a distribution: q must be
-        # one, and give each proposed token the mass it was drawn with (q(x) > 0).
-        if n:   # the three tests in one read from the device
-            low, high = torch.aminmax(q)   # one pass; a NaN propagates and fails both tests
-            sums = ((q.sum(-1, dtype=torch.float32) - 1).abs() < 1e-3).all()
-            picked = (torch.stack([q[i, x] for i, x in enumerate(proposal.tokens)]) > 0).all()
-            low, high, sums, picked = torch.stack([low.float(), high.float(), sums.float(), picked.float()]).tolist()
-            if not (low >= 0.0 and high <= 1.0):
-                return "draft_probs must be finite and within [0, 1]"
-            if not sums:
-                return "draft_probs rows must each sum to 1"
-            if not picked:
-                return "draft_probs give a proposed token no probability (q(x) = 0)"
     return None
 
 
@@ -353,8 +373,7 @@ class Target:
         firsts: list[int] = []
         errors: list[str | None] = []
         failures: list[str | None] = []
-        for item in items:
-            error = proposal_error(item.proposal, self.vocab, self.model.device)
+        for item, error in zip(items, proposal_errors([item.proposal for item in items], self.vocab, self.model.device)):
             if error is not None:
                 item.proposal = Proposal.empty()
             errors.append(error)
@@ -376,6 +395,7 @@ class Target:
         # Each request's rows as its own rules see them: guided, masked by its grammar, processed.
         raws: list[torch.Tensor] = []
         ruled: list[torch.Tensor] = []
+        processed: dict[int, torch.Tensor] = {}   # request -> whether its processors left every row a token
         for index, (item, rows) in enumerate(zip(items, logits)):
             # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
             if item.guide is not None:
@@ -385,10 +405,15 @@ class Target:
                 if failures[index] is None and item.grammar is not None:
                     rows = item.grammar.mask(rows)
                 if failures[index] is None and item.processors is not None:
-                    rows = item.processors.apply(rows, item.context, item.proposal)
-            except (NonFiniteScores, GrammarError) as err:   # this request's own rows: it fails alone
+                    rows = item.processors.apply(rows, item.context, item.proposal, check=False)
+                    processed[index] = choosable(rows)
+            except GrammarError as err:   # this request's own rows: it fails alone
                 failures[index] = f"{type(err).__name__}: {err}"
             ruled.append(rows)
+        if processed:   # every processed request's check in one read
+            for index, ok in zip(processed, torch.stack(list(processed.values())).tolist()):
+                if not ok:
+                    failures[index] = f"{NonFiniteScores.__name__}: {NO_TOKEN_LEFT}"
         # The exact greedy rule reads only the rows' argmaxes: every such request's at once.
         greedy = [i for i, (item, failure) in enumerate(zip(items, failures))
                   if failure is None and item.params.greedy and item.lantern is None]
@@ -410,6 +435,7 @@ class Target:
             [items[i].generator for i in chains])))
         results: list[StepResult] = []
         kept: list[list[int]] = []
+        logprobs: dict[int, torch.Tensor] = {}   # request -> its emitted tokens' log-probabilities, unread
         for index, (item, feed, rows, raw, error, failure) in enumerate(zip(items, feeds, ruled, raws, errors, failures)):
             proposal = item.proposal
             path, bonus = [], None
@@ -437,12 +463,11 @@ class Target:
             if item.guide is not None:
                 self._keep_path(item.guide.slot, item.guide.context, proposal, path)
             emitted = accepted + ([] if bonus is None else [bonus])
-            logprobs = None
             if item.logprobs is not None and failure is None:
                 # Emitted token j was predicted by row 0 (the root's) or by the row of the path's
-                # node before it.
-                # Stacked views, not an index list (which a GPU would be sent first, waiting for it).
-                logprobs = token_logprobs(torch.stack([raw[0]] + [raw[i + 1] for i in path]), emitted, item.logprobs)
+                # node before it: stacked views, not an index list (which a GPU would be sent first).
+                logprobs[index] = packed_logprobs(torch.stack([raw[0]] + [raw[i + 1] for i in path]), emitted,
+                                                  item.logprobs)
             results.append(StepResult(
                 proposed=len(proposal),
                 accepted=len(path),
@@ -451,8 +476,9 @@ class Target:
                 max_depth=max(proposal.depths(), default=0),
                 proposal_error=error,
                 error=failure,
-                logprobs=logprobs,
             ))
+        for index, read in zip(logprobs, read_logprobs(list(logprobs.values()))):   # every request's in one read
+            results[index] = replace(results[index], logprobs=read)
         self._keep_features(feeds, firsts, kept)
         return results
 

@@ -87,6 +87,26 @@ def test_rows_with_no_token_left_fail_the_request():
         processors.apply(torch.randn(2, VOCAB), PROMPT + OUTPUT, Proposal.chain([3]))
 
 
+def test_a_request_whose_processors_leave_no_token_fails_alone_in_its_verify():
+    """Every processed request's check is read at once after the forward: the request left no
+    token fails with the processors' reason, the others of its verify decide as they would alone."""
+    from specserve.replicas.target import VerifyItem
+
+    model = tiny_model("llama", seed=0)
+    blocked = SamplingParams(allowed_token_ids=(2, 40), min_tokens=10, stop_token_ids=(40,))
+    penalized = SamplingParams(repetition_penalty=1.3)
+
+    def item(slot, params):
+        processors = RowProcessors(params, len(PROMPT), params.stop_ids(EOS)) if params.processed else None
+        return VerifyItem(slot, PROMPT + OUTPUT, Proposal.chain([7, 8]), params, processors=processors)
+
+    results = Target(model, slots=3).verify([item(0, penalized), item(1, blocked), item(2, SamplingParams())])
+    assert "no token" in results[1].error and results[1].emitted_tokens == []
+    for slot, params in ((0, penalized), (2, SamplingParams())):
+        alone = Target(model, slots=3).verify([item(slot, params)])[0]
+        assert results[slot].error is None and results[slot].emitted_tokens == alone.emitted_tokens
+
+
 def test_the_output_ends_at_stop_token_ids_and_runs_past_an_ignored_eos():
     def emitted(params):
         state = RequestState(SpecRequest(PROMPT, 10, params), EOS, torch.device("cpu"))

@@ -55,6 +55,19 @@ def test_output_logprobs_are_the_plain_forwards(target, speculation, params):
         assert gen.stats.accepted > 0   # tokens drafted and accepted got their logprobs too
 
 
+def test_requests_sharing_a_verify_each_get_their_own_logprobs(target):
+    """A verify reads every request's log-probabilities at once: each still gets its own tokens'
+    values and as many alternatives as it asked for (none, one or five)."""
+    drafts = {"prompt-lookup": in_process_server("prompt-lookup", PromptLookupDraft())}
+    prompts = [PROMPT, PROMPT[3:] + [12, 13], [20, 21, 22, 20, 21]]
+    requests = [SpecRequest(prompt, 12, SamplingParams(), "prompt-lookup", 3, None, f"r{top}", logprobs=top)
+                for prompt, top in zip(prompts, (0, 1, 5))]
+    gens = run_batch(Target(target, slots=3), drafts, requests)
+    for prompt, gen, top in zip(prompts, gens, (0, 1, 5)):
+        assert_logprobs_match(target, prompt, gen.token_ids, gen.logprobs, top)
+        assert all(len(lp.top) == top for lp in gen.logprobs)
+
+
 def test_prompt_logprobs_are_the_plain_forwards_through_chunks_and_a_cached_prefix(target):
     longer = PROMPT + [12, 13, 14, 5, 6, 7]
     rows = plain_logprobs(target, longer)
