@@ -392,47 +392,8 @@ class Target:
         guide_feeds = [self._feed(items[i].guide.slot, items[i].guide.context, items[i].proposal)[0] for i in guided]
         logits = self.kv.forward(feeds + guide_feeds)   # per feed: [n + 1, V]
         unconditional = dict(zip(guided, logits[len(feeds):]))
-        # Each request's rows as its own rules see them: guided, masked by its grammar, processed.
-        raws: list[torch.Tensor] = []
-        ruled: list[torch.Tensor] = []
-        processed: dict[int, torch.Tensor] = {}   # request -> whether its processors left every row a token
-        for index, (item, rows) in enumerate(zip(items, logits)):
-            # rows: [n + 1, V]; row 0 follows the root, row i + 1 node i (the sampler's layout)
-            if item.guide is not None:
-                rows = guided_logits(rows, unconditional[index], item.guide.scale, item.guide.vocab)
-            raws.append(rows)
-            try:
-                if failures[index] is None and item.grammar is not None:
-                    rows = item.grammar.mask(rows)
-                if failures[index] is None and item.processors is not None:
-                    rows = item.processors.apply(rows, item.context, item.proposal, check=False)
-                    processed[index] = choosable(rows)
-            except GrammarError as err:   # this request's own rows: it fails alone
-                failures[index] = f"{type(err).__name__}: {err}"
-            ruled.append(rows)
-        if processed:   # every processed request's check in one read
-            for index, ok in zip(processed, torch.stack(list(processed.values())).tolist()):
-                if not ok:
-                    failures[index] = f"{NonFiniteScores.__name__}: {NO_TOKEN_LEFT}"
-        # The exact greedy rule reads only the rows' argmaxes: every such request's at once.
-        greedy = [i for i, (item, failure) in enumerate(zip(items, failures))
-                  if failure is None and item.params.greedy and item.lantern is None]
-        choices = dict(zip(greedy, greedy_choices([ruled[i] for i in greedy])))
-        # Every row of an unseeded request walked by point masses drawn at once where that pays
-        # (``draws_every_row``), all such requests' draws read together; a seeded request draws
-        # each row on arrival, as target-only decoding does.
-        drawn = [i for i, (item, failure) in enumerate(zip(items, failures))
-                 if failure is None and not item.params.greedy and item.params.seed is None and item.lantern is None
-                 and item.proposal.draft_probs is None and draws_every_row(ruled[i])]
-        choices.update(zip(drawn, sampled_choices([ruled[i] for i in drawn], [items[i].params for i in drawn],
-                                                  [items[i].generator for i in drawn])))
-        # Sampled chains: every request's tests read at once, then every bonus token.
-        chains = [i for i, (item, failure) in enumerate(zip(items, failures))
-                  if failure is None and not item.params.greedy and item.lantern is None
-                  and item.proposal.draft_probs is not None]
-        verdicts = dict(zip(chains, sampled_chain_verdicts(
-            [ruled[i] for i in chains], [items[i].proposal for i in chains], [items[i].params for i in chains],
-            [items[i].generator for i in chains])))
+        raws, ruled = self._ruled_rows(items, logits, unconditional, failures)
+        choices, verdicts = self._decisions(items, ruled, failures)
         results: list[StepResult] = []
         kept: list[list[int]] = []
         logprobs: dict[int, torch.Tensor] = {}   # request -> its emitted tokens' log-probabilities, unread
@@ -481,6 +442,58 @@ class Target:
             results[index] = replace(results[index], logprobs=read)
         self._keep_features(feeds, firsts, kept)
         return results
+
+    def _ruled_rows(self, items: list[VerifyItem], logits: list[torch.Tensor], unconditional: dict[int, torch.Tensor],
+                    failures: list[str | None]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each request's rows [n + 1, V] (row 0 follows the root, row i + 1 node i: the sampler's
+        layout) as its log-probabilities read them (guided), and as its own rules see them (masked
+        by its grammar, processed); a request whose rules fail has its failure set in ``failures``."""
+        raws: list[torch.Tensor] = []
+        ruled: list[torch.Tensor] = []
+        processed: dict[int, torch.Tensor] = {}   # request -> whether its processors left every row a token
+        for index, (item, rows) in enumerate(zip(items, logits)):
+            if item.guide is not None:
+                rows = guided_logits(rows, unconditional[index], item.guide.scale, item.guide.vocab)
+            raws.append(rows)
+            try:
+                if failures[index] is None and item.grammar is not None:
+                    rows = item.grammar.mask(rows)
+                if failures[index] is None and item.processors is not None:
+                    rows = item.processors.apply(rows, item.context, item.proposal, check=False)
+                    processed[index] = choosable(rows)
+            except GrammarError as err:   # this request's own rows: it fails alone
+                failures[index] = f"{type(err).__name__}: {err}"
+            ruled.append(rows)
+        if processed:   # every processed request's check in one read
+            for index, ok in zip(processed, torch.stack(list(processed.values())).tolist()):
+                if not ok:
+                    failures[index] = f"{NonFiniteScores.__name__}: {NO_TOKEN_LEFT}"
+        return raws, ruled
+
+    def _decisions(self, items: list[VerifyItem], ruled: list[torch.Tensor], failures: list[str | None]
+                   ) -> tuple[dict[int, list[int]], dict[int, tuple[list[int], int] | NonFiniteScores]]:
+        """What the step's requests read from the device together, by request: the rows' tokens
+        their walks follow (``verify``'s ``choice``), and sampled chains' verdicts."""
+        # The exact greedy rule reads only the rows' argmaxes: every such request's at once.
+        greedy = [i for i, (item, failure) in enumerate(zip(items, failures))
+                  if failure is None and item.params.greedy and item.lantern is None]
+        choices = dict(zip(greedy, greedy_choices([ruled[i] for i in greedy])))
+        # Every row of an unseeded request walked by point masses drawn at once where that pays
+        # (``draws_every_row``), all such requests' draws read together; a seeded request draws
+        # each row on arrival, as target-only decoding does.
+        drawn = [i for i, (item, failure) in enumerate(zip(items, failures))
+                 if failure is None and not item.params.greedy and item.params.seed is None and item.lantern is None
+                 and item.proposal.draft_probs is None and draws_every_row(ruled[i])]
+        choices.update(zip(drawn, sampled_choices([ruled[i] for i in drawn], [items[i].params for i in drawn],
+                                                  [items[i].generator for i in drawn])))
+        # Sampled chains: every request's tests read at once, then every bonus token.
+        chains = [i for i, (item, failure) in enumerate(zip(items, failures))
+                  if failure is None and not item.params.greedy and item.lantern is None
+                  and item.proposal.draft_probs is not None]
+        verdicts = dict(zip(chains, sampled_chain_verdicts(
+            [ruled[i] for i in chains], [items[i].proposal for i in chains], [items[i].params for i in chains],
+            [items[i].generator for i in chains])))
+        return choices, verdicts
 
     def verify_one(self, context: list[int], proposal: Proposal, params: SamplingParams,
                    generator: torch.Generator | None = None, slot: int = 0) -> StepResult:
