@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.replicas.model.transfer import sent
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams
 from specserve.replicas.step import Proposal
 
@@ -84,8 +85,8 @@ class RowProcessors:
             emitted = len(context) - self.prompt_len
             held = [r for r, path in enumerate(prefixes) if emitted + len(path) < p.min_tokens]
             if held:
-                rows[torch.tensor(held, device=rows.device)[:, None],
-                     torch.tensor(self.stop_ids, device=rows.device)[None, :]] = float("-inf")
+                rows[sent(held, rows.device, torch.long)[:, None],
+                     sent(self.stop_ids, rows.device, torch.long)[None, :]] = float("-inf")
         if p.penalized:
             self._penalize(rows, context, prefixes)
         if check and not bool(choosable(rows)):
@@ -98,29 +99,29 @@ class RowProcessors:
         times each token's count in the output, and the presence penalty once per output token,
         are subtracted."""
         p = self.params
-        device = rows.device
         output = context[self.prompt_len:]
         drafted = [t for path in prefixes for t in path]
         prompt = context[:self.prompt_len] if p.repetition_penalty != 1.0 else []
-        columns = torch.tensor(sorted(set(output) | set(drafted) | set(prompt)), dtype=torch.long, device=device)
+        # The counts are made on the host and sent once: indices sent one by one would each be a
+        # copy to the device.
+        columns = torch.tensor(sorted(set(output) | set(drafted) | set(prompt)), dtype=torch.long)
         if not len(columns):
             return
         n = len(prefixes)
-        counts = torch.zeros(n, len(columns), dtype=torch.float32, device=device)
+        counts = torch.zeros(n, len(columns), dtype=torch.float32)
         if output:
-            at = torch.searchsorted(columns, torch.tensor(output, dtype=torch.long, device=device))
-            counts += torch.bincount(at, minlength=len(columns)).float()
+            counts += torch.bincount(torch.searchsorted(columns, torch.tensor(output, dtype=torch.long)),
+                                     minlength=len(columns)).float()
         if drafted:
-            row_of = torch.tensor([r for r, path in enumerate(prefixes) for _ in path], device=device)
-            at = torch.searchsorted(columns, torch.tensor(drafted, dtype=torch.long, device=device))
-            counts.index_put_((row_of, at), torch.ones(len(drafted), device=device), accumulate=True)
+            row_of = torch.tensor([r for r, path in enumerate(prefixes) for _ in path])
+            at = torch.searchsorted(columns, torch.tensor(drafted, dtype=torch.long))
+            counts.index_put_((row_of, at), torch.ones(len(drafted)), accumulate=True)
+        seen = counts > 0
+        if prompt:
+            seen[:, torch.searchsorted(columns, torch.tensor(prompt, dtype=torch.long))] = True
+        columns, counts, seen = (sent(t, rows.device) for t in (columns, counts, seen))
         picked = rows[:, columns]   # [n, C]
         if p.repetition_penalty != 1.0:
-            seen = counts > 0
-            if prompt:
-                in_prompt = torch.zeros(len(columns), dtype=torch.bool, device=device)
-                in_prompt[torch.searchsorted(columns, torch.tensor(prompt, dtype=torch.long, device=device))] = True
-                seen |= in_prompt
             scaled = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
             picked = torch.where(seen, scaled, picked)
         picked = picked - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from specserve.replicas.model.transfer import sent
 from specserve.replicas.step import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20   # OpenAI's bound on top_logprobs
@@ -25,7 +26,7 @@ def packed_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> torch.Te
     if not tokens:
         return torch.empty(0, 1 + 2 * k, dtype=torch.float64, device=rows.device)
     logp = torch.log_softmax(rows.float(), -1)
-    parts = [logp.gather(-1, _sent(tokens, logp.device)[:, None])]
+    parts = [logp.gather(-1, sent(tokens, logp.device, torch.long)[:, None])]
     if k:
         values, ids = logp.topk(k, -1)
         parts += [values, ids]
@@ -48,14 +49,6 @@ def read_logprobs(packed: list[torch.Tensor]) -> list[list[TokenLogprob]]:
     return out
 
 
-def _sent(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as a long tensor on ``device``; to a GPU from pinned memory, without waiting for
-    the work queued there (a copy from pageable memory waits for it)."""
-    tensor = torch.tensor(values, dtype=torch.long)
-    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
-
-
 def joined(first: list | None, later: list | None) -> list | None:
     """Two consecutive pieces' log-probabilities as one list (None when neither piece has any)."""
     return None if first is None and later is None else (first or []) + (later or [])
-

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from specserve.replicas.drafts.device_growth import DeviceGrowth, level_sizes
 from specserve.replicas.drafts.hsr_head import apply_rope
 from specserve.replicas.model import cuda_graphs, llama_forward
+from specserve.replicas.model.transfer import copy_in
 from specserve.replicas.step import Proposal, TreeShape
 
 SMALLEST_BUCKET = 64
@@ -244,7 +245,7 @@ class HeadGraphs:
         ints[_Feed.TOKEN, :rows] = torch.tensor(tokens)
         ints[_Feed.POSITION, :rows] = torch.tensor(positions)
         ints[_Feed.KEY] = torch.arange(n, n + width)
-        feed.ints.copy_(ints)
+        copy_in(feed.ints, ints)
         feed.states[0, :rows].copy_(states)
         self.feeds += 1
         out = self._replay(feed, lambda: self._feed_step(bucket, feed))
@@ -561,8 +562,8 @@ class TreeLevels:
         mask = torch.zeros(width, first + width, dtype=torch.bool)
         mask[:rows, :first + rows] = sees
         mask[torch.arange(rows, width), torch.arange(first + rows, first + width)] = True   # padding: itself
-        level.ints.copy_(ints)
-        level.allowed[:, n:n + first + width].copy_(mask)
+        copy_in(level.ints, ints)
+        copy_in(level.allowed[:, n:n + first + width], mask)
         return self._graphs.run_level(b, level)[:rows]
 
     def grow(self, shape: TreeShape, position: int) -> Proposal:

@@ -2,5 +2,6 @@
 slots' caches and their sessions (``batch_kv``, ``kv_cache``, ``kv_session``, ``session_pool``,
 ``kv_memory``), the tree masks, the CPU kernels (``cpu_attention``, ``cpu_row_ops``,
 ``small_gemm``, ``int8_linear``, ``native_kernels``, ``native_memory``, ``kernels/``), CUDA graphs,
-and pictures as token ids (``image_tokens``, ``mrope``). It imports nothing else of ``replicas``:
-the step, the scheduler, the drafts and the deployments sit above it."""
+host values sent to the device without waiting (``transfer``), and pictures as token ids
+(``image_tokens``, ``mrope``). It imports nothing else of ``replicas``: the step, the scheduler,
+the drafts and the deployments sit above it."""

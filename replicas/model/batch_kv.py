@@ -41,6 +41,7 @@ from transformers.cache_utils import DynamicLayer
 from specserve.replicas.model import cpu_attention, cuda_graphs, fused_elementwise, llama_forward
 from specserve.replicas.model.image_tokens import VIRTUAL_BASE, embed
 from specserve.replicas.model.kv_session import TREE_NODE, common_prefix_len
+from specserve.replicas.model.transfer import sent
 from specserve.replicas.model.tree_attention import ancestor_matrix, node_depths
 
 
@@ -204,7 +205,7 @@ class BatchKV:
     def keep(self, slot: int, positions: list[int], tokens: list[int]) -> None:
         """Compact ``slot`` to the cached ``positions`` (ascending), which now hold ``tokens``.
         After tree verification the accepted path sits among rejected siblings."""
-        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        index = sent(positions, self.device, torch.long)
         for layer in self.cache.layers:
             for buf in layer.buffers or ():
                 buf[slot, :, : len(positions)] = buf[slot].index_select(1, index)
@@ -441,13 +442,13 @@ class BatchKV:
             return [logits[f.slot - lo, width - f.logits_rows:].clone() for f in feeds]
         plan.lo, plan.hi, plan.kv_len = lo, hi, kv_len
         plan.rows = torch.arange(lo, hi, device=self.device)[:, None].expand(rows, width).contiguous()
-        plan.columns = columns.to(self.device)
+        plan.columns = sent(columns, self.device)
         keep = max(f.logits_rows for f in feeds)
         # logits: [B, keep, V] either way
         if self._fast is not None:
-            logits = self._fast(ids.to(self.device), positions.to(self.device), mask.to(self.device),
+            logits = self._fast(sent(ids, self.device), sent(positions, self.device), sent(mask, self.device),
                                 self.cache.layers, keep, tap, images,
-                                None if spatial is None else spatial.to(self.device))
+                                None if spatial is None else sent(spatial, self.device))
         else:
             tokens = ({"input_ids": ids.to(self.device)} if images is None else
                       {"inputs_embeds": embed(ids.to(self.device), self.model.get_input_embeddings().weight, images)})

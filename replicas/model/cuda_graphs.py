@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.replicas.model import fused_elementwise
+from specserve.replicas.model.transfer import copy_in
 
 # Tokens per row: decode (1), chains and trees up to 63 drafted tokens (EAGLE-2's trees of 60
 # nodes); longer feeds run eagerly.
@@ -174,7 +175,7 @@ class StepGraphs:
             graph = _Graph(*(torch.empty_like(t, device=self.device) for t in (ids, positions, mask, rows, columns)))
         for static, value in zip((graph.ids, graph.positions, graph.mask, graph.rows, graph.columns),
                                  (ids, positions, mask, rows, columns)):
-            static.copy_(value, non_blocking=True)
+            copy_in(static, value)
         plan.lo, plan.hi, plan.kv_len = 0, bucket.rows, bucket.keys
         plan.rows, plan.columns = graph.rows, graph.columns
         if self.mode == "buffers":
