@@ -204,11 +204,15 @@ class BatchKV:
     @torch.inference_mode()
     def keep(self, slot: int, positions: list[int], tokens: list[int]) -> None:
         """Compact ``slot`` to the cached ``positions`` (ascending), which now hold ``tokens``.
-        After tree verification the accepted path sits among rejected siblings."""
-        index = sent(positions, self.device, torch.long)
-        for layer in self.cache.layers:
-            for buf in layer.buffers or ():
-                buf[slot, :, : len(positions)] = buf[slot].index_select(1, index)
+        After tree verification the accepted path sits among rejected siblings. Positions
+        already in place (the context, and the path as far as it runs along the first nodes) are
+        not moved: a step copies its accepted path, not the whole context."""
+        start = next((i for i, p in enumerate(positions) if p != i), len(positions))
+        if start < len(positions):
+            index = sent(positions[start:], self.device, torch.long)
+            for layer in self.cache.layers:
+                for buf in layer.buffers or ():
+                    buf[slot, :, start:len(positions)] = buf[slot].index_select(1, index)
         self.tokens[slot] = list(tokens)
 
     @torch.inference_mode()
@@ -218,7 +222,7 @@ class BatchKV:
         cache, which the next request with that prompt would find."""
         n = max(len(self.tokens[a]), len(self.tokens[b]))
         if a != b and n:
-            pair, swapped = [a, b], [b, a]
+            pair, swapped = sent([a, b], self.device, torch.long), sent([b, a], self.device, torch.long)
             for layer in self.cache.layers:
                 for buf in layer.buffers or ():
                     buf[pair, :, :n] = buf[swapped, :, :n]   # the right side is gathered first: a copy
