@@ -29,7 +29,7 @@ SPECSERVE_TEST_DEVICE=cuda timeout "${TEST_SECONDS:-170}" "$python" -m pytest -q
   tests/replicas/test_rejection_sampler.py::test_greedy_choices_wait_for_the_device_once_for_every_request \
   tests/replicas/test_rejection_sampler.py::test_sampled_choices_wait_for_the_device_once_for_every_request \
   tests/replicas/test_logprobs.py::test_token_logprobs_wait_for_the_device_once \
-  tests/replicas/model/test_transfer.py \
+  tests/replicas/model/test_transfer.py tests/replicas/test_target.py \
   tests/replicas/test_rejection_sampler.py::test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_walks \
   tests/replicas/test_draft_server.py::test_a_served_head_captures_its_graphs_before_its_first_proposal \
   tests/replicas/test_draft_server.py::test_a_served_draft_lm_reserves_its_cache_and_captures_its_graphs_at_start \
