@@ -116,13 +116,15 @@ class RowProcessors:
             row_of = torch.tensor([r for r, path in enumerate(prefixes) for _ in path])
             at = torch.searchsorted(columns, torch.tensor(drafted, dtype=torch.long))
             counts.index_put_((row_of, at), torch.ones(len(drafted)), accumulate=True)
-        seen = counts > 0
-        if prompt:
-            seen[:, torch.searchsorted(columns, torch.tensor(prompt, dtype=torch.long))] = True
-        columns, counts, seen = (sent(t, rows.device) for t in (columns, counts, seen))
-        picked = rows[:, columns]   # [n, C]
+        index = sent(columns, rows.device)
+        picked = rows[:, index]   # [n, C]
         if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            if prompt:
+                seen[:, torch.searchsorted(columns, torch.tensor(prompt, dtype=torch.long))] = True
+            seen = sent(seen, rows.device)
             scaled = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
             picked = torch.where(seen, scaled, picked)
+        counts = sent(counts, rows.device)
         picked = picked - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
-        rows[:, columns] = picked
+        rows[:, index] = picked

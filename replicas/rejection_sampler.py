@@ -89,7 +89,11 @@ def greedy_choices(rows: list[torch.Tensor]) -> list[list[int]]:
     # max carries a NaN through as the row's value, at its index; its index is argmax's.
     values, best = zip(*(r.max(-1) for r in rows))
     values, best = torch.cat(values), torch.cat(best)
-    flat = torch.where(values.isnan(), -1, best).tolist()
+    return _per_request(torch.where(values.isnan(), -1, best).tolist(), rows)
+
+
+def _per_request(flat: list, rows: list[torch.Tensor]) -> list[list]:
+    """One value per row of every request, read at once, split back by request."""
     out, at = [], 0
     for r in rows:
         out.append(flat[at:at + len(r)])
@@ -115,12 +119,7 @@ def sampled_choices(rows: list[torch.Tensor], params: list[SamplingParams],
     if not rows:
         return []
     flat = torch.cat([draws(logits_to_probs(r, p, check=False), g) for r, p, g in zip(rows, params, generators)])
-    flat = flat.tolist()
-    out, at = [], 0
-    for r in rows:
-        out.append(flat[at:at + len(r)])
-        at += len(r)
-    return out
+    return _per_request(flat.tolist(), rows)
 
 
 def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal,
@@ -221,7 +220,7 @@ def sampled_chain_verdicts(rows: list[torch.Tensor], proposals: list[Proposal], 
         p = logits_to_probs(r, prm, check=False)   # [γ + 1, V]; a row that is not finite is all NaN
         q, tokens = proposal.draft_probs, proposal.tokens
         us = torch.rand(len(tokens), generator=generator, device=None if generator is None else generator.device)
-        parts = [p[:, 0], us.to(p.device, p.dtype)]
+        parts = [p[:, 0], us.to(p.device, p.dtype)]   # a row's first entry: NaN where the row is
         if tokens:   # stacked views, not an index list (which a GPU would be sent first)
             parts += [torch.stack([p[i, x] for i, x in enumerate(tokens)]),
                       torch.stack([q[i, x] for i, x in enumerate(tokens)]).to(p.dtype)]
@@ -233,9 +232,9 @@ def sampled_chain_verdicts(rows: list[torch.Tensor], proposals: list[Proposal], 
     at = 0
     for p, proposal, generator in zip(probs, proposals, generators):
         n = len(proposal.tokens)
-        firsts, tests = values[at:at + n + 1], values[at + n + 1:at + 4 * n + 1]
+        heads, tests = values[at:at + n + 1], values[at + n + 1:at + 4 * n + 1]
         at += 4 * n + 1
-        if any(v != v for v in firsts):   # NaN
+        if any(v != v for v in heads):   # NaN
             verdicts.append(NonFiniteScores("the target's logits are not finite"))
             continue
         us, ps, qs = tests[:n], tests[n:2 * n], tests[2 * n:]
