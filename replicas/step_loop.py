@@ -95,6 +95,11 @@ AHEAD_REJECTION_REQUESTS = 4
 AHEAD_SHARE = 0.8
 
 
+def _median(values) -> float:
+    """The upper median of a non-empty collection."""
+    return sorted(values)[len(values) // 2]
+
+
 def outcome_session(request_id: str, position: int) -> str:
     """The draft session that drafts ahead from a rejection at ``position`` of a request's chain."""
     return f"{request_id}#rejected-at-{position}"
@@ -138,8 +143,7 @@ class StepLoop:
         self.ahead = AheadCounts()
         self._ahead: dict[str, list[_Ahead]] = {}     # request id -> the chains drafted ahead for it
         self._outcome_sessions: dict[str, set[tuple[str, str]]] = {}   # request id -> (draft, session) drafted ahead in
-        self._last_verify_s = 0.0
-        self._verify_s: deque[float] = deque(maxlen=CALL_HISTORY)   # recent verifies' seconds
+        self._verify_s: deque[float] = deque(maxlen=CALL_HISTORY)   # recent verifies' seconds, the last last
         self._chores: set[asyncio.Task] = set()   # releases waiting for a draft ahead to answer
         self.on_draft_costs = on_draft_costs
         self.on_carried = on_carried
@@ -231,8 +235,7 @@ class StepLoop:
         calls = self._call_s.get(name)
         if not calls:
             return None
-        median = sorted(calls)[len(calls) // 2]
-        return max(self._last_verify_s, LATE_SLACK * median, MIN_DRAFT_WAIT_S)
+        return max(self._last_verify_s, LATE_SLACK * _median(calls), MIN_DRAFT_WAIT_S)
 
     async def _proposals(self, name: str, entries: list[tuple[RequestState, Speculation]]) -> dict[str, Proposal]:
         draft = self.drafts[name]
@@ -271,6 +274,11 @@ class StepLoop:
 
     # ---- drafting ahead ----------------------------------------------------------------------
 
+    @property
+    def _last_verify_s(self) -> float:
+        """The last verify's seconds (0 before the first)."""
+        return self._verify_s[-1] if self._verify_s else 0.0
+
     def runs_apart(self, name: str) -> bool:
         """Whether ``name`` drafts on hardware other than the target's model thread, and is a model
         draft that reads no target states: only then is there anything to overlap (a model-free
@@ -292,9 +300,8 @@ class StepLoop:
         paces = self._position_s.get(name)
         if not paces or not self._verify_s:
             return 0.0
-        pace = sorted(paces)[len(paces) // 2]
-        verify_s = min(self._last_verify_s, sorted(self._verify_s)[len(self._verify_s) // 2])
-        return AHEAD_SHARE * verify_s / max(pace, 1e-6)
+        verify_s = min(self._last_verify_s, _median(self._verify_s))
+        return AHEAD_SHARE * verify_s / max(_median(paces), 1e-6)
 
     def _ahead_asks(self, plan: StepPlan, proposals: dict[str, Proposal]) -> dict[str, list[tuple[RequestState, ProposeRequest, _Ahead]]]:
         """The asks of drafting ahead, built before the step's forward changes any context, as many
@@ -464,8 +471,7 @@ class StepLoop:
         work = self.worker.submit(self.scheduler.execute, plan, proposals, t_verify - t0, self._draft_ms)
         self._deliver()   # the previous step's tokens stream while this step's forward runs
         record = await work
-        self._last_verify_s = self._clock() - t_verify
-        self._verify_s.append(self._last_verify_s)
+        self._verify_s.append(self._clock() - t_verify)
         # Sessions of finished requests, and of drafts a request switched away from.
         sessions = [(s.request.draft, s) for s in plan.decode if s.done] + self.scheduler.released
         self.scheduler.released = []
