@@ -5,6 +5,7 @@ prefill, a cached prefix and chunking included)."""
 import pytest
 import torch
 
+from device_reads import reads
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.drafts.prompt_lookup import PromptLookupDraft
 from specserve.replicas.engine import in_process_server, run_batch
@@ -99,18 +100,9 @@ def test_token_logprobs_are_the_rows_log_softmax_exactly(top):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
 def test_token_logprobs_wait_for_the_device_once():
-    import warnings
-
     rows = torch.randn(6, 1000, device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            got = token_logprobs(rows, [1, 2, 3, 4, 5, 6], 3)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert len([w for w in seen if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in seen]
+    got, waits = reads(lambda: token_logprobs(rows, [1, 2, 3, 4, 5, 6], 3), "cuda")
+    assert waits == 1
     assert len(got) == 6 and all(len(lp.top) == 3 for lp in got)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from device_reads import reads
 from specserve.replicas.rejection_sampler import greedy_choices, sampled_chain_verdicts, sampled_choices, verify
 from specserve.replicas.sampling import SamplingParams, logits_to_probs
 from specserve.replicas.step import Proposal
@@ -73,20 +74,11 @@ def test_greedy_choices_are_each_rows_first_argmax_and_mark_rows_holding_nan(dty
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
 def test_greedy_choices_wait_for_the_device_once_for_every_request():
-    import warnings
-
     logits = torch.randn(20, 1000, device="cuda")
     logits[7, 3] = float("nan")
     rows = [logits[:5], logits[5:6], logits[6:14], logits[14:]]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            got = greedy_choices(rows)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert len([w for w in seen if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in seen]
+    got, waits = reads(lambda: greedy_choices(rows), "cuda")
+    assert waits == 1
     assert got == [[-1 if r[i].isnan().any() else int(r[i].argmax()) for i in range(len(r))] for r in rows]
 
 
@@ -114,20 +106,11 @@ def test_sampled_choices_draw_each_row_within_its_warp_and_mark_rows_that_are_no
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a read from the device is seen on CUDA only")
 def test_sampled_choices_wait_for_the_device_once_for_every_request():
-    import warnings
-
     logits = torch.randn(20, 1000, device="cuda")
     rows = [logits[:5], logits[5:6], logits[6:14], logits[14:]]
     generators = [torch.Generator(device="cuda").manual_seed(i) for i in range(4)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            got = sampled_choices(rows, [SamplingParams(temperature=0.8, top_k=50)] * 4, generators)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert len([w for w in seen if "synchroniz" in str(w.message)]) == 1, [str(w.message) for w in seen]
+    got, waits = reads(lambda: sampled_choices(rows, [SamplingParams(temperature=0.8, top_k=50)] * 4, generators), "cuda")
+    assert waits == 1
     assert [len(tokens) for tokens in got] == [5, 1, 8, 6] and min(min(tokens) for tokens in got) >= 0
 
 
@@ -136,31 +119,18 @@ def test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_
     """A sampled chain: one read of every position's u, p(x), q(x) and its rows' validity, and one
     of the bonus's draw, whatever the window and however many chains; a point-mass tree: the draw
     of each row on its accepted path (which checks the row)."""
-    import warnings
-
-    def syncs(run):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                out = run()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        return out, len([w for w in seen if "synchroniz" in str(w.message)])
-
     generator = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(6, 50, device="cuda")
     q = torch.softmax(torch.randn(5, 50, device="cuda"), -1)
     chain = Proposal.chain([int(t) for t in q.argmax(-1)], draft_probs=q)
-    _, waits = syncs(lambda: verify(logits, chain, SAMPLE, generator))
+    _, waits = reads(lambda: verify(logits, chain, SAMPLE, generator), "cuda")
     assert waits == 2
     # Several chains: still two reads for all of them.
-    _, waits = syncs(lambda: sampled_chain_verdicts([logits] * 4, [chain] * 4, [SAMPLE] * 4, [generator] * 4))
+    _, waits = reads(lambda: sampled_chain_verdicts([logits] * 4, [chain] * 4, [SAMPLE] * 4, [generator] * 4), "cuda")
     assert waits == 2
     tree = Proposal(tokens=[1, 2, 3, 4, 5], parents=[-1, -1, 0, 2, 3])
     rows = point_mass_logits([1, 3, 0, 4, 5, 2]).cuda()
-    (path, _), waits = syncs(lambda: verify(rows, tree, SAMPLE, generator))
+    (path, _), waits = reads(lambda: verify(rows, tree, SAMPLE, generator), "cuda")
     assert path == [0, 2, 3, 4] and waits == len(path) + 1
 
 

@@ -5,11 +5,9 @@ check, its log-probabilities, its draft's checks) comes back in one read per kin
 On the CPU the reads are counted (``tolist``, ``item``, ``bool``, ``int``, ``float`` on tensors)
 with the paths a GPU takes forced; on CUDA the waits themselves (``SPECSERVE_TEST_DEVICE=cuda``)."""
 
-import warnings
-
-import pytest
 import torch
 
+from device_reads import reads
 import specserve.replicas.target as target_module
 from specserve.replicas.logits_processors import RowProcessors
 from specserve.replicas.model import cpu_row_ops
@@ -19,7 +17,6 @@ from specserve.replicas.target import Target, VerifyItem
 from tiny_models import DEVICE, VOCAB, tiny_model
 
 PROMPT = [5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6]
-READS = ("tolist", "item", "__bool__", "__int__", "__float__")
 
 
 def mix(first_slot: int) -> list[VerifyItem]:
@@ -39,27 +36,8 @@ def mix(first_slot: int) -> list[VerifyItem]:
     ]
 
 
-def reads_of(target: Target, items: list[VerifyItem], monkeypatch) -> int:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                results = target.verify(items)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        count = len([w for w in seen if "synchroniz" in str(w.message)])
-    else:
-        counted = [0]
-        with monkeypatch.context() as patch:
-            for name in READS:
-                def read(self, *args, _read=getattr(torch.Tensor, name), **kwargs):
-                    counted[0] += 1
-                    return _read(self, *args, **kwargs)
-                patch.setattr(torch.Tensor, name, read)
-            results = target.verify(items)
-        count = counted[0]
+def reads_of(target: Target, items: list[VerifyItem]) -> int:
+    results, count = reads(lambda: target.verify(items), DEVICE)
     assert all(r.error is None and r.emitted_tokens for r in results), results
     return count
 
@@ -71,7 +49,7 @@ def test_a_verify_reads_as_often_for_twelve_requests_as_for_four(monkeypatch):
     model = tiny_model("llama", seed=0)
     target = Target(model, slots=12)
     target.verify(mix(0) + mix(4) + mix(8))   # caches, graphs and constants made
-    four = reads_of(target, mix(0), monkeypatch)
-    twelve = reads_of(target, mix(0) + mix(4) + mix(8), monkeypatch)
+    four = reads_of(target, mix(0))
+    twelve = reads_of(target, mix(0) + mix(4) + mix(8))
     assert twelve == four, (four, twelve)
     assert four <= 8, four
