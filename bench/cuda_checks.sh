@@ -29,12 +29,13 @@ SPECSERVE_TEST_DEVICE=cuda timeout "${TEST_SECONDS:-170}" "$python" -m pytest -q
   tests/replicas/test_rejection_sampler.py::test_greedy_choices_wait_for_the_device_once_for_every_request \
   tests/replicas/test_rejection_sampler.py::test_sampled_choices_wait_for_the_device_once_for_every_request \
   tests/replicas/test_logprobs.py::test_token_logprobs_wait_for_the_device_once \
-  tests/replicas/model/test_transfer.py tests/replicas/test_target.py \
+  tests/replicas/model/test_transfer.py tests/replicas/test_target.py tests/replicas/test_chain_builder.py \
+  tests/replicas/test_head_graphs.py::test_a_chain_through_the_buckets_reads_the_device_as_often_for_six_tokens_as_for_two \
   tests/replicas/test_rejection_sampler.py::test_a_sampled_verify_waits_for_the_device_a_fixed_number_of_times_a_row_it_walks \
   tests/replicas/test_draft_server.py::test_a_served_head_captures_its_graphs_before_its_first_proposal \
   tests/replicas/test_draft_server.py::test_a_served_draft_lm_reserves_its_cache_and_captures_its_graphs_at_start \
   tests/replicas/model/test_cuda_graphs.py tests/replicas/model/test_fused_elementwise.py tests/replicas/model/test_llama_forward.py \
-  tests/replicas/test_greedy_equality.py tests/replicas/test_head_graphs.py tests/replicas/test_chain_builder.py \
+  tests/replicas/test_greedy_equality.py tests/replicas/test_head_graphs.py \
   tests/replicas/test_sampling_distribution.py \
   > "$out/tests.log" 2>&1
 echo "tests: exit $?"; tail -3 "$out/tests.log"

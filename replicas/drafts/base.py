@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from specserve.replicas.sampling import SamplingParams, logits_to_probs, sample
+from specserve.replicas.sampling import NonFiniteScores, SamplingParams, draws, logits_to_probs
 from specserve.replicas.step import Proposal, ProposeRequest, TreeShape
 
 
@@ -70,7 +70,12 @@ class ChainBuilder:
     ``head``: the logits given are this pruned head's (``PrunedHeadMixin``), over its own K tokens
     (every other id at -inf once scattered). Greedy then chooses among the K directly (the same
     token and probability: the other ids have none), a 49,152-wide argmax and softmax less per
-    drafted token; sampling scatters first, since q must cover every id."""
+    drafted token; sampling scatters first, since q must cover every id.
+
+    ``choose`` reads each token to the host (a draft that feeds token ids to its model);
+    ``choose_unread`` leaves it on the device for a draft that feeds it there (a head's graphs),
+    and ``proposal`` reads every such token at once: on a GPU each read waits for the device, so
+    a chain of γ tokens waits once instead of γ times. Both make the same draws in the same order."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None, head=None):
         self.params = params
@@ -80,47 +85,75 @@ class ChainBuilder:
         self.probs: list[torch.Tensor] = []
         self.token_probs: list[float] = []
         self.alternatives: list[int] = []   # greedy: the runner-up at each position
+        self._unread: list[torch.Tensor] = []
 
     def choose(self, logits: torch.Tensor) -> int:
-        """The next token from ``logits`` [V] (or [K], the tokens of ``head``)."""
-        if self.params.greedy:
-            # One read from the device a token (on a GPU each read waits for it): the argmax, the
-            # top two and the argmax's probability; for a head, the picks' vocabulary ids.
-            picks = torch.cat([logits.argmax()[None], logits.topk(min(2, logits.shape[-1])).indices])
-            parts = [torch.softmax(logits.float(), -1)[picks[:1]].double(), picks.double()]
-            if self.head is not None:
-                parts.append(self.head.head_token_ids(logits.device)[picks].double())
-            prob, *read = torch.cat(parts).tolist()
-            n = len(picks)
-            places, ids = [int(v) for v in read[:n]], [int(v) for v in read[n:]] or None
-            index = places[0]
-            second = 1 if places[1] != index else n - 1   # the runner-up's place in ``picks``
-            self.token_probs.append(prob)
-            tok = index if ids is None else ids[0]
-            self.alternatives.append(-1 if places[second] == index else (ids or places)[second])
-        else:
-            if self.head is not None:
-                logits = self.head.to_full_vocab(logits)
-            q = logits_to_probs(logits, self.params)
-            tok = sample(q, self.generator)
-            self.probs.append(q)
-            self.token_probs.append(float(q[tok]))
-        self.tokens.append(tok)
-        return tok
+        """The next token from ``logits`` [V] (or [K], the tokens of ``head``), read now."""
+        self._unread.append(self._chosen(logits)[1])
+        self._read()
+        return self.tokens[-1]
+
+    def choose_unread(self, logits: torch.Tensor) -> torch.Tensor:
+        """``choose``'s token as a [1] long tensor on the logits' device, unread: a valid id to feed
+        even where q is not a distribution (``proposal`` then raises ``NonFiniteScores``)."""
+        feed, row = self._chosen(logits)
+        self._unread.append(row)
+        return feed
 
     def proposal(self) -> Proposal:
+        self._read()
         return Proposal.chain(self.tokens, torch.stack(self.probs) if self.probs else None, self.token_probs,
                               self.alternatives if self.params.greedy else None)
 
+    def _chosen(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The token to feed [1], and what the proposal reports of it, float64 [3] on the device:
+        the token (-1: q is not a distribution), its probability, the greedy runner-up (-1: none)."""
+        if self.params.greedy:
+            # The argmax (the first of equal maxima), the top two, and the argmax's probability;
+            # for a head, the picks' vocabulary ids. One-element tensors throughout: indexing with
+            # a 0-d tensor would read it.
+            index = logits.argmax().view(1)
+            top = logits.topk(min(2, logits.shape[-1])).indices
+            runner = torch.where(top[:1] != index, top[:1], top[-1:])
+            prob = torch.softmax(logits.float(), -1).index_select(0, index)
+            token, alternative = index, runner
+            if self.head is not None:
+                ids = self.head.head_token_ids(logits.device)
+                token, alternative = ids.index_select(0, index), ids.index_select(0, runner)
+            alternative = torch.where(runner == index, -1, alternative)
+            return token, torch.cat([token.double(), prob.double(), alternative.double()])
+        if self.head is not None:
+            logits = self.head.to_full_vocab(logits)
+        q = logits_to_probs(logits, self.params, check=False)   # non-finite: NaN, which ``draws`` marks -1
+        token = draws(q[None], self.generator)
+        feed = token.clamp(min=0)
+        self.probs.append(q)
+        return feed, torch.cat([token.double(), q.index_select(0, feed).double(), token.new_full((1,), -1).double()])
+
+    def _read(self) -> None:
+        """Every unread token's row, in one read from the device."""
+        if not self._unread:
+            return
+        rows = torch.stack(self._unread).tolist()
+        self._unread.clear()
+        for token, prob, alternative in rows:
+            if token < 0:
+                raise NonFiniteScores("the draft's probabilities to sample from are not finite, or sum to 0")
+            self.tokens.append(int(token))
+            self.token_probs.append(prob)
+            if self.params.greedy:
+                self.alternatives.append(int(alternative))
+
 
 def draft_chain(logits: torch.Tensor, window: int, params: SamplingParams, generator: torch.Generator | None,
-                next_logits: Callable[[int], torch.Tensor], head=None) -> Proposal:
+                next_logits: Callable, head=None, unread: bool = False) -> Proposal:
     """The chain loop every one-session model draft shares: choose a token from ``logits`` [V],
     then ``next_logits(token)`` for the next, ``window`` times (a pruned ``head``'s [K] logits:
-    see ``ChainBuilder``)."""
+    see ``ChainBuilder``). ``unread``: the token is given as a [1] tensor on the device, and the
+    chain is read once, at the end (``ChainBuilder.choose_unread``)."""
     chain = ChainBuilder(params, generator, head)
     for i in range(window):
-        tok = chain.choose(logits)
+        tok = chain.choose_unread(logits) if unread else chain.choose(logits)
         if i + 1 < window:
             logits = next_logits(tok)
     return chain.proposal()

@@ -505,13 +505,14 @@ class ChainSteps:
     def __init__(self, graphs: HeadGraphs, bucket: _Bucket, cached: int):
         self._graphs, self._bucket, self._next = graphs, bucket, cached
 
-    def step(self, token: int, hidden: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """token, its input state ``hidden`` [1, 1, H] (the root's or the last step's output) and
-        its rotary position -> (output state [1, 1, H], logits [K])."""
+    def step(self, token: torch.Tensor, hidden: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """token [1] on the device (the last choice, unread), its input state ``hidden`` [1, 1, H]
+        (the root's or the last step's output) and its rotary position -> (output state [1, 1, H],
+        logits [K]). Nothing here waits for the device."""
         b = self._bucket
         if self._next >= b.size:
             raise IndexError(f"the chain outgrew its bucket of {b.size} positions")
-        b.token.fill_(token)
+        b.token.copy_(token.view(1, 1))
         b.hidden.copy_(hidden)
         b.position.fill_(position)
         b.at.fill_(self._next)

@@ -169,11 +169,11 @@ class HSRDraft:
             steps = (None if self.graphs is None or window < 2
                      else self.graphs.chain(keys, values, window - 1, fed=self.session.bucket))
 
-            def next_logits(tok: int) -> torch.Tensor:
+            def next_logits(tok: int | torch.Tensor) -> torch.Tensor:
                 # Eq. 4: past the root, the head's own output stands in for the target's state.
                 nonlocal hidden, keys, values, position
                 position += 1
-                if steps is not None:   # one replay of the head's step (head_graphs)
+                if steps is not None:   # one replay of the head's step (head_graphs), fed on the device
                     hidden, logits = steps.step(tok, hidden, position)
                     return logits
                 z = self.head.inputs(torch.tensor([[tok]], device=device), hidden)
@@ -181,7 +181,9 @@ class HSRDraft:
                 keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
                 return self.head.head_logits(hidden)[0, -1]
 
-            return draft_chain(self.head.head_logits(hidden)[0, -1], window, params, generator, next_logits, self.head)
+            # Through the graphs the chain is read once, at its end (``ChainBuilder.choose_unread``).
+            return draft_chain(self.head.head_logits(hidden)[0, -1], window, params, generator, next_logits, self.head,
+                               unread=steps is not None)
 
     def propose_tree(self, context: list[int], shape: TreeShape, features: torch.Tensor | None = None,
                      features_start: int = 0, image_placeholder: int | None = None) -> Proposal:

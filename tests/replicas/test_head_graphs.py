@@ -8,6 +8,7 @@ through them equals target-only. On the CPU the buckets run eagerly; with
 import pytest
 import torch
 
+from device_reads import reads
 from equality import assert_greedy_equal
 from specserve.replicas.drafts import head_graphs
 from specserve.replicas.drafts.head_graphs import HeadGraphs
@@ -99,6 +100,26 @@ def test_a_sampled_chain_draws_from_the_module_paths_q(target, head):
     got = bucketed.propose(context, 4, params, torch.Generator(DEVICE).manual_seed(3), features=features[:-1])
     assert got.tokens == want.tokens
     torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9)], ids=["greedy", "sampled"])
+def test_a_chain_through_the_buckets_reads_the_device_as_often_for_six_tokens_as_for_two(target, head, params):
+    """Each drafted token is chosen and fed to the next step on the device, and the chain is read
+    once, at its end: a longer chain adds no wait."""
+    layers = head.config.feature_layers or [-2]
+    context = [(3 * i + 2) % (VOCAB - 1) + 1 for i in range(30)]
+    features = states(target, context, layers)
+    _, bucketed = drafts(head)
+
+    def chain(window: int):
+        bucketed.session.reset()
+        generator = None if params.greedy else torch.Generator(DEVICE).manual_seed(0)
+        return bucketed.propose(context, window, params, generator, features=features[:-1], features_start=0)
+
+    chain(6)   # buckets and graphs made
+    (two, short), (six, long) = reads(lambda: chain(2), DEVICE), reads(lambda: chain(6), DEVICE)
+    assert len(two.tokens) == 2 and len(six.tokens) == 6 and six.tokens[:2] == two.tokens
+    assert long == short, (short, long)
 
 
 @pytest.fixture
