@@ -86,10 +86,11 @@ class ChainBuilder:
         self.token_probs: list[float] = []
         self.alternatives: list[int] = []   # greedy: the runner-up at each position
         self._unread: list[torch.Tensor] = []
+        self.failed = False   # a q that was not a distribution was read: the chain proposes nothing more
 
     def choose(self, logits: torch.Tensor) -> int:
         """The next token from ``logits`` [V] (or [K], the tokens of ``head``), read now."""
-        self._unread.append(self._chosen(logits)[1])
+        self.choose_unread(logits)
         self._read()
         return self.tokens[-1]
 
@@ -131,18 +132,36 @@ class ChainBuilder:
         return feed, torch.cat([token.double(), q.index_select(0, feed).double(), token.new_full((1,), -1).double()])
 
     def _read(self) -> None:
-        """Every unread token's row, in one read from the device."""
-        if not self._unread:
-            return
-        rows = torch.stack(self._unread).tolist()
-        self._unread.clear()
+        """Every unread token, in one read from the device; ``NonFiniteScores`` once one failed."""
+        read_together([self])
+        if self.failed:
+            raise NonFiniteScores("the draft's probabilities to sample from are not finite, or sum to 0")
+
+    def _take(self, rows: list[list[float]]) -> None:
         for token, prob, alternative in rows:
             if token < 0:
-                raise NonFiniteScores("the draft's probabilities to sample from are not finite, or sum to 0")
+                self.failed = True
+            if self.failed:
+                return
             self.tokens.append(int(token))
             self.token_probs.append(prob)
             if self.params.greedy:
                 self.alternatives.append(int(alternative))
+
+
+def read_together(chains: list[ChainBuilder]) -> None:
+    """Every chain's unread tokens in one read from the device (the chains share one): a chain
+    whose q was not a distribution is marked ``failed``, the others read as alone."""
+    unread = [chain for chain in chains if chain._unread]
+    if not unread:
+        return
+    rows = torch.cat([torch.stack(chain._unread) for chain in unread]).tolist()
+    at = 0
+    for chain in unread:
+        count = len(chain._unread)
+        chain._unread.clear()
+        chain._take(rows[at:at + count])
+        at += count
 
 
 def draft_chain(logits: torch.Tensor, window: int, params: SamplingParams, generator: torch.Generator | None,

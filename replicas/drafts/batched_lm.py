@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from specserve.replicas.model.batch_kv import BatchKV, Feed
-from specserve.replicas.drafts.base import ChainBuilder
+from specserve.replicas.drafts.base import ChainBuilder, read_together
 from specserve.replicas.step import Proposal, ProposeRequest
 
 
@@ -78,16 +78,17 @@ class BatchedDraftLM:
         chains = [ChainBuilder(ask.params, gen) for ask, gen in zip(asks, generators)]
         logits = self.kv.forward(feeds)
         for depth in range(max(ask.window for ask in asks)):
-            feeds = []
-            for slot, ask, chain, rows in zip(slots, asks, chains, logits):
-                if depth < ask.window:
-                    tok = chain.choose(rows[-1])
-                    if depth + 1 < ask.window:
-                        feeds.append(Feed(slot, [tok]))
+            choosing = [i for i, (ask, chain) in enumerate(zip(asks, chains)) if depth < ask.window and not chain.failed]
+            for i in choosing:
+                chains[i].choose_unread(logits[i][-1])
+            read_together(chains)   # one read a position for every session, not one a session
+            feeds = [Feed(slots[i], [chains[i].tokens[-1]]) for i in choosing
+                     if depth + 1 < asks[i].window and not chains[i].failed]
             if not feeds:
                 break
             by_slot = dict(zip((f.slot for f in feeds), self.kv.forward(feeds)))
             logits = [by_slot.get(slot, rows) for slot, rows in zip(slots, logits)]
         for slot, ask in zip(slots, asks):
             self.kv.crop(slot, len(ask.context))   # drafted tokens are not part of the sequence
-        return [chain.proposal() for chain in chains]
+        # A session whose q was not a distribution proposes nothing this step, alone.
+        return [Proposal.empty() if chain.failed else chain.proposal() for chain in chains]

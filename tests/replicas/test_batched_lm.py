@@ -3,11 +3,12 @@ of a call, with sessions coming, going and being evicted."""
 
 import torch
 
+from device_reads import reads
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.draft_lm import DraftLM
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import ProposeRequest
-from tiny_models import tiny_model
+from tiny_models import DEVICE, tiny_model
 
 GREEDY = SamplingParams()
 CONTEXTS = [[5, 6, 7, 8, 5, 6], [1, 2, 3], list(range(20, 45)), [9]]
@@ -119,3 +120,42 @@ def test_a_slots_prefix_cache_serves_only_requests_of_its_own_salt():
     again = ProposeRequest("c", prompt, 2, None, GREEDY, cache_salt="tenant-b")
     assert batched.propose_chains([again], [None])[0].tokens == want
     assert fed[2] == 1
+
+
+SAMPLED = SamplingParams(temperature=0.8)
+
+
+def test_a_call_reads_the_device_once_a_drafted_position_for_every_session():
+    model = tiny_model("llama", seed=3)
+    counts = []
+    for sessions in (1, 6):
+        batched = BatchedDraftLM("d", model, slots=6)
+        generators = [torch.Generator(DEVICE).manual_seed(i) for i in range(sessions)]
+        contexts = [[5, 6, 7, 8, i + 1] for i in range(sessions)]
+        proposals, count = reads(lambda: batched.propose_chains(asks(contexts, [3] * sessions, SAMPLED), generators),
+                                 DEVICE)
+        assert [len(p.tokens) for p in proposals] == [3] * sessions
+        counts.append(count)
+    assert counts[0] == counts[1], counts
+
+
+def test_a_session_whose_q_is_not_a_distribution_proposes_nothing_alone(monkeypatch):
+    """Its neighbours in the call draft what they draft without it."""
+    model = tiny_model("llama", seed=3)
+    contexts = [list(c) for c in CONTEXTS]
+
+    def chains(poisoned: int | None):
+        batched = BatchedDraftLM("d", model, slots=4)
+        forward = batched.kv.forward
+
+        def poisoning(feeds):
+            rows = forward(feeds)
+            return [torch.full_like(r, float("nan")) if f.slot == poisoned else r for f, r in zip(feeds, rows)]
+
+        monkeypatch.setattr(batched.kv, "forward", poisoning)
+        generators = [torch.Generator(DEVICE).manual_seed(i) for i in range(4)]
+        return batched.propose_chains(asks(contexts, [3, 2, 4, 3], SAMPLED), generators)
+
+    clean, poisoned = chains(None), chains(2)
+    assert poisoned[2].tokens == [] and clean[2].tokens
+    assert [p.tokens for i, p in enumerate(poisoned) if i != 2] == [p.tokens for i, p in enumerate(clean) if i != 2]
