@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 
 from specserve.replicas.model import cpu_row_ops
+from specserve.replicas.model.transfer import sent
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams, draws, logits_to_probs, sample, uniform
 from specserve.replicas.step import Proposal
 
@@ -108,17 +109,44 @@ def draws_every_row(rows: torch.Tensor) -> bool:
     return rows.device.type != "cpu"
 
 
+class DepthDraws:
+    """A seeded request's draws for a point-mass walk made beforehand, as target-only decoding
+    makes them: one u per depth of the proposal, each drawn alone and in order as ``sample``
+    draws a token's, every row of a depth sharing its depth's. The walk visits one row per depth,
+    so the row it visits at depth d reads the d-th draw, the one target-only decoding would make
+    there. The draws past the walk's end are taken back (``rewind``): the generator is left where
+    the draws the walk used leave it, and the request's later tokens are target-only's too."""
+
+    def __init__(self, generator: torch.Generator, proposal: Proposal, device: torch.device):
+        depths = [0] + proposal.depths()   # row 0 the root's, row i + 1 node i's
+        self.generator = generator
+        self.states = [generator.get_state()]   # after each number of draws (host-side state)
+        uniforms = []
+        for _ in range(max(depths) + 1):
+            uniforms.append(torch.rand(1, 1, dtype=torch.float64, generator=generator, device=device))
+            self.states.append(generator.get_state())
+        self.u = torch.cat(uniforms).index_select(0, sent(depths, device, torch.long))   # [rows, 1]
+
+    def rewind(self, visited: int) -> None:
+        """Leave the generator as ``visited`` draws on arrival would have (the rows the walk visited)."""
+        self.generator.set_state(self.states[visited])
+
+
 def sampled_choices(rows: list[torch.Tensor], params: list[SamplingParams],
-                    generators: list[torch.Generator | None]) -> list[list[int]]:
+                    generators: list[torch.Generator | None],
+                    depth_draws: list[DepthDraws | None] | None = None) -> list[list[int]]:
     """One token drawn from each row's warped distribution p, -1 for a row that is not one; rows:
     tensors [n_i, V] of one forward, each request's own params and generator. The point-mass walk
     visits one row per depth and follows the draw there, independent of the draws that led to it,
     so drawing every row beforehand samples exactly what drawing each row on arrival does: the
-    rows it skips cost work, not correctness. Every request's draws are read from the device at
+    rows it skips cost work, not correctness. ``depth_draws``: a seeded request's draws by depth
+    (``DepthDraws``), else each row its own. Every request's draws are read from the device at
     once, where a walk waits for the device at each row (docs/design.md §9)."""
     if not rows:
         return []
-    flat = torch.cat([draws(logits_to_probs(r, p, check=False), g) for r, p, g in zip(rows, params, generators)])
+    depth_draws = depth_draws or [None] * len(rows)
+    flat = torch.cat([draws(logits_to_probs(r, p, check=False), g, None if d is None else d.u)
+                      for r, p, g, d in zip(rows, params, generators, depth_draws)])
     return _per_request(flat.tolist(), rows)
 
 

@@ -151,9 +151,10 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return token
 
 
-def draws(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draws(probs: torch.Tensor, generator: torch.Generator | None, u: torch.Tensor | None = None) -> torch.Tensor:
     """A token id per row of ``probs`` [R, V], -1 for a row that is not a probability vector
-    (non-finite, negative, or of no mass); [R] on the rows' device, unread.
+    (non-finite, negative, or of no mass); [R] on the rows' device, unread. ``u`` [R, 1]: each
+    row's uniform draw, made beforehand (else drawn here from ``generator``, one per row).
 
     Drawn by inverting the cumulative sum in float64 (the first token whose cumulative mass
     exceeds u · total): a token of no mass is never drawn, and each token's chance is its mass to
@@ -163,7 +164,9 @@ def draws(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tenso
     cumulative = probs.cumsum(-1, dtype=torch.float64)
     total = cumulative[:, -1:].contiguous()
     valid = torch.isfinite(total[:, 0]) & (total[:, 0] > 0) & (probs.amin(-1) >= 0)   # a NaN fails each test
-    u = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator, device=probs.device) * total
+    if u is None:
+        u = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator, device=probs.device)
+    u = u * total
     # u may round up to the total itself: the last token with mass is the largest draw.
     last = torch.searchsorted(cumulative, total)
     token = torch.minimum(torch.searchsorted(cumulative, u, right=True), last)[:, 0]

@@ -30,8 +30,8 @@ from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
 from specserve.replicas.logits_processors import NO_TOKEN_LEFT, RowProcessors, choosable
 from specserve.replicas.logprobs import packed_logprobs, read_logprobs, token_logprobs
 from specserve.replicas.model.mrope import MRope
-from specserve.replicas.rejection_sampler import (draws_every_row, greedy_choices, sampled_chain_verdicts,
-                                                  sampled_choices, verify)
+from specserve.replicas.rejection_sampler import (DepthDraws, draws_every_row, greedy_choices,
+                                                  sampled_chain_verdicts, sampled_choices, verify)
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams
 from specserve.replicas.step import Proposal, StepResult, TokenLogprob
 
@@ -393,7 +393,7 @@ class Target:
         logits = self.kv.forward(feeds + guide_feeds)   # per feed: [n + 1, V]
         unconditional = dict(zip(guided, logits[len(feeds):]))
         raws, ruled = self._ruled_rows(items, logits, unconditional, failures)
-        choices, verdicts = self._decisions(items, ruled, failures)
+        choices, verdicts, seeded = self._decisions(items, ruled, failures)
         results: list[StepResult] = []
         kept: list[list[int]] = []
         logprobs: dict[int, torch.Tensor] = {}   # request -> its emitted tokens' log-probabilities, unread
@@ -408,6 +408,8 @@ class Target:
                         path, bonus = verdict
                     elif item.lantern is None:
                         path, bonus = verify(rows, proposal, item.params, item.generator, choice=choices.get(index))
+                        if index in seeded:
+                            seeded[index].rewind(len(path) + 1)   # the rows walked: the path's and the bonus's
                     elif self.neighbours is None:
                         raise NoCodebook("relaxed acceptance needs an image generator's codebook; this target has none")
                     else:
@@ -471,21 +473,27 @@ class Target:
         return raws, ruled
 
     def _decisions(self, items: list[VerifyItem], ruled: list[torch.Tensor], failures: list[str | None]
-                   ) -> tuple[dict[int, list[int]], dict[int, tuple[list[int], int] | NonFiniteScores]]:
+                   ) -> tuple[dict[int, list[int]], dict[int, tuple[list[int], int] | NonFiniteScores],
+                              dict[int, DepthDraws]]:
         """What the step's requests read from the device together, by request: the rows' tokens
-        their walks follow (``verify``'s ``choice``), and sampled chains' verdicts."""
+        their walks follow (``verify``'s ``choice``), sampled chains' verdicts, and the seeded
+        requests' draws made beforehand, to rewind after their walks."""
         # The exact greedy rule reads only the rows' argmaxes: every such request's at once.
         greedy = [i for i, (item, failure) in enumerate(zip(items, failures))
                   if failure is None and item.params.greedy and item.lantern is None]
         choices = dict(zip(greedy, greedy_choices([ruled[i] for i in greedy])))
-        # Every row of an unseeded request walked by point masses drawn at once where that pays
-        # (``draws_every_row``), all such requests' draws read together; a seeded request draws
-        # each row on arrival, as target-only decoding does.
+        # Every row of a request walked by point masses drawn at once where that pays
+        # (``draws_every_row``), all such requests' draws read together: an unseeded request's
+        # rows each their own u, a seeded request's by depth in target-only decoding's order
+        # (``DepthDraws``, rewound after its walk).
         drawn = [i for i, (item, failure) in enumerate(zip(items, failures))
-                 if failure is None and not item.params.greedy and item.params.seed is None and item.lantern is None
+                 if failure is None and not item.params.greedy and item.lantern is None
                  and item.proposal.draft_probs is None and draws_every_row(ruled[i])]
+        seeded = {i: DepthDraws(items[i].generator, items[i].proposal, ruled[i].device)
+                  for i in drawn if items[i].params.seed is not None}
         choices.update(zip(drawn, sampled_choices([ruled[i] for i in drawn], [items[i].params for i in drawn],
-                                                  [items[i].generator for i in drawn])))
+                                                  [items[i].generator for i in drawn],
+                                                  [seeded.get(i) for i in drawn])))
         # Sampled chains: every request's tests read at once, then every bonus token.
         chains = [i for i, (item, failure) in enumerate(zip(items, failures))
                   if failure is None and not item.params.greedy and item.lantern is None
@@ -493,7 +501,7 @@ class Target:
         verdicts = dict(zip(chains, sampled_chain_verdicts(
             [ruled[i] for i in chains], [items[i].proposal for i in chains], [items[i].params for i in chains],
             [items[i].generator for i in chains])))
-        return choices, verdicts
+        return choices, verdicts, seeded
 
     def verify_one(self, context: list[int], proposal: Proposal, params: SamplingParams,
                    generator: torch.Generator | None = None, slot: int = 0) -> StepResult:

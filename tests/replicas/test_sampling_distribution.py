@@ -155,9 +155,9 @@ def test_rows_drawn_before_the_walk_keep_the_first_two_tokens_the_targets(monkey
 
     calls = []
 
-    def counted(rows, params, generators):
+    def counted(rows, params, generators, depth_draws):
         calls.append(len(rows))
-        return rejection_sampler.sampled_choices(rows, params, generators)
+        return rejection_sampler.sampled_choices(rows, params, generators, depth_draws)
 
     monkeypatch.setattr(target_module, "draws_every_row", lambda rows: True)
     monkeypatch.setattr(target_module, "sampled_choices", counted)
@@ -180,15 +180,32 @@ def test_rows_drawn_before_the_walk_keep_the_first_two_tokens_the_targets(monkey
     (lambda model: PromptLookupDraft(), 4, None),
     (lambda model: DraftLM("near", perturbed(model, seed=1, noise=0.1)), 0, TreeShape(depth=3, top_k=3, budget=8)),
 ], ids=["prompt-lookup-chain", "draft-lm-tree"])
-def test_a_seeded_request_with_a_point_mass_draft_emits_target_onlys_tokens(target, make, window, tree):
+@pytest.mark.parametrize("beforehand", [False, True], ids=["drawn-on-arrival", "drawn-beforehand"])
+def test_a_seeded_request_with_a_point_mass_draft_emits_target_onlys_tokens(monkeypatch, target, make, window, tree,
+                                                                            beforehand):
     """Point-mass proposals are verified by drawing each row's token from the target's p, as
     target-only decoding draws it, and following the child equal to it: the same seed emits the
-    same tokens, proposals accepted or not (float32, where verifying several rows rounds as one)."""
+    same tokens, proposals accepted or not (float32, where verifying several rows rounds as one).
+    Drawn beforehand (the path off the CPU, forced here): one draw per depth in target-only's
+    order, the draws past the walk taken back (``DepthDraws``)."""
+    import specserve.replicas.target as target_module
     from specserve.replicas.engine import speculative_generate
 
+    made = []
+    if beforehand:
+        depth_draws = target_module.DepthDraws
+
+        def counted(*args):
+            made.append(depth_draws(*args))
+            return made[-1]
+
+        monkeypatch.setattr(target_module, "draws_every_row", lambda rows: True)
+        monkeypatch.setattr(target_module, "DepthDraws", counted)
     model, prompt = target
     params = SamplingParams(temperature=0.6, top_k=5, seed=5)
     alone = speculative_generate(Target(model), None, prompt, 40, params)
+    made.clear()
     spec = speculative_generate(Target(model), make(model), prompt, 40, params, window=window, tree=tree)
     assert spec.token_ids == alone.token_ids and len(alone.token_ids) == 40
     assert spec.stats.accepted > 5, spec.stats   # proposals were accepted along the way
+    assert len(made) == (spec.stats.steps if beforehand else 0)   # every step's draws made beforehand

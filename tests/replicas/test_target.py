@@ -20,12 +20,14 @@ PROMPT = [5, 6, 7, 8, 5, 6, 9, 10, 11, 5, 6]
 
 
 def mix(first_slot: int) -> list[VerifyItem]:
-    """Four requests of every kind a step batches: plain greedy; sampled, a point-mass chain;
-    sampled, a chain drawn from the draft's q; greedy with a penalty and log-probabilities."""
+    """Five requests of every kind a step batches: plain greedy; sampled, a point-mass chain;
+    sampled, a chain drawn from the draft's q; greedy with a penalty and log-probabilities;
+    seeded, a point-mass tree."""
     generator = torch.Generator(device=DEVICE).manual_seed(first_slot)
     q = torch.softmax(torch.randn(3, VOCAB, generator=generator, device=DEVICE), -1)
     penalized = SamplingParams(repetition_penalty=1.3)
     sampled = SamplingParams(temperature=0.8)
+    seeded = SamplingParams(temperature=0.8, seed=first_slot)
     return [
         VerifyItem(first_slot, PROMPT, Proposal.chain([7, 8, 5]), SamplingParams()),
         VerifyItem(first_slot + 1, PROMPT, Proposal.chain([7, 8, 5]), sampled, sampled.generator(DEVICE)),
@@ -33,6 +35,7 @@ def mix(first_slot: int) -> list[VerifyItem]:
                    sampled.generator(DEVICE)),
         VerifyItem(first_slot + 3, PROMPT, Proposal.chain([7, 8]), penalized, logprobs=2,
                    processors=RowProcessors(penalized, len(PROMPT), frozenset({2}))),
+        VerifyItem(first_slot + 4, PROMPT, Proposal([7, 9, 8], [-1, -1, 0]), seeded, seeded.generator(DEVICE)),
     ]
 
 
@@ -42,14 +45,14 @@ def reads_of(target: Target, items: list[VerifyItem]) -> int:
     return count
 
 
-def test_a_verify_reads_as_often_for_twelve_requests_as_for_four(monkeypatch):
+def test_a_verify_reads_as_often_for_fifteen_requests_as_for_five(monkeypatch):
     if DEVICE.type != "cuda":   # the CPU's own paths read per request where that is cheaper
         monkeypatch.setattr(cpu_row_ops, "usable", lambda rows: False)
         monkeypatch.setattr(target_module, "draws_every_row", lambda rows: True)
     model = tiny_model("llama", seed=0)
-    target = Target(model, slots=12)
-    target.verify(mix(0) + mix(4) + mix(8))   # caches, graphs and constants made
-    four = reads_of(target, mix(0))
-    twelve = reads_of(target, mix(0) + mix(4) + mix(8))
-    assert twelve == four, (four, twelve)
-    assert four <= 8, four
+    target = Target(model, slots=15)
+    target.verify(mix(0) + mix(5) + mix(10))   # caches, graphs and constants made
+    five = reads_of(target, mix(0))
+    fifteen = reads_of(target, mix(0) + mix(5) + mix(10))
+    assert fifteen == five, (five, fifteen)
+    assert five <= 8, five
