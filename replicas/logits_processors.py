@@ -59,14 +59,17 @@ class RowProcessors:
         if self._built:
             return
         self._built = True
+        # Made on the host and sent without waiting for the device (``transfer.sent``).
         p = self.params
         if p.logit_bias:
-            self._bias = torch.zeros(vocab, dtype=torch.float32, device=device)
-            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=device)
-            self._bias.index_put_((ids,), torch.tensor([b for _, b in p.logit_bias], device=device), accumulate=True)
+            bias = torch.zeros(vocab, dtype=torch.float32)
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long)
+            bias.index_put_((ids,), torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32), accumulate=True)
+            self._bias = sent(bias, device)
         if p.allowed_token_ids is not None:
-            self._blocked = torch.ones(vocab, dtype=torch.bool, device=device)
-            self._blocked[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = False
+            blocked = torch.ones(vocab, dtype=torch.bool)
+            blocked[torch.tensor(p.allowed_token_ids, dtype=torch.long)] = False
+            self._blocked = sent(blocked, device)
 
     def apply(self, rows: torch.Tensor, context: list[int], proposal: Proposal, check: bool = True) -> torch.Tensor:
         """rows: [len(proposal) + 1, V] -> float32 rows of p' logits. ``context`` ends with the
