@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from specserve.replicas.model import cpu_row_ops, small_gemm
 from specserve.replicas.model.int8_linear import Int8Linear
 from specserve.replicas.model.llama_forward import Linear, packable, quantization
+from specserve.replicas.model.tree_attention import attend_after_cache
 
 
 def for_head(head) -> "HSRForward | None":
@@ -95,11 +96,7 @@ class HSRForward:
         v = qkv[:, :, self.heads + self.kv_heads:].transpose(1, 2)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        s = keys.shape[2]
-        causal = allowed is None and t == s   # a first feed: causal without a mask (HSRHead.step)
-        if allowed is None and t > 1 and not causal:   # query i sits at cache index s - t + i and sees every key up to its own
-            allowed = torch.ones(t, s, dtype=torch.bool, device=z.device).tril(diagonal=s - t)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal, enable_gqa=True)
+        attended = attend_after_cache(q, keys, values, allowed)
         hidden = z + self.o(attended.transpose(1, 2).reshape(1, t, -1))
         h = cpu_row_ops.add_rms_norm(hidden, None, norm2, eps2)
         gate_up = self.gate_up(h)

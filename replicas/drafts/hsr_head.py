@@ -52,6 +52,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from specserve.replicas.drafts import hsr_forward
 from specserve.replicas.drafts.pruned_head import PrunedHeadMixin
+from specserve.replicas.model.tree_attention import attend_after_cache
 
 
 class HSRConfig(PretrainedConfig):
@@ -285,13 +286,7 @@ class HSRHead(PrunedHeadMixin, PreTrainedModel):
         q, k, v = self.layer.self_attn.qkv(x, cos, sin, repeat_kv=False)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        t, s = q.shape[2], keys.shape[2]
-        # A first feed is plain causal, which the fused kernels take with grouped keys; given as a
-        # mask it would take their unfused fallback on CUDA (scores of heads x T x T).
-        causal = allowed is None and t == s
-        if allowed is None and not causal:   # query i sits at cache index s - t + i and sees every key up to its own
-            allowed = torch.ones(t, s, dtype=torch.bool, device=z.device).tril(diagonal=s - t)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal, enable_gqa=True)
+        attended = attend_after_cache(q, keys, values, allowed)
         hidden = z + self.layer.self_attn.out(attended)
         return self.layer.feed_forward(hidden), k, v
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 def node_depths(parents: list[int]) -> list[int]:
@@ -63,3 +64,19 @@ def tree_position_ids(
     """[1, len(parents) - first_fed]: ``past_len + depth - 1`` for each fed node."""
     depths = node_depths(parents)[first_fed:]
     return torch.tensor([[past_len + d - 1 for d in depths]], dtype=torch.long, device=device)
+
+
+def attend_after_cache(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Queries ``q`` [1, heads, T, d] of T new positions over ``keys``, ``values`` [1, kv heads,
+    S, d] (the cache, then the new positions'; grouped, nothing repeated). ``allowed`` [T, S]:
+    which keys each query sees (a tree's node: the cache, its ancestors, itself); None: query i,
+    at cache index S - T + i, sees every key up to its own. A first feed (T == S) is plain causal,
+    which the fused kernels take with grouped keys (as a mask it would take their unfused fallback
+    on CUDA, scores of heads x T x T), and one query sees every key: neither needs a mask."""
+    t, s = q.shape[2], keys.shape[2]
+    causal = allowed is None and t == s
+    if allowed is None and t > 1 and not causal:
+        allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=s - t)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, is_causal=causal, enable_gqa=True)
+
