@@ -88,7 +88,8 @@ from specserve.replicas.captions import caption_view
 from specserve.replicas.drafts.batched_lm import BatchedDraftLM
 from specserve.replicas.drafts.ensemble_carry import MAX_CANDIDATES, hit_rates, prefix, session_counts
 from specserve.replicas.model.image_tokens import draft_view, pooled_view
-from specserve.replicas.sampling import logits_to_probs, sample
+from specserve.replicas.model.transfer import sent
+from specserve.replicas.sampling import draws, logits_to_probs
 from specserve.replicas.step import Proposal, ProposeRequest
 
 VIEWS = ("full", "last-turn", "multimodal", "text-only", "pooled", "caption")
@@ -414,31 +415,47 @@ class EnsembleDraftLM(BatchedDraftLM):
         by_slot = dict(zip((f.slot for f in feeds), (rows[-1] for rows in self.kv.forward(feeds))))
         vocab = next(iter(by_slot.values())).shape[-1]
         head = self._head_ids(next(iter(by_slot.values())).device)
+        device = next(iter(by_slot.values())).device
+        weights = [sent(w, device) for w in weights]   # sent once, not at every position
         drafted: list[list[int]] = [[] for _ in asks]
         chosen_q: list[list[torch.Tensor]] = [[] for _ in asks]
         token_probs: list[list[float]] = [[] for _ in asks]
         kept: list[list[_Drafted]] = [[] for _ in asks]
+        failed = [False] * len(asks)   # a q that was not a distribution: that ask proposes nothing
         for depth in range(max(ask.window for ask in asks)):
-            feeds = []
+            # Every ask's token chosen on the device, then the depth read once for them all.
+            choosing, chosen = [], []
             for i, (ask, row) in enumerate(zip(asks, slots)):
-                if depth >= ask.window:
+                if depth >= ask.window or failed[i]:
                     continue
                 logits = torch.stack([by_slot[s] for s in row])                      # [m, V]
                 if head is not None:   # a pruned head's tokens: the others' probability is 0 in every view
                     logits = logits.index_select(-1, head)                            # [m, K]
                 logits = logits.float()
-                views_q = torch.softmax(logits, -1) if ask.params.greedy else logits_to_probs(logits, ask.params)
-                q = weights[i].to(views_q.device) @ views_q                          # [K]
-                at = int(q.argmax()) if ask.params.greedy else sample(q, generators[i])
-                tok = at if head is None else int(head[at])
-                if not ask.params.greedy:
+                views_q = (torch.softmax(logits, -1) if ask.params.greedy
+                           else logits_to_probs(logits, ask.params, check=False))    # non-finite: NaN, drawn as -1
+                q = weights[i] @ views_q                                             # [K]
+                at = q.argmax().view(1) if ask.params.greedy else draws(q[None], generators[i])
+                place = at.clamp(min=0)
+                tok = place if head is None else head.index_select(0, place)
+                chosen.append(torch.cat([torch.where(at < 0, -1, tok).double(), q.index_select(0, place).double()]))
+                choosing.append((i, q, views_q))
+            if not choosing:
+                break
+            feeds = []
+            for (i, q, views_q), (tok, prob) in zip(choosing, torch.stack(chosen).tolist()):
+                if tok < 0:
+                    failed[i] = True
+                    continue
+                tok = int(tok)
+                if not asks[i].params.greedy:
                     chosen_q[i].append(q if head is None else q.new_zeros(vocab).index_copy_(0, head, q))
                 drafted[i].append(tok)
-                token_probs[i].append(float(q[at]))
+                token_probs[i].append(prob)
                 if scoring[i]:   # a scoring block keeps every view's probabilities (static weights never look back)
                     kept[i].append(self._keep(views_q, tok, head))
-                if depth + 1 < ask.window:
-                    feeds.extend(Feed(s, [tok]) for s in row)
+                if depth + 1 < asks[i].window:
+                    feeds.extend(Feed(s, [tok]) for s in slots[i])
             if not feeds:
                 break
             by_slot.update(zip((f.slot for f in feeds), (rows[-1] for rows in self.kv.forward(feeds))))
@@ -448,5 +465,5 @@ class EnsembleDraftLM(BatchedDraftLM):
             if self.adaptive and not ask.ahead:
                 pending = (len(ask.context), ask.context[-1], positions) if positions else None
                 self.sessions[ask.session_id].pending = pending
-        return [Proposal.chain(tokens, torch.stack(q) if q else None, probs)
-                for tokens, q, probs in zip(drafted, chosen_q, token_probs)]
+        return [Proposal.empty() if bad else Proposal.chain(tokens, torch.stack(q) if q else None, probs)
+                for tokens, q, probs, bad in zip(drafted, chosen_q, token_probs, failed)]

@@ -8,6 +8,7 @@ import zlib
 import pytest
 import torch
 
+from device_reads import reads
 from equality import assert_greedy_equal
 from specserve.cluster.config import DraftSpec
 from specserve.replicas.drafts.draft_lm import DraftLM
@@ -24,7 +25,7 @@ from specserve.replicas.request import SpecRequest
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import ProposeRequest
 from specserve.replicas.target import Target
-from tiny_models import ARCHITECTURES, VOCAB, perturbed, pruned_copy, tiny_model
+from tiny_models import ARCHITECTURES, DEVICE, VOCAB, perturbed, pruned_copy, tiny_model
 
 MARKER = [7, 3]
 
@@ -349,3 +350,43 @@ def check_greedy_equal(target, draft, settings: dict, label: str) -> None:
         drafted += g.stats.accepted
     assert drafted > 0, "the ensemble's tokens were never accepted"
     assert (max(scored) > 0) == (settings.get("weights") != "static"), "adaptive weights learn from verified tokens"
+
+
+SAMPLED = SamplingParams(temperature=0.8)
+PROMPTS = [[1, 1, 1, 2, 5, 11, 4, 9, 3 + i] for i in range(4)]
+
+
+def test_a_call_reads_the_device_once_a_drafted_position_for_every_ask():
+    """Every ask's token of a depth is chosen on the device, and the depth read once for them all:
+    three more positions for four asks, three more reads (the weights' bookkeeping is the host's)."""
+    model = tiny_model("llama", seed=1)
+    counts = []
+    for window in (2, 5):
+        draft = EnsembleDraftLM("e", model, turn_marker=MARKER, weights="static")
+        asks = [ProposeRequest(f"s{i}", PROMPTS[i], window, None, SAMPLED) for i in range(4)]
+        generators = [torch.Generator(DEVICE).manual_seed(i) for i in range(4)]
+        proposals, reads_made = reads(lambda: draft.propose_chains(asks, generators), DEVICE)
+        assert [len(p.tokens) for p in proposals] == [window] * 4
+        counts.append(reads_made)
+    assert counts[1] - counts[0] == 3, counts
+
+
+def test_an_ask_whose_q_is_not_a_distribution_proposes_nothing_alone(monkeypatch):
+    model = tiny_model("llama", seed=1)
+
+    def chains(poisoned: str | None):
+        draft = EnsembleDraftLM("e", model, turn_marker=MARKER, weights="static")
+        forward = draft.kv.forward
+
+        def poisoning(feeds):
+            rows = forward(feeds)
+            return [torch.full_like(r, float("nan")) if draft.owner[f.slot].startswith(f"{poisoned}/") else r
+                    for f, r in zip(feeds, rows)]
+
+        monkeypatch.setattr(draft.kv, "forward", poisoning)
+        asks = [ProposeRequest(f"s{i}", PROMPTS[i], 2 + i % 2, None, SAMPLED) for i in range(4)]
+        return draft.propose_chains(asks, [torch.Generator(DEVICE).manual_seed(i) for i in range(4)])
+
+    clean, poisoned = chains(None), chains("s1")
+    assert poisoned[1].tokens == [] and clean[1].tokens
+    assert [p.tokens for i, p in enumerate(poisoned) if i != 1] == [p.tokens for i, p in enumerate(clean) if i != 1]
