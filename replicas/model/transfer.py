@@ -17,7 +17,9 @@ def sent(values, device: torch.device, dtype: torch.dtype | None = None) -> torc
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    # Contiguous first: pinning keeps a tensor's strides, and an expanded one (stride 0) cannot be
+    # copied into pinned memory laid out like it.
+    return host.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def copy_in(destination: torch.Tensor, host: torch.Tensor) -> None:
@@ -25,4 +27,4 @@ def copy_in(destination: torch.Tensor, host: torch.Tensor) -> None:
     if destination.device.type != "cuda":
         destination.copy_(host)
     else:
-        destination.copy_(host.pin_memory(), non_blocking=True)
+        destination.copy_(host.contiguous().pin_memory(), non_blocking=True)

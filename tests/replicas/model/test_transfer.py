@@ -27,6 +27,16 @@ def test_copy_in_fills_a_device_tensor_and_a_view_of_one():
     assert torch.equal(destination.cpu(), want)
 
 
+def test_an_expanded_host_tensor_is_sent_and_copied_in():
+    """A stride-0 view (``expand``) has fewer elements in memory than it shows: pinning it as it
+    is laid out cannot hold it."""
+    rows = torch.arange(3)[:, None].expand(3, 4)
+    assert torch.equal(sent(rows, DEVICE).cpu(), rows)
+    destination = torch.zeros(3, 4, dtype=torch.long, device=DEVICE)
+    copy_in(destination, rows)
+    assert torch.equal(destination.cpu(), rows)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a wait for the device is seen on CUDA only")
 def test_nothing_waits_for_the_device():
     busy = torch.randn(2048, 2048, device="cuda")
