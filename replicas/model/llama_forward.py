@@ -308,6 +308,8 @@ class LlamaForward:
         self.lm_head = Linear(head.weight, head.bias, int8=int8)
         self.to_full_vocab = getattr(model, "to_full_vocab", None)   # pruned heads (drafts/pruned_head.py)
         self._cos = self._sin = None
+        # Tables outgrown, kept alive: a CUDA graph captured before a growth reads the table it saw.
+        self._outgrown: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._rotary = inner.rotary_emb
         # Qwen2-VL's M-RoPE: the dimensions that turn by a token's h and w positions (mrope.py).
         sections = getattr(self._rotary, "mrope_section", None)
@@ -322,8 +324,17 @@ class LlamaForward:
             positions = torch.arange(size, device=device)[None]
             probe = torch.empty(0, device=device, dtype=dtype)
             cos, sin = self._rotary(probe, positions)
+            if self._cos is not None:
+                self._outgrown.append((self._cos, self._sin))
             self._cos, self._sin = cos[0], sin[0]   # [positions, head_dim]
         return self._cos, self._sin
+
+    def _mrope_dims_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE's h and w dimension masks on ``device``, sent once (a CUDA graph's capture may
+        not copy from the host)."""
+        if self._mrope_dims[0].device != device:
+            self._mrope_dims = tuple(d.to(device) for d in self._mrope_dims)
+        return self._mrope_dims
 
     def _rotary_rows(self, cos_t: torch.Tensor, sin_t: torch.Tensor, positions: torch.Tensor,
                      spatial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,7 +342,7 @@ class LlamaForward:
         dw) the h and w sections come from the rows at p + dh and p + dw."""
         cos, sin = cos_t[positions], sin_t[positions]
         if spatial is not None:
-            h_dims, w_dims = (d.to(cos.device) for d in self._mrope_dims)
+            h_dims, w_dims = self._mrope_dims_on(cos.device)
             at_h, at_w = positions + spatial[..., 0], positions + spatial[..., 1]
             cos = torch.where(h_dims, cos_t[at_h], torch.where(w_dims, cos_t[at_w], cos))
             sin = torch.where(h_dims, sin_t[at_h], torch.where(w_dims, sin_t[at_w], sin))

@@ -163,3 +163,17 @@ def test_a_model_loaded_as_int8_computes_hugging_faces_maths_with_its_weights_ro
     rounded_to_int8_rows(model)
     torch.testing.assert_close(prefill, hf_logits(model, prompt), rtol=0, atol=1e-4)
     torch.testing.assert_close(step, hf_logits(model, prompt + [9, 4, 7])[-3:], rtol=0, atol=1e-4)
+
+
+def test_a_rotary_table_outgrown_stays_alive_and_unchanged():
+    """A CUDA graph captured before the table grew still reads the old table: it is never freed,
+    and growing does not change the values of the positions it held."""
+    import weakref
+
+    forward = llama_forward.for_model(tiny_model("llama", seed=0))
+    cos, sin = forward._rope_table(8, DEVICE, torch.float32)
+    held, before = weakref.ref(cos), cos.clone()
+    grown, _ = forward._rope_table(2 * len(cos) + 1, DEVICE, torch.float32)
+    del cos, sin
+    assert len(grown) > len(before) and held() is not None
+    assert torch.equal(held(), before) and torch.equal(grown[:len(before)], before)
