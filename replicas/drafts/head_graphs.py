@@ -483,18 +483,19 @@ class HeadGraphs:
         """Warm up on a side stream (lazy initialisations stay outside the graph), then capture;
         the captured step's outputs are left in ``_captured``. The warm-ups compute the step from
         its present inputs: they write what it writes."""
-        stream = torch.cuda.Stream(self.head.device)
-        stream.wait_stream(torch.cuda.current_stream(self.head.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream(self.head.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # Thread-local: the target may run a step on its own thread while a draft captures.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._captured = step()
+        with cuda_graphs.CAPTURE_LOCK:   # one capture at a time in a process
+            stream = torch.cuda.Stream(self.head.device)
+            stream.wait_stream(torch.cuda.current_stream(self.head.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    step()
+            torch.cuda.current_stream(self.head.device).wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # Thread-local: the target may run a step on its own thread while a draft captures.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._captured = step()
         return graph
 
 

@@ -251,6 +251,8 @@ class BatchKV:
         when it starts."""
         for layer in self.cache.layers:
             layer.grow(self.max_len if positions is None else min(positions, self.max_len))
+        if self.graphs is not None:   # they read the buffers just replaced
+            self.graphs.clear()
 
     @property
     def allocated_bytes(self) -> int:

@@ -30,12 +30,17 @@ it, and its CUDA graph trees capture it), runs over the same buckets in ``mode="
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from specserve.replicas.model import fused_elementwise
 from specserve.replicas.model.transfer import copy_in
+
+# One capture at a time in a process: the target's and a draft's threads each capture lazily, and
+# a capture's start synchronises the device, which another thread's capture forbids.
+CAPTURE_LOCK = threading.Lock()
 
 # Tokens per row: decode (1), chains and trees up to 63 drafted tokens (EAGLE-2's trees of 60
 # nodes); longer feeds run eagerly.
@@ -202,17 +207,25 @@ class StepGraphs:
         capture. The warm-ups compute this step from its own inputs: what they write into the
         cache is what the step writes."""
         self.forward._rope_table(graph.mask.shape[-1], self.device, graph.mask.dtype)   # built outside the graph
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._call(graph, cache_layers, tap)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph.graph, pool=self._pool):
-            self._record(graph, cache_layers, tap)
+        with CAPTURE_LOCK:
+            current = torch.cuda.current_stream(self.device)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._call(graph, cache_layers, tap)
+            current.wait_stream(stream)
+            # A cache allocated in the warm-ups belongs to their stream; the steps use it on this
+            # one, whose work must end before its memory is reused.
+            for layer in cache_layers:
+                for buf in getattr(layer, "buffers", None) or ():
+                    buf.record_stream(current)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph.graph = torch.cuda.CUDAGraph()
+            # Thread-local: a draft's thread may read from the device while the target captures.
+            with torch.cuda.graph(graph.graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._record(graph, cache_layers, tap)
 
     def _compiled_step(self, graph: _Graph, cache_layers, tap, fresh: bool) -> None:
         """The step through the compiled forward (``set_mode``); a new bucket first runs once
