@@ -247,7 +247,7 @@ def sampled_chain_verdicts(rows: list[torch.Tensor], proposals: list[Proposal], 
         assert proposal.is_chain, "draft_probs are only defined for a chain proposal"
         p = logits_to_probs(r, prm, check=False)   # [γ + 1, V]; a row that is not finite is all NaN
         q, tokens = proposal.draft_probs, proposal.tokens
-        us = torch.rand(len(tokens), generator=generator, device=None if generator is None else generator.device)
+        us = torch.rand(len(tokens), generator=generator, device=p.device if generator is None else generator.device)
         parts = [p[:, 0], us.to(p.device, p.dtype)]   # a row's first entry: NaN where the row is
         if tokens:   # stacked views, not an index list (which a GPU would be sent first)
             parts += [torch.stack([p[i, x] for i, x in enumerate(tokens)]),

@@ -30,6 +30,7 @@ from specserve.replicas.lantern import Lantern, LatentRelaxation, NoCodebook
 from specserve.replicas.logits_processors import NO_TOKEN_LEFT, RowProcessors, choosable
 from specserve.replicas.logprobs import packed_logprobs, read_logprobs, token_logprobs
 from specserve.replicas.model.mrope import MRope
+from specserve.replicas.model.transfer import sent
 from specserve.replicas.rejection_sampler import (DepthDraws, draws_every_row, greedy_choices,
                                                   sampled_chain_verdicts, sampled_choices, verify)
 from specserve.replicas.sampling import NonFiniteScores, SamplingParams
@@ -277,7 +278,7 @@ class Target:
             # Kept rows rise from 0 (the uncached tail, then the accepted path): a chain's are a
             # prefix, a slice; a tree's are gathered with an index made once for every layer.
             if kept is not None:
-                kept = slice(len(kept)) if not kept or kept[-1] == len(kept) - 1 else torch.tensor(kept, device=outs[0][1].device)
+                kept = slice(len(kept)) if not kept or kept[-1] == len(kept) - 1 else sent(kept, outs[0][1].device, torch.long)
             for layer, out in outs:
                 fed = self.kv.fed_rows(out, i)   # [n, H], padding dropped
                 self._features[feed.slot][layer].put(firsts[i], fed if kept is None else fed[kept])
