@@ -113,10 +113,11 @@ def test_a_draft_whose_q_is_not_a_distribution_fails_its_proposal(unread):
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8)], ids=["greedy", "sampled"])
 def test_a_chain_read_at_its_end_reads_the_device_once(params):
+    table = torch.randn(50, 50, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+
     def unread_chain(window: int):
         generator = None if params.greedy else torch.Generator(DEVICE).manual_seed(0)
         # The token stays on the device: the next step's rows follow from it there.
-        table = torch.randn(50, 50, generator=torch.Generator().manual_seed(0)).to(DEVICE)
         return draft_chain(table[0], window, params, generator, lambda tok: table.index_select(0, tok)[0], unread=True)
 
     for window in (2, 7):
