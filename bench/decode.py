@@ -45,7 +45,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +62,7 @@ from specserve.replicas.model_store import (REFERENCE_TARGET, LoadedModel, load_
                                             resolve_dtype, zoo_dir)
 from specserve.replicas.sampling import SamplingParams
 from specserve.replicas.step import TreeShape
+from specserve.replicas.target import feature_tap
 
 GAMMA = 4                     # the window of the replay and of the chat rows
 EAGLE3 = "smollm2-eagle3"     # the zoo's EAGLE-3 head; its folder holds the reference tokenizer too
@@ -308,8 +309,11 @@ def graphs_mode(subject: Subject, mode: str):
     graphs = subject.engine.target.kv.graphs
     if graphs is not None:
         graphs.set_mode(mode)
+    tap = feature_tap(subject.engine.target.model)
     try:
-        yield
+        # A compiled step keeps no hidden states: these rows decode target-only.
+        with tap.paused() if mode == "compile" and tap is not None else nullcontext():
+            yield
     finally:
         if graphs is not None:
             graphs.set_mode("capture")

@@ -15,6 +15,7 @@ CUDA an out-of-range id never becomes a device-side assert.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -68,6 +69,20 @@ class FeatureTap:
 
     def keep(self, layer: int, output: torch.Tensor) -> None:
         self.last[layer] = output
+
+    @contextmanager
+    def paused(self):
+        """Watch no layer inside the block (a target-only measurement through a step that keeps no
+        states: ``cuda_graphs``' compiled mode), then the same layers again; outputs kept before
+        are forgotten."""
+        watched = dict(self._watched)
+        self._watched.clear()
+        self.last.clear()
+        try:
+            yield
+        finally:
+            self._watched.update(watched)
+            self.last.clear()
 
 
 def feature_tap(model) -> FeatureTap | None:

@@ -307,6 +307,8 @@ class BatchKV:
                 for tokens in sorted(buckets):
                     if keys < tokens or rows * tokens > cuda_graphs.MAX_BUCKET_TOKENS:
                         continue
+                    if len(self.graphs) >= cuda_graphs.MAX_GRAPHS:   # the shorter keys, the more used, kept
+                        return len(self.graphs)
                     for slot in range(rows):
                         self.tokens[slot] = [TREE_NODE] * (keys - tokens)
                     self.forward([Feed(slot, [0] * tokens) for slot in range(rows)])

@@ -170,9 +170,11 @@ class StepGraphs:
         """Logits [B, S, V] of the padded step whose host tensors are given at the bucket's shape
         (ids, positions, rows, columns [B, S]; mask [B, 1, S, L]); fills ``tap`` as an eager
         forward would."""
+        if tap is not None and not tap.watched_layers:
+            tap = None   # a tap watching nothing keeps nothing (and a compiled step takes no tap)
         watched = frozenset() if tap is None else tap.watched_layers
         key = (bucket, watched)
-        graph = self._graphs.get(key)
+        graph = self._graphs.pop(key, None)   # put back last: the least recently used goes first
         fresh = graph is None
         if fresh:
             if len(self._graphs) >= MAX_GRAPHS:
@@ -189,8 +191,7 @@ class StepGraphs:
             self._compiled_step(graph, cache_layers, tap, fresh)
         elif fresh:
             self._capture(graph, cache_layers, tap)
-        if fresh:
-            self._graphs[key] = graph
+        self._graphs[key] = graph
         if self.mode == "capture":
             graph.graph.replay()
         self.replays += 1

@@ -137,6 +137,21 @@ def test_graphs_captured_at_start_serve_the_first_steps():
     assert len(kv.graphs) == held   # a bucket already captured
 
 
+def test_a_start_past_the_graph_cap_keeps_the_shortest_keys_and_a_replay_is_used_recently(monkeypatch):
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 3)
+    model = tiny_model("llama", seed=5)
+    kv = bucketed(model, slots=2, capacity=300)
+    assert kv.capture_graphs(widths=(1, 5)) == 3 == len(kv.graphs)   # 16 buckets asked for
+    captured = list(kv.graphs._graphs)
+    assert {bucket.keys for bucket, _ in captured} == {cuda_graphs.key_buckets(300)[0]}
+    oldest = captured[0]
+    kv.forward([Feed(slot, [0] * oldest[0].tokens) for slot in range(oldest[0].rows)])   # the oldest, replayed
+    kv.reset()
+    kv.forward([Feed(0, PREFIX * 26)])   # a prefill past the bucket of 256 keys (eager)
+    kv.forward([Feed(0, [3])])            # a decode in the next: a new graph, one goes
+    assert oldest in kv.graphs._graphs and captured[1] not in kv.graphs._graphs and len(kv.graphs) == 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sdpa_attention_computes_the_grouped_eager_attention(dtype):
     torch.manual_seed(0)
@@ -233,5 +248,8 @@ def test_the_forward_compiled_whole_over_the_buckets_gives_the_plain_steps_logit
     tap.watch(0)
     with pytest.raises(ValueError, match="no feature tap"):
         compiled.forward([Feed(0, [3]), Feed(1, [3])])
+    with tap.paused():   # a target-only measurement: the tap watches nothing for the block
+        compiled.forward([Feed(0, [3]), Feed(1, [3])])
+    assert tap.watched_layers == {0} and not tap.last
     with pytest.raises(ValueError, match="mode must be one of"):
         compiled.graphs.set_mode("trace")
