@@ -198,6 +198,16 @@ class DraftServer:
             if not isinstance(model, HSRHead):
                 self._batched = BatchedDraftLM(self.name, model)
 
+    @property
+    def feature_layers(self) -> list[int] | None:
+        """The target's hidden states this draft reads (``info``'s ``feature_layers``), None when
+        it reads none or leaves the choice to the target's default."""
+        return list(self._feature_layers) if self._needs_features and self._feature_layers else None
+
+    @property
+    def needs_features(self) -> bool:
+        return bool(self._needs_features)
+
     async def info(self) -> dict:
         """What a target checks before it trusts this draft: whether proposals need its hidden
         states and which (``feature_layers``: indices into transformers' ``hidden_states``, sent

@@ -57,7 +57,7 @@ from specserve.replicas.scheduler import Scheduler
 from specserve.replicas.remote_draft import RemoteDraft
 from specserve.replicas.step import TreeShape
 from specserve.replicas.step_loop import StepLoop
-from specserve.replicas.target import Target
+from specserve.replicas.target import DEFAULT_FEATURE_LAYERS, Target
 
 logger = logging.getLogger("ray.serve")
 
@@ -222,6 +222,14 @@ class TargetDeployment:
                            config.max_batch + config.kv_sessions_idle, self.kv_sizing.max_running)
         target = Target(text_model, slots=self.kv_sizing.slots, max_len=self.kv_sizing.max_model_len, images=self.images,
                         neighbours=neighbours)
+        # The layers drafts inside read, tapped before any capture: a graph keeps the layers it was
+        # captured with, and one tapped later would miss every graph captured now.
+        for server in resolved.values():
+            if isinstance(server, DraftServer) and server.needs_features:
+                try:
+                    target.tap_features(server.feature_layers or DEFAULT_FEATURE_LAYERS)
+                except ValueError:
+                    pass   # the step loop disables that draft, saying why, when it first asks
         if self.kv_sizing.max_model_len is not None:
             target.kv.reserve()
             # On CUDA the buckets of decode and windows now, before any request: a first step then waits on no capture.

@@ -187,3 +187,13 @@ def test_a_prompt_answered_on_one_replica_is_drafted_from_its_answer_on_another(
     assert again == tokens == other
     assert warm["mean_accepted_len"] >= 3.0 > cold["mean_accepted_len"] + 1   # ≤ 4 a step at window 4
     assert isolated["mean_accepted_len"] < 2.0
+
+
+def test_the_layers_an_inside_head_reads_are_tapped_before_any_request():
+    """A step graph keeps the layers it was captured with: the start's capture must see the head's."""
+    replica = Replica(TargetConfig(REFERENCE_TARGET, dtype="float32", max_batch=2, max_model_len=256),
+                      policy=PolicyByRequest("static"), drafts={"smollm2-eagle3": {"model": "smollm2-eagle3"}})
+    head = replica.loop.drafts["smollm2-eagle3"]
+    tapped = replica.scheduler.target._tap.watched_layers
+    layers = {replica.scheduler.target._decoder_layer(layer) for layer in head.feature_layers}
+    assert head.needs_features and len(layers) > 1 and layers <= tapped
