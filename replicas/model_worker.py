@@ -31,8 +31,9 @@ class ModelWorker:
         constructor, it would not reach this thread, so it is set here, in the thread that runs
         the model. ``own_stream``: on a GPU, this
         thread's kernels go to a CUDA stream of their own (a draft beside the target's forward,
-        not queued behind it), and each call waits for them before it returns, so what it hands
-        to another thread is complete. ``share``: the node's idle cores this thread may borrow
+        not queued behind it); each call's kernels wait for the work its caller had queued when it
+        called (what it hands over, e.g. the target's states cloned for a head), and the call
+        waits for its own before it returns, so what it hands to another thread is complete. ``share``: the node's idle cores this thread may borrow
         for a call (``core_share``): its thread count is set before each call."""
         self.name = name
         self.threads = threads
@@ -53,7 +54,7 @@ class ModelWorker:
     def call(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the model thread, waiting for it here: start-up work outside an event
         loop (the replica's constructor), timed with the thread count that serves."""
-        return self._pool.submit(self._timed, fn, args).result()
+        return self._pool.submit(self._timed, fn, args, self._handed_over()).result()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         return await self.submit(fn, *args)
@@ -65,10 +66,20 @@ class ModelWorker:
     def submit(self, fn: Callable[..., T], *args) -> asyncio.Future[T]:
         """Start ``fn(*args)`` on the model thread now; the caller awaits the future when it
         needs the result (the step loop streams the previous step's tokens meanwhile)."""
-        return asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, args)
+        return asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, args, self._handed_over())
 
-    def _timed(self, fn: Callable[..., T], args: tuple) -> T:
+    def _handed_over(self) -> torch.cuda.Event | None:
+        """On a stream of its own: a mark after the work the caller's stream holds now."""
+        if not self._stream:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _timed(self, fn: Callable[..., T], args: tuple, handed_over: torch.cuda.Event | None = None) -> T:
         self._busy_since = self._clock()
+        if handed_over is not None:
+            torch.cuda.current_stream().wait_event(handed_over)
         if self.share is not None and (threads := self.share.threads()) != self._running_threads:
             torch.set_num_threads(threads)
             self._running_threads = threads
