@@ -413,9 +413,9 @@ class EnsembleDraftLM(BatchedDraftLM):
                 feeds.append(Feed(slot, missing))
             slots.append(row)
         by_slot = dict(zip((f.slot for f in feeds), (rows[-1] for rows in self.kv.forward(feeds))))
-        vocab = next(iter(by_slot.values())).shape[-1]
-        head = self._head_ids(next(iter(by_slot.values())).device)
-        device = next(iter(by_slot.values())).device
+        first = next(iter(by_slot.values()))
+        vocab, device = first.shape[-1], first.device
+        head = self._head_ids(device)
         weights = [sent(w, device) for w in weights]   # sent once, not at every position
         drafted: list[list[int]] = [[] for _ in asks]
         chosen_q: list[list[torch.Tensor]] = [[] for _ in asks]

@@ -174,9 +174,11 @@ class StepGraphs:
             tap = None   # a tap watching nothing keeps nothing (and a compiled step takes no tap)
         watched = frozenset() if tap is None else tap.watched_layers
         key = (bucket, watched)
-        graph = self._graphs.pop(key, None)   # put back last: the least recently used goes first
+        graph = self._graphs.get(key)
         fresh = graph is None
-        if fresh:
+        if not fresh:   # moved last: the least recently used goes first
+            self._graphs[key] = self._graphs.pop(key)
+        else:
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs)))
             graph = _Graph(*(torch.empty_like(t, device=self.device) for t in (ids, positions, mask, rows, columns)))
@@ -191,7 +193,8 @@ class StepGraphs:
             self._compiled_step(graph, cache_layers, tap, fresh)
         elif fresh:
             self._capture(graph, cache_layers, tap)
-        self._graphs[key] = graph
+        if fresh:
+            self._graphs[key] = graph
         if self.mode == "capture":
             graph.graph.replay()
         self.replays += 1
