@@ -31,7 +31,8 @@ import torch
 
 from specserve.replicas.model import cpu_row_ops
 from specserve.replicas.model.transfer import sent
-from specserve.replicas.sampling import NonFiniteScores, SamplingParams, draws, logits_to_probs, sample, uniform
+from specserve.replicas.sampling import (LOGITS_NOT_FINITE, NOT_A_DISTRIBUTION, NonFiniteScores, SamplingParams, draws,
+                                         logits_to_probs, sample, uniform)
 from specserve.replicas.step import Proposal
 
 
@@ -156,7 +157,7 @@ def _verify_greedy(target_logits: torch.Tensor, proposal: Proposal,
     if choice is None:
         choice = greedy_choices([target_logits])[0]
     if -1 in choice:
-        raise NonFiniteScores("the target's logits are not finite")
+        raise NonFiniteScores(LOGITS_NOT_FINITE)
     children = _children(proposal)
     path: list[int] = []
     row = 0
@@ -172,7 +173,7 @@ def _verify_greedy_relaxed(target_logits: torch.Tensor, proposal: Proposal,
                            relaxation: Relaxation) -> tuple[list[int], int]:
     # p is the softmax of the row's logits: the argmax's mass is what a raised x must reach.
     if not bool(torch.isfinite(target_logits.float().amax(-1)).all()):
-        raise NonFiniteScores("the target's logits are not finite")
+        raise NonFiniteScores(LOGITS_NOT_FINITE)
     children = _children(proposal)
     path: list[int] = []
     row = 0
@@ -209,7 +210,7 @@ def _verify_point_masses(
             if choice is None:
                 y = sample(logits_to_probs(target_logits[row], params, check=False), generator)
             elif (y := choice[row]) < 0:
-                raise NonFiniteScores("the probabilities to sample from are not finite, or sum to 0")
+                raise NonFiniteScores(NOT_A_DISTRIBUTION)
             nxt = next((c for c in children[row] if proposal.tokens[c] == y), None)
             if nxt is None:
                 return path, y
@@ -263,7 +264,7 @@ def sampled_chain_verdicts(rows: list[torch.Tensor], proposals: list[Proposal], 
         heads, tests = values[at:at + n + 1], values[at + n + 1:at + 4 * n + 1]
         at += 4 * n + 1
         if any(v != v for v in heads):   # NaN
-            verdicts.append(NonFiniteScores("the target's logits are not finite"))
+            verdicts.append(NonFiniteScores(LOGITS_NOT_FINITE))
             continue
         us, ps, qs = tests[:n], tests[n:2 * n], tests[2 * n:]
         # q(x) > 0 because x was drawn from q; p(x) >= q(x): always accept.
@@ -283,7 +284,7 @@ def sampled_chain_verdicts(rows: list[torch.Tensor], proposals: list[Proposal], 
         if isinstance(verdict, NonFiniteScores):
             out.append(verdict)
         elif (bonus := next(bonuses)) < 0:
-            out.append(NonFiniteScores("the probabilities to sample from are not finite, or sum to 0"))
+            out.append(NonFiniteScores(NOT_A_DISTRIBUTION))
         else:
             out.append((verdict, bonus))
     return out

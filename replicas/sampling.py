@@ -92,6 +92,10 @@ class NonFiniteScores(ValueError):
     not sum to a positive number): that request cannot be sampled, the others of its step can."""
 
 
+LOGITS_NOT_FINITE = "the target's logits are not finite"
+NOT_A_DISTRIBUTION = "the probabilities to sample from are not finite, or sum to 0"
+
+
 # The smallest temperature the warp divides by: float32's smallest normal number, so that a
 # temperature the API admits (down to a subnormal float64) is never 0 once in float32.
 MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
@@ -115,7 +119,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams, check: bool = 
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     top = logits.amax(-1, keepdim=True)
     if check and not bool(torch.isfinite(top).all()):
-        raise NonFiniteScores("the target's logits are not finite")
+        raise NonFiniteScores(LOGITS_NOT_FINITE)
     logits = (logits - top) / max(params.temperature, MIN_TEMPERATURE)
     if params.min_p > 0.0:
         # p(x) < min_p · max p  ⇔  (l(x) − max l) / T < log(min_p): one comparison in the shifted
@@ -147,7 +151,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     is not one. The check and the token come back in one read from the device."""
     token = int(draws(probs[None], generator)[0])
     if token < 0:
-        raise NonFiniteScores("the probabilities to sample from are not finite, or sum to 0")
+        raise NonFiniteScores(NOT_A_DISTRIBUTION)
     return token
 
 

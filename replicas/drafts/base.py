@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from specserve.replicas.sampling import NonFiniteScores, SamplingParams, draws, logits_to_probs
+from specserve.replicas.sampling import NOT_A_DISTRIBUTION, NonFiniteScores, SamplingParams, draws, logits_to_probs
 from specserve.replicas.step import Proposal, ProposeRequest, TreeShape
 
 
@@ -135,7 +135,7 @@ class ChainBuilder:
         """Every unread token, in one read from the device; ``NonFiniteScores`` once one failed."""
         read_together([self])
         if self.failed:
-            raise NonFiniteScores("the draft's probabilities to sample from are not finite, or sum to 0")
+            raise NonFiniteScores(f"draft: {NOT_A_DISTRIBUTION}")
 
     def _take(self, rows: list[list[float]]) -> None:
         for token, prob, alternative in rows:
